@@ -1,0 +1,76 @@
+"""Run a function on several gloo processes on this machine and collect what each returns.
+
+One spawn per grid of cases: workers run many cases and return their
+results, the tests assert on them. A worker's exception is re-raised here
+with its traceback; a hang is killed after ``timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+    """``fn(rank, world_size, *args)`` on each rank; returns the results by rank."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_entry, args=(fn, rank, world_size, port, queue, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) + len(failures) < world_size:
+        if time.monotonic() > deadline:
+            break
+        if queue.empty():
+            if not any(p.is_alive() for p in processes) and queue.empty():
+                break
+            time.sleep(0.05)
+            continue
+        rank, ok, payload = queue.get()
+        (results if ok else failures)[rank] = payload
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+    if failures:
+        first = min(failures)
+        raise RuntimeError(f"rank {first} of {world_size} failed:\n{failures[first]}")
+    if len(results) < world_size:
+        missing = sorted(set(range(world_size)) - set(results))
+        raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout}s (hang or crash)")
+    return [results[rank] for rank in range(world_size)]

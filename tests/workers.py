@@ -1,0 +1,94 @@
+"""Bodies of the multi-process tests: each runs a grid of cases on one rank
+and returns plain numbers for the tests to assert on."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
+
+from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer, uses_branch
+
+
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest per-tensor max|a - b| / max|b| over keys of ``b``."""
+    worst = 0.0
+    for key, expected in b.items():
+        actual = a[key].to(expected.dtype)
+        scale = expected.abs().max().clamp_min(1e-12)
+        worst = max(worst, float((actual - expected).abs().max() / scale))
+    return worst
+
+
+def config_for(stage: int, prefetch: int = 1, precision: MixedPrecision | None = None) -> ZeroConfig:
+    return ZeroConfig(
+        stage=stage,
+        prefetch=prefetch,
+        wrap_policy=WrapPolicy(module_classes=(Block,)),
+        mixed_precision=precision or MixedPrecision(),
+    )
+
+
+def train_against_ddp(
+    stage: int,
+    optimizer_name: str,
+    *,
+    steps: int = 5,
+    micro_batches: int = 1,
+    clip: float | None = None,
+    prefetch: int = 1,
+) -> dict[str, Any]:
+    """Train the same model under DDP and under ZeRO on this rank's data, step by step."""
+    torch.manual_seed(0)
+    reference = TinyTransformer()
+    model = copy.deepcopy(reference)
+    ddp = DistributedDataParallel(reference, find_unused_parameters=True)
+    reference_optimizer = make_optimizer(optimizer_name, reference)
+    engine = ZeroEngine(model, make_optimizer(optimizer_name, model), config_for(stage, prefetch))
+    rank = torch.distributed.get_rank()
+    losses, reference_losses, param_errors, norms = [], [], [], []
+    for step in range(steps):
+        branch = uses_branch(step)
+        for micro in range(micro_batches):
+            ids = batch(step * micro_batches + micro, rank)
+            last = micro == micro_batches - 1
+            with ddp.no_sync() if not last else _nullcontext():
+                ref_loss = lm_loss(ddp(ids, use_branch=branch), ids) / micro_batches
+                ref_loss.backward()
+            with engine.no_sync() if not last else _nullcontext():
+                loss = lm_loss(model(ids, use_branch=branch), ids) / micro_batches
+                engine.backward(loss)
+            losses.append(loss.item())
+            reference_losses.append(ref_loss.item())
+        if clip is not None:
+            ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            norm = engine.clip_grad_norm_(clip)
+            norms.append((float(norm), float(ref_norm)))
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+        engine.step()
+        param_errors.append(relative_difference(engine.full_state_dict(), reference.state_dict()))
+    return {
+        "losses": losses,
+        "reference_losses": reference_losses,
+        "param_errors": param_errors,
+        "norms": norms,
+        "peak_live_units": engine.peak_live_units,
+        "final_state": engine.full_state_dict(),
+    }
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def parity_grid(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [train_against_ddp(**case) for case in cases]

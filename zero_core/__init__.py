@@ -1,0 +1,20 @@
+"""ZeRO stages 1-3 for PyTorch: the framework-free core of lightning-zero.
+
+Imports neither Lightning nor Accelerate; both adapters build on it.
+"""
+
+from .accounting import MemoryReport, expected_model_state_bytes
+from .collectives import CollectiveKind, CommStats
+from .config import MixedPrecision, WrapPolicy, ZeroConfig
+from .engine import ZeroEngine
+
+__all__ = [
+    "CollectiveKind",
+    "CommStats",
+    "MemoryReport",
+    "MixedPrecision",
+    "WrapPolicy",
+    "ZeroConfig",
+    "ZeroEngine",
+    "expected_model_state_bytes",
+]

@@ -1,0 +1,65 @@
+"""Per-rank bytes of model state, measured from live tensors and predicted by
+the formulas of DESIGN.md."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .config import MixedPrecision
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int  # includes the fp32 master shard when it is a separate tensor
+
+    @property
+    def model_state_bytes(self) -> int:
+        return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+
+class StorageCounter:
+    """Counts each storage once, in the first category that claims it."""
+
+    def __init__(self) -> None:
+        self._seen: set[int] = set()
+
+    def count(self, tensors: Iterable[torch.Tensor | None]) -> int:
+        total = 0
+        for tensor in tensors:
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in self._seen:
+                continue
+            self._seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return total
+
+
+def expected_model_state_bytes(
+    stage: int,
+    numel: int,
+    world_size: int,
+    precision: MixedPrecision,
+    optimizer_state_bytes_per_param: int,
+) -> MemoryReport:
+    """DESIGN.md's formulas, padding aside. ``stage=0`` means DDP.
+
+    The fp32 master copy exists only when computing in lower precision; in
+    fp32 the parameters (or their shard) are the master.
+    """
+    compute = torch.empty(0, dtype=precision.compute_dtype).element_size()
+    reduce = torch.empty(0, dtype=precision.reduce_dtype).element_size()
+    master = 4 if precision.compute_dtype != torch.float32 else 0
+    shard = numel / world_size
+    if stage == 0:
+        return MemoryReport(numel * compute, numel * compute, int(numel * (optimizer_state_bytes_per_param + master)))
+    params = numel * compute if stage < 3 else shard * compute
+    grads = numel * reduce if stage == 1 else shard * reduce
+    optimizer = shard * (optimizer_state_bytes_per_param + master)
+    return MemoryReport(int(params), int(grads), int(optimizer))

@@ -1,0 +1,194 @@
+"""The one module that calls into ``torch.distributed``.
+
+Collectives are pure functions: tensors, a :class:`CommContext` (process
+group, stream, byte counters) in; a :class:`Handle` whose ``wait()`` is the
+second half out. Counting bytes and choosing a primitive per backend happen
+here and nowhere else. World size 1 takes the same path with the
+communication skipped.
+
+Byte counts are the logical payload the ZeRO formulas speak of: the full
+(gathered) size of an all-gather, the full (input) size of a reduce-scatter,
+the tensor size of an all-reduce or broadcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+# torch 2.13 renamed the tensor collectives; keep working on older releases.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveKind(str, Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+
+
+@dataclass
+class CollectiveCount:
+    calls: int = 0
+    numel: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class CommStats:
+    """Calls, elements and bytes per collective kind since the last reset."""
+
+    counts: dict[CollectiveKind, CollectiveCount] = field(
+        default_factory=lambda: {kind: CollectiveCount() for kind in CollectiveKind}
+    )
+
+    def record(self, kind: CollectiveKind, tensor: torch.Tensor) -> None:
+        count = self.counts[kind]
+        count.calls += 1
+        count.numel += tensor.numel()
+        count.bytes += tensor.numel() * tensor.element_size()
+
+    def reset(self) -> None:
+        for kind in CollectiveKind:
+            self.counts[kind] = CollectiveCount()
+
+    def snapshot(self) -> dict[str, CollectiveCount]:
+        return {kind.value: CollectiveCount(**vars(c)) for kind, c in self.counts.items()}
+
+
+@dataclass
+class CommContext:
+    """Where collectives run: the group, this rank's place in it, the stream."""
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    stats: CommStats = field(default_factory=CommStats)
+    # CUDA only: collectives run on their own streams, ordered with events.
+    all_gather_stream: torch.cuda.Stream | None = None
+    reduce_scatter_stream: torch.cuda.Stream | None = None
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+        else:
+            rank, world_size = 0, 1
+        streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
+        if device.type == "cuda":
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return cls(group, rank, world_size, device, CommStats(), *streams)
+
+
+class Handle:
+    """The wait half of a collective. ``wait()`` is safe to call twice."""
+
+    def __init__(self, work: dist.Work | None = None, stream: torch.cuda.Stream | None = None):
+        self._work = work
+        self._stream = stream
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._stream is not None:
+            # Later kernels on the compute stream must see the collective's output.
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+            self._stream = None
+
+
+def _launch(stream: torch.cuda.Stream | None, tensors: tuple[torch.Tensor, ...], launch) -> Handle:
+    if stream is None:
+        return Handle(launch())
+    # The collective must see what the compute stream wrote before it was issued.
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        work = launch()
+    for tensor in tensors:
+        # Keep the caching allocator from reusing these while the side stream uses them.
+        tensor.record_stream(stream)
+    return Handle(work, stream)
+
+
+def all_gather(comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Tensor) -> Handle:
+    """Fill ``gathered_out`` (world_size * shard numel) with every rank's shard."""
+    comm.stats.record(CollectiveKind.ALL_GATHER, gathered_out)
+    with record_function("zero::all_gather"):
+        if gathered_out.numel() == 0:
+            return Handle()
+        if comm.world_size == 1:
+            if gathered_out.data_ptr() != shard_in.data_ptr():
+                gathered_out.copy_(shard_in)
+            return Handle()
+        return _launch(
+            comm.all_gather_stream,
+            (gathered_out, shard_in),
+            lambda: _all_gather_single(gathered_out, shard_in, group=comm.group, async_op=True),
+        )
+
+
+def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor) -> Handle:
+    """Sum ``full_in`` over ranks and leave this rank's slice in ``shard_out``.
+
+    ``shard_out`` may be this rank's slice of ``full_in`` itself.
+    """
+    comm.stats.record(CollectiveKind.REDUCE_SCATTER, full_in)
+    with record_function("zero::reduce_scatter"):
+        if full_in.numel() == 0:
+            return Handle()
+        if comm.world_size == 1:
+            if shard_out.data_ptr() != full_in.data_ptr():
+                shard_out.copy_(full_in)
+            return Handle()
+        return _launch(
+            comm.reduce_scatter_stream,
+            (shard_out, full_in),
+            lambda: _reduce_scatter_single(shard_out, full_in, group=comm.group, async_op=True),
+        )
+
+
+def all_reduce(comm: CommContext, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+    comm.stats.record(CollectiveKind.ALL_REDUCE, tensor)
+    with record_function("zero::all_reduce"):
+        if comm.world_size == 1:
+            return Handle()
+        return Handle(dist.all_reduce(tensor, op=op, group=comm.group, async_op=True))
+
+
+def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0) -> Handle:
+    """Broadcast from ``src_rank`` of the group (a group rank, not a global one)."""
+    comm.stats.record(CollectiveKind.BROADCAST, tensor)
+    with record_function("zero::broadcast"):
+        if comm.world_size == 1:
+            return Handle()
+        return Handle(dist.broadcast(tensor, group_src=src_rank, group=comm.group, async_op=True))
+
+
+def agree_on_flag(comm: CommContext, local_flag: bool) -> bool:
+    """True on every rank if ``local_flag`` is true on any rank."""
+    flag = torch.tensor([1.0 if local_flag else 0.0], device=comm.device)
+    all_reduce(comm, flag, dist.ReduceOp.MAX).wait()
+    return bool(flag.item())
+
+
+def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:
+    """Raise the same ValueError on every rank unless all ranks passed equal ``values``.
+
+    Used before any collective whose shapes depend on ``values``, so a
+    mismatch fails fast everywhere instead of hanging.
+    """
+    local = torch.tensor(values, dtype=torch.float64, device=comm.device)
+    low, high = local.clone(), local.clone()
+    all_reduce(comm, low, dist.ReduceOp.MIN).wait()
+    all_reduce(comm, high, dist.ReduceOp.MAX).wait()
+    if not torch.equal(low, high):
+        raise ValueError(
+            f"Ranks disagree on {what}: every rank must build the same model and optimizer "
+            f"before sharding (this rank: {values})."
+        )

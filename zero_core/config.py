@@ -1,0 +1,117 @@
+"""Typed, frozen configuration for the ZeRO core, validated on construction.
+
+Every field has a safe default; a bad value raises ``ValueError`` naming the
+field and what to do, before any model state is touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Which dtypes parameters are computed and gradients reduced in.
+
+    Master weights and optimizer state are always fp32. ``compute_dtype`` is
+    the dtype of the gathered parameters the forward and backward see;
+    ``reduce_dtype`` is the dtype gradients are reduce-scattered and sharded
+    in (fp32 by default, which is what keeps bf16 training stable). fp16
+    compute turns on dynamic loss scaling whose overflow decision every rank
+    agrees on.
+    """
+
+    compute_dtype: torch.dtype = torch.float32
+    reduce_dtype: torch.dtype = torch.float32
+    initial_loss_scale: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        for name in ("compute_dtype", "reduce_dtype"):
+            value = getattr(self, name)
+            if value not in _COMPUTE_DTYPES:
+                raise ValueError(
+                    f"MixedPrecision.{name}={value} is not supported; "
+                    "use torch.float32, torch.bfloat16 or torch.float16."
+                )
+        if self.initial_loss_scale <= 0:
+            raise ValueError("MixedPrecision.initial_loss_scale must be > 0 (try 2**16).")
+        if self.loss_scale_growth_interval < 1:
+            raise ValueError("MixedPrecision.loss_scale_growth_interval must be >= 1 (try 2000).")
+
+    @property
+    def uses_loss_scaling(self) -> bool:
+        return self.compute_dtype == torch.float16
+
+
+@dataclass(frozen=True)
+class WrapPolicy:
+    """Which module subtrees become units (flattened, gathered, reduced together).
+
+    ``module_classes``: every module of these classes becomes a unit (the
+    transformer-block policy). Without classes, units are chosen by size: a
+    module whose not-yet-claimed parameters reach ``min_unit_numel`` (default:
+    the bucket size) becomes a unit. Whatever no unit claims belongs to the
+    root unit, the whole model.
+    """
+
+    module_classes: tuple[type[nn.Module], ...] = ()
+    min_unit_numel: int | None = None
+
+    def __post_init__(self) -> None:
+        classes = self.module_classes
+        if not isinstance(classes, tuple) or not all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in classes
+        ):
+            raise ValueError(
+                "WrapPolicy.module_classes must be a tuple of nn.Module subclasses, "
+                "for example (MyTransformerBlock,)."
+            )
+        if self.min_unit_numel is not None and self.min_unit_numel < 1:
+            raise ValueError("WrapPolicy.min_unit_numel must be a positive number of parameters.")
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """The handful of knobs of the ZeRO core.
+
+    stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+    bucket_size_mb: target size of a unit (and so of one reduce-scatter) when
+        the wrap policy chooses units by size.
+    prefetch: how many units are gathered ahead of the one computing
+        (stage 3); 0 turns prefetch off.
+    broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
+        before each training forward, as DDP does by default.
+    """
+
+    stage: int = 3
+    bucket_size_mb: float = 25.0
+    prefetch: int = 1
+    mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    wrap_policy: WrapPolicy = field(default_factory=WrapPolicy)
+    broadcast_buffers: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2, 3):
+            raise ValueError(
+                f"ZeroConfig.stage={self.stage!r} is invalid; use 1 (optimizer state), "
+                "2 (+ gradients) or 3 (+ parameters)."
+            )
+        if not self.bucket_size_mb > 0:
+            raise ValueError("ZeroConfig.bucket_size_mb must be > 0 (the default is 25).")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError("ZeroConfig.prefetch must be an integer >= 0 (0 turns prefetch off).")
+        if not isinstance(self.mixed_precision, MixedPrecision):
+            raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
+        if not isinstance(self.wrap_policy, WrapPolicy):
+            raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
+
+    @property
+    def bucket_numel(self) -> int:
+        """The bucket size in fp32 elements, the unit of the size-based policy."""
+        return max(1, int(self.bucket_size_mb * 2**20 / 4))

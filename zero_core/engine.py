@@ -1,0 +1,369 @@
+"""``ZeroEngine``: the plain-PyTorch entry point to ZeRO stages 1, 2 and 3.
+
+Communication plan per optimizer step (Ψ parameters, N ranks):
+
+- stage 1: gradients accumulate in full on every rank; at the accumulation
+  boundary each unit is reduce-scattered (Ψ) as soon as its backward ends;
+  the optimizer updates this rank's fp32 shard; the updated shards are
+  all-gathered (Ψ) back into the full parameters.
+- stage 2: as stage 1, but every micro-batch reduce-scatters each unit
+  during backward and keeps only the gradient shard.
+- stage 3: parameters are sharded at rest; each unit is all-gathered before
+  its forward (Ψ) and again before its backward (Ψ), released after each,
+  and its gradients are reduce-scattered (Ψ) when its backward ends.
+
+The model is sharded in place and keeps being called as before; the
+optimizer object is rebuilt in place over this rank's fp32 shard, so
+``optimizer.step()`` and schedulers keep working. Gradients are consumed by
+the optimizer step (there is nothing left for ``zero_grad`` to clear).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from . import collectives
+from .accounting import MemoryReport, StorageCounter
+from .collectives import CommContext, CommStats
+from .config import ZeroConfig
+from .flat_unit import FlatUnit
+from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
+from .optim import check_optimizer_supported, rebuild_optimizer
+from .precision import DynamicLossScaler
+from .runtime import StepRuntime
+from .units import plan_units
+
+
+def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class ZeroEngine:
+    """Shard ``model`` and ``optimizer`` in place and drive them.
+
+    Typical loop (launched with torchrun, process group initialised)::
+
+        engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3))
+        for batch in loader:
+            loss = loss_fn(model(batch.x), batch.y)
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+
+    Gradient accumulation: call ``backward`` per micro-batch and ``step`` at
+    the boundary; wrap non-boundary micro-batches in ``engine.no_sync()`` so
+    stage 1 skips their communication (stages 2 and 3 reduce every
+    micro-batch by design).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        config: ZeroConfig | None = None,
+        *,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        param_init_fn: ParamInitFn | None = None,
+    ):
+        self.config = config = config if config is not None else ZeroConfig()
+        if not isinstance(config, ZeroConfig):
+            raise ValueError("config must be a zero_core.ZeroConfig, for example ZeroConfig(stage=3).")
+        check_optimizer_supported(optimizer)
+        on_meta = model_is_on_meta(model)
+        if on_meta:
+            check_meta_initialisable(model, param_init_fn)
+        self.model, self.optimizer = model, optimizer
+        self.comm = CommContext.create(process_group, _model_device(model, device))
+        plans = plan_units(model, config.wrap_policy, config.bucket_numel)
+        sizes = [sum(p.numel() for p in plan.params) for plan in plans]
+        collectives.agree_on_values(
+            self.comm,
+            [len(plans), sum(sizes), sum(i * s for i, s in enumerate(sizes)), config.stage],
+            "the model's units and parameter counts, or the ZeRO stage",
+        )
+        units: dict[int, FlatUnit] = {}
+        # Children first: a parameter owned by an ancestor (shared between
+        # children) is materialised with the children before the ancestor flattens.
+        for plan in reversed(plans):
+            if on_meta:
+                materialize_modules(plan.modules, self.comm.device, param_init_fn)
+            units[plan.index] = FlatUnit(plan, config.stage, config.mixed_precision, self.comm)
+        self.units = [units[i] for i in range(len(plans))]
+        self._sync_buffers()
+        rebuild_optimizer(optimizer, model, self.units)
+        self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
+        self._grads_unscaled = False
+        self.runtime = StepRuntime(self.units, config)
+        self.runtime.before_root_forward.append(self._before_root_forward)
+        self.runtime.after_root_forward.append(self._after_root_forward)
+        self._sync_buffers_next_forward = True
+        self._hooks = self.runtime.install()
+        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
+        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()))
+        self._skip_refresh = False
+
+    # --------------------------------------------------------------- facts
+    @property
+    def stage(self) -> int:
+        return self.config.stage
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def num_parameters(self) -> int:
+        """Unique parameters of the model (its true size, also in stage 3)."""
+        return sum(unit.layout.total_numel for unit in self.units)
+
+    @property
+    def num_trainable_parameters(self) -> int:
+        return sum(s.numel for u in self.units for s in u.layout.slots if s.requires_grad)
+
+    @property
+    def comm_stats(self) -> CommStats:
+        return self.comm.stats
+
+    @property
+    def peak_live_units(self) -> int:
+        """Most units gathered (or gathering) at once since the last reset (stage 3)."""
+        return self.runtime.peak_live_units
+
+    def reset_peak_live_units(self) -> None:
+        self.runtime.peak_live_units = 0
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    # ------------------------------------------------------------- forward
+    def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.config.broadcast_buffers and self._sync_buffers_next_forward:
+            self._sync_buffers()
+        dtype = self.config.mixed_precision.compute_dtype
+        if dtype != torch.float32:
+            cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+            args, kwargs = pytree.tree_map(cast, (args, kwargs))
+        return args, kwargs
+
+    def _after_root_forward(self) -> None:
+        # DDP's rule: the next forward syncs buffers only if this one was a
+        # synchronising training forward (not no_grad, not inside no_sync).
+        self._sync_buffers_next_forward = torch.is_grad_enabled() and self.runtime.require_grad_sync
+
+    def _sync_buffers(self) -> None:
+        """Rank 0's buffers everywhere, as DDP's broadcast_buffers does."""
+        if self.world_size == 1:
+            return
+        handles = [collectives.broadcast(self.comm, b) for b in self.model.buffers() if b.numel()]
+        for handle in handles:
+            handle.wait()
+
+    # ------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, with fp16 loss scaling when enabled."""
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)
+        loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside skip gradient communication where the stage allows (stage 1)."""
+        previous = self.runtime.require_grad_sync
+        self.runtime.require_grad_sync = False
+        try:
+            yield
+        finally:
+            self.runtime.require_grad_sync = previous
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        self.runtime.require_grad_sync = enabled
+
+    # ----------------------------------------------------------- gradients
+    def _unscale_grads_once(self) -> None:
+        if self.loss_scaler is None or self._grads_unscaled:
+            return
+        inverse = 1.0 / self.loss_scaler.scale
+        for unit in self.units:
+            if unit.sharded_grads is not None:
+                unit.sharded_grads.mul_(inverse)
+        self._grads_unscaled = True
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
+        self.runtime.finish_reduces()
+        self._unscale_grads_once()
+        shards = [u.sharded_grads for u in self.units if u.sharded_grads is not None]
+        norm_type = float(norm_type)
+        local = torch.zeros(1, dtype=torch.float32, device=self.comm.device)
+        if norm_type == float("inf"):
+            for shard in shards:
+                local = torch.maximum(local, shard.detach().abs().max().float().reshape(1))
+            collectives.all_reduce(self.comm, local, dist.ReduceOp.MAX).wait()
+            total_norm = local[0]
+        else:
+            for shard in shards:
+                local += shard.detach().float().abs().pow(norm_type).sum()
+            collectives.all_reduce(self.comm, local).wait()
+            total_norm = local[0].pow(1.0 / norm_type)
+        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+        for shard in shards:
+            shard.mul_(clip_coef.to(shard.dtype))
+        return total_norm
+
+    def zero_grad(self) -> None:
+        """Discard accumulated gradients without stepping."""
+        self.runtime.finish_reduces()
+        for unit in self.units:
+            unit.reset_grads()
+        self._grads_unscaled = False
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> None:
+        """``optimizer.step()``: the optimizer's own step runs the same ZeRO logic."""
+        self.optimizer.step()
+
+    def _found_inf(self) -> bool:
+        local = any(
+            not torch.isfinite(u.sharded_grads).all() for u in self.units if u.sharded_grads is not None
+        )
+        return collectives.agree_on_flag(self.comm, local)
+
+    def _agreed_slot_flags(self) -> list[list[bool]]:
+        """A parameter has a gradient if any rank produced one (DDP's unused-parameter rule)."""
+        flags = [flag for u in self.units for flag in u.slot_has_grad]
+        tensor = torch.tensor(flags, dtype=torch.float32, device=self.comm.device)
+        collectives.all_reduce(self.comm, tensor, dist.ReduceOp.MAX).wait()
+        agreed, offset = [], 0
+        for unit in self.units:
+            count = len(unit.slot_has_grad)
+            agreed.append([bool(x) for x in tensor[offset : offset + count].tolist()])
+            offset += count
+        return agreed
+
+    def _before_optimizer_step(self) -> None:
+        self.runtime.finish_reduces()
+        self._skip_refresh = False
+        if self.loss_scaler is not None:
+            self._unscale_grads_once()
+            found_inf = self._found_inf()
+            self.loss_scaler.update(found_inf)
+            if found_inf:
+                # With no .grad anywhere the optimizer leaves every parameter alone.
+                for unit in self.units:
+                    unit.attach_master_grads([False] * len(unit.slot_has_grad))
+                self._skip_refresh = True
+                return
+        for unit, flags in zip(self.units, self._agreed_slot_flags()):
+            unit.attach_master_grads(flags)
+
+    def _after_optimizer_step(self) -> None:
+        if not self._skip_refresh:
+            handles = [unit.start_refresh() for unit in self.units]
+            for handle in handles:
+                handle.wait()
+        for unit in self.units:
+            unit.reset_grads()
+        self._grads_unscaled = False
+
+    # ----------------------------------------------------- full parameters
+    def _units_of(self, module: nn.Module | None) -> list[FlatUnit]:
+        if module is None:
+            return self.units
+        wanted = {id(p) for p in module.parameters()}
+        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, module: nn.Module | None = None, writeback: bool = True) -> Iterator[None]:
+        """Inside, the parameters of ``module`` (default: the model) are full fp32 master values.
+
+        Every rank must enter together. With ``writeback``, in-place edits are
+        written back to the shards on exit (every rank should make the same edit).
+        """
+        units = self._units_of(module)
+        self.runtime.finish_reduces()
+        fulls = [unit.gather_full_master() for unit in units]
+        saved: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for unit, full in zip(units, fulls):
+            for param, view in zip(unit.params, unit.full_param_views(full)):
+                saved.append((param, param.data))
+                param.data = view
+        self.runtime.summoned = True
+        try:
+            yield
+        finally:
+            self.runtime.summoned = False
+            for param, data in saved:
+                param.data = data
+            if writeback:
+                for unit, full in zip(units, fulls):
+                    unit.load_full_master(full)
+
+    def full_state_dict(self, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The model's state dict with full fp32 parameters, gathered one unit at a time.
+
+        Keys and order are those of ``model.state_dict()``; tied parameters
+        appear under each of their names. Every rank must call it.
+        """
+        keep = not rank0_only or self.rank == 0
+        full_values: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            full = unit.gather_full_master()
+            if keep:
+                for param, view in zip(unit.params, unit.full_param_views(full)):
+                    full_values[id(param)] = view.to("cpu") if to_cpu else view.clone()
+            del full
+        if not keep:
+            return {}
+        result = {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            if id(value) in full_values:
+                result[key] = full_values[id(value)]
+            else:
+                tensor = value.detach()
+                result[key] = tensor.to("cpu", copy=True) if to_cpu else tensor.clone()
+        return result
+
+    # ---------------------------------------------------------- accounting
+    def memory_report(self) -> MemoryReport:
+        """Bytes of parameters, gradients and optimizer state held by this rank now."""
+        counter = StorageCounter()
+        params = counter.count([u.gathered_params for u in self.units] + [u.compute_shard for u in self.units])
+        grads = counter.count(
+            [u.full_grads for u in self.units]
+            + [u.sharded_grads for u in self.units]
+            + [p.grad for p in self.model.parameters()]
+            + [m.param.grad for u in self.units for m in u.master_pieces]
+        )
+        state_tensors = [
+            value
+            for state in self.optimizer.state.values()
+            for value in state.values()
+            if isinstance(value, torch.Tensor)
+        ]
+        optimizer = counter.count([u.master_shard for u in self.units] + state_tensors)
+        return MemoryReport(params, grads, optimizer)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()

@@ -1,0 +1,257 @@
+"""One unit's tensors and the transitions between its states.
+
+Tensors of a unit (P = padded numel, S = P / world_size):
+
+- ``gathered_params`` (P, compute dtype): the full flat parameters. Every
+  module parameter of the unit is a view of it, set once at construction.
+  Stage 3 frees and refills its *storage* (``resize_``) instead of swapping
+  tensors, so the views (and whatever autograd saved of them) stay valid.
+- ``compute_shard`` (S, compute dtype): what this rank contributes to the
+  all-gather. Stages 1/2: this rank's slice of ``gathered_params``.
+- ``master_shard`` (S, fp32): what the optimizer updates, through one
+  parameter view per (parameter ∩ shard) piece. It is ``compute_shard``
+  itself when computing in fp32.
+- ``full_grads`` (P, reduce dtype): gradients before the reduce-scatter.
+  Stage 1 keeps it across steps (the model's ``.grad`` are views of it when
+  dtypes allow); stages 2/3 allocate it per backward and drop it once sent.
+- ``sharded_grads`` (S, reduce dtype): this rank's averaged gradient slice,
+  accumulated across micro-batches until the optimizer step.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from .collectives import CommContext, Handle, all_gather, broadcast, reduce_scatter
+from .config import MixedPrecision
+from .layout import FlatLayout, ParamSlot, ShardPiece
+from .units import UnitPlan
+
+
+class UnitState(Enum):
+    SHARDED = auto()  # stage 3 at rest: gathered_params has no storage
+    GATHERING = auto()  # all-gather issued into gathered_params, not yet waited on
+    GATHERED = auto()  # gathered_params holds valid full parameters
+
+
+class MasterPiece(NamedTuple):
+    """What the optimizer sees: a 1-D fp32 view of one parameter's piece of the master shard."""
+
+    piece: ShardPiece
+    param: nn.Parameter
+
+
+class PendingReduce(NamedTuple):
+    unit: "FlatUnit"
+    sharded_out: torch.Tensor
+    full_in: torch.Tensor  # kept alive until the collective has read it
+    handle: Handle
+
+
+class FlatUnit:
+    def __init__(self, plan: UnitPlan, stage: int, precision: MixedPrecision, comm: CommContext):
+        self.index, self.name, self.module = plan.index, plan.name, plan.module
+        self.stage, self.precision, self.comm = stage, precision, comm
+        self.params: list[nn.Parameter] = plan.params
+        self.layout = FlatLayout.build(
+            [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)],
+            comm.world_size,
+        )
+        self.trainable = any(slot.requires_grad for slot in self.layout.slots)
+        self.state = UnitState.GATHERED
+        self._gather_handle: Handle | None = None
+        self.full_grads: torch.Tensor | None = None
+        self.sharded_grads: torch.Tensor | None = None
+        self.slot_has_grad = [False] * len(self.layout.slots)
+        self._filled_this_backward: set[int] = set()
+        self._flatten_parameters()
+        self.master_pieces = [
+            MasterPiece(piece, nn.Parameter(self._shard_view(self.master_shard, piece)))
+            for piece in self.layout.pieces(comm.rank)
+            if piece.slot.requires_grad
+        ]
+        if stage == 1:
+            self.full_grads = torch.zeros(self.layout.padded_numel, dtype=precision.reduce_dtype, device=comm.device)
+            self._attach_model_grad_views()
+        if stage == 3:
+            self.release()
+
+    # ----------------------------------------------------------------- layout
+    def _flatten_parameters(self) -> None:
+        """Copy the parameters into the flat buffers and make them views of it.
+
+        Rank 0's values win, as in DDP, so ranks seeded differently still agree.
+        """
+        layout, comm = self.layout, self.comm
+        padded_full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=comm.device)
+        for slot, param in zip(layout.slots, self.params):
+            self._slot_view(padded_full, slot).copy_(param.detach())
+        broadcast(comm, padded_full).wait()
+        lo, hi = layout.shard_range(comm.rank)
+        compute_dtype = self.precision.compute_dtype
+        self.gathered_params = padded_full.to(compute_dtype)
+        if self.stage == 3:
+            self.master_shard = padded_full[lo:hi].clone()
+            self.compute_shard = self.master_shard.to(compute_dtype)
+        else:
+            self.compute_shard = self.gathered_params[lo:hi]
+            self.master_shard = self.compute_shard if compute_dtype == torch.float32 else padded_full[lo:hi].clone()
+        self._gathered_nbytes = self.gathered_params.untyped_storage().nbytes()
+        for slot, param in zip(layout.slots, self.params):
+            param.data = self._slot_view(self.gathered_params, slot)
+
+    @staticmethod
+    def _slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+        return flat[slot.flat_offset : slot.flat_offset + slot.numel].view(slot.shape)
+
+    @staticmethod
+    def _shard_view(shard: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
+        return shard[piece.shard_start : piece.shard_start + piece.numel]
+
+    # ------------------------------------------------------ gather / release
+    def start_gather(self) -> None:
+        """SHARDED -> GATHERING: refill the storage and issue the all-gather."""
+        if self.state is not UnitState.SHARDED:
+            return
+        self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
+        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard)
+        self.state = UnitState.GATHERING
+
+    def wait_gathered(self) -> None:
+        """Any state -> GATHERED."""
+        self.start_gather()
+        if self.state is UnitState.GATHERING:
+            self._gather_handle.wait()
+            self._gather_handle = None
+            self.state = UnitState.GATHERED
+
+    def release(self) -> None:
+        """Stage 3: GATHERED/GATHERING -> SHARDED, freeing the full parameters."""
+        if self.stage < 3 or self.state is UnitState.SHARDED:
+            return
+        self.wait_gathered()
+        self.gathered_params.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    # ------------------------------------------------------------- gradients
+    def _attach_model_grad_views(self) -> None:
+        """Stage 1: let autograd accumulate straight into ``full_grads`` (no copy)."""
+        if self.precision.reduce_dtype != self.precision.compute_dtype:
+            return
+        for slot, param in zip(self.layout.slots, self.params):
+            if slot.requires_grad:
+                param.grad = self._slot_view(self.full_grads, slot)
+
+    def accumulate_grad(self, slot_index: int, param: nn.Parameter) -> None:
+        """Post-accumulate-grad hook body: move ``param.grad`` into ``full_grads``."""
+        slot = self.layout.slots[slot_index]
+        if self.full_grads is None:
+            self.full_grads = torch.empty(self.layout.padded_numel, dtype=self.precision.reduce_dtype, device=self.comm.device)
+        view = self._slot_view(self.full_grads, slot)
+        grad = param.grad
+        if grad is not None and grad.data_ptr() != view.data_ptr():
+            if self.stage > 1 and slot_index not in self._filled_this_backward:
+                view.copy_(grad)
+            else:
+                view.add_(grad)
+            keep_view = self.stage == 1 and view.dtype == param.dtype
+            param.grad = view if keep_view else None
+        self._filled_this_backward.add(slot_index)
+        self.slot_has_grad[slot_index] = True
+
+    def _zero_unfilled(self) -> None:
+        """Stages 2/3: zero the slots no gradient reached this backward, and the padding."""
+        for slot in self.layout.slots:
+            if slot.index not in self._filled_this_backward:
+                self._slot_view(self.full_grads, slot).zero_()
+        self.full_grads[self.layout.total_numel :].zero_()
+
+    def start_reduce(self) -> PendingReduce | None:
+        """Issue the reduce-scatter of ``full_grads``; zeros if no gradient arrived.
+
+        Every rank reduces the same units in the same order whatever its
+        local gradients were, so collectives always match across ranks.
+        """
+        if not self.trainable:
+            return None
+        if self.full_grads is None:
+            self.full_grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.reduce_dtype, device=self.comm.device)
+        elif self.stage > 1:
+            self._zero_unfilled()
+        if self.precision.reduce_dtype != torch.float32:
+            self.full_grads.div_(self.comm.world_size)  # low precision: average before summing
+        lo, hi = self.layout.shard_range(self.comm.rank)
+        full_in = self.full_grads
+        sharded_out = full_in[lo:hi] if self.stage == 1 else torch.empty_like(full_in[lo:hi])
+        handle = reduce_scatter(self.comm, sharded_out, full_in)
+        if self.stage > 1:
+            self.full_grads = None
+        self._filled_this_backward.clear()
+        return PendingReduce(self, sharded_out, full_in, handle)
+
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        pending.handle.wait()
+        if self.precision.reduce_dtype == torch.float32:
+            pending.sharded_out.div_(self.comm.world_size)
+        if self.sharded_grads is None or self.stage == 1:
+            self.sharded_grads = pending.sharded_out
+        else:
+            self.sharded_grads.add_(pending.sharded_out)
+
+    def reset_grads(self) -> None:
+        """After the optimizer step: gradients are consumed."""
+        self.sharded_grads = None
+        self.slot_has_grad = [False] * len(self.layout.slots)
+        self._filled_this_backward.clear()
+        for piece in self.master_pieces:
+            piece.param.grad = None
+        if self.stage == 1:
+            self.full_grads.zero_()
+            self._attach_model_grad_views()
+        else:
+            self.full_grads = None
+
+    # ------------------------------------------------------------------ step
+    def attach_master_grads(self, slot_has_grad: list[bool]) -> None:
+        """Point each master piece's ``.grad`` at its slice of the gradient shard.
+
+        Pieces of parameters no rank produced a gradient for get ``None``, so
+        the optimizer skips them exactly as it would without sharding.
+        """
+        for master in self.master_pieces:
+            if self.sharded_grads is None or not slot_has_grad[master.piece.slot.index]:
+                master.param.grad = None
+                continue
+            grad = self._shard_view(self.sharded_grads, master.piece)
+            master.param.grad = grad if grad.dtype == torch.float32 else grad.float()
+
+    def start_refresh(self) -> Handle:
+        """After the step: bring the compute copy up to date with the master shard."""
+        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
+            self.compute_shard.copy_(self.master_shard)
+        if self.stage == 3:
+            return Handle()
+        return all_gather(self.comm, self.gathered_params, self.compute_shard)
+
+    # ------------------------------------------------------- full parameters
+    def gather_full_master(self) -> torch.Tensor:
+        """The unit's full fp32 flat parameters (padded), gathered from the master shards."""
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.comm.device)
+        all_gather(self.comm, full, self.master_shard).wait()
+        return full
+
+    def load_full_master(self, full: torch.Tensor) -> None:
+        """Take this rank's slice of new full fp32 flat parameters (no communication)."""
+        lo, hi = self.layout.shard_range(self.comm.rank)
+        self.master_shard.copy_(full[lo:hi])
+        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
+            self.compute_shard.copy_(self.master_shard)
+        if self.stage < 3:
+            self.gathered_params.copy_(full)
+
+    def full_param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [self._slot_view(full, slot) for slot in self.layout.slots]

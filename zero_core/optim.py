@@ -1,0 +1,90 @@
+"""Rebuilding the user's optimizer in place over the master-shard pieces.
+
+The optimizer object stays the same (schedulers bound to it keep driving its
+``param_groups``); each group's ``params`` becomes the fp32 pieces of its
+parameters that this rank owns, empty pieces left out. That is exact for
+elementwise optimizers and wrong for ones that look at whole tensors, which
+are refused here.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from .flat_unit import FlatUnit
+
+# Optimizers whose update of an element depends only on that element's history.
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adamax,
+    torch.optim.ASGD,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+)
+
+# Optimizers that need whole tensors (line searches, factored or per-matrix state).
+WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon")
+    if hasattr(torch.optim, name)
+)
+
+
+def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
+        raise ValueError(
+            f"{type(optimizer).__name__} needs whole parameter tensors, but ZeRO gives each rank "
+            "a flat slice of them. Use an elementwise optimizer such as torch.optim.AdamW or SGD."
+        )
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        warnings.warn(
+            f"{type(optimizer).__name__} is not a known elementwise optimizer. ZeRO hands it "
+            "1-D slices of parameters: results are exact only if its update is elementwise.",
+            stacklevel=3,
+        )
+    if any(len(state) for state in optimizer.state.values()):
+        raise ValueError(
+            "The optimizer already has state (it has stepped). Build the ZeRO engine right after "
+            "creating the optimizer, and load optimizer checkpoints through the engine."
+        )
+
+
+def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, units: list[FlatUnit]) -> None:
+    """Point ``optimizer.param_groups`` at this rank's master pieces, in place."""
+    group_of: dict[int, int] = {}
+    for group_index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if id(param) in group_of:
+                raise ValueError("A parameter appears in two optimizer param groups; list it once.")
+            group_of[id(param)] = group_index
+    model_params = {id(p) for p in model.parameters()}
+    foreign = [k for k in group_of if k not in model_params]
+    if foreign:
+        raise ValueError(
+            f"The optimizer holds {len(foreign)} tensor(s) that are not parameters of the model. "
+            "Build the optimizer over model.parameters() (or groups of them)."
+        )
+    new_params: dict[int, list[nn.Parameter]] = defaultdict(list)
+    for unit in units:
+        for master in unit.master_pieces:
+            param = unit.params[master.piece.slot.index]
+            if id(param) not in group_of:
+                continue  # trainable but not optimized: its gradient is reduced and ignored
+            new_params[group_of[id(param)]].append(master.param)
+    for group_index, group in enumerate(optimizer.param_groups):
+        group["params"] = new_params[group_index]
+    optimizer.state = defaultdict(dict)
+
+
+def optimizer_param_ids(optimizer: torch.optim.Optimizer) -> set[int]:
+    return {id(p) for group in optimizer.param_groups for p in group["params"]}

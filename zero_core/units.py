@@ -1,0 +1,99 @@
+"""Choosing units: which module subtrees are flattened and sharded together.
+
+A unit is a module subtree minus the subtrees of units nested in it. Every
+parameter belongs to exactly one unit: the lowest unit that contains every
+module registering it, so a parameter shared between two blocks (tied
+embeddings) lives in their common ancestor, which is gathered whenever either
+block runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .config import WrapPolicy
+
+
+@dataclass
+class UnitPlan:
+    index: int
+    name: str  # module path; "" for the root unit
+    module: nn.Module
+    parent: int | None
+    params: list[nn.Parameter] = field(default_factory=list)
+    param_fqns: list[tuple[str, ...]] = field(default_factory=list)
+    modules: list[nn.Module] = field(default_factory=list)  # modules whose nearest unit is this one
+
+
+def _size_policy_roots(model: nn.Module, min_numel: int) -> set[nn.Module]:
+    """Post-order: a module whose unclaimed parameters reach ``min_numel`` is a unit."""
+    roots: set[nn.Module] = set()
+
+    def unclaimed(module: nn.Module) -> dict[int, int]:
+        params = {id(p): p.numel() for p in module.parameters(recurse=False)}
+        for child in module.children():
+            params.update(unclaimed(child))
+        if module is not model and sum(params.values()) >= min_numel:
+            roots.add(module)
+            return {}
+        return params
+
+    unclaimed(model)
+    return roots
+
+
+def _unit_roots(model: nn.Module, policy: WrapPolicy, bucket_numel: int) -> set[nn.Module]:
+    if policy.module_classes:
+        return {m for m in model.modules() if m is not model and isinstance(m, policy.module_classes)}
+    return _size_policy_roots(model, policy.min_unit_numel or bucket_numel)
+
+
+def _lowest_common_unit(units: list[int], plans: list[UnitPlan]) -> int:
+    def chain(index: int) -> list[int]:
+        out = []
+        while index is not None:
+            out.append(index)
+            index = plans[index].parent
+        return out
+
+    common = set(chain(units[0]))
+    for unit in units[1:]:
+        common &= set(chain(unit))
+    return next(i for i in chain(units[0]) if i in common)
+
+
+def plan_units(model: nn.Module, policy: WrapPolicy, bucket_numel: int) -> list[UnitPlan]:
+    """Units in pre-order (root first), each with its parameters in registration order."""
+    roots = _unit_roots(model, policy, bucket_numel)
+    plans = [UnitPlan(0, "", model, None)]
+    unit_of_module: dict[int, int] = {id(model): 0}
+    users: dict[int, list[int]] = {}  # parameter id -> units of the modules registering it
+
+    def visit(module: nn.Module, path: str, unit: int) -> None:
+        if all(m is not module for m in plans[unit].modules):
+            plans[unit].modules.append(module)
+        for _, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            users.setdefault(id(param), []).append(unit)
+        for name, child in module.named_children():
+            child_path = f"{path}.{name}" if path else name
+            child_unit = unit
+            if child in roots:
+                if id(child) not in unit_of_module:
+                    unit_of_module[id(child)] = len(plans)
+                    plans.append(UnitPlan(len(plans), child_path, child, unit))
+                child_unit = unit_of_module[id(child)]
+            visit(child, child_path, child_unit)
+
+    visit(model, "", 0)
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+        params[id(param)] = param
+    for pid, param in params.items():
+        owner = _lowest_common_unit(sorted(set(users[pid])), plans)
+        plans[owner].params.append(param)
+        plans[owner].param_fqns.append(tuple(names[pid]))
+    return plans
