@@ -8,6 +8,7 @@ with its traceback; a hang is killed after ``timeout`` seconds.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 import traceback
@@ -30,8 +31,9 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        result = fn(rank, world_size, *args)
-        queue.put((rank, True, result))
+        # Plain pickle copies tensors by value; torch's queue pickling would
+        # share them through file descriptors that die with this process.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -62,7 +64,10 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             time.sleep(0.05)
             continue
         rank, ok, payload = queue.get()
-        (results if ok else failures)[rank] = payload
+        if ok:
+            results[rank] = pickle.loads(payload)
+        else:
+            failures[rank] = payload
     for process in processes:
         process.join(timeout=5)
         if process.is_alive():

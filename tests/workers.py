@@ -92,3 +92,83 @@ class _nullcontext:
 
 def parity_grid(rank: int, world_size: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [train_against_ddp(**case) for case in cases]
+
+
+def train_precision(stage: int, compute_dtype: torch.dtype, steps: int = 8) -> list[float]:
+    """Losses of a short AdamW run in ``compute_dtype`` (fp32 master, fp32 reduction)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    # A moderate initial scale: no overflow-skipped steps, so the runs stay comparable.
+    precision = MixedPrecision(compute_dtype=compute_dtype, initial_loss_scale=2.0**10)
+    engine = ZeroEngine(model, make_optimizer("adamw", model, lr=3e-3), config_for(stage, precision=precision))
+    rank = torch.distributed.get_rank()
+    losses = []
+    for step in range(steps):
+        ids = batch(step % 2, rank)  # two batches, repeated: the loss must fall
+        loss = lm_loss(model(ids), ids)
+        engine.backward(loss)
+        engine.clip_grad_norm_(1.0)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def precision_grid(rank: int, world_size: int) -> dict[str, list[float]]:
+    return {
+        f"stage{stage}-{str(dtype).removeprefix('torch.')}": train_precision(stage, dtype)
+        for stage in (1, 2, 3)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16)
+    }
+
+
+def measure_state_and_traffic(stage: int, compute_dtype: torch.dtype) -> dict[str, Any]:
+    """Bytes held after a step plus the next backward, and bytes moved by one step."""
+    import sys
+    import os
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch
+
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=128, seq_len=16, width=32, depth=3, heads=2)
+    model = GPT(config)
+    engine = ZeroEngine(
+        model,
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ZeroConfig(
+            stage=stage,
+            wrap_policy=WrapPolicy(module_classes=(GPTBlock,)),
+            mixed_precision=MixedPrecision(compute_dtype=compute_dtype),
+        ),
+    )
+    rank = torch.distributed.get_rank()
+
+    def train_step(step: int) -> None:
+        ids = synthetic_batch(config, 4, step, rank)
+        engine.backward(next_token_loss(model(ids), ids))
+        engine.step()
+
+    train_step(0)
+    engine.comm_stats.reset()
+    train_step(1)
+    traffic = engine.comm_stats.snapshot()
+    at_rest_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    ids = synthetic_batch(config, 4, 2, rank)
+    engine.backward(next_token_loss(model(ids), ids))
+    report = engine.memory_report()
+    return {
+        "report": report,
+        "numel": engine.num_parameters,
+        "padded_numel": sum(u.layout.padded_numel for u in engine.units),
+        "units": len(engine.units),
+        "param_tensors": len(list(model.parameters())),
+        "all_gather_bytes": traffic["all_gather"].bytes,
+        "reduce_scatter_bytes": traffic["reduce_scatter"].bytes,
+        "params_bytes_at_rest": at_rest_bytes,
+    }
+
+
+def accounting_grid(rank: int, world_size: int) -> list[dict[str, Any]]:
+    return [
+        measure_state_and_traffic(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)
+    ]

@@ -190,5 +190,5 @@ def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:
     if not torch.equal(low, high):
         raise ValueError(
             f"Ranks disagree on {what}: every rank must build the same model and optimizer "
-            f"before sharding (this rank: {values})."
+            f"before sharding (lowest values {low.long().tolist()}, highest {high.long().tolist()})."
         )

@@ -104,6 +104,7 @@ class ZeroEngine:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
             units[plan.index] = FlatUnit(plan, config.stage, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
+        self._cast_buffers(config.mixed_precision.compute_dtype)
         self._sync_buffers()
         rebuild_optimizer(optimizer, model, self.units)
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
@@ -164,6 +165,13 @@ class ZeroEngine:
             cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
             args, kwargs = pytree.tree_map(cast, (args, kwargs))
         return args, kwargs
+
+    def _cast_buffers(self, dtype: torch.dtype) -> None:
+        """Floating buffers follow the compute dtype (as DeepSpeed does), so layers
+        such as BatchNorm see one dtype."""
+        for buffer in self.model.buffers():
+            if buffer.is_floating_point() and buffer.dtype != dtype:
+                buffer.data = buffer.data.to(dtype)
 
     def _after_root_forward(self) -> None:
         # DDP's rule: the next forward syncs buffers only if this one was a

@@ -41,15 +41,18 @@ def materialize_modules(
 ) -> None:
     """Give each module's own meta tensors real storage on ``device`` and initialise them.
 
-    Tensors are replaced through ``.data`` so parameter identity, and with it
-    weight tying and the optimizer's references, survives.
+    The new storage is swapped into the existing tensor objects, so parameter
+    identity, and with it weight tying and the optimizer's references, survives.
     """
     for module in modules:
         if not _has_meta_tensors(module):
             continue
         for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
             if tensor.is_meta:
-                tensor.data = torch.empty_like(tensor, device=device)
+                real = torch.empty_like(tensor, device=device)
+                if isinstance(tensor, nn.Parameter):
+                    real = nn.Parameter(real, requires_grad=tensor.requires_grad)
+                torch.utils.swap_tensors(tensor, real)
         with torch.no_grad():
             if param_init_fn is not None:
                 param_init_fn(module)

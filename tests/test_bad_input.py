@@ -1,0 +1,122 @@
+"""Bad input fails fast with a message that says what to do, on every rank,
+before any model state is touched; meta-device models are initialised."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
+
+from .distributed import run_distributed
+from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import config_for
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ZeroConfig(stage=4), "use 1 (optimizer state), 2 (+ gradients) or 3"),
+        (lambda: ZeroConfig(stage=0), "ZeroConfig.stage=0 is invalid"),
+        (lambda: ZeroConfig(prefetch=-1), "prefetch must be an integer >= 0"),
+        (lambda: ZeroConfig(bucket_size_mb=0), "bucket_size_mb must be > 0"),
+        (lambda: MixedPrecision(compute_dtype=torch.float64), "use torch.float32, torch.bfloat16 or torch.float16"),
+        (lambda: WrapPolicy(module_classes=[Block]), "must be a tuple of nn.Module subclasses"),
+        (lambda: WrapPolicy(module_classes=(int,)), "must be a tuple of nn.Module subclasses"),
+    ],
+)
+def test_invalid_options_are_refused_with_advice(make, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
+        make()
+
+
+class _NoInit(nn.Module):
+    """A module with its own parameter and no reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(16))
+        self.body = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def _error_of(build) -> str:
+    try:
+        build()
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def _bad_inputs(rank: int, world_size: int) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    storage_before = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    errors = {
+        "lbfgs": _error_of(lambda: ZeroEngine(model, torch.optim.LBFGS(model.parameters()), config_for(3))),
+        "stepped": _error_of(lambda: ZeroEngine(model, _stepped_optimizer(model), config_for(3))),
+        "meta": _error_of(lambda: _meta_engine(_NoInit)),
+        "mismatch": _error_of(lambda: _mismatched_engine(rank)),
+    }
+    untouched = sum(p.untyped_storage().nbytes() for p in model.parameters()) == storage_before
+    return {"errors": errors, "untouched": untouched}
+
+
+def _stepped_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    ids = batch(0, 0)
+    lm_loss(model(ids), ids).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return optimizer
+
+
+def _meta_engine(factory) -> ZeroEngine:
+    with torch.device("meta"):
+        model = factory()
+    return ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+
+
+def _mismatched_engine(rank: int) -> ZeroEngine:
+    model = TinyTransformer(blocks=2 + rank)  # every rank builds a different model
+    return ZeroEngine(model, make_optimizer("sgd", model), config_for(3))
+
+
+def test_bad_input_fails_on_every_rank_before_any_work() -> None:
+    results = run_distributed(_bad_inputs, 2, timeout=120)
+    assert results[0]["errors"] == results[1]["errors"], "every rank must fail with the same message"
+    errors = results[0]["errors"]
+    assert "LBFGS needs whole parameter tensors" in errors["lbfgs"] and "AdamW" in errors["lbfgs"]
+    assert "already has state" in errors["stepped"]
+    assert "no reset_parameters()" in errors["meta"] and "param_init_fn" in errors["meta"]
+    assert "Ranks disagree on the model's units" in errors["mismatch"]
+    assert all(r["untouched"] for r in results)
+
+
+def _meta_training(rank: int, world_size: int) -> dict[str, object]:
+    torch.manual_seed(rank)  # ranks seeded differently: rank 0's initial values must win
+    with torch.device("meta"):
+        model = TinyTransformer()
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
+    initial = engine.full_state_dict()
+    ids = batch(0, rank)
+    loss = lm_loss(model(ids), ids)
+    engine.backward(loss)
+    engine.step()
+    return {
+        "initial": initial,
+        "loss": loss.item(),
+        "not_meta": not any(t.is_meta for t in list(model.parameters()) + list(model.buffers())),
+    }
+
+
+def test_meta_device_model_is_materialised_one_unit_at_a_time() -> None:
+    results = run_distributed(_meta_training, 2)
+    first, second = results
+    assert first["not_meta"] and second["not_meta"]
+    assert all(torch.equal(first["initial"][k], second["initial"][k]) for k in first["initial"])
+    assert first["initial"]["norm.running_var"].eq(1).all()  # BatchNorm.reset_parameters ran
+    assert torch.isfinite(torch.tensor([first["loss"], second["loss"]])).all()
