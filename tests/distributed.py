@@ -26,11 +26,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args: tuple) -> None:
+def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args: tuple, backend: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         # Plain pickle copies tensors by value; torch's queue pickling would
         # share them through file descriptors that die with this process.
         queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -41,13 +43,15 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+) -> list[Any]:
     """``fn(rank, world_size, *args)`` on each rank; returns the results by rank."""
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = _free_port()
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, queue, args), daemon=True)
+        context.Process(target=_entry, args=(fn, rank, world_size, port, queue, args, backend), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:
