@@ -149,9 +149,8 @@ def measure_state_and_traffic(stage: int, compute_dtype: torch.dtype) -> dict[st
         engine.step()
 
     train_step(0)
-    engine.comm_stats.reset()
     train_step(1)
-    traffic = engine.comm_stats.snapshot()
+    traffic = engine.last_step_traffic
     at_rest_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
     ids = synthetic_batch(config, 4, 2, rank)
     engine.backward(next_token_loss(model(ids), ids))

@@ -60,6 +60,15 @@ class CommStats:
     def snapshot(self) -> dict[str, CollectiveCount]:
         return {kind.value: CollectiveCount(**vars(c)) for kind, c in self.counts.items()}
 
+    @staticmethod
+    def difference(
+        later: dict[str, CollectiveCount], earlier: dict[str, CollectiveCount]
+    ) -> dict[str, CollectiveCount]:
+        return {
+            kind: CollectiveCount(*(getattr(later[kind], f) - getattr(earlier[kind], f) for f in ("calls", "numel", "bytes")))
+            for kind in later
+        }
+
 
 @dataclass
 class CommContext:

@@ -117,6 +117,8 @@ class ZeroEngine:
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()))
         self._skip_refresh = False
+        self._traffic_at_last_step = self.comm.stats.snapshot()
+        self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
 
     # --------------------------------------------------------------- facts
     @property
@@ -142,6 +144,11 @@ class ZeroEngine:
 
     @property
     def comm_stats(self) -> CommStats:
+        """Collective calls, elements and bytes since creation (or ``comm_stats.reset()``).
+
+        ``last_step_traffic`` holds the same per kind for the last optimizer
+        step alone (everything since the step before it).
+        """
         return self.comm.stats
 
     @property
@@ -292,6 +299,9 @@ class ZeroEngine:
         for unit in self.units:
             unit.reset_grads()
         self._grads_unscaled = False
+        now = self.comm.stats.snapshot()
+        self.last_step_traffic = CommStats.difference(now, self._traffic_at_last_step)
+        self._traffic_at_last_step = now
 
     # ----------------------------------------------------- full parameters
     def _units_of(self, module: nn.Module | None) -> list[FlatUnit]:
