@@ -21,7 +21,9 @@ the optimizer step (there is nothing left for ``zero_grad`` to clear).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,7 +108,7 @@ class ZeroEngine:
         self.units = [units[i] for i in range(len(plans))]
         self._cast_buffers(config.mixed_precision.compute_dtype)
         self._sync_buffers()
-        rebuild_optimizer(optimizer, model, self.units)
+        self.param_group_names = rebuild_optimizer(optimizer, model, self.units)
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         self._grads_unscaled = False
         self.runtime = StepRuntime(self.units, config)
@@ -117,6 +119,7 @@ class ZeroEngine:
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()))
         self._skip_refresh = False
+        self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._traffic_at_last_step = self.comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
 
@@ -291,11 +294,16 @@ class ZeroEngine:
         for unit, flags in zip(self.units, self._agreed_slot_flags()):
             unit.attach_master_grads(flags)
 
+    def refresh_parameters(self) -> None:
+        """Bring the compute copies (full parameters in stages 1/2) up to date with the master shards."""
+        handles = [unit.start_refresh() for unit in self.units]
+        for handle in handles:
+            handle.wait()
+
     def _after_optimizer_step(self) -> None:
         if not self._skip_refresh:
-            handles = [unit.start_refresh() for unit in self.units]
-            for handle in handles:
-                handle.wait()
+            self.refresh_parameters()
+            self.steps_taken += 1
         for unit in self.units:
             unit.reset_grads()
         self._grads_unscaled = False
@@ -360,6 +368,32 @@ class ZeroEngine:
                 tensor = value.detach()
                 result[key] = tensor.to("cpu", copy=True) if to_cpu else tensor.clone()
         return result
+
+    # --------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+        """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically.
+
+        Every rank calls it; each writes only its own pieces.
+        """
+        from .checkpoint.api import save_checkpoint
+
+        return save_checkpoint(self, path, extra)
+
+    def load_checkpoint(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
+        """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``."""
+        from .checkpoint.api import load_checkpoint
+
+        return load_checkpoint(self, path, load_optimizer=load_optimizer)
+
+    def load_full_state_dict(self, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True) -> None:
+        """Load ordinary full weights (a state dict, or a .safetensors / torch file) into the shards.
+
+        Each rank reads only the parts of each tensor its shard covers
+        (safetensors slices, or memory-mapped torch files).
+        """
+        from .checkpoint.full_weights import load_full_weights
+
+        load_full_weights(self, source, strict=strict)
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:

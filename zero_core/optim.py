@@ -59,8 +59,14 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, units: list[FlatUnit]) -> None:
-    """Point ``optimizer.param_groups`` at this rank's master pieces, in place."""
+def rebuild_optimizer(
+    optimizer: torch.optim.Optimizer, model: nn.Module, units: list[FlatUnit]
+) -> list[list[str]]:
+    """Point ``optimizer.param_groups`` at this rank's master pieces, in place.
+
+    Returns each group's parameters by name (every rank alike), which is how
+    checkpoints refer to them.
+    """
     group_of: dict[int, int] = {}
     for group_index, group in enumerate(optimizer.param_groups):
         for param in group["params"]:
@@ -81,10 +87,9 @@ def rebuild_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, units:
             if id(param) not in group_of:
                 continue  # trainable but not optimized: its gradient is reduced and ignored
             new_params[group_of[id(param)]].append(master.param)
+    name_of = {id(p): slot.fqns[0] for u in units for slot, p in zip(u.layout.slots, u.params)}
+    group_names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     for group_index, group in enumerate(optimizer.param_groups):
         group["params"] = new_params[group_index]
     optimizer.state = defaultdict(dict)
-
-
-def optimizer_param_ids(optimizer: torch.optim.Optimizer) -> set[int]:
-    return {id(p) for group in optimizer.param_groups for p in group["params"]}
+    return group_names

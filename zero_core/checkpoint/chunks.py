@@ -1,0 +1,115 @@
+"""Describing a flat 1-D slice of an N-D tensor to ``torch.distributed.checkpoint``.
+
+A rank's shard holds a contiguous flat range of each parameter. In the
+parameter's N-D index space that range is a union of a few rectangles (a
+partial row, full rows, a partial row, recursively for more dimensions), and
+rectangles are what DCP stores and reshards. :class:`ShardedChunks` is a
+tensor of the parameter's logical shape that owns no storage of its own and
+implements DCP's checkpointable protocol (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``) by handing out views of
+the shard, so saving reads and loading writes the shard in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+
+class Rectangle(NamedTuple):
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    flat_start: int  # where the rectangle's elements start in the flattened tensor
+
+
+def flat_range_to_rectangles(shape: tuple[int, ...], start: int, end: int) -> list[Rectangle]:
+    """Rectangles covering flat elements ``[start, end)`` of a tensor of ``shape``, in order.
+
+    Each rectangle's elements are contiguous in the flat order.
+    """
+    if start >= end:
+        return []
+    if len(shape) <= 1:
+        return [Rectangle((start,) if shape else (), (end - start,) if shape else (), start)]
+    row = math.prod(shape[1:])
+    rectangles: list[Rectangle] = []
+    if start % row:  # leading partial row
+        index = start // row
+        row_end = min(end, (index + 1) * row)
+        for inner in flat_range_to_rectangles(shape[1:], start - index * row, row_end - index * row):
+            rectangles.append(Rectangle((index, *inner.offsets), (1, *inner.sizes), index * row + inner.flat_start))
+        start = row_end
+    full_rows = (end - start) // row
+    if full_rows:
+        rectangles.append(Rectangle((start // row, *(0,) * (len(shape) - 1)), (full_rows, *shape[1:]), start))
+        start += full_rows * row
+    if start < end:  # trailing partial row
+        index = start // row
+        for inner in flat_range_to_rectangles(shape[1:], 0, end - index * row):
+            rectangles.append(Rectangle((index, *inner.offsets), (1, *inner.sizes), index * row + inner.flat_start))
+    return rectangles
+
+
+class ShardedChunks(torch.Tensor):
+    """A logical ``shape`` tensor of which this rank holds the elements
+    ``[flat_start, flat_start + local.numel())`` (flat order), stored in ``local``."""
+
+    _local: torch.Tensor
+    _rectangles: list[Rectangle]
+    _flat_start: int
+
+    @staticmethod
+    def __new__(cls, shape: torch.Size, local: torch.Tensor, flat_start: int) -> "ShardedChunks":
+        view = torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        view._local = local
+        view._flat_start = flat_start
+        view._rectangles = flat_range_to_rectangles(tuple(shape), flat_start, flat_start + local.numel())
+        return view
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten.detach.default:
+            return args[0]
+        raise NotImplementedError(
+            f"{func} is not supported on a ZeRO checkpoint view; it only serves torch.distributed.checkpoint."
+        )
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"ShardedChunks(shape={tuple(self.shape)}, local={self._local.numel()} elements from {self._flat_start})"
+
+    def _chunk(self, rectangle: Rectangle) -> ChunkStorageMetadata:
+        return ChunkStorageMetadata(offsets=torch.Size(rectangle.offsets), sizes=torch.Size(rectangle.sizes))
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        properties = TensorProperties(dtype=self.dtype)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(rectangle.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=self._chunk(rectangle), properties=properties, size=self.size()),
+            )
+            for rectangle in self._rectangles
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [self._chunk(rectangle) for rectangle in self._rectangles]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for rectangle in self._rectangles:
+            if index.offset is None or tuple(index.offset) == rectangle.offsets:
+                begin = rectangle.flat_start - self._flat_start
+                numel = math.prod(rectangle.sizes)
+                return self._local[begin : begin + numel].view(rectangle.sizes)
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {index.offset}")

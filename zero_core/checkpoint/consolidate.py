@@ -1,0 +1,112 @@
+"""Turning a sharded checkpoint directory into full weights on one machine,
+without a process group.
+
+    zero-consolidate CHECKPOINT_DIR OUTPUT [--format safetensors|lightning]
+
+``safetensors``: the model's full fp32 weights (and buffers) in one file.
+``lightning``: a file ``LightningModule.load_from_checkpoint`` and
+``Trainer(ckpt_path=...)`` read: ``state_dict``, ``optimizer_states`` and the
+extra state saved beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from .api import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY
+from .storage import CheckpointError, check_files, load_into, read_extra, read_metadata
+
+
+def _set_nested(tree: dict[str, Any], path: tuple, value: Any) -> None:
+    node: Any = tree
+    for part, following in zip(path[:-1], path[1:]):
+        if isinstance(node, list):
+            while len(node) <= part:
+                node.append(None)
+            if node[part] is None:
+                node[part] = [] if isinstance(following, int) else {}
+            node = node[part]
+        else:
+            node = node.setdefault(part, [] if isinstance(following, int) else {})
+    if isinstance(node, list):
+        while len(node) <= path[-1]:
+            node.append(None)
+    node[path[-1]] = value
+
+
+def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything in the directory, as full tensors in nested dicts (keys ``model``, ``optimizer_0``, ...)."""
+    path = Path(path)
+    metadata = read_metadata(path)
+    check_files(path, metadata)
+    flat: dict[str, Any] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        load_into(path, flat, no_dist=True)
+    nested: dict[str, Any] = {}
+    mappings = metadata.planner_data or {}
+    for key, value in flat.items():
+        _set_nested(nested, tuple(mappings.get(key, (key,))), value)
+    return nested
+
+
+def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, fmt: str = "safetensors") -> Path:
+    """Write full weights (``safetensors``) or a Lightning checkpoint file (``lightning``)."""
+    if fmt not in ("safetensors", "lightning"):
+        raise ValueError(f"format {fmt!r} is not supported; use 'safetensors' or 'lightning'.")
+    checkpoint = load_full_checkpoint(path)
+    if MODEL_KEY not in checkpoint:
+        raise CheckpointError(f"{path} holds no '{MODEL_KEY}' entry; it is not a model checkpoint.")
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    model = {k: v.contiguous() for k, v in checkpoint[MODEL_KEY].items()}
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        save_file(model, str(output))
+        return output
+    extra = read_extra(Path(path))
+    extra.pop(ZERO_KEY, None)
+    result: dict[str, Any] = {**extra, "state_dict": model}
+    optimizers = sorted((k for k in checkpoint if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    if optimizers:
+        result["optimizer_states"] = [checkpoint[k] for k in optimizers]
+    if "pytorch-lightning_version" not in result:
+        try:
+            result["pytorch-lightning_version"] = importlib.metadata.version("lightning")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    torch.save(result, output)
+    return output
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="zero-consolidate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", help="the sharded checkpoint directory")
+    parser.add_argument("output", help="the file to write")
+    parser.add_argument("--format", choices=("safetensors", "lightning"), default=None,
+                        help="default: from the output's suffix (.safetensors, else lightning)")
+    args = parser.parse_args(argv)
+    fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "lightning")
+    try:
+        written = consolidate_checkpoint(args.checkpoint, args.output, fmt)
+    except CheckpointError as error:
+        print(f"zero-consolidate: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {written}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Loading ordinary full weights into an already-sharded model.
+
+Each rank copies only the flat range of each parameter its shard covers:
+from an in-memory state dict (a view), a memory-mapped torch file (only the
+touched pages are read) or a safetensors file (rectangular slices), so no
+rank materialises the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from .chunks import flat_range_to_rectangles
+from .storage import CheckpointError
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+
+class FlatSource(Protocol):
+    def names(self) -> set[str]: ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
+    def read_flat(self, name: str, start: int, end: int) -> torch.Tensor: ...
+
+
+class DictSource:
+    def __init__(self, state_dict: Mapping[str, torch.Tensor]):
+        self._tensors = state_dict
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self._tensors[name].reshape(-1)[start:end]
+
+
+class SafetensorsSource:
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self._file = safe_open(str(path), framework="pt")
+
+    def names(self) -> set[str]:
+        return set(self._file.keys())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file.get_slice(name).get_shape())
+
+    def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
+        view = self._file.get_slice(name)
+        shape = tuple(view.get_shape())
+        if not shape:
+            return self._file.get_tensor(name).reshape(-1)[start:end]
+        parts = [
+            view[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))].reshape(-1)
+            for r in flat_range_to_rectangles(shape, start, end)
+        ]
+        return torch.cat(parts) if parts else torch.empty(0)
+
+
+def open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike) -> FlatSource:
+    if isinstance(source, Mapping):
+        return DictSource(source)
+    path = Path(source)
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a file of weights (expected .safetensors, .pt, .pth, .bin or .ckpt).")
+    if path.suffix == ".safetensors":
+        return SafetensorsSource(path)
+    loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    if isinstance(loaded, Mapping) and "state_dict" in loaded and isinstance(loaded["state_dict"], Mapping):
+        loaded = loaded["state_dict"]  # a Lightning checkpoint file
+    return DictSource(loaded)
+
+
+def _resolve_names(engine: "ZeroEngine", source: FlatSource, strict: bool) -> dict[str, str]:
+    """Map each model key to the source key holding it (a tied parameter needs one of its names)."""
+    from .api import _expected_model_shapes
+
+    expected = _expected_model_shapes(engine)
+    available = source.names()
+    slot_names = {name: slot.fqns for u in engine.units for slot in u.layout.slots for name in slot.fqns}
+    resolved, missing, misshaped = {}, [], []
+    for key, shape in expected.items():
+        candidates = [n for n in slot_names.get(key, (key,)) if n in available]
+        if not candidates:
+            missing.append(key)
+            continue
+        resolved[key] = candidates[0]
+        if source.shape(candidates[0]) != shape:
+            misshaped.append(f"{key} (file {source.shape(candidates[0])}, model {shape})")
+    unexpected = sorted(available - set(expected))
+    if misshaped or (strict and (missing or unexpected)):
+        problems = [
+            f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}"
+            for label, names in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", misshaped))
+            if names
+        ]
+        raise CheckpointError("The weights do not fit this model; " + "; ".join(problems))
+    return resolved
+
+
+def load_full_weights(engine: "ZeroEngine", source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> None:
+    tensors = open_source(source)
+    names = _resolve_names(engine, tensors, strict)
+    engine.runtime.finish_reduces()
+    for unit in engine.units:
+        for piece in unit.layout.pieces(engine.rank):
+            name = names.get(piece.slot.fqns[0])
+            if name is None:
+                continue
+            values = tensors.read_flat(name, piece.param_start, piece.param_start + piece.numel)
+            unit.master_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
+    buffers = dict(engine.model.named_buffers())
+    for key, name in names.items():
+        if key in buffers:
+            shape = tensors.shape(name)
+            buffers[key].copy_(tensors.read_flat(name, 0, math.prod(shape)).view(shape))
+    engine.refresh_parameters()

@@ -1,0 +1,96 @@
+"""Sharded state dicts of the model and optimizer, in full logical shapes.
+
+Every parameter and per-element optimizer-state tensor appears under its
+fully qualified name with its full shape, as a :class:`ShardedChunks` view of
+this rank's fp32 shard; buffers and scalar state (Adam's ``step``) appear as
+ordinary tensors every rank holds alike. The layout is FSDP's: the
+optimizer state dict is ``{"state": {fqn: {key: tensor}}, "param_groups":
+[{..., "params": [fqn, ...]}]}``, so tools that read FSDP checkpoints read
+ours, and a checkpoint does not depend on the stage or world size it was
+written at.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from ..flat_unit import FlatUnit, MasterPiece
+from ..layout import ParamSlot
+from .chunks import ShardedChunks
+
+
+def _local_chunks(unit: FlatUnit, slot: ParamSlot, rank: int) -> ShardedChunks:
+    pieces = [p for p in unit.layout.pieces(rank) if p.slot.index == slot.index]
+    if not pieces:
+        return ShardedChunks(slot.shape, unit.master_shard[:0], 0)
+    piece = pieces[0]
+    return ShardedChunks(slot.shape, unit.master_shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
+
+
+def sharded_model_state_dict(model: torch.nn.Module, units: list[FlatUnit], rank: int) -> dict[str, torch.Tensor]:
+    """``model.state_dict()``'s keys and order; parameters as views of the fp32 master shard."""
+    views = {}
+    for unit in units:
+        for slot, param in zip(unit.layout.slots, unit.params):
+            views[id(param)] = _local_chunks(unit, slot, rank)
+    return {
+        key: views.get(id(value), value.detach() if isinstance(value, torch.Tensor) else value)
+        for key, value in model.state_dict(keep_vars=True).items()
+    }
+
+
+def _is_per_element(value: Any, master: MasterPiece) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == master.piece.numel
+
+
+def sharded_optimizer_state_dict(
+    optimizer: torch.optim.Optimizer, units: list[FlatUnit], group_names: list[list[str]]
+) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {}
+    for unit in units:
+        for master in unit.master_pieces:
+            slot = master.piece.slot
+            for key, value in optimizer.state.get(master.param, {}).items():
+                if _is_per_element(value, master):
+                    value = ShardedChunks(slot.shape, value, master.piece.param_start)
+                state.setdefault(slot.fqns[0], {})[key] = value
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}
+        for group, names in zip(optimizer.param_groups, group_names)
+    ]
+    return {"state": state, "param_groups": groups}
+
+
+def optimizer_load_targets(
+    optimizer: torch.optim.Optimizer, units: list[FlatUnit], metadata: Metadata, prefix: str
+) -> tuple[dict[str, Any], list[tuple[MasterPiece, str, torch.Tensor]]]:
+    """A state dict to load optimizer state into, built from what the checkpoint holds.
+
+    Returns the DCP destination and (piece, key, tensor) triples to install
+    as ``optimizer.state`` once loaded. Per-element state is recognised by
+    having the parameter's full shape.
+    """
+    saved = metadata.state_dict_metadata
+    targets: dict[str, dict[str, Any]] = {}
+    installs: list[tuple[MasterPiece, str, torch.Tensor]] = []
+    for unit in units:
+        for master in unit.master_pieces:
+            slot = master.piece.slot
+            state_prefix = f"{prefix}.state.{slot.fqns[0]}."
+            for flat_key, entry in saved.items():
+                if not flat_key.startswith(state_prefix) or not isinstance(entry, TensorStorageMetadata):
+                    continue
+                key = flat_key[len(state_prefix) :]
+                dtype = entry.properties.dtype
+                if tuple(entry.size) == tuple(slot.shape) and (len(slot.shape) > 0 or key != "step"):
+                    local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.master_shard.device)
+                    target: torch.Tensor = ShardedChunks(slot.shape, local, master.piece.param_start)
+                else:
+                    local = target = torch.zeros(entry.size, dtype=dtype)
+                targets.setdefault(slot.fqns[0], {})[key] = target
+                installs.append((master, key, local))
+    groups = [dict(group, params=[]) for group in optimizer.param_groups]
+    return {"state": targets, "param_groups": groups}, installs
