@@ -188,6 +188,11 @@ class ZeroEngine:
         # synchronising training forward (not no_grad, not inside no_sync).
         self._sync_buffers_next_forward = torch.is_grad_enabled() and self.runtime.require_grad_sync
 
+    def sync_buffers_for_export(self) -> None:
+        """Exports hold rank 0's buffers (DDP's rule), which the next forward would broadcast anyway."""
+        if self.config.broadcast_buffers:
+            self._sync_buffers()
+
     def _sync_buffers(self) -> None:
         """Rank 0's buffers everywhere, as DDP's broadcast_buffers does."""
         if self.world_size == 1:
@@ -350,6 +355,7 @@ class ZeroEngine:
         Keys and order are those of ``model.state_dict()``; tied parameters
         appear under each of their names. Every rank must call it.
         """
+        self.sync_buffers_for_export()
         keep = not rank0_only or self.rank == 0
         full_values: dict[int, torch.Tensor] = {}
         for unit in self.units:
@@ -370,14 +376,18 @@ class ZeroEngine:
         return result
 
     # --------------------------------------------------------- checkpoints
-    def save_checkpoint(self, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    def save_checkpoint(
+        self, path: str | os.PathLike, extra: dict[str, Any] | None = None, *, include_optimizer: bool = True
+    ) -> Path:
         """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically.
 
-        Every rank calls it; each writes only its own pieces.
+        Every rank calls it; each writes only its own pieces. Without the
+        optimizer the directory holds the model alone, which is what
+        ``accelerate merge-weights`` consolidates.
         """
         from .checkpoint.api import save_checkpoint
 
-        return save_checkpoint(self, path, extra)
+        return save_checkpoint(self, path, extra, include_optimizer)
 
     def load_checkpoint(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
         """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``."""

@@ -46,9 +46,12 @@ def zero_info(engine: "ZeroEngine") -> dict[str, Any]:
     }
 
 
-def save_checkpoint(engine: "ZeroEngine", path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(
+    engine: "ZeroEngine", path: str | os.PathLike, extra: dict[str, Any] | None = None, include_optimizer: bool = True
+) -> Path:
     engine.runtime.finish_reduces()
-    return save_atomically(path, engine_state(engine), {**(extra or {}), ZERO_KEY: zero_info(engine)})
+    engine.sync_buffers_for_export()
+    return save_atomically(path, engine_state(engine, include_optimizer), {**(extra or {}), ZERO_KEY: zero_info(engine)})
 
 
 def _expected_model_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:

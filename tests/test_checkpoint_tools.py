@@ -1,0 +1,104 @@
+"""Consolidation by our tool, Lightning's and Accelerate's, and starting from full weights."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from zero_core.checkpoint import consolidate_checkpoint
+
+from .distributed import run_distributed
+from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import config_for, relative_difference
+from zero_core import ZeroEngine
+
+
+def _train_and_save(rank: int, world_size: int, directory: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
+    for step in range(3):
+        ids = batch(step, rank)
+        engine.backward(lm_loss(model(ids), ids))
+        engine.step()
+    engine.save_checkpoint(Path(directory) / "full", extra={"epoch": 7})
+    engine.save_checkpoint(Path(directory) / "weights", include_optimizer=False)
+    return engine.full_state_dict()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    directory = tmp_path_factory.mktemp("checkpoints")
+    in_memory = run_distributed(_train_and_save, 3, str(directory))[0]
+    return directory, in_memory
+
+
+def _assert_same_weights(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(loaded) == set(expected)
+    for key, value in expected.items():
+        assert torch.equal(loaded[key].to(value.dtype), value), key
+
+
+def test_our_tool_writes_safetensors_and_lightning_files(saved: tuple, tmp_path: Path) -> None:
+    directory, expected = saved
+    consolidate_checkpoint(directory / "full", tmp_path / "model.safetensors")
+    _assert_same_weights(load_file(tmp_path / "model.safetensors"), expected)
+    result = subprocess.run(
+        [sys.executable, "-m", "zero_core.checkpoint.consolidate", str(directory / "full"), str(tmp_path / "model.ckpt")],
+        capture_output=True, text=True, check=True,
+    )
+    assert "wrote" in result.stdout
+    checkpoint = torch.load(tmp_path / "model.ckpt", weights_only=True)
+    _assert_same_weights(checkpoint["state_dict"], expected)
+    assert checkpoint["epoch"] == 7 and "zero" not in checkpoint
+    assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(1e-2)
+
+
+def test_lightning_consolidation_tool_reads_our_checkpoints(saved: tuple, tmp_path: Path) -> None:
+    directory, expected = saved
+    output = tmp_path / "lightning.ckpt"
+    subprocess.run(
+        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(directory / "full"), "--output_file", str(output)],
+        capture_output=True, text=True, check=True,
+    )
+    checkpoint = torch.load(output, weights_only=False)
+    _assert_same_weights(checkpoint["state_dict"], expected)
+    assert checkpoint["epoch"] == 7
+    state = checkpoint["optimizer_states"][0]["state"]
+    assert state["blocks.0.up.weight"]["exp_avg"].shape == expected["blocks.0.up.weight"].shape
+
+
+def test_accelerate_merge_weights_reads_our_model_checkpoints(saved: tuple, tmp_path: Path) -> None:
+    directory, expected = saved
+    subprocess.run(
+        ["accelerate", "merge-weights", str(directory / "weights"), str(tmp_path / "merged")],
+        capture_output=True, text=True, check=True,
+    )
+    _assert_same_weights(load_file(tmp_path / "merged" / "model.safetensors"), expected)
+
+
+def _start_from_full_weights(rank: int, world_size: int, files: list[str]) -> list[float]:
+    """Load each file into a freshly sharded model; return the differences to the first file's weights."""
+    errors = []
+    for stage, file in zip((1, 2, 3), files):
+        torch.manual_seed(123)  # other initial values than the saved run's
+        model = TinyTransformer()
+        engine = ZeroEngine(model, make_optimizer("sgd", model), config_for(stage))
+        engine.load_full_state_dict(file)
+        errors.append(relative_difference(engine.full_state_dict(), load_file(files[0])))
+    return errors
+
+
+def test_full_weights_load_into_a_sharded_model(saved: tuple, tmp_path: Path) -> None:
+    directory, expected = saved
+    save_file({k: v.clone() for k, v in expected.items()}, tmp_path / "weights.safetensors")  # untie for safetensors
+    torch.save(expected, tmp_path / "weights.pt")
+    consolidate_checkpoint(directory / "full", tmp_path / "lightning.ckpt", "lightning")
+    files = [str(tmp_path / name) for name in ("weights.safetensors", "weights.pt", "lightning.ckpt")]
+    for errors in run_distributed(_start_from_full_weights, 2, files):
+        assert errors == [0.0, 0.0, 0.0]
