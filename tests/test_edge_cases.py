@@ -13,7 +13,7 @@ from zero_core import ZeroEngine
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import config_for, relative_difference
+from .workers import config_for, rank0_state_dict, relative_difference
 
 
 class ReusingTransformer(TinyTransformer):
@@ -54,7 +54,7 @@ def _reuse_and_eval(rank: int, world_size: int, stage: int) -> list[float]:
         for net in (model, ddp):
             net.train()
         errors.append(abs(evaluation[0] - evaluation[1]) / abs(evaluation[1]))
-        errors.append(relative_difference(engine.full_state_dict(), reference.state_dict()))
+        errors.append(relative_difference(engine.full_state_dict(), rank0_state_dict(reference)))
     return errors
 
 

@@ -24,6 +24,14 @@ def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
     return worst
 
 
+def rank0_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The reference's state with rank 0's buffers, as DDP broadcasts them before the next forward
+    and as ZeRO exports them."""
+    for buffer in module.buffers():
+        torch.distributed.broadcast(buffer, 0)
+    return module.state_dict()
+
+
 def config_for(stage: int, prefetch: int = 1, precision: MixedPrecision | None = None) -> ZeroConfig:
     return ZeroConfig(
         stage=stage,
@@ -71,7 +79,7 @@ def train_against_ddp(
         reference_optimizer.step()
         reference_optimizer.zero_grad()
         engine.step()
-        param_errors.append(relative_difference(engine.full_state_dict(), reference.state_dict()))
+        param_errors.append(relative_difference(engine.full_state_dict(), rank0_state_dict(reference)))
     return {
         "losses": losses,
         "reference_losses": reference_losses,
