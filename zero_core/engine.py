@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import collectives
+from . import collectives, full_params, grad_ops
 from .accounting import MemoryReport, StorageCounter
 from .collectives import CommContext, CommStats
 from .config import ZeroConfig
@@ -41,6 +42,15 @@ from .optim import check_optimizer_supported, rebuild_optimizer
 from .precision import DynamicLossScaler
 from .runtime import StepRuntime
 from .units import plan_units
+
+
+# Which engine has sharded a model, so a model is never sharded twice.
+_ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+
+
+def engine_of(model: nn.Module) -> "ZeroEngine | None":
+    """The engine that sharded ``model``, if any."""
+    return _ENGINES.get(model)
 
 
 def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -75,7 +85,7 @@ class ZeroEngine:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
         config: ZeroConfig | None = None,
         *,
         process_group: dist.ProcessGroup | None = None,
@@ -85,11 +95,19 @@ class ZeroEngine:
         self.config = config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise ValueError("config must be a zero_core.ZeroConfig, for example ZeroConfig(stage=3).")
-        check_optimizer_supported(optimizer)
+        if engine_of(model) is not None:
+            raise ValueError(
+                "This model is already sharded by a ZeroEngine. Reuse it (zero_core.engine_of(model)), "
+                "or call its unshard() first to shard it again with other settings."
+            )
+        if optimizer is not None:
+            check_optimizer_supported(optimizer)
         on_meta = model_is_on_meta(model)
         if on_meta:
             check_meta_initialisable(model, param_init_fn)
-        self.model, self.optimizer = model, optimizer
+        self.model = model
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.param_group_names: list[list[str]] = []
         self.comm = CommContext.create(process_group, _model_device(model, device))
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
         sizes = [sum(p.numel() for p in plan.params) for plan in plans]
@@ -108,7 +126,6 @@ class ZeroEngine:
         self.units = [units[i] for i in range(len(plans))]
         self._cast_buffers(config.mixed_precision.compute_dtype)
         self._sync_buffers()
-        self.param_group_names = rebuild_optimizer(optimizer, model, self.units)
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         self._grads_unscaled = False
         self.runtime = StepRuntime(self.units, config)
@@ -116,12 +133,30 @@ class ZeroEngine:
         self.runtime.after_root_forward.append(self._after_root_forward)
         self._sync_buffers_next_forward = True
         self._hooks = self.runtime.install()
-        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()))
-        self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()))
+        self._optimizer_hooks: list[Any] = []
+        if optimizer is not None:
+            self.attach_optimizer(optimizer)
         self._skip_refresh = False
         self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._traffic_at_last_step = self.comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
+        _ENGINES[model] = self
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Rebuild ``optimizer`` (made over the model's parameters) over this rank's shards.
+
+        The constructor does this for the optimizer it is given; call it to
+        train an engine built without one, or with a fresh optimizer.
+        """
+        check_optimizer_supported(optimizer)
+        for handle in self._optimizer_hooks:
+            handle.remove()
+        self.param_group_names = rebuild_optimizer(optimizer, self.model, self.units)
+        self.optimizer = optimizer
+        self._optimizer_hooks = [
+            optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()),
+            optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()),
+        ]
 
     # --------------------------------------------------------------- facts
     @property
@@ -225,33 +260,20 @@ class ZeroEngine:
     def _unscale_grads_once(self) -> None:
         if self.loss_scaler is None or self._grads_unscaled:
             return
-        inverse = 1.0 / self.loss_scaler.scale
-        for unit in self.units:
-            if unit.sharded_grads is not None:
-                unit.sharded_grads.mul_(inverse)
+        grad_ops.scale_grads(self.units, 1.0 / self.loss_scaler.scale)
         self._grads_unscaled = True
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
         self.runtime.finish_reduces()
         self._unscale_grads_once()
-        shards = [u.sharded_grads for u in self.units if u.sharded_grads is not None]
-        norm_type = float(norm_type)
-        local = torch.zeros(1, dtype=torch.float32, device=self.comm.device)
-        if norm_type == float("inf"):
-            for shard in shards:
-                local = torch.maximum(local, shard.detach().abs().max().float().reshape(1))
-            collectives.all_reduce(self.comm, local, dist.ReduceOp.MAX).wait()
-            total_norm = local[0]
-        else:
-            for shard in shards:
-                local += shard.detach().float().abs().pow(norm_type).sum()
-            collectives.all_reduce(self.comm, local).wait()
-            total_norm = local[0].pow(1.0 / norm_type)
-        clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-        for shard in shards:
-            shard.mul_(clip_coef.to(shard.dtype))
-        return total_norm
+        return grad_ops.clip_grad_norm(self.units, self.comm, max_norm, float(norm_type))
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
+        self.runtime.finish_reduces()
+        self._unscale_grads_once()
+        grad_ops.clip_grad_value(self.units, clip_value)
 
     def zero_grad(self) -> None:
         """Discard accumulated gradients without stepping."""
@@ -263,32 +285,16 @@ class ZeroEngine:
     # ---------------------------------------------------------------- step
     def step(self) -> None:
         """``optimizer.step()``: the optimizer's own step runs the same ZeRO logic."""
+        if self.optimizer is None:
+            raise RuntimeError("This engine was built without an optimizer; pass one to attach_optimizer().")
         self.optimizer.step()
-
-    def _found_inf(self) -> bool:
-        local = any(
-            not torch.isfinite(u.sharded_grads).all() for u in self.units if u.sharded_grads is not None
-        )
-        return collectives.agree_on_flag(self.comm, local)
-
-    def _agreed_slot_flags(self) -> list[list[bool]]:
-        """A parameter has a gradient if any rank produced one (DDP's unused-parameter rule)."""
-        flags = [flag for u in self.units for flag in u.slot_has_grad]
-        tensor = torch.tensor(flags, dtype=torch.float32, device=self.comm.device)
-        collectives.all_reduce(self.comm, tensor, dist.ReduceOp.MAX).wait()
-        agreed, offset = [], 0
-        for unit in self.units:
-            count = len(unit.slot_has_grad)
-            agreed.append([bool(x) for x in tensor[offset : offset + count].tolist()])
-            offset += count
-        return agreed
 
     def _before_optimizer_step(self) -> None:
         self.runtime.finish_reduces()
         self._skip_refresh = False
         if self.loss_scaler is not None:
             self._unscale_grads_once()
-            found_inf = self._found_inf()
+            found_inf = grad_ops.any_nonfinite(self.units, self.comm)
             self.loss_scaler.update(found_inf)
             if found_inf:
                 # With no .grad anywhere the optimizer leaves every parameter alone.
@@ -296,7 +302,7 @@ class ZeroEngine:
                     unit.attach_master_grads([False] * len(unit.slot_has_grad))
                 self._skip_refresh = True
                 return
-        for unit, flags in zip(self.units, self._agreed_slot_flags()):
+        for unit, flags in zip(self.units, grad_ops.agreed_slot_flags(self.units, self.comm)):
             unit.attach_master_grads(flags)
 
     def refresh_parameters(self) -> None:
@@ -317,37 +323,13 @@ class ZeroEngine:
         self._traffic_at_last_step = now
 
     # ----------------------------------------------------- full parameters
-    def _units_of(self, module: nn.Module | None) -> list[FlatUnit]:
-        if module is None:
-            return self.units
-        wanted = {id(p) for p in module.parameters()}
-        return [u for u in self.units if any(id(p) in wanted for p in u.params)]
-
-    @contextlib.contextmanager
-    def gathered_parameters(self, module: nn.Module | None = None, writeback: bool = True) -> Iterator[None]:
+    def gathered_parameters(self, module: nn.Module | None = None, writeback: bool = True) -> "contextlib.AbstractContextManager[None]":
         """Inside, the parameters of ``module`` (default: the model) are full fp32 master values.
 
         Every rank must enter together. With ``writeback``, in-place edits are
         written back to the shards on exit (every rank should make the same edit).
         """
-        units = self._units_of(module)
-        self.runtime.finish_reduces()
-        fulls = [unit.gather_full_master() for unit in units]
-        saved: list[tuple[nn.Parameter, torch.Tensor]] = []
-        for unit, full in zip(units, fulls):
-            for param, view in zip(unit.params, unit.full_param_views(full)):
-                saved.append((param, param.data))
-                param.data = view
-        self.runtime.summoned = True
-        try:
-            yield
-        finally:
-            self.runtime.summoned = False
-            for param, data in saved:
-                param.data = data
-            if writeback:
-                for unit, full in zip(units, fulls):
-                    unit.load_full_master(full)
+        return full_params.gathered_parameters(self, module, writeback)
 
     def full_state_dict(self, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict with full fp32 parameters, gathered one unit at a time.
@@ -356,24 +338,15 @@ class ZeroEngine:
         appear under each of their names. Every rank must call it.
         """
         self.sync_buffers_for_export()
-        keep = not rank0_only or self.rank == 0
-        full_values: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            full = unit.gather_full_master()
-            if keep:
-                for param, view in zip(unit.params, unit.full_param_views(full)):
-                    full_values[id(param)] = view.to("cpu") if to_cpu else view.clone()
-            del full
-        if not keep:
-            return {}
-        result = {}
-        for key, value in self.model.state_dict(keep_vars=True).items():
-            if id(value) in full_values:
-                result[key] = full_values[id(value)]
-            else:
-                tensor = value.detach()
-                result[key] = tensor.to("cpu", copy=True) if to_cpu else tensor.clone()
-        return result
+        return full_params.full_state_dict(self, to_cpu=to_cpu, rank0_only=rank0_only)
+
+    def unshard(self) -> None:
+        """Give the model back as an ordinary module: full fp32 parameters, no hooks.
+
+        The optimizer keeps pointing at the shards and is of no further use.
+        """
+        full_params.unshard(self)
+        _ENGINES.pop(self.model, None)
 
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(
@@ -416,9 +389,10 @@ class ZeroEngine:
             + [p.grad for p in self.model.parameters()]
             + [m.param.grad for u in self.units for m in u.master_pieces]
         )
+        optimizer_state = self.optimizer.state if self.optimizer is not None else {}
         state_tensors = [
             value
-            for state in self.optimizer.state.values()
+            for state in optimizer_state.values()
             for value in state.values()
             if isinstance(value, torch.Tensor)
         ]
@@ -426,6 +400,7 @@ class ZeroEngine:
         return MemoryReport(params, grads, optimizer)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks:
+        for handle in self._hooks + self._optimizer_hooks:
             handle.remove()
         self._hooks.clear()
+        self._optimizer_hooks.clear()

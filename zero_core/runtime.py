@@ -100,7 +100,7 @@ class StepRuntime:
 
     # ------------------------------------------------------------ forward
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if unit is self.root:
+        if unit is self.root and unit not in self._active:  # outermost call only (Lightning re-enters)
             self.state = TrainingState.FORWARD
             for transform in self.before_root_forward:
                 args, kwargs = transform(args, kwargs)
@@ -126,6 +126,8 @@ class StepRuntime:
 
     def _post_forward(self, unit: FlatUnit, module: nn.Module, args: tuple, output: Any) -> Any:
         self._active.remove(unit)
+        if unit in self._active:
+            return output  # a nested call of a unit still running: the outer call finishes it
         self._release(unit)
         if torch.is_grad_enabled():
             hook = functools.partial(self._on_output_grad, unit)

@@ -31,7 +31,7 @@ FORMAT_VERSION = 1
 
 def engine_state(engine: "ZeroEngine", with_optimizer: bool = True) -> dict[str, Any]:
     state: dict[str, Any] = {MODEL_KEY: sharded_model_state_dict(engine.model, engine.units, engine.rank)}
-    if with_optimizer:
+    if with_optimizer and engine.optimizer is not None:
         state[OPTIMIZER_KEY] = sharded_optimizer_state_dict(engine.optimizer, engine.units, engine.param_group_names)
     return state
 
@@ -91,6 +91,7 @@ def load_checkpoint(
     (no collectives), so a bad checkpoint fails everywhere with one message.
     """
     path = Path(path).absolute()
+    load_optimizer = load_optimizer and engine.optimizer is not None
     metadata = read_metadata(path)
     check_model_keys(path, metadata.state_dict_metadata, _expected_model_shapes(engine), MODEL_KEY)
     has_optimizer = any(k.startswith(OPTIMIZER_KEY + ".") for k in metadata.state_dict_metadata)
