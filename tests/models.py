@@ -28,13 +28,14 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    def __init__(self, blocks: int = 3, width: int = WIDTH, vocab: int = VOCAB):
+    def __init__(self, blocks: int = 3, width: int = WIDTH, vocab: int = VOCAB, batchnorm: bool = True):
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.frozen = nn.Linear(width, width)
         self.frozen.requires_grad_(False)
         self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
-        self.norm = nn.BatchNorm1d(width)
+        # BatchNorm (buffers) by default; LayerNorm where results must not depend on how the batch is split.
+        self.norm = nn.BatchNorm1d(width) if batchnorm else nn.GroupNorm(1, width)
         self.branch = nn.Linear(width, width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight  # tied

@@ -1,0 +1,260 @@
+"""``ZeroStrategy``: ZeRO stages 1-3 as a Lightning Trainer strategy.
+
+It is DDP's process management (launcher, process group, sampler, reduce,
+barrier) with the ZeRO core in place of the DDP wrapper. The LightningModule
+itself is the engine's root module, so checkpoint keys are the module's own.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+
+from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core.checkpoint.state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
+from zero_core.engine import engine_of
+
+from .precision import ZeroPrecision
+
+
+def as_wrap_policy(policy: WrapPolicy | type[nn.Module] | set | tuple | list | None) -> WrapPolicy:
+    """Accept what users write: a policy, one block class, or a collection of them."""
+    if policy is None:
+        return WrapPolicy()
+    if isinstance(policy, WrapPolicy):
+        return policy
+    if isinstance(policy, type):
+        return WrapPolicy(module_classes=(policy,))
+    return WrapPolicy(module_classes=tuple(policy))
+
+
+def move_real_tensors(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)``, leaving meta tensors for the engine to materialise."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if not tensor.is_meta and tensor.device != device:
+            tensor.data = tensor.data.to(device)
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO for the Lightning Trainer: ``Trainer(strategy=ZeroStrategy(stage=3, ...))``
+    or ``Trainer(strategy="zero3")`` after ``import lightning_zero``.
+
+    Args:
+        stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
+        wrap_policy: which submodules become units: a block class, a tuple of
+            classes, or a ``zero_core.WrapPolicy`` (default: by size).
+        bucket_size_mb, prefetch, broadcast_buffers: as in ``zero_core.ZeroConfig``.
+    The precision comes from ``Trainer(precision=...)``: "32-true",
+    "bf16-mixed", "bf16-true" or "16-mixed".
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: int = 3,
+        *,
+        wrap_policy: WrapPolicy | type[nn.Module] | set | tuple | list | None = None,
+        bucket_size_mb: float = 25.0,
+        prefetch: int = 1,
+        broadcast_buffers: bool = True,
+        accelerator: "pl.accelerators.Accelerator | None" = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        # Validate now, before Lightning launches any process.
+        self.zero_config = ZeroConfig(
+            stage=stage,
+            wrap_policy=as_wrap_policy(wrap_policy),
+            bucket_size_mb=bucket_size_mb,
+            prefetch=prefetch,
+            broadcast_buffers=broadcast_buffers,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._forward_redirection = _ForwardRedirection()
+        self.engine: ZeroEngine | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"zero{stage}", cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage, override=True
+            )
+
+    # ------------------------------------------------------------ precision
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        if not isinstance(self._precision_plugin, ZeroPrecision):
+            self._precision_plugin = ZeroPrecision(getattr(self._precision_plugin, "precision", "32-true"))
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # Lightning hands every strategy its generic plugin for the flag; ZeRO
+        # owns the precision, so keep only the flag.
+        if plugin is not None and not isinstance(plugin, ZeroPrecision):
+            plugin = ZeroPrecision(getattr(plugin, "precision", "32-true"))
+        self._precision_plugin = plugin
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, trainer: "pl.Trainer") -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        move_real_tensors(self.lightning_module, self.root_device)
+        optimizer = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) > 1:
+                raise ValueError(
+                    f"The ZeRO strategies support one optimizer; configure_optimizers returned {len(self.optimizers)}. "
+                    "Put the parameters in param groups of a single optimizer instead."
+                )
+            optimizer = self.optimizers[0] if self.optimizers else None
+        self._shard(optimizer)
+        self.setup_precision_plugin()
+
+    def _shard(self, optimizer: Optimizer | None) -> None:
+        module = self.lightning_module
+        config = replace(self.zero_config, mixed_precision=self.precision_plugin.policy)
+        engine = engine_of(module)
+        if engine is not None and engine.config != config:
+            engine.unshard()  # sharded before with other settings (another Trainer)
+            engine = None
+        if engine is None:
+            engine = ZeroEngine(module, optimizer, config, device=self.root_device)
+        elif optimizer is not None and optimizer is not engine.optimizer:
+            engine.attach_optimizer(optimizer)
+        self.engine = engine
+        self.precision_plugin.engine = engine
+
+    def model_to_device(self) -> None:
+        assert self.lightning_module is not None
+        move_real_tensors(self.lightning_module, self.root_device)
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device; the engine materialises unit by unit."""
+        with torch.device("meta"):
+            yield
+
+    # ------------------------------------------------------------ stepping
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        # Through the module's __call__, so the engine's root hooks run.
+        module = self.lightning_module
+        return self._forward_redirection(module, module, method, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        assert self.engine is not None
+        with self.engine.no_sync():
+            yield
+
+    # ---------------------------------------------------------- checkpoints
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.engine is not None
+        return sharded_model_state_dict(self.engine.model, self.engine.units, self.engine.rank)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self.engine is not None
+        return sharded_optimizer_state_dict(optimizer, self.engine.units, self.engine.param_group_names)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it writes DCP directories.")
+        assert self.engine is not None
+        path = Path(self.broadcast(str(filepath)))
+        extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.engine.save_checkpoint(path, extra, include_optimizer="optimizer_states" in checkpoint)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            if path.is_dir():
+                shutil.rmtree(path)
+            elif path.exists():
+                path.unlink()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.engine is not None and self.lightning_module is not None
+        path = Path(self.broadcast(str(checkpoint_path)))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if path.is_dir():
+            with_optimizer = fitting and self.engine.optimizer is not None
+            checkpoint = self.engine.load_checkpoint(path, load_optimizer=with_optimizer)
+            checkpoint["state_dict"] = {}  # already in place; Lightning's own restore has nothing to do
+            if with_optimizer:
+                checkpoint["optimizer_states"] = [{}]
+            return checkpoint
+        # A consolidated file: its weights, read piecewise; optimizer state starts fresh.
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
+        self.engine.load_full_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
+        checkpoint["state_dict"] = {}
+        if fitting:
+            checkpoint["optimizer_states"] = [{}]
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # load_checkpoint already put the weights into the shards
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # likewise for the optimizer state
+
+    def teardown(self) -> None:
+        # Unlike DDP, leave the module where it is: its parameters are views of
+        # the engine's buffers (engine.unshard() gives an ordinary module back).
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()

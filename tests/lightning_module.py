@@ -1,0 +1,82 @@
+"""The LightningModule and data the Lightning tests train."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import lightning.pytorch as pl
+
+from .models import SEQ, VOCAB, TinyTransformer, lm_loss, param_groups, uses_branch
+
+
+class TokenDataset(Dataset):
+    def __init__(self, size: int = 96, seed: int = 0):
+        self.data = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
+
+
+class TinyLM(pl.LightningModule):
+    def __init__(self, batchnorm: bool = True, lr: float = 1e-2, batch_size: int = 4, dataset_size: int = 96):
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = TinyTransformer(batchnorm=batchnorm)
+        self.losses: list[float] = []
+
+    def forward(self, ids: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        return self.net(ids, use_branch=use_branch)
+
+    def training_step(self, ids: torch.Tensor, batch_index: int) -> torch.Tensor:
+        loss = lm_loss(self(ids, use_branch=uses_branch(self.global_step)), ids)
+        self.losses.append(loss.item())
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, ids: torch.Tensor, batch_index: int) -> None:
+        self.log("val_loss", lm_loss(self(ids), ids), sync_dist=True)
+
+    def test_step(self, ids: torch.Tensor, batch_index: int) -> None:
+        self.log("test_loss", lm_loss(self(ids), ids), sync_dist=True)
+
+    def predict_step(self, ids: torch.Tensor, batch_index: int) -> torch.Tensor:
+        return self(ids).argmax(-1)
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        optimizer = torch.optim.AdamW(param_groups(self.net, self.hparams.lr), lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(self.hparams.dataset_size), batch_size=self.hparams.batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(16, seed=1), batch_size=4)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class ManualTinyLM(TinyLM):
+    """The same model with manual optimization: backward, clipping and step by hand."""
+
+    def __init__(self, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, ids: torch.Tensor, batch_index: int) -> None:
+        optimizer = self.optimizers()
+        loss = lm_loss(self(ids, use_branch=uses_branch(self.global_step)), ids)
+        self.losses.append(loss.item())
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+        optimizer.step()

@@ -1,0 +1,104 @@
+"""Runs Lightning trainings described in a JSON file, in one set of processes.
+
+    python tests/scripts/lightning_runs.py RUNS.json OUT_DIR DEVICES
+
+Launched as a plain script: Lightning's own launcher starts the other
+processes. Rank 0 writes OUT_DIR/<name>.pt per run: logged losses, final
+full weights, and whatever the run checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning.pytorch as pl  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import lightning_zero  # noqa: E402, F401  (registers the strategies)
+from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
+from tests.lightning_module import ManualTinyLM, TinyLM  # noqa: E402
+from tests.models import Block  # noqa: E402
+
+
+def make_strategy(name: str):  # type: ignore[no-untyped-def]
+    if name.startswith("zero"):
+        return ZeroStrategy(stage=int(name[-1]), wrap_policy=Block)
+    return name
+
+
+def full_weights(trainer: pl.Trainer, module: TinyLM) -> dict[str, torch.Tensor]:
+    strategy = trainer.strategy
+    if isinstance(strategy, ZeroStrategy):
+        return strategy.engine.full_state_dict()
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def run(spec: dict, out: Path, devices: int) -> None:
+    module_class = ManualTinyLM if spec.get("manual") else TinyLM
+    module = module_class(
+        batchnorm=spec.get("batchnorm", True),
+        batch_size=spec.get("batch_size", 4),
+        dataset_size=spec.get("dataset_size", 96),
+    )
+    callbacks = []
+    if spec.get("checkpoint_epochs"):
+        callbacks.append(ModelCheckpoint(dirpath=out / spec["name"], every_n_epochs=1, save_top_k=-1, save_last=True))
+    if spec.get("top_k"):
+        callbacks.append(ModelCheckpoint(dirpath=out / f"{spec['name']}-topk", monitor="train_loss", every_n_train_steps=1, save_top_k=spec["top_k"]))
+    plugins = [ZeroPrecision(spec["plugin_precision"], initial_loss_scale=2.0**10)] if spec.get("plugin_precision") else []
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=make_strategy(spec["strategy"]),
+        precision=spec.get("precision"),
+        plugins=plugins,
+        max_steps=spec["max_steps"],
+        accumulate_grad_batches=spec.get("accumulate", 1),
+        gradient_clip_val=spec.get("clip"),
+        gradient_clip_algorithm=spec.get("clip_algorithm", "norm"),
+        limit_val_batches=spec.get("limit_val_batches", 0),
+        val_check_interval=spec.get("val_check_interval"),
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False,
+        enable_model_summary=spec.get("summary", False),
+        num_sanity_val_steps=0,
+    )
+    ckpt_path = spec.get("ckpt_path")
+    trainer.fit(module, ckpt_path=str(out / ckpt_path) if ckpt_path else None)
+    result = {"losses": module.losses, "weights": full_weights(trainer, module), "global_step": trainer.global_step}
+    if spec.get("summary"):
+        from lightning.pytorch.utilities.model_summary import ModelSummary
+
+        summary = ModelSummary(module)
+        result["summary_total"] = summary.total_parameters
+        result["summary_trainable"] = summary.trainable_parameters
+    if spec.get("evaluate"):
+        result["test"] = trainer.test(module, verbose=False)
+        result["predictions"] = torch.cat(trainer.predict(module))
+        result["validate"] = trainer.validate(module, verbose=False)
+    if spec.get("save_to"):
+        trainer.save_checkpoint(out / spec["save_to"])
+    if trainer.global_rank == 0:
+        torch.save(result, out / f"{spec['name']}.pt")
+
+
+def main() -> None:
+    runs = json.loads(Path(sys.argv[1]).read_text())
+    out, devices = Path(sys.argv[2]), int(sys.argv[3])
+    for spec in runs:
+        run(spec, out, devices)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()

@@ -1,0 +1,139 @@
+"""The Lightning strategy end to end: real processes started by Lightning's
+launcher (devices=2 on CPU), against DDP, with checkpoints resumed at another
+device count and stage, and consolidated files loaded by Lightning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_zero
+from lightning_zero import ZeroStrategy
+from lightning.pytorch.strategies import StrategyRegistry
+from zero_core.checkpoint import consolidate_checkpoint
+
+from .lightning_module import TinyLM
+from .workers import relative_difference
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_runs.py"
+PARITY = dict(max_steps=4, accumulate=2, clip=0.5)
+# One step per epoch (a global batch of 8 is the whole data set), so every epoch
+# sees the same samples and the comparison does not depend on how Lightning
+# counts a resumed epoch.
+RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
+TWO_DEVICE_RUNS = [
+    {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
+    {"name": "zero1", "strategy": "zero1", **PARITY},
+    {"name": "zero2", "strategy": "zero2", **PARITY},
+    {"name": "zero3", "strategy": "zero3", **PARITY, "summary": True, "evaluate": True, "limit_val_batches": 2, "val_check_interval": 2},
+    {"name": "ddp-value", "strategy": "ddp_find_unused_parameters_true", "max_steps": 3, "clip": 0.01, "clip_algorithm": "value"},
+    {"name": "zero2-value", "strategy": "zero2", "max_steps": 3, "clip": 0.01, "clip_algorithm": "value"},
+    {"name": "ddp-manual", "strategy": "ddp_find_unused_parameters_true", "max_steps": 3, "manual": True},
+    {"name": "zero2-manual", "strategy": "zero2", "max_steps": 3, "manual": True},
+    {"name": "zero3-bf16-mixed", "strategy": "zero3", "max_steps": 4, "precision": "bf16-mixed"},
+    {"name": "zero3-bf16-true", "strategy": "zero3", "max_steps": 4, "precision": "bf16-true"},
+    {"name": "zero3-16-mixed", "strategy": "zero3", "max_steps": 4, "plugin_precision": "16-mixed"},
+    {"name": "zero3-fp32", "strategy": "zero3", "max_steps": 4},
+    {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
+    {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
+]
+ONE_DEVICE_RUNS = [
+    {"name": "resumed-zero1", "strategy": "zero1", **RESUMABLE, "batch_size": 8, "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt"},
+]
+
+
+def _launch(runs: list[dict], out: Path, devices: int) -> None:
+    spec = out / f"runs-{devices}.json"
+    spec.write_text(json.dumps(runs))
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), str(spec), str(out), str(devices)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("lightning")
+    _launch(TWO_DEVICE_RUNS, out, 2)
+    _launch(ONE_DEVICE_RUNS, out, 1)
+    loaded = {run["name"]: torch.load(out / f"{run['name']}.pt", weights_only=False) for run in TWO_DEVICE_RUNS + ONE_DEVICE_RUNS}
+    return out, loaded
+
+
+def test_strategies_are_registered_and_validated() -> None:
+    assert {"zero1", "zero2", "zero3"} <= set(StrategyRegistry.available_strategies())
+    with pytest.raises(ValueError, match="use 1 \\(optimizer state\\)"):
+        ZeroStrategy(stage=5)
+    with pytest.raises(ValueError, match="precision='64-true' is not supported"):
+        lightning_zero.ZeroPrecision("64-true")
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, stage: int) -> None:
+    _, runs = results
+    reference, ours = runs["ddp"], runs[f"zero{stage}"]
+    assert len(ours["losses"]) == 8 and ours["global_step"] == 4  # 4 steps of 2 micro-batches
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+@pytest.mark.parametrize("variant", ["value", "manual"])
+def test_value_clipping_and_manual_optimization_match_ddp(results: tuple, variant: str) -> None:
+    _, runs = results
+    reference, ours = runs[f"ddp-{variant}"], runs[f"zero2-{variant}"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+def test_stage3_summary_and_evaluation_loops(results: tuple) -> None:
+    _, runs = results
+    zero3 = runs["zero3"]
+    model = TinyLM()
+    assert zero3["summary_total"] == sum(p.numel() for p in model.parameters())
+    assert zero3["summary_trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert zero3["test"][0]["test_loss"] == pytest.approx(zero3["validate"][0]["val_loss"])
+    assert zero3["predictions"].shape == (8, 6)
+
+
+@pytest.mark.parametrize("precision, tolerance", [("bf16-mixed", 0.02), ("bf16-true", 0.05), ("16-mixed", 0.01)])
+def test_every_precision_trains(results: tuple, precision: str, tolerance: float) -> None:
+    _, runs = results
+    ours, fp32 = runs[f"zero3-{precision}"]["losses"], runs["zero3-fp32"]["losses"]
+    assert ours[-1] < ours[0]
+    assert ours != fp32
+    assert ours == pytest.approx(fp32, rel=tolerance)
+
+
+def test_resume_with_other_device_count_and_stage(results: tuple) -> None:
+    out, runs = results
+    uninterrupted, resumed = runs["zero3-resumable"], runs["resumed-zero1"]
+    assert resumed["global_step"] == 6 and len(resumed["losses"]) == 3  # only the steps after the checkpoint
+    assert relative_difference(resumed["weights"], uninterrupted["weights"]) <= 1e-5
+
+
+def test_model_checkpoint_writes_directories_and_prunes(results: tuple) -> None:
+    out, _ = results
+    kept = sorted((out / "zero2-topk-topk").iterdir())
+    assert len(kept) == 1 and (kept[0] / ".metadata").is_file()
+    assert (out / "zero3-resumable" / "last.ckpt" / ".metadata").is_file()
+
+
+def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple, tmp_path: Path) -> None:
+    out, runs = results
+    checkpoint = out / "zero3-resumable" / "epoch=5-step=6.ckpt"
+    ours = consolidate_checkpoint(checkpoint, tmp_path / "ours.ckpt", "lightning")
+    theirs = tmp_path / "lightning.ckpt"
+    subprocess.run(
+        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(checkpoint), "--output_file", str(theirs)],
+        check=True, capture_output=True,
+    )
+    expected = runs["zero3-resumable"]["weights"]
+    for file in (ours, theirs):
+        model = TinyLM.load_from_checkpoint(file, weights_only=False)
+        assert model.hparams.batchnorm is False  # hyperparameters come back too
+        assert relative_difference(model.state_dict(), expected) == 0.0
