@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import nn
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
@@ -27,29 +26,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 
-from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core import ZeroConfig, ZeroEngine
 from zero_core.checkpoint.state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
-from zero_core.engine import engine_of
 
+from ._sharding import WrapPolicyLike, as_wrap_policy, move_real_tensors, shard_module, single_optimizer
 from .precision import ZeroPrecision
-
-
-def as_wrap_policy(policy: WrapPolicy | type[nn.Module] | set | tuple | list | None) -> WrapPolicy:
-    """Accept what users write: a policy, one block class, or a collection of them."""
-    if policy is None:
-        return WrapPolicy()
-    if isinstance(policy, WrapPolicy):
-        return policy
-    if isinstance(policy, type):
-        return WrapPolicy(module_classes=(policy,))
-    return WrapPolicy(module_classes=tuple(policy))
-
-
-def move_real_tensors(module: nn.Module, device: torch.device) -> None:
-    """``module.to(device)``, leaving meta tensors for the engine to materialise."""
-    for tensor in list(module.parameters()) + list(module.buffers()):
-        if not tensor.is_meta and tensor.device != device:
-            tensor.data = tensor.data.to(device)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -71,7 +52,7 @@ class ZeroStrategy(DDPStrategy):
         self,
         stage: int = 3,
         *,
-        wrap_policy: WrapPolicy | type[nn.Module] | set | tuple | list | None = None,
+        wrap_policy: WrapPolicyLike = None,
         bucket_size_mb: float = 25.0,
         prefetch: int = 1,
         broadcast_buffers: bool = True,
@@ -131,32 +112,14 @@ class ZeroStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        move_real_tensors(self.lightning_module, self.root_device)
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
-            if len(self.optimizers) > 1:
-                raise ValueError(
-                    f"The ZeRO strategies support one optimizer; configure_optimizers returned {len(self.optimizers)}. "
-                    "Put the parameters in param groups of a single optimizer instead."
-                )
-            optimizer = self.optimizers[0] if self.optimizers else None
-        self._shard(optimizer)
-        self.setup_precision_plugin()
-
-    def _shard(self, optimizer: Optimizer | None) -> None:
-        module = self.lightning_module
+            optimizer = single_optimizer(self.optimizers)
         config = replace(self.zero_config, mixed_precision=self.precision_plugin.policy)
-        engine = engine_of(module)
-        if engine is not None and engine.config != config:
-            engine.unshard()  # sharded before with other settings (another Trainer)
-            engine = None
-        if engine is None:
-            engine = ZeroEngine(module, optimizer, config, device=self.root_device)
-        elif optimizer is not None and optimizer is not engine.optimizer:
-            engine.attach_optimizer(optimizer)
-        self.engine = engine
-        self.precision_plugin.engine = engine
+        self.engine = shard_module(self.lightning_module, optimizer, config, self.root_device)
+        self.precision_plugin.engine = self.engine
+        self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
         assert self.lightning_module is not None

@@ -137,3 +137,15 @@ def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple,
         model = TinyLM.load_from_checkpoint(file, weights_only=False)
         assert model.hparams.batchnorm is False  # hyperparameters come back too
         assert relative_difference(model.state_dict(), expected) == 0.0
+
+
+def test_fabric_trains_saves_and_resumes_exactly(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "scripts" / "fabric_run.py"
+    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-6000:]
+    run = torch.load(tmp_path / "fabric.pt", weights_only=False)
+    assert run["strategy"] == "ZeroFabricStrategy"
+    assert run["first"][-1] < run["first"][0]
+    assert run["step"] == 3 and run["remainder"] == {}
+    assert run["resumed"] == run["continued"]
+    assert relative_difference(run["final"], run["uninterrupted"]) == 0.0

@@ -1,0 +1,202 @@
+"""ZeRO stages 1-3 for Lightning Fabric: ``Fabric(strategy="zero3")`` after
+``import lightning_zero``, or ``Fabric(strategy=ZeroFabricStrategy(stage=3, ...))``.
+
+As for the Trainer, it is DDP's process management with the ZeRO engine in
+place of the DDP wrapper; ``fabric.save``/``fabric.load`` write and read
+sharded DCP directories, at any world size and stage.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Generator, Literal
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+from zero_core import ZeroConfig, ZeroEngine
+
+from ._sharding import WrapPolicyLike, as_wrap_policy, shard_module, single_optimizer
+from .precision import _ALIASES, policy_for
+
+
+class ZeroFabricPrecision(Precision):
+    """No autocast (the engine computes in the policy's dtype); fp16 loss scaling in backward."""
+
+    def __init__(self, precision: str | int = "32-true", initial_loss_scale: float | None = None) -> None:
+        self.policy = policy_for(precision)
+        if initial_loss_scale is not None:
+            self.policy = replace(self.policy, initial_loss_scale=initial_loss_scale)
+        self.precision = _ALIASES.get(precision, precision)  # type: ignore[assignment]
+        self.engine: ZeroEngine | None = None
+
+    def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        if self.engine is None:
+            raise RuntimeError("Set up the model with fabric.setup(...) before calling fabric.backward.")
+        self.engine.backward(tensor, *args, **kwargs)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    def __init__(self, strategy: "ZeroFabricStrategy"):
+        self._strategy = strategy
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        engine = self._strategy.engine
+        return engine.no_sync() if enabled and engine is not None else nullcontext()
+
+
+class ZeroFabricStrategy(DDPStrategy):
+    """Arguments as for :class:`lightning_zero.ZeroStrategy`."""
+
+    def __init__(
+        self,
+        stage: int = 3,
+        *,
+        wrap_policy: WrapPolicyLike = None,
+        bucket_size_mb: float = 25.0,
+        prefetch: int = 1,
+        broadcast_buffers: bool = True,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        self.zero_config = ZeroConfig(
+            stage=stage,
+            wrap_policy=as_wrap_policy(wrap_policy),
+            bucket_size_mb=bucket_size_mb,
+            prefetch=prefetch,
+            broadcast_buffers=broadcast_buffers,
+        )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self.engine: ZeroEngine | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"zero{stage}", cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage, override=True
+            )
+
+    @property
+    def precision(self) -> ZeroFabricPrecision:
+        if not isinstance(self._precision, ZeroFabricPrecision):
+            self._precision = ZeroFabricPrecision(getattr(self._precision, "precision", "32-true"))
+        return self._precision
+
+    @precision.setter
+    def precision(self, plugin: Precision | None) -> None:
+        if plugin is not None and not isinstance(plugin, ZeroFabricPrecision):
+            plugin = ZeroFabricPrecision(getattr(plugin, "precision", "32-true"))
+        self._precision = plugin
+
+    # ---------------------------------------------------------------- setup
+    def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+        config = replace(self.zero_config, mixed_precision=self.precision.policy)
+        self.engine = shard_module(module, optimizer, config, self.root_device)
+        self.precision.engine = self.engine
+        return module
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        return self._shard(module, single_optimizer(optimizers)), optimizers, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self._shard(module, None)
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.engine is None:
+            raise RuntimeError("Set up the model first: fabric.setup(model, optimizer) or fabric.setup_module(model).")
+        self.engine.attach_optimizer(optimizer)
+        return optimizer
+
+    def module_to_device(self, module: nn.Module) -> None:
+        pass  # the engine places the shards on the root device
+
+    @contextmanager
+    def module_sharded_context(self) -> Generator[None, None, None]:
+        with torch.device("meta"):
+            yield
+
+    # ------------------------------------------------------------ gradients
+    def clip_gradients_norm(
+        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        assert self.engine is not None
+        norm = self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(f"The total norm of the gradients is {norm}; pass error_if_nonfinite=False to clip anyway.")
+        return norm
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        assert self.engine is not None
+        self.engine.clip_grad_value_(float(clip_val))
+
+    # ---------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError("ZeroFabricStrategy.save_checkpoint does not support storage_options or filter.")
+        assert self.engine is not None
+        path = Path(self.broadcast(str(path)))
+        extra = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
+        has_optimizer = any(isinstance(v, Optimizer) for v in state.values())
+        self.engine.save_checkpoint(path, extra, include_optimizer=has_optimizer)
+
+    def load_checkpoint(
+        self, path: Any, state: nn.Module | Optimizer | dict[str, Any] | None = None, strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        assert self.engine is not None
+        path = Path(self.broadcast(str(path)))
+        if isinstance(state, nn.Module):
+            state = {"model": state}
+        state = state if isinstance(state, dict) else {}
+        has_optimizer = any(isinstance(v, Optimizer) for v in state.values())
+        extra = self.engine.load_checkpoint(path, load_optimizer=has_optimizer)
+        for key, value in state.items():
+            if isinstance(value, (nn.Module, Optimizer)):
+                continue
+            if key not in extra:
+                if strict:
+                    raise KeyError(f"{path} holds no entry {key!r}; pass strict=False to skip it.")
+                continue
+            state[key] = extra.pop(key)
+        return extra
+
+    def teardown(self) -> None:
+        # Keep the module where it is: its parameters are views of the engine's buffers.
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        self.precision.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()

@@ -1,0 +1,70 @@
+"""Fabric with strategy="zero3": train, save, keep training; then a fresh model
+loads the checkpoint and trains the same steps. Rank 0 writes OUT/fabric.pt.
+
+    python tests/scripts/fabric_run.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from lightning.fabric import Fabric  # noqa: E402
+
+import lightning_zero  # noqa: E402, F401  (registers the strategies)
+from tests.models import TinyTransformer, batch, lm_loss, make_optimizer  # noqa: E402
+
+
+def train(fabric: Fabric, model, optimizer, steps: range) -> list[float]:  # type: ignore[no-untyped-def]
+    losses = []
+    for step in steps:
+        ids = batch(step, fabric.global_rank)
+        loss = lm_loss(model(ids), ids)
+        fabric.backward(loss)
+        fabric.clip_gradients(model, optimizer, max_norm=1.0)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def fresh(fabric: Fabric):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    return fabric.setup(model, make_optimizer("adamw", model))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="zero3")
+    fabric.launch()
+    model, optimizer = fresh(fabric)
+    first = train(fabric, model, optimizer, range(3))
+    fabric.save(out / "fabric-ckpt", {"model": model, "optimizer": optimizer, "step": 3})
+    continued = train(fabric, model, optimizer, range(3, 5))
+    uninterrupted = fabric.strategy.engine.full_state_dict()
+
+    model, optimizer = fresh(fabric)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    remainder = fabric.load(out / "fabric-ckpt", state)
+    resumed = train(fabric, model, optimizer, range(state["step"], 5))
+    result = {
+        "first": first,
+        "continued": continued,
+        "resumed": resumed,
+        "step": state["step"],
+        "remainder": remainder,
+        "uninterrupted": uninterrupted,
+        "final": fabric.strategy.engine.full_state_dict(),
+        "strategy": type(fabric.strategy).__name__,
+    }
+    if fabric.global_rank == 0:
+        torch.save(result, out / "fabric.pt")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
