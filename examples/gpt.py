@@ -48,7 +48,12 @@ class GPT(nn.Module):
         self.ln_final = nn.LayerNorm(config.width)
         self.head = nn.Linear(config.width, config.vocab_size, bias=False)
         self.head.weight = self.embed.weight  # tied
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """This module's own initialisation (children initialise themselves first)."""
         nn.init.normal_(self.embed.weight, std=0.02)  # N(0, 1) would make the tied logits huge
+        nn.init.zeros_(self.position)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids) + self.position[: ids.shape[1]]

@@ -149,3 +149,19 @@ def test_fabric_trains_saves_and_resumes_exactly(tmp_path: Path) -> None:
     assert run["step"] == 3 and run["remainder"] == {}
     assert run["resumed"] == run["continued"]
     assert relative_difference(run["final"], run["uninterrupted"]) == 0.0
+
+
+def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n  accelerator: cpu\n  devices: 1\n  logger: false\n  strategy:\n"
+        "    class_path: lightning_zero.ZeroStrategy\n"
+        "    init_args: {stage: 2, prefetch: 2, wrap_policy: tests.models.Block}\n"
+    )
+    cli = LightningCLI(TinyLM, run=False, save_config_callback=None, args=["--config", str(config)])
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ZeroStrategy)
+    assert (strategy.zero_config.stage, strategy.zero_config.prefetch) == (2, 2)
+    assert strategy.zero_config.wrap_policy.module_classes[0].__name__ == "Block"

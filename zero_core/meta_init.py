@@ -43,8 +43,11 @@ def materialize_modules(
 
     The new storage is swapped into the existing tensor objects, so parameter
     identity, and with it weight tying and the optimizer's references, survives.
+    Children are initialised before their parents (``modules`` is in pre-order),
+    as in construction, where a parent's ``__init__`` may adjust what its
+    children initialised.
     """
-    for module in modules:
+    for module in reversed(modules):
         if not _has_meta_tensors(module):
             continue
         for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
