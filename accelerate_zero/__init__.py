@@ -1,1 +1,7 @@
-"""Accelerate adapter for the ZeRO core (the plugin lands with its own issue)."""
+"""ZeRO stages 1-3 for Accelerate: ``ZeroAccelerator``, ``ZeroPlugin`` and the
+``accelerate-zero launch`` command. Does not import Lightning."""
+
+from .accelerator import ZeroAccelerator
+from .plugin import ZeroPlugin
+
+__all__ = ["ZeroAccelerator", "ZeroPlugin"]

@@ -26,7 +26,9 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from zero_core import ZeroConfig, ZeroEngine
 
-from ._sharding import WrapPolicyLike, as_wrap_policy, shard_module, single_optimizer
+from zero_core.sharding import shard_module, single_optimizer
+
+from ._sharding import WrapPolicyLike, as_wrap_policy
 from .precision import _ALIASES, policy_for
 
 

@@ -29,7 +29,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from zero_core import ZeroConfig, ZeroEngine
 from zero_core.checkpoint.state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
 
-from ._sharding import WrapPolicyLike, as_wrap_policy, move_real_tensors, shard_module, single_optimizer
+from zero_core.sharding import move_real_tensors, shard_module, single_optimizer
+
+from ._sharding import WrapPolicyLike, as_wrap_policy
 from .precision import ZeroPrecision
 
 

@@ -350,7 +350,12 @@ class ZeroEngine:
 
     # --------------------------------------------------------- checkpoints
     def save_checkpoint(
-        self, path: str | os.PathLike, extra: dict[str, Any] | None = None, *, include_optimizer: bool = True
+        self,
+        path: str | os.PathLike,
+        extra: dict[str, Any] | None = None,
+        *,
+        include_optimizer: bool = True,
+        include_model: bool = True,
     ) -> Path:
         """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically.
 
@@ -360,13 +365,15 @@ class ZeroEngine:
         """
         from .checkpoint.api import save_checkpoint
 
-        return save_checkpoint(self, path, extra, include_optimizer)
+        return save_checkpoint(self, path, extra, include_optimizer, include_model)
 
-    def load_checkpoint(self, path: str | os.PathLike, *, load_optimizer: bool = True) -> dict[str, Any]:
+    def load_checkpoint(
+        self, path: str | os.PathLike, *, load_optimizer: bool = True, load_model: bool = True
+    ) -> dict[str, Any]:
         """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``."""
         from .checkpoint.api import load_checkpoint
 
-        return load_checkpoint(self, path, load_optimizer=load_optimizer)
+        return load_checkpoint(self, path, load_optimizer=load_optimizer, load_model=load_model)
 
     def load_full_state_dict(self, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True) -> None:
         """Load ordinary full weights (a state dict, or a .safetensors / torch file) into the shards.

@@ -29,8 +29,10 @@ ZERO_KEY = "zero"
 FORMAT_VERSION = 1
 
 
-def engine_state(engine: "ZeroEngine", with_optimizer: bool = True) -> dict[str, Any]:
-    state: dict[str, Any] = {MODEL_KEY: sharded_model_state_dict(engine.model, engine.units, engine.rank)}
+def engine_state(engine: "ZeroEngine", with_model: bool = True, with_optimizer: bool = True) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    if with_model:
+        state[MODEL_KEY] = sharded_model_state_dict(engine.model, engine.units, engine.rank)
     if with_optimizer and engine.optimizer is not None:
         state[OPTIMIZER_KEY] = sharded_optimizer_state_dict(engine.optimizer, engine.units, engine.param_group_names)
     return state
@@ -47,11 +49,19 @@ def zero_info(engine: "ZeroEngine") -> dict[str, Any]:
 
 
 def save_checkpoint(
-    engine: "ZeroEngine", path: str | os.PathLike, extra: dict[str, Any] | None = None, include_optimizer: bool = True
+    engine: "ZeroEngine",
+    path: str | os.PathLike,
+    extra: dict[str, Any] | None = None,
+    include_optimizer: bool = True,
+    include_model: bool = True,
 ) -> Path:
+    """Model and/or optimizer as one DCP directory (Accelerate keeps them in two)."""
+    if not (include_model or include_optimizer):
+        raise ValueError("Nothing to save: include the model, the optimizer or both.")
     engine.runtime.finish_reduces()
     engine.sync_buffers_for_export()
-    return save_atomically(path, engine_state(engine, include_optimizer), {**(extra or {}), ZERO_KEY: zero_info(engine)})
+    state = engine_state(engine, include_model, include_optimizer)
+    return save_atomically(path, state, {**(extra or {}), ZERO_KEY: zero_info(engine)})
 
 
 def _expected_model_shapes(engine: "ZeroEngine") -> dict[str, tuple[int, ...]]:
@@ -83,7 +93,7 @@ def check_model_keys(path: Path, saved: dict[str, Any], expected: dict[str, tupl
 
 
 def load_checkpoint(
-    engine: "ZeroEngine", path: str | os.PathLike, *, load_optimizer: bool = True
+    engine: "ZeroEngine", path: str | os.PathLike, *, load_optimizer: bool = True, load_model: bool = True
 ) -> dict[str, Any]:
     """Load what ``save_checkpoint`` wrote; returns the caller's extra state.
 
@@ -93,14 +103,17 @@ def load_checkpoint(
     path = Path(path).absolute()
     load_optimizer = load_optimizer and engine.optimizer is not None
     metadata = read_metadata(path)
-    check_model_keys(path, metadata.state_dict_metadata, _expected_model_shapes(engine), MODEL_KEY)
+    if load_model:
+        check_model_keys(path, metadata.state_dict_metadata, _expected_model_shapes(engine), MODEL_KEY)
     has_optimizer = any(k.startswith(OPTIMIZER_KEY + ".") for k in metadata.state_dict_metadata)
     if load_optimizer and not has_optimizer:
         raise CheckpointError(f"{path} holds no optimizer state; pass load_optimizer=False to load the weights only.")
     check_files(path, metadata)
     extra = read_extra(path)
     engine.runtime.finish_reduces()
-    state: dict[str, Any] = {MODEL_KEY: sharded_model_state_dict(engine.model, engine.units, engine.rank)}
+    state: dict[str, Any] = {}
+    if load_model:
+        state[MODEL_KEY] = sharded_model_state_dict(engine.model, engine.units, engine.rank)
     installs: list = []
     if load_optimizer:
         state[OPTIMIZER_KEY], installs = optimizer_load_targets(engine.optimizer, engine.units, metadata, OPTIMIZER_KEY)

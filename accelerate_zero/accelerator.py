@@ -1,0 +1,148 @@
+"""``ZeroAccelerator``: Accelerate's ``Accelerator`` with ZeRO in place of DDP.
+
+``prepare`` shards the model and rebuilds its optimizer (no DDP wrapper, no
+autocast: the engine computes in the policy's dtype with fp32 master
+weights); ``backward``, ``no_sync``/``accumulate``, clipping, state dicts and
+``save_state``/``load_state`` go through the engine. Accelerate keeps
+everything else: dataloaders, schedulers, RNG state, ``gather``, logging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from accelerate import Accelerator
+
+from zero_core import ZeroEngine
+from zero_core.sharding import shard_module, single_optimizer
+
+from .plugin import MIXED_PRECISION_POLICIES, ZeroPlugin
+
+MODEL_DIR = "pytorch_model_zero_{}"  # beside Accelerate's own files, as its FSDP layout does
+OPTIMIZER_DIR = "optimizer_zero_{}"
+
+
+class ZeroAccelerator(Accelerator):
+    """``ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3), mixed_precision="bf16", ...)``;
+    every other argument is Accelerate's. Without ``zero_plugin`` the settings
+    come from the ``ACCELERATE_ZERO_*`` variables ``accelerate-zero launch`` sets."""
+
+    def __init__(self, *, zero_plugin: ZeroPlugin | None = None, mixed_precision: str | None = None, **kwargs: Any):
+        requested = (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
+        if requested not in MIXED_PRECISION_POLICIES:
+            raise ValueError(
+                f"mixed_precision={requested!r} is not supported with ZeRO; use one of {sorted(MIXED_PRECISION_POLICIES)}."
+            )
+        self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
+        # Accelerate must not add autocast or a GradScaler on top: the engine owns precision.
+        super().__init__(mixed_precision="no", **kwargs)
+        self._zero_mixed_precision = requested
+        self.engine: ZeroEngine | None = None
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._zero_mixed_precision
+
+    def _require_engine(self) -> ZeroEngine:
+        if self.engine is None:
+            raise RuntimeError("Call accelerator.prepare(model, optimizer, ...) first.")
+        return self.engine
+
+    # -------------------------------------------------------------- prepare
+    def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        models = [a for a in args if isinstance(a, nn.Module)]
+        optimizers = [a for a in args if isinstance(a, Optimizer)]
+        if len(models) > 1:
+            raise ValueError("ZeroAccelerator shards one model; prepare it with its optimizer.")
+        optimizer = single_optimizer(optimizers)
+        if models:
+            policy = MIXED_PRECISION_POLICIES[self._zero_mixed_precision]
+            config = self.zero_plugin.zero_config(policy, models[0])
+            self.engine = shard_module(models[0], optimizer, config, self.device)
+        elif optimizer is not None:
+            self._require_engine().attach_optimizer(optimizer)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
+        # Sharded in prepare(): no DDP wrapper, no autocast, no device move.
+        if all(model is not known for known in self._models):
+            self._models.append(model)
+        return model
+
+    # ------------------------------------------------------------- backward
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """As Accelerate: the loss is divided by the accumulation steps; fp16 scaling by the engine."""
+        self._require_engine().backward(loss / self.gradient_accumulation_steps, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module | None = None) -> Iterator[None]:
+        with self._require_engine().no_sync():
+            yield
+
+    def _check_whole_model(self, parameters: Iterable[torch.Tensor], what: str) -> None:
+        given = {id(p) for p in parameters}
+        if given != {id(p) for p in self._require_engine().model.parameters()}:
+            raise ValueError(f"{what} under ZeRO clips the whole model at once; pass model.parameters().")
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """The norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
+        self._check_whole_model(parameters, "clip_grad_norm_")
+        return self._require_engine().clip_grad_norm_(max_norm, norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
+        self._check_whole_model(parameters, "clip_grad_value_")
+        self._require_engine().clip_grad_value_(clip_value)
+
+    # --------------------------------------------------------------- export
+    def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """Full fp32 weights, gathered unit by unit (every process must call it)."""
+        return self._require_engine().full_state_dict()
+
+    # ---------------------------------------------------------- checkpoints
+    @contextlib.contextmanager
+    def _accelerate_handles_the_rest(self) -> Iterator[None]:
+        """Accelerate saves RNG, schedulers, dataloaders and custom objects; we, the model and optimizer."""
+        models, optimizers = self._models, self._optimizers
+        self._models, self._optimizers = [], []
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        engine = self._require_engine()
+        with self._accelerate_handles_the_rest():
+            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        engine.save_checkpoint(Path(location) / MODEL_DIR.format(0), include_optimizer=False)
+        if engine.optimizer is not None:
+            engine.save_checkpoint(Path(location) / OPTIMIZER_DIR.format(0), include_model=False)
+        self.wait_for_everyone()
+        return location
+
+    def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
+        """Also with another number of processes: the shards are read for the current layout."""
+        engine = self._require_engine()
+        location = Path(self._resolve_input_dir(input_dir))
+        engine.load_checkpoint(location / MODEL_DIR.format(0), load_optimizer=False)
+        if engine.optimizer is not None:
+            engine.load_checkpoint(location / OPTIMIZER_DIR.format(0), load_model=False)
+        with self._accelerate_handles_the_rest():
+            super().load_state(str(location), load_kwargs=load_kwargs, **kwargs)
+
+    def _resolve_input_dir(self, input_dir: str | None) -> str:
+        if input_dir is not None:
+            return os.path.expanduser(input_dir)
+        if not self.project_configuration.automatic_checkpoint_naming:
+            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+        root = os.path.join(self.project_dir, "checkpoints")
+        folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"([0-9]+)(?=[^/]*$)", f)[0]))
+        return os.path.join(root, folders[-1])

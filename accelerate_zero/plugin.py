@@ -1,0 +1,126 @@
+"""``ZeroPlugin``: the ZeRO settings of an Accelerate run.
+
+Like Accelerate's own DeepSpeed and FSDP plugins, every field left unset is
+read from an environment variable the launcher sets (``ACCELERATE_USE_ZERO``,
+``ACCELERATE_ZERO_*``); explicit arguments win. The same fields are the keys
+of the YAML file ``accelerate-zero launch --zero_config_file`` takes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig
+
+USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
+ENV_PREFIX = "ACCELERATE_ZERO_"
+
+# Accelerate's mixed_precision values -> the core's policy (fp32 master and reduction).
+MIXED_PRECISION_POLICIES = {
+    "no": MixedPrecision(),
+    "bf16": MixedPrecision(compute_dtype=torch.bfloat16),
+    "fp16": MixedPrecision(compute_dtype=torch.float16),
+}
+
+
+def _parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean; use true or false.")
+
+
+def _parse_classes(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    names = value.split(",") if isinstance(value, str) else value
+    return tuple(str(name).strip() for name in names if str(name).strip())
+
+
+_PARSERS = {"stage": int, "bucket_size_mb": float, "prefetch": int, "broadcast_buffers": _parse_bool, "wrap_classes": _parse_classes}
+
+
+@dataclass(frozen=True)
+class ZeroPlugin:
+    """stage: 1, 2 or 3. wrap_classes: names of the module classes that become
+    units (transformer blocks), e.g. ``("GPTBlock",)``; default: by size.
+    bucket_size_mb, prefetch, broadcast_buffers: as in ``zero_core.ZeroConfig``."""
+
+    stage: int | None = None
+    bucket_size_mb: float | None = None
+    prefetch: int | None = None
+    broadcast_buffers: bool | None = None
+    wrap_classes: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        defaults = ZeroConfig()
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                raw = os.environ.get(ENV_PREFIX + field.name.upper())
+                if raw is not None:
+                    try:
+                        value = _PARSERS[field.name](raw)
+                    except ValueError as error:
+                        raise ValueError(f"{ENV_PREFIX}{field.name.upper()}={raw!r}: {error}") from None
+            elif field.name == "wrap_classes":
+                value = _parse_classes(value)
+            if value is None:
+                value = () if field.name == "wrap_classes" else getattr(defaults, field.name)
+            object.__setattr__(self, field.name, value)
+        self.zero_config(MixedPrecision())  # validate every field now, with the core's messages
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str = "the ZeRO config") -> "ZeroPlugin":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{source}: unknown key(s) {unknown}; the keys are {sorted(known)}.")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike) -> "ZeroPlugin":
+        import yaml
+
+        text = Path(path).read_text()
+        values = yaml.safe_load(text) or {}
+        if not isinstance(values, dict):
+            raise ValueError(f"{path}: expected a mapping of ZeRO settings, found {type(values).__name__}.")
+        return cls.from_mapping(values, str(path))
+
+    def environment(self) -> dict[str, str]:
+        """The variables that hand these settings to the launched processes."""
+        env = {USE_ZERO_ENV: "true"}
+        for field in fields(self):
+            value = getattr(self, field.name)
+            env[ENV_PREFIX + field.name.upper()] = ",".join(value) if field.name == "wrap_classes" else str(value)
+        return env
+
+    def zero_config(self, mixed_precision: MixedPrecision, model: nn.Module | None = None) -> ZeroConfig:
+        return ZeroConfig(
+            stage=self.stage,
+            bucket_size_mb=self.bucket_size_mb,
+            prefetch=self.prefetch,
+            broadcast_buffers=self.broadcast_buffers,
+            mixed_precision=mixed_precision,
+            wrap_policy=self._wrap_policy(model),
+        )
+
+    def _wrap_policy(self, model: nn.Module | None) -> WrapPolicy:
+        if not self.wrap_classes or model is None:
+            return WrapPolicy()
+        by_name = {type(m).__name__: type(m) for m in model.modules()}
+        missing = [name for name in self.wrap_classes if name not in by_name]
+        if missing:
+            raise ValueError(f"wrap_classes: the model has no module class named {missing}; it has {sorted(by_name)[:20]}.")
+        return WrapPolicy(module_classes=tuple(by_name[name] for name in self.wrap_classes))
+
+
+def zero_requested() -> bool:
+    return _parse_bool(os.environ.get(USE_ZERO_ENV, "false"))

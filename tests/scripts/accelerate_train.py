@@ -1,0 +1,93 @@
+"""One Accelerate training run; rank 0 writes OUT/NAME.pt (losses, weights, checks).
+
+Plain Accelerate (DDP) unless ACCELERATE_USE_ZERO is set, as it is by
+``accelerate-zero launch``: then ZeroAccelerator.
+
+    ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
+        tests/scripts/accelerate_train.py OUT NAME [--steps 6] [--accumulate 2] [--clip 0.5]
+        [--save-at 3] [--resume DIR] [--batchnorm 0] [--batch-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from accelerate import Accelerator  # noqa: E402
+
+from accelerate_zero import ZeroAccelerator  # noqa: E402
+from accelerate_zero.plugin import zero_requested  # noqa: E402
+from tests.lightning_module import TokenDataset  # noqa: E402
+from tests.models import TinyTransformer, lm_loss, make_optimizer  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("name")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--clip", type=float, default=None)
+    parser.add_argument("--save-at", type=int, default=None)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--batchnorm", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=4)
+    # Accelerate steps schedulers once per process per optimizer step, so a
+    # schedule depends on the process count; runs compared across counts use none.
+    parser.add_argument("--scheduler", type=int, default=1)
+    args = parser.parse_args()
+    out = Path(args.out)
+    torch.set_num_threads(1)
+
+    accelerator_class = ZeroAccelerator if zero_requested() else Accelerator
+    accelerator = accelerator_class(gradient_accumulation_steps=args.accumulate)
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=bool(args.batchnorm))
+    optimizer = make_optimizer("adamw", model)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+    loader = DataLoader(TokenDataset(96), batch_size=args.batch_size)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    first_step, loaded = 0, None
+    if args.resume:
+        accelerator.load_state(args.resume)
+        loaded = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
+        first_step = args.save_at
+        loader = accelerator.skip_first_batches(loader, first_step * args.accumulate)
+    losses, step = [], first_step
+    for ids in loader:
+        with accelerator.accumulate(model):
+            loss = lm_loss(model(ids), ids)
+            accelerator.backward(loss)
+            if args.clip and accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            if args.scheduler:
+                scheduler.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.gather(loss.detach()).mean().item())
+        if accelerator.sync_gradients:
+            step += 1
+            if args.save_at == step and not args.resume:
+                accelerator.save_state(str(out / f"{args.name}-state"))
+            if step == args.steps:
+                break
+    weights = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
+    if accelerator.is_main_process:
+        accelerator.print(f"{args.name}: {type(accelerator).__name__} losses {losses}")
+    accelerator.save_model(model, str(out / f"{args.name}-model"))
+    if accelerator.is_main_process:
+        torch.save({"losses": losses, "weights": weights, "loaded": loaded, "accelerator": type(accelerator).__name__,
+                    "mixed_precision": accelerator.mixed_precision}, out / f"{args.name}.pt")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

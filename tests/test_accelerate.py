@@ -1,0 +1,129 @@
+"""The Accelerate adapter end to end: `accelerate-zero launch` with 2 CPU
+processes against plain `accelerate launch` (DDP), save_state/load_state
+across process counts, and the consolidation paths."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from accelerate_zero import ZeroPlugin
+
+from .workers import relative_difference
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_train.py")
+PARITY = ["--accumulate", "2", "--clip", "0.5"]
+RESUMABLE = ["--batchnorm", "0", "--steps", "6", "--save-at", "3", "--scheduler", "0"]
+
+
+def _launch(out: Path, name: str, *script_args: str, zero: dict | None = None, processes: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
+        del env[key]
+    launcher = ["accelerate", "launch"]
+    if zero is not None:
+        config = out / f"{name}.yaml"
+        config.write_text("".join(f"{k}: {v}\n" for k, v in zero.items()))
+        launcher = ["accelerate-zero", "launch", "--zero_config_file", str(config)]
+    distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
+    return subprocess.run(
+        [*launcher, *distribution, SCRIPT, str(out), name, *script_args],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def _checked(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("accelerate")
+    _checked(_launch(out, "ddp", *PARITY))
+    for stage in (1, 2, 3):
+        _checked(_launch(out, f"zero{stage}", *PARITY, zero={"stage": stage, "wrap_classes": "[Block]"}))
+    _checked(_launch(out, "saved", *RESUMABLE, zero={"stage": 3, "wrap_classes": "[Block]"}))
+    _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
+    _checked(_launch(out, "resumed-1", *RESUMABLE, "--batch-size", "8", "--resume", str(out / "saved-state"),
+                     zero={"stage": 1}, processes=1))
+    names = ["ddp", "zero1", "zero2", "zero3", "saved", "resumed-2", "resumed-1"]
+    return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
+    _, results = runs
+    reference, ours = results["ddp"], results[f"zero{stage}"]
+    assert ours["accelerator"] == "ZeroAccelerator" and reference["accelerator"] == "Accelerator"
+    assert len(ours["losses"]) == 12  # 6 steps of 2 micro-batches
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+def test_load_state_continues_exactly_with_same_and_other_process_count(runs: tuple) -> None:
+    _, results = runs
+    saved = results["saved"]
+    same = results["resumed-2"]
+    assert same["losses"] == saved["losses"][3:]
+    assert relative_difference(same["weights"], saved["weights"]) == 0.0
+    fewer = results["resumed-1"]
+    assert fewer["losses"] == pytest.approx(saved["losses"][3:], rel=1e-5)
+    assert relative_difference(fewer["weights"], saved["weights"]) <= 1e-5
+
+
+def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path: Path) -> None:
+    out, results = runs
+    expected = results["resumed-2"]["loaded"]  # get_state_dict right after load_state
+    subprocess.run(
+        ["accelerate", "merge-weights", str(out / "saved-state" / "pytorch_model_zero_0"), str(tmp_path / "merged")],
+        check=True, capture_output=True,
+    )
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(merged) == set(expected)
+    assert relative_difference(merged, expected) == 0.0
+    saved_model = load_file(out / "resumed-2-model" / "model.safetensors")  # tied head.weight is stored once
+    assert relative_difference(saved_model, {k: results["resumed-2"]["weights"][k] for k in saved_model}) == 0.0
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("stages: 3\n", "unknown key(s) ['stages']"),
+        ("stage: 4\n", "ZeroConfig.stage=4 is invalid"),
+        ("prefetch: -2\n", "prefetch must be an integer >= 0"),
+        ("- 3\n", "expected a mapping of ZeRO settings"),
+    ],
+)
+def test_bad_zero_config_fails_before_launch(tmp_path: Path, config: str, message: str) -> None:
+    file = tmp_path / "zero.yaml"
+    file.write_text(config)
+    started = time.monotonic()
+    result = subprocess.run(
+        ["accelerate-zero", "launch", "--zero_config_file", str(file), "--num_processes", "2", SCRIPT, str(tmp_path), "x"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not (tmp_path / "x.pt").exists() and time.monotonic() - started < 30
+
+
+def test_plugin_reads_the_environment_and_explicit_arguments_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACCELERATE_ZERO_STAGE", "2")
+    monkeypatch.setenv("ACCELERATE_ZERO_WRAP_CLASSES", "Block,GPTBlock")
+    assert ZeroPlugin().stage == 2 and ZeroPlugin().wrap_classes == ("Block", "GPTBlock")
+    assert ZeroPlugin(stage=1).stage == 1
+    monkeypatch.setenv("ACCELERATE_ZERO_PREFETCH", "lots")
+    with pytest.raises(ValueError, match="ACCELERATE_ZERO_PREFETCH='lots'"):
+        ZeroPlugin()
+
+
+def test_accelerate_adapter_does_not_import_lightning() -> None:
+    code = "import sys, accelerate_zero; print(any(m.startswith('lightning') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -1,0 +1,42 @@
+"""Sharding a module once, for adapters that may be asked to set it up again
+(Lightning's fit then test, a second Trainer, a second ``prepare``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .config import ZeroConfig
+from .engine import ZeroEngine, engine_of
+
+
+def move_real_tensors(module: nn.Module, device: torch.device) -> None:
+    """``module.to(device)``, leaving meta tensors for the engine to materialise."""
+    for tensor in list(module.parameters()) + list(module.buffers()):
+        if not tensor.is_meta and tensor.device != device:
+            tensor.data = tensor.data.to(device)
+
+
+def shard_module(module: nn.Module, optimizer: Optimizer | None, config: ZeroConfig, device: torch.device) -> ZeroEngine:
+    """The module's engine: reused if it was sharded alike before, rebuilt if
+    it was sharded with other settings, created otherwise."""
+    engine = engine_of(module)
+    if engine is not None and engine.config != config:
+        engine.unshard()
+        engine = None
+    if engine is None:
+        move_real_tensors(module, device)
+        return ZeroEngine(module, optimizer, config, device=device)
+    if optimizer is not None and optimizer is not engine.optimizer:
+        engine.attach_optimizer(optimizer)
+    return engine
+
+
+def single_optimizer(optimizers: list[Optimizer]) -> Optimizer | None:
+    if len(optimizers) > 1:
+        raise ValueError(
+            f"ZeRO shards one optimizer per model; got {len(optimizers)}. "
+            "Put the parameters in param groups of a single optimizer instead."
+        )
+    return optimizers[0] if optimizers else None
