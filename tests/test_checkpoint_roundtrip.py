@@ -53,20 +53,32 @@ def _train(model: TinyTransformer, engine: ZeroEngine, steps: range) -> list[flo
     return losses
 
 
-def _save_job(rank: int, world_size: int, stage: int, directory: str) -> dict:
-    model, engine = _engine(stage)
-    _train(model, engine, range(SAVE_AT))
-    engine.save_checkpoint(Path(directory) / "saved", extra={"note": "hello", "step": SAVE_AT})
-    losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
-    return {"losses": losses, "final": engine.full_state_dict()}
+def _save_job(rank: int, world_size: int, stages: list[int], directory: str) -> dict[int, dict]:
+    """For each stage: train, save, keep training (the uninterrupted reference)."""
+    results = {}
+    for stage in stages:
+        model, engine = _engine(stage)
+        _train(model, engine, range(SAVE_AT))
+        engine.save_checkpoint(Path(directory) / f"saved-{world_size}-{stage}", extra={"note": "hello", "step": SAVE_AT})
+        losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
+        results[stage] = {"losses": losses, "final": engine.full_state_dict()}
+        engine.unshard()
+    return results
 
 
-def _resume_job(rank: int, world_size: int, stage: int, directory: str) -> dict:
-    model, engine = _engine(stage)
-    extra = engine.load_checkpoint(Path(directory) / "saved")
-    engine.save_checkpoint(Path(directory) / f"reloaded-{world_size}-{stage}")
-    losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
-    return {"losses": losses, "final": engine.full_state_dict(), "extra": extra, "steps": engine.steps_taken}
+def _resume_job(rank: int, world_size: int, cases: list[tuple[int, int, int]], directory: str) -> dict[tuple, dict]:
+    """For each (saved world size, saved stage, stage): load, re-save, train on."""
+    results = {}
+    for save_world, save_stage, stage in cases:
+        model, engine = _engine(stage)
+        extra = engine.load_checkpoint(Path(directory) / f"saved-{save_world}-{save_stage}")
+        engine.save_checkpoint(Path(directory) / f"reloaded-{save_world}-{save_stage}-{world_size}-{stage}")
+        losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
+        results[(save_world, save_stage, stage)] = {
+            "losses": losses, "final": engine.full_state_dict(), "extra": extra, "steps": engine.steps_taken
+        }
+        engine.unshard()
+    return results
 
 
 def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
@@ -80,16 +92,31 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: tree}
 
 
-@pytest.mark.parametrize(
-    "save_world, save_stage, load_world, load_stage",
-    [(4, 3, 4, 3), (4, 3, 2, 3), (4, 2, 3, 2), (4, 1, 1, 1), (2, 3, 2, 1), (2, 1, 2, 3), (2, 2, 3, 3)],
-)
-def test_resume_at_any_world_size_and_stage(tmp_path: Path, save_world: int, save_stage: int, load_world: int, load_stage: int) -> None:
-    saved = run_distributed(_save_job, save_world, save_stage, str(tmp_path))
-    resumed = run_distributed(_resume_job, load_world, load_stage, str(tmp_path))
+CASES = [(4, 3, 4, 3), (4, 3, 2, 3), (4, 2, 3, 2), (4, 1, 1, 1), (2, 3, 2, 1), (2, 1, 2, 3), (2, 2, 3, 3)]
 
-    original = _flatten(load_full_checkpoint(tmp_path / "saved"))
-    reloaded = _flatten(load_full_checkpoint(tmp_path / f"reloaded-{load_world}-{load_stage}"))
+
+@pytest.fixture(scope="module")
+def roundtrips(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
+    """One spawn per world size: all saves, then all resumes, of every case."""
+    directory = tmp_path_factory.mktemp("roundtrip")
+    saved = {}
+    for world in sorted({c[0] for c in CASES}):
+        stages = sorted({c[1] for c in CASES if c[0] == world})
+        saved[world] = run_distributed(_save_job, world, stages, str(directory))[0]
+    resumed = {}
+    for world in sorted({c[2] for c in CASES}):
+        cases = [(c[0], c[1], c[3]) for c in CASES if c[2] == world]
+        resumed[world] = run_distributed(_resume_job, world, cases, str(directory))[0]
+    return directory, saved, resumed
+
+
+@pytest.mark.parametrize("save_world, save_stage, load_world, load_stage", CASES)
+def test_resume_at_any_world_size_and_stage(
+    roundtrips: tuple, save_world: int, save_stage: int, load_world: int, load_stage: int
+) -> None:
+    directory, saved, resumed = roundtrips
+    original = _flatten(load_full_checkpoint(directory / f"saved-{save_world}-{save_stage}"))
+    reloaded = _flatten(load_full_checkpoint(directory / f"reloaded-{save_world}-{save_stage}-{load_world}-{load_stage}"))
     assert original.keys() == reloaded.keys()
     assert any(k.startswith("optimizer_0.state.") and k.endswith("exp_avg_sq") for k in original)
     for key, value in original.items():
@@ -98,9 +125,10 @@ def test_resume_at_any_world_size_and_stage(tmp_path: Path, save_world: int, sav
         else:
             assert value == reloaded[key], key
 
-    assert resumed[0]["extra"] == {"note": "hello", "step": SAVE_AT}
-    assert resumed[0]["steps"] == TOTAL_STEPS
-    reference, ours = saved[0], resumed[0]
+    reference = saved[save_world][save_stage]
+    ours = resumed[load_world][(save_world, save_stage, load_stage)]
+    assert ours["extra"] == {"note": "hello", "step": SAVE_AT}
+    assert ours["steps"] == TOTAL_STEPS
     if save_world == load_world:
         assert ours["losses"] == reference["losses"]
         tolerance = 0.0
