@@ -1,0 +1,116 @@
+"""The contestants: one training step each, the same model, data and optimizer.
+
+Each wraps a model and AdamW and exposes ``step(ids) -> loss`` (forward,
+backward, optimizer step) and ``backward_only(ids)`` (to measure memory with
+gradients alive). DeepSpeed is optional: building it raises ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
+
+LEARNING_RATE = 1e-3
+CONTESTANTS = (
+    "ddp", "ddp_zero_optimizer", "fsdp2", "fsdp2_no_reshard",
+    "deepspeed1", "deepspeed2", "deepspeed3", "zero1", "zero2", "zero3",
+)
+STAGE_OF = {"ddp": 0, "ddp_zero_optimizer": 1, "fsdp2": 3, "fsdp2_no_reshard": 3, "deepspeed1": 1,
+            "deepspeed2": 2, "deepspeed3": 3, "zero1": 1, "zero2": 2, "zero3": 3}
+
+
+class Unavailable(RuntimeError):
+    """The contestant cannot run here (a missing optional package)."""
+
+
+@dataclass
+class Contestant:
+    name: str
+    model: nn.Module
+    loss_of: Callable[[torch.Tensor], torch.Tensor]
+    backward: Callable[[torch.Tensor], None]
+    optimizer_step: Callable[[], None]
+    engine: ZeroEngine | None = None
+    comm_counter: dict[str, int] | None = None
+
+    def backward_only(self, ids: torch.Tensor) -> float:
+        loss = self.loss_of(ids)
+        self.backward(loss)
+        return loss.item()
+
+    def step(self, ids: torch.Tensor) -> float:
+        loss = self.backward_only(ids)
+        self.optimizer_step()
+        return loss
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
+
+
+def _counting_allreduce_hook(counter: dict[str, int]) -> Callable:
+    """DDP's default all-reduce, counting what it sends (a public comm-hook API)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    def hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks these annotations literally
+        buffer = bucket.buffer()
+        counter["all_reduce_calls"] = counter.get("all_reduce_calls", 0) + 1
+        counter["all_reduce_bytes"] = counter.get("all_reduce_bytes", 0) + buffer.numel() * buffer.element_size()
+        return allreduce_hook(state, bucket)
+
+    return hook
+
+
+def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable) -> Contestant:
+    if name in ("ddp", "ddp_zero_optimizer"):
+        ddp = nn.parallel.DistributedDataParallel(model)
+        counter: dict[str, int] = {}
+        ddp.register_comm_hook(None, _counting_allreduce_hook(counter))
+        if name == "ddp":
+            optimizer = _adamw(ddp.parameters())
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE, weight_decay=0.0)
+        return Contestant(name, ddp, lambda ids: loss_fn(ddp(ids), ids), lambda loss: loss.backward(),
+                          lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)), comm_counter=counter)
+    if name.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = name == "fsdp2"
+        for module in model.modules():
+            if isinstance(module, block):
+                fully_shard(module, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        optimizer = _adamw(model.parameters())
+        return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), lambda loss: loss.backward(),
+                          lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
+    if name.startswith("deepspeed"):
+        return _deepspeed(int(name[-1]), model, loss_fn)
+    stage = int(name[-1])
+    engine = ZeroEngine(model, _adamw(model.parameters()), ZeroConfig(stage=stage, wrap_policy=WrapPolicy((block,))))
+    return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)
+
+
+def _deepspeed(stage: int, model: nn.Module, loss_fn: Callable) -> Contestant:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise Unavailable(f"deepspeed is not installed ({error}); pip install deepspeed") from error
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,  # DeepSpeed would clip at 1.0 otherwise; nobody else clips here
+        "zero_optimization": {"stage": stage},
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+    }
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()), config=config)
+    return Contestant(f"deepspeed{stage}", engine, lambda ids: loss_fn(engine(ids), ids), engine.backward, engine.step)
