@@ -26,6 +26,8 @@ from contestants import CONTESTANTS  # noqa: E402
 from report import write_report  # noqa: E402
 
 OURS = ("zero1", "zero2", "zero3")
+BUDGET_BYTES = 512 * 2**20  # per rank, for the largest-model search (medium width, more blocks)
+PARAMS_PER_BLOCK, PARAMS_OUTSIDE_BLOCKS = 12 * 512**2 + 9 * 512, 8192 * 512 + 128 * 512 + 2 * 512
 
 
 def run(contestant: str, size: str, world_size: int, out_dir: Path, steps: int, depth: int | None = None) -> dict:
@@ -42,6 +44,28 @@ def run(contestant: str, size: str, world_size: int, out_dir: Path, steps: int, 
     record = json.loads(out.read_text())
     print(f"{name}: {record.get('median_step_s', record.get('skipped'))}", flush=True)
     return record
+
+
+def largest_model(contestant: str, stage_bytes_per_param: float, out_dir: Path) -> dict:
+    """The ZeRO paper's Table 2 at our scale: the deepest medium-width model whose
+    measured model states fit the budget. Start at the formula's prediction and
+    step the depth until the boundary is found (usually two runs)."""
+    depth = max(1, int((BUDGET_BYTES / stage_bytes_per_param - PARAMS_OUTSIDE_BLOCKS) // PARAMS_PER_BLOCK))
+    fits: dict[int, dict] = {}
+    for _ in range(6):
+        record = run(contestant, "medium", 2, out_dir, steps=1, depth=depth)
+        if "model_state_bytes" not in record:
+            return {"contestant": contestant, "failed": record.get("failed", record.get("skipped"))}
+        fits[depth] = record
+        fit = max(record["model_state_bytes"]) <= BUDGET_BYTES
+        neighbour = depth + 1 if fit else depth - 1
+        if neighbour in fits or neighbour < 1:
+            break
+        depth = neighbour
+    fitting = [d for d, r in fits.items() if max(r["model_state_bytes"]) <= BUDGET_BYTES]
+    best = fits[max(fitting)] if fitting else None
+    return {"contestant": contestant, "budget_bytes": BUDGET_BYTES, "probes": {d: max(r["model_state_bytes"]) for d, r in fits.items()},
+            "depth": best["depth"] if best else None, "numel": best["numel"] if best else None}
 
 
 def machine() -> dict:
@@ -62,9 +86,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small model only, fewer steps")
     parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument("--largest-only", action="store_true", help="only the largest-model search, added to an existing all.json")
     args = parser.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.largest_only:
+        data = json.loads((out_dir / "all.json").read_text())
+        data["largest"] = [largest_model(c, b, out_dir) for c, b in (("ddp", 16), ("zero1", 12), ("zero2", 10), ("zero3", 8))]
+        (out_dir / "all.json").write_text(json.dumps(data, indent=1))
+        write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
+        return
     steps = 3 if args.quick else 5
     sizes = ["small"] if args.quick else ["small", "medium"]
     records = []
@@ -74,7 +105,12 @@ def main() -> None:
     for world_size in (1, 4):  # scaling; 4 processes on this machine's cores are oversubscribed
         for contestant in ("ddp", *OURS):
             records.append(run(contestant, "small", world_size, out_dir, steps))
-    (out_dir / "all.json").write_text(json.dumps({"machine": machine(), "records": records}, indent=1))
+    largest = []
+    if not args.quick:
+        for contestant, bytes_per_param in (("ddp", 16), ("zero1", 12), ("zero2", 10), ("zero3", 8)):
+            largest.append(largest_model(contestant, bytes_per_param, out_dir))
+    data = {"machine": machine(), "records": records, "largest": largest}
+    (out_dir / "all.json").write_text(json.dumps(data, indent=1))
     write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
 
 
