@@ -155,12 +155,13 @@ def _plots(records: list[dict], size: str, directory: Path) -> list[str]:
     ours = [r for r in rows if r.get("traffic") and r["contestant"].startswith(("zero", "ddp"))]
     figure, axis = plt.subplots(figsize=(8, 4))
     bottoms = [0.0] * len(ours)
-    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
-        values = [r["traffic"].get(kind, {}).get("bytes", 0) / (4 * r["numel"]) if r["traffic"].get(kind, {}).get("bytes", 0) > 1024 else 0 for r in ours]
-        axis.bar([r["contestant"] for r in ours], values, bottom=bottoms, label=kind)
+    # An all-reduce is a reduce-scatter plus an all-gather: 2x its payload in the formulas' accounting.
+    for kind, weight, label in (("all_reduce", 2, "all_reduce (x2: RS + AG)"), ("reduce_scatter", 1, "reduce_scatter"), ("all_gather", 1, "all_gather")):
+        values = [weight * r["traffic"].get(kind, {}).get("bytes", 0) / (4 * r["numel"]) if r["traffic"].get(kind, {}).get("bytes", 0) > 1024 else 0 for r in ours]
+        axis.bar([r["contestant"] for r in ours], values, bottom=bottoms, label=label)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     axis.set_ylabel("bytes moved per step / parameter bytes")
-    axis.set_title("Communication per step (logical payload)")
+    axis.set_title("Communication per step (formula accounting: DDP 2, stages 1/2 2, stage 3 3)")
     axis.legend()
     figure.tight_layout()
     figure.savefig(directory / "traffic_per_stage.png", dpi=100)
