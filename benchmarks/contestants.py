@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine

@@ -24,23 +24,16 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
-from zero_core import ZeroConfig, ZeroEngine
+from zero_core import ZeroEngine
 
 from zero_core.sharding import shard_module, single_optimizer
 
-from ._sharding import WrapPolicyLike, as_wrap_policy
-from .precision import _ALIASES, policy_for
+from ._sharding import WrapPolicyLike, register_zero_strategies, zero_settings
+from .precision import ZeroPrecisionSettings
 
 
-class ZeroFabricPrecision(Precision):
+class ZeroFabricPrecision(ZeroPrecisionSettings, Precision):
     """No autocast (the engine computes in the policy's dtype); fp16 loss scaling in backward."""
-
-    def __init__(self, precision: str | int = "32-true", initial_loss_scale: float | None = None) -> None:
-        self.policy = policy_for(precision)
-        if initial_loss_scale is not None:
-            self.policy = replace(self.policy, initial_loss_scale=initial_loss_scale)
-        self.precision = _ALIASES.get(precision, precision)  # type: ignore[assignment]
-        self.engine: ZeroEngine | None = None
 
     def backward(self, tensor: torch.Tensor, model: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         if self.engine is None:
@@ -77,13 +70,7 @@ class ZeroFabricStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            wrap_policy=as_wrap_policy(wrap_policy),
-            bucket_size_mb=bucket_size_mb,
-            prefetch=prefetch,
-            broadcast_buffers=broadcast_buffers,
-        )
+        self.zero_config = zero_settings(stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -99,10 +86,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}", cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage, override=True
-            )
+        register_zero_strategies(cls, strategy_registry)
 
     @property
     def precision(self) -> ZeroFabricPrecision:

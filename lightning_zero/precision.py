@@ -35,16 +35,21 @@ def policy_for(precision: str | int) -> MixedPrecision:
     return PRECISION_POLICIES[name]
 
 
-class ZeroPrecision(Precision):
-    """Loss scaling (fp16, agreed across ranks), clipping over all shards, and
-    the optimizer step after the closure, all through the strategy's engine."""
+class ZeroPrecisionSettings:
+    """What the Trainer's and Fabric's ZeRO precision plugins share: the flag,
+    the core's policy for it, and the engine the strategy hands over."""
 
     def __init__(self, precision: str | int = "32-true", initial_loss_scale: float | None = None) -> None:
         self.policy = policy_for(precision)
         if initial_loss_scale is not None:
             self.policy = replace(self.policy, initial_loss_scale=initial_loss_scale)
-        self.precision = _ALIASES.get(precision, precision)  # type: ignore[assignment]
+        self.precision = _ALIASES.get(precision, precision)
         self.engine: ZeroEngine | None = None
+
+
+class ZeroPrecision(ZeroPrecisionSettings, Precision):
+    """Loss scaling (fp16, agreed across ranks), clipping over all shards, and
+    the optimizer step after the closure, all through the strategy's engine."""
 
     def _engine(self) -> ZeroEngine:
         if self.engine is None:

@@ -26,12 +26,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 
-from zero_core import ZeroConfig, ZeroEngine
+from zero_core import ZeroEngine
 from zero_core.checkpoint.state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
 
 from zero_core.sharding import move_real_tensors, shard_module, single_optimizer
 
-from ._sharding import WrapPolicyLike, as_wrap_policy
+from ._sharding import WrapPolicyLike, register_zero_strategies, zero_settings
 from .precision import ZeroPrecision
 
 
@@ -68,13 +68,7 @@ class ZeroStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # Validate now, before Lightning launches any process.
-        self.zero_config = ZeroConfig(
-            stage=stage,
-            wrap_policy=as_wrap_policy(wrap_policy),
-            bucket_size_mb=bucket_size_mb,
-            prefetch=prefetch,
-            broadcast_buffers=broadcast_buffers,
-        )
+        self.zero_config = zero_settings(stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -90,10 +84,7 @@ class ZeroStrategy(DDPStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for stage in (1, 2, 3):
-            strategy_registry.register(
-                f"zero{stage}", cls, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage, override=True
-            )
+        register_zero_strategies(cls, strategy_registry)
 
     # ------------------------------------------------------------ precision
     @property

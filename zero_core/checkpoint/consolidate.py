@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .api import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY
+from .api import MODEL_KEY, ZERO_KEY
 from .storage import CheckpointError, check_files, load_into, read_extra, read_metadata
 
 
