@@ -1,0 +1,32 @@
+"""The README's main job and the Lightning example run as documented."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_quick_start_job_trains_and_reports_memory() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLES / "train_zero3.py"), "--steps", "6"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    losses = [float(line.split("loss")[1]) for line in result.stdout.splitlines() if line.startswith("step")]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    reports = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert len(reports) == 2 and all("stage 3" in line and "DDP would hold" in line for line in reports)
+
+
+def test_lightning_example_trains_with_zero3() -> None:
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--max-steps", "20"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "final train_loss" in result.stdout and "val_perplexity" in result.stdout
+    assert sum(line.startswith("rank ") for line in result.stdout.splitlines()) == 2
