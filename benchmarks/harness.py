@@ -53,8 +53,9 @@ def live_tensor_bytes() -> int:
 
 
 def gather_ints(value: int) -> list[int]:
-    values = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(values, torch.tensor([value], dtype=torch.int64))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    values = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, torch.tensor([value], dtype=torch.int64, device=device))
     return [int(v) for v in values]
 
 
@@ -66,19 +67,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: NCCL, one GPU per process")
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    on_gpu = args.device == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if on_gpu else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     config, batch_size = SIZES[args.size]
     if args.depth is not None:
         config = GPTConfig(**{**config.__dict__, "depth": args.depth})
     torch.manual_seed(0)
-    model = GPT(config)
+    model = GPT(config).to(device)
     numel = sum(p.numel() for p in model.parameters())
     baseline = live_tensor_bytes() - sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers()))
-    result: dict = {"contestant": args.contestant, "size": args.size, "depth": config.depth, "world_size": world_size,
+    result: dict = {"contestant": args.contestant, "size": args.size, "depth": config.depth, "world_size": world_size, "device": args.device,
                     "numel": numel, "stage": STAGE_OF[args.contestant]}
     try:
         contestant = build(args.contestant, model, GPTBlock, next_token_loss)
@@ -90,13 +96,15 @@ def main() -> None:
 
     losses, times = [], []
     for step in range(args.warmup + args.steps):
-        ids = synthetic_batch(config, batch_size, step, rank)
+        ids = synthetic_batch(config, batch_size, step, rank).to(device)
         if contestant.comm_counter is not None:
             contestant.comm_counter.clear()
         dist.barrier()
         start = time.perf_counter()
         losses.append(contestant.step(ids))
-        elapsed = torch.tensor([time.perf_counter() - start])
+        if on_gpu:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor([time.perf_counter() - start], device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
         if step >= args.warmup:
             times.append(float(elapsed))
@@ -106,10 +114,11 @@ def main() -> None:
     elif contestant.comm_counter:
         traffic = {"all_reduce": {"calls": contestant.comm_counter["all_reduce_calls"], "bytes": contestant.comm_counter["all_reduce_bytes"]}}
 
-    contestant.backward_only(synthetic_batch(config, batch_size, 999, rank))  # gradients alive: the steady-state peak
+    contestant.backward_only(synthetic_batch(config, batch_size, 999, rank).to(device))  # gradients alive: the steady-state peak
     state_bytes = gather_ints(live_tensor_bytes() - baseline)
     breakdown = vars(contestant.engine.memory_report()) if contestant.engine is not None else None
-    peak_rss = gather_ints(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = gather_ints(peak)  # on a GPU: peak allocated device memory
     result.update(
         median_step_s=statistics.median(times), step_times_s=times, first_loss=losses[0], last_loss=losses[-1],
         model_state_bytes=state_bytes, breakdown=breakdown, peak_rss_bytes=peak_rss, traffic=traffic,

@@ -30,14 +30,18 @@ BUDGET_BYTES = 512 * 2**20  # per rank, for the largest-model search (medium wid
 PARAMS_PER_BLOCK, PARAMS_OUTSIDE_BLOCKS = 12 * 512**2 + 9 * 512, 8192 * 512 + 128 * 512 + 2 * 512
 
 
+DEVICE = "cpu"  # set from --device
+
+
 def run(contestant: str, size: str, world_size: int, out_dir: Path, steps: int, depth: int | None = None) -> dict:
     name = f"{size}-{contestant}-w{world_size}" + (f"-d{depth}" if depth else "")
     out = out_dir / f"{name}.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-               str(HERE / "harness.py"), "--contestant", contestant, "--size", size, "--steps", str(steps), "--out", str(out)]
+               str(HERE / "harness.py"), "--contestant", contestant, "--size", size, "--steps", str(steps), "--out", str(out),
+               "--device", DEVICE]
     if depth:
         command += ["--depth", str(depth)]
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "DS_ACCELERATOR": "cuda" if DEVICE == "cuda" else "cpu", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0 or not out.exists():
         return {"contestant": contestant, "size": size, "world_size": world_size, "failed": result.stderr[-1500:]}
@@ -87,7 +91,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model only, fewer steps")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--largest-only", action="store_true", help="only the largest-model search, added to an existing all.json")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: on a GPU machine, NCCL, world size 1 (the only size the lent machine has)")
     args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.largest_only:
@@ -99,9 +107,14 @@ def main() -> None:
     steps = 3 if args.quick else 5
     sizes = ["small"] if args.quick else ["small", "medium"]
     records = []
+    main_world = 1 if DEVICE == "cuda" else 2
     for size in sizes:
         for contestant in CONTESTANTS:
-            records.append(run(contestant, size, 2, out_dir, steps))
+            records.append(run(contestant, size, main_world, out_dir, steps))
+    if DEVICE == "cuda":
+        (out_dir / "all-cuda.json").write_text(json.dumps({"machine": machine(), "records": records}, indent=1))
+        print(f"wrote {out_dir / 'all-cuda.json'} (GPU runs are reported as raw records)")
+        return
     for world_size in (1, 4):  # scaling; 4 processes on this machine's cores are oversubscribed
         for contestant in ("ddp", *OURS):
             records.append(run(contestant, "small", world_size, out_dir, steps))
