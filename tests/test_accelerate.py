@@ -19,6 +19,9 @@ from accelerate_zero import ZeroPlugin
 from .workers import relative_difference
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_train.py")
+# The commands through this interpreter: console-script shims may not be on PATH (pyenv without a rehash).
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]
+ACCELERATE_ZERO = [sys.executable, "-m", "accelerate_zero.launch"]
 PARITY = ["--accumulate", "2", "--clip", "0.5"]
 RESUMABLE = ["--batchnorm", "0", "--steps", "6", "--save-at", "3", "--scheduler", "0"]
 
@@ -27,11 +30,11 @@ def _launch(out: Path, name: str, *script_args: str, zero: dict | None = None, p
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
         del env[key]
-    launcher = ["accelerate", "launch"]
+    launcher = [*ACCELERATE, "launch"]
     if zero is not None:
         config = out / f"{name}.yaml"
         config.write_text("".join(f"{k}: {v}\n" for k, v in zero.items()))
-        launcher = ["accelerate-zero", "launch", "--zero_config_file", str(config)]
+        launcher = [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(config)]
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     return subprocess.run(
         [*launcher, *distribution, SCRIPT, str(out), name, *script_args],
@@ -82,7 +85,7 @@ def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path
     out, results = runs
     expected = results["resumed-2"]["loaded"]  # get_state_dict right after load_state
     subprocess.run(
-        ["accelerate", "merge-weights", str(out / "saved-state" / "pytorch_model_zero_0"), str(tmp_path / "merged")],
+        [*ACCELERATE, "merge-weights", str(out / "saved-state" / "pytorch_model_zero_0"), str(tmp_path / "merged")],
         check=True, capture_output=True,
     )
     merged = load_file(tmp_path / "merged" / "model.safetensors")
@@ -106,7 +109,7 @@ def test_bad_zero_config_fails_before_launch(tmp_path: Path, config: str, messag
     file.write_text(config)
     started = time.monotonic()
     result = subprocess.run(
-        ["accelerate-zero", "launch", "--zero_config_file", str(file), "--num_processes", "2", SCRIPT, str(tmp_path), "x"],
+        [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(file), "--num_processes", "2", SCRIPT, str(tmp_path), "x"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

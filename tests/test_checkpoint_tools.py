@@ -13,6 +13,8 @@ from safetensors.torch import load_file, save_file
 from zero_core.checkpoint import consolidate_checkpoint
 
 from .distributed import run_distributed
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # console-script shims may not be on PATH
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 from zero_core import ZeroEngine
@@ -76,7 +78,7 @@ def test_lightning_consolidation_tool_reads_our_checkpoints(saved: tuple, tmp_pa
 def test_accelerate_merge_weights_reads_our_model_checkpoints(saved: tuple, tmp_path: Path) -> None:
     directory, expected = saved
     subprocess.run(
-        ["accelerate", "merge-weights", str(directory / "weights"), str(tmp_path / "merged")],
+        [*ACCELERATE, "merge-weights", str(directory / "weights"), str(tmp_path / "merged")],
         capture_output=True, text=True, check=True,
     )
     _assert_same_weights(load_file(tmp_path / "merged" / "model.safetensors"), expected)
