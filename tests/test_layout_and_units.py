@@ -70,3 +70,25 @@ def test_single_process_without_process_group() -> None:
     assert isinstance(engine.model, nn.Module) and engine.num_parameters == sum(
         s.numel for u in engine.units for s in u.layout.slots
     )
+
+
+def test_a_model_is_sharded_once_and_unshard_gives_it_back() -> None:
+    import zero_core
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = ZeroEngine(model, make_optimizer("sgd", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy((Block,))))
+    assert zero_core.engine_of(model) is engine
+    try:
+        ZeroEngine(model, make_optimizer("sgd", model))
+    except ValueError as error:
+        assert "already sharded" in str(error) and "zero_core.engine_of(model)" in str(error)
+    else:
+        raise AssertionError("sharding twice must be refused")
+    engine.unshard()
+    assert zero_core.engine_of(model) is None
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    ids = batch(0, 0)
+    lm_loss(model(ids), ids).backward()  # an ordinary module again: no hooks, full parameters
+    assert model.blocks[0].up.weight.grad is not None

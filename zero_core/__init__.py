@@ -6,9 +6,11 @@ Imports neither Lightning nor Accelerate; both adapters build on it.
 from .accounting import MemoryReport, expected_model_state_bytes
 from .collectives import CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
-from .engine import ZeroEngine
+from .checkpoint.storage import CheckpointError
+from .engine import ZeroEngine, engine_of
 
 __all__ = [
+    "CheckpointError",
     "CollectiveKind",
     "CommStats",
     "MemoryReport",
@@ -16,5 +18,6 @@ __all__ = [
     "WrapPolicy",
     "ZeroConfig",
     "ZeroEngine",
+    "engine_of",
     "expected_model_state_bytes",
 ]
