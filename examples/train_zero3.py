@@ -1,6 +1,6 @@
 """ZeRO-3 in a plain PyTorch loop: a small GPT on CPU, one process per rank.
 
-    torchrun --nproc_per_node 2 examples/train_zero3.py [--stage 3] [--steps 30]
+    python -m torch.distributed.run --nproc_per_node 2 examples/train_zero3.py [--stage 3] [--steps 30]
 
 Prints the loss, and each rank's bytes of parameters, gradients and
 optimizer state beside what plain data parallelism would hold.
