@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict, sharded_optimizer_state_dict
-from .storage import CheckpointError, check_files, load_into, read_extra, read_metadata, save_atomically
+from .storage import CheckpointError, check_files, load_into, mismatch_error, read_extra, read_metadata, save_atomically
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -85,11 +85,7 @@ def check_model_keys(path: Path, saved: dict[str, Any], expected: dict[str, tupl
         if key in stored and hasattr(stored[key], "size") and tuple(stored[key].size) != shape
     ]
     if missing or unexpected or misshaped:
-        problems = []
-        for label, names in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", misshaped)):
-            if names:
-                problems.append(f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}")
-        raise CheckpointError(f"{path} does not hold this model's weights; " + "; ".join(problems))
+        raise mismatch_error(f"{path} does not hold this model's weights", missing, unexpected, misshaped)
 
 
 def load_checkpoint(

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from .chunks import flat_range_to_rectangles
-from .storage import CheckpointError
+from .storage import CheckpointError, mismatch_error
 
 if TYPE_CHECKING:
     from ..engine import ZeroEngine
@@ -99,12 +99,7 @@ def _resolve_names(engine: "ZeroEngine", source: FlatSource, strict: bool) -> di
             misshaped.append(f"{key} (file {source.shape(candidates[0])}, model {shape})")
     unexpected = sorted(available - set(expected))
     if misshaped or (strict and (missing or unexpected)):
-        problems = [
-            f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}"
-            for label, names in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", misshaped))
-            if names
-        ]
-        raise CheckpointError("The weights do not fit this model; " + "; ".join(problems))
+        raise mismatch_error("The weights do not fit this model", missing, unexpected, misshaped)
     return resolved
 
 

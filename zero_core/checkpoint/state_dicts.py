@@ -18,15 +18,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..flat_unit import FlatUnit, MasterPiece
-from ..layout import ParamSlot
+from ..layout import ParamSlot, ShardPiece
 from .chunks import ShardedChunks
 
 
-def _local_chunks(unit: FlatUnit, slot: ParamSlot, rank: int) -> ShardedChunks:
-    pieces = [p for p in unit.layout.pieces(rank) if p.slot.index == slot.index]
-    if not pieces:
+def _local_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None) -> ShardedChunks:
+    if piece is None:  # this rank's shard holds none of the parameter
         return ShardedChunks(slot.shape, unit.master_shard[:0], 0)
-    piece = pieces[0]
     return ShardedChunks(slot.shape, unit.master_shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
 
 
@@ -34,8 +32,9 @@ def sharded_model_state_dict(model: torch.nn.Module, units: list[FlatUnit], rank
     """``model.state_dict()``'s keys and order; parameters as views of the fp32 master shard."""
     views = {}
     for unit in units:
+        piece_of = {piece.slot.index: piece for piece in unit.layout.pieces(rank)}
         for slot, param in zip(unit.layout.slots, unit.params):
-            views[id(param)] = _local_chunks(unit, slot, rank)
+            views[id(param)] = _local_chunks(unit, slot, piece_of.get(slot.index))
     return {
         key: views.get(id(value), value.detach() if isinstance(value, torch.Tensor) else value)
         for key, value in model.state_dict(keep_vars=True).items()
@@ -73,17 +72,19 @@ def optimizer_load_targets(
     as ``optimizer.state`` once loaded. Per-element state is recognised by
     having the parameter's full shape.
     """
-    saved = metadata.state_dict_metadata
+    # Saved keys are "<prefix>.state.<fqn>.<key>"; state keys (exp_avg, step, ...) hold no dots.
+    state_prefix = f"{prefix}.state."
+    saved_state: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}
+    for flat_key, entry in metadata.state_dict_metadata.items():
+        if flat_key.startswith(state_prefix) and isinstance(entry, TensorStorageMetadata):
+            fqn, key = flat_key[len(state_prefix) :].rsplit(".", 1)
+            saved_state.setdefault(fqn, []).append((key, entry))
     targets: dict[str, dict[str, Any]] = {}
     installs: list[tuple[MasterPiece, str, torch.Tensor]] = []
     for unit in units:
         for master in unit.master_pieces:
             slot = master.piece.slot
-            state_prefix = f"{prefix}.state.{slot.fqns[0]}."
-            for flat_key, entry in saved.items():
-                if not flat_key.startswith(state_prefix) or not isinstance(entry, TensorStorageMetadata):
-                    continue
-                key = flat_key[len(state_prefix) :]
+            for key, entry in saved_state.get(slot.fqns[0], []):
                 dtype = entry.properties.dtype
                 if tuple(entry.size) == tuple(slot.shape) and (len(slot.shape) > 0 or key != "step"):
                     local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.master_shard.device)

@@ -39,6 +39,16 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded into this model; the message says why."""
 
 
+def mismatch_error(what: str, missing: list[str], unexpected: list[str], misshaped: list[str]) -> CheckpointError:
+    """One message naming every difference (the first ten of each kind)."""
+    problems = [
+        f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}"
+        for label, names in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", misshaped))
+        if names
+    ]
+    return CheckpointError(f"{what}; " + "; ".join(problems))
+
+
 _ALLOWED_MODULES = {dcp_metadata.__name__, dcp_filesystem.__name__}
 _ALLOWED_BUILTINS = {"set", "frozenset", "slice", "complex", "list", "dict", "tuple"}
 
