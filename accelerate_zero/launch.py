@@ -18,44 +18,47 @@ import argparse
 import os
 import sys
 
-from .plugin import ZeroPlugin
+from .plugin import ENV_PREFIX, ZeroPlugin, parse_bool, read_yaml
 
 _FLAGS = {
     "--zero_sharding_stage": ("stage", int),
     "--zero_prefetch": ("prefetch", int),
     "--zero_bucket_size_mb": ("bucket_size_mb", float),
     "--zero_wrap_classes": ("wrap_classes", str),
-    "--zero_broadcast_buffers": ("broadcast_buffers", str),
+    "--zero_broadcast_buffers": ("broadcast_buffers", parse_bool),
 }
 
 
-def _zero_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--zero_config_file", default=None)
-    for flag, (dest, kind) in _FLAGS.items():
-        parser.add_argument(flag, dest=dest, type=kind, default=None)
+def _launch_parser() -> argparse.ArgumentParser:
+    """Accelerate's own launch parser plus ours, so the script and its
+    arguments are told apart exactly as ``accelerate launch`` does."""
+    from accelerate.commands.launch import launch_command_parser
+
+    parser = launch_command_parser()
+    group = parser.add_argument_group("ZeRO (accelerate-zero)")
+    group.add_argument("--zero_config_file", default=None)
+    for flag, (field, kind) in _FLAGS.items():
+        group.add_argument(flag, dest=f"zero_setting_{field}", type=kind, default=None)
     return parser
 
 
-def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, list[str]]:
-    """Our settings out of ``argv`` (file, then flags); the rest is Accelerate's."""
-    # Only ours are taken: stop at the script, whose own arguments may look alike.
-    ours, rest = _zero_parser().parse_known_args(argv)
-    values = ZeroPlugin.from_yaml(ours.zero_config_file).__dict__.copy() if ours.zero_config_file else {}
-    for dest, _ in _FLAGS.values():
-        if getattr(ours, dest) is not None:
-            values[dest] = getattr(ours, dest)
-    if isinstance(values.get("broadcast_buffers"), str):
-        from .plugin import _parse_bool
-
-        values["broadcast_buffers"] = _parse_bool(values["broadcast_buffers"])
-    for key in [k for k, v in values.items() if v is None]:
-        del values[key]
-    # Unset fields must not come from stale variables of an earlier run.
+def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespace]:
+    """Our settings out of ``argv`` (file, then flags); the rest is Accelerate's launch arguments."""
+    args = _launch_parser().parse_args(argv)
+    # Unset fields take the defaults, not stale variables of an earlier run:
+    # clear them before the plugin reads the environment.
     for name in list(os.environ):
-        if name.startswith("ACCELERATE_ZERO_"):
+        if name.startswith(ENV_PREFIX):
             del os.environ[name]
-    return ZeroPlugin.from_mapping(values), rest
+    config_file = args.zero_config_file
+    values = read_yaml(config_file) if config_file else {}
+    del args.zero_config_file
+    for field, _ in _FLAGS.values():
+        value = getattr(args, f"zero_setting_{field}")
+        delattr(args, f"zero_setting_{field}")
+        if value is not None:
+            values[field] = value
+    return ZeroPlugin.from_mapping(values, config_file or "the ZeRO settings"), args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     try:
-        plugin, rest = plugin_from_arguments(argv[1:])
+        plugin, launch_args = plugin_from_arguments(argv[1:])
     except (ValueError, OSError) as error:
         print(f"accelerate-zero: {error}", file=sys.stderr)
         return 2
     os.environ.update(plugin.environment())
-    from accelerate.commands.launch import launch_command, launch_command_parser
+    from accelerate.commands.launch import launch_command
 
-    launch_command(launch_command_parser().parse_args(rest))
+    launch_command(launch_args)
     return 0
 
 

@@ -29,7 +29,7 @@ MIXED_PRECISION_POLICIES = {
 }
 
 
-def _parse_bool(value: str) -> bool:
+def parse_bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
         return True
@@ -43,7 +43,7 @@ def _parse_classes(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(str(name).strip() for name in names if str(name).strip())
 
 
-_PARSERS = {"stage": int, "bucket_size_mb": float, "prefetch": int, "broadcast_buffers": _parse_bool, "wrap_classes": _parse_classes}
+_PARSERS = {"stage": int, "bucket_size_mb": float, "prefetch": int, "broadcast_buffers": parse_bool, "wrap_classes": _parse_classes}
 
 
 @dataclass(frozen=True)
@@ -86,13 +86,7 @@ class ZeroPlugin:
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> "ZeroPlugin":
-        import yaml
-
-        text = Path(path).read_text()
-        values = yaml.safe_load(text) or {}
-        if not isinstance(values, dict):
-            raise ValueError(f"{path}: expected a mapping of ZeRO settings, found {type(values).__name__}.")
-        return cls.from_mapping(values, str(path))
+        return cls.from_mapping(read_yaml(path), str(path))
 
     def environment(self) -> dict[str, str]:
         """The variables that hand these settings to the launched processes."""
@@ -122,5 +116,15 @@ class ZeroPlugin:
         return WrapPolicy(module_classes=tuple(by_name[name] for name in self.wrap_classes))
 
 
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings a ZeRO YAML file sets (its keys are checked by ``ZeroPlugin.from_mapping``)."""
+    import yaml
+
+    values = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of ZeRO settings, found {type(values).__name__}.")
+    return values
+
+
 def zero_requested() -> bool:
-    return _parse_bool(os.environ.get(USE_ZERO_ENV, "false"))
+    return parse_bool(os.environ.get(USE_ZERO_ENV, "false"))

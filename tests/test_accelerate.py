@@ -130,3 +130,18 @@ def test_plugin_reads_the_environment_and_explicit_arguments_win(monkeypatch: py
 def test_accelerate_adapter_does_not_import_lightning() -> None:
     code = "import sys, accelerate_zero; print(any(m.startswith('lightning') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate_zero.launch import plugin_from_arguments
+
+    monkeypatch.setenv("ACCELERATE_ZERO_PREFETCH", "7")  # left over from an earlier launch
+    config = tmp_path / "zero.yaml"
+    config.write_text("stage: 2\n")
+    plugin, launch_args = plugin_from_arguments(
+        ["--zero_config_file", str(config), "--zero_broadcast_buffers", "false", "--num_processes", "2",
+         "train.py", "--zero_prefetch", "3"]
+    )
+    assert (plugin.stage, plugin.prefetch, plugin.broadcast_buffers) == (2, 1, False)
+    assert launch_args.training_script == "train.py"
+    assert launch_args.training_script_args == ["--zero_prefetch", "3"]  # the script's, not ours
