@@ -7,6 +7,7 @@ with its traceback; a hang is killed after ``timeout`` seconds.
 
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import socket
@@ -26,13 +27,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args: tuple, backend: str) -> None:
+def _entry(
+    fn: Callable, rank: int, world_size: int, port: int, queue: Any, args: tuple, backend: str, pg_timeout: float | None
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        timeout = datetime.timedelta(seconds=pg_timeout) if pg_timeout else None
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
         # Plain pickle copies tensors by value; torch's queue pickling would
         # share them through file descriptors that die with this process.
         queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -44,14 +48,23 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue: Any, args
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 300, backend: str = "gloo"
+    fn: Callable,
+    world_size: int,
+    *args: Any,
+    timeout: float = 300,
+    backend: str = "gloo",
+    pg_timeout: float | None = None,
 ) -> list[Any]:
-    """``fn(rank, world_size, *args)`` on each rank; returns the results by rank."""
+    """``fn(rank, world_size, *args)`` on each rank; returns the results by rank.
+
+    ``pg_timeout``: the process group's own timeout in seconds (how long a
+    collective may wait), for tests of what happens when ranks diverge.
+    """
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = _free_port()
     processes = [
-        context.Process(target=_entry, args=(fn, rank, world_size, port, queue, args, backend), daemon=True)
+        context.Process(target=_entry, args=(fn, rank, world_size, port, queue, args, backend, pg_timeout), daemon=True)
         for rank in range(world_size)
     ]
     for process in processes:

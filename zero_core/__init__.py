@@ -4,13 +4,14 @@ Imports neither Lightning nor Accelerate; both adapters build on it.
 """
 
 from .accounting import MemoryReport, expected_model_state_bytes
-from .collectives import CollectiveKind, CommStats
+from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
 from .checkpoint.storage import CheckpointError
 from .engine import ZeroEngine, engine_of
 
 __all__ = [
     "CheckpointError",
+    "CollectiveFailed",
     "CollectiveKind",
     "CommStats",
     "MemoryReport",

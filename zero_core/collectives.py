@@ -13,8 +13,10 @@ the tensor size of an all-reduce or broadcast.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,6 +72,46 @@ class CommStats:
         }
 
 
+class CollectiveFailed(RuntimeError):
+    """A collective did not complete: a peer left, or the process group's timeout expired.
+
+    Almost always the ranks stopped running the same forwards, backwards and
+    steps; the message says which collective of which unit, in which phase of
+    which step, this rank was waiting for.
+    """
+
+
+DIVERGENCE_ADVICE = (
+    "Every rank must run the same forwards, backwards and optimizer steps, in the same order: "
+    "a forward, backward or step on some ranks only (evaluation or predict on rank 0 only, a batch "
+    "skipped on one rank, an exception caught on one rank) leaves the others waiting. For work on one "
+    "rank, gather on every rank first with engine.gathered_parameters() or engine.full_state_dict(). "
+    "How long a rank waits is the process group's timeout: init_process_group(timeout=...), "
+    "Lightning's DDP-style strategies' timeout=..., Accelerate's InitProcessGroupKwargs(timeout=...)."
+)
+
+
+class Position(NamedTuple):
+    """Where the training loop was when a collective was issued (for error messages)."""
+
+    phase: str
+    optimizer_step: int
+
+
+def _nowhere() -> Position:
+    return Position("setup", 0)
+
+
+class CollectiveLabel(NamedTuple):
+    kind: "CollectiveKind"
+    what: str  # the unit or object it moves, e.g. "unit 'blocks.2'"
+    position: Position
+
+    def describe(self, rank: int) -> str:
+        phase, step = self.position
+        return f"{self.kind.value} of {self.what} (rank {rank}, {phase}, optimizer step {step})"
+
+
 @dataclass
 class CommContext:
     """Where collectives run: the group, this rank's place in it, the stream."""
@@ -83,6 +125,8 @@ class CommContext:
     # CUDA only: collectives run on their own streams, ordered with events.
     all_gather_stream: torch.cuda.Stream | None = None
     reduce_scatter_stream: torch.cuda.Stream | None = None
+    # Set by the engine: the phase and step that failure messages name.
+    position: Callable[[], Position] = _nowhere
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
@@ -106,25 +150,53 @@ class CommContext:
 
 
 class Handle:
-    """The wait half of a collective. ``wait()`` is safe to call twice."""
+    """The wait half of a collective. ``wait()`` is safe to call twice.
 
-    def __init__(self, work: dist.Work | None = None, stream: torch.cuda.Stream | None = None):
+    A wait that fails (the process group's timeout expired, a peer closed
+    the connection) raises :class:`CollectiveFailed` naming the collective.
+    """
+
+    def __init__(
+        self,
+        work: dist.Work | None = None,
+        stream: torch.cuda.Stream | None = None,
+        label: CollectiveLabel | None = None,
+        rank: int = 0,
+    ):
         self._work = work
         self._stream = stream
+        self._label = label
+        self._rank = rank
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
-            self._work = None
+            work, self._work = self._work, None
+            try:
+                work.wait()
+            except (RuntimeError, dist.DistError) as error:
+                what = self._label.describe(self._rank) if self._label else "a collective"
+                raise CollectiveFailed(
+                    f"ZeRO: {what} did not complete: {error}\n{DIVERGENCE_ADVICE}"
+                ) from error
         if self._stream is not None:
             # Later kernels on the compute stream must see the collective's output.
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
             self._stream = None
 
 
-def _launch(stream: torch.cuda.Stream | None, tensors: tuple[torch.Tensor, ...], launch) -> Handle:
+def _label(comm: CommContext, kind: CollectiveKind, what: str) -> CollectiveLabel:
+    return CollectiveLabel(kind, what, comm.position())
+
+
+def _handle(comm: CommContext, work: dist.Work | None, kind: CollectiveKind, what: str) -> Handle:
+    return Handle(work, None, _label(comm, kind, what), comm.rank)
+
+
+def _launch(
+    comm: CommContext, stream: torch.cuda.Stream | None, tensors: tuple[torch.Tensor, ...], launch, label: CollectiveLabel
+) -> Handle:
     if stream is None:
-        return Handle(launch())
+        return Handle(launch(), None, label, comm.rank)
     # The collective must see what the compute stream wrote before it was issued.
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
@@ -132,10 +204,10 @@ def _launch(stream: torch.cuda.Stream | None, tensors: tuple[torch.Tensor, ...],
     for tensor in tensors:
         # Keep the caching allocator from reusing these while the side stream uses them.
         tensor.record_stream(stream)
-    return Handle(work, stream)
+    return Handle(work, stream, label, comm.rank)
 
 
-def all_gather(comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Tensor) -> Handle:
+def all_gather(comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Tensor, label: str = "parameters") -> Handle:
     """Fill ``gathered_out`` (world_size * shard numel) with every rank's shard."""
     comm.stats.record(CollectiveKind.ALL_GATHER, gathered_out)
     with record_function("zero::all_gather"):
@@ -147,15 +219,18 @@ def all_gather(comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Te
             return Handle()
         if comm.prefers_list_collectives:
             # Views of the flat output: gloo writes each rank's shard in place.
-            return Handle(dist.all_gather(list(gathered_out.chunk(comm.world_size)), shard_in, group=comm.group, async_op=True))
+            work = dist.all_gather(list(gathered_out.chunk(comm.world_size)), shard_in, group=comm.group, async_op=True)
+            return _handle(comm, work, CollectiveKind.ALL_GATHER, label)
         return _launch(
+            comm,
             comm.all_gather_stream,
             (gathered_out, shard_in),
             lambda: _all_gather_single(gathered_out, shard_in, group=comm.group, async_op=True),
+            _label(comm, CollectiveKind.ALL_GATHER, label),
         )
 
 
-def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor) -> Handle:
+def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor, label: str = "gradients") -> Handle:
     """Sum ``full_in`` over ranks and leave this rank's slice in ``shard_out``.
 
     ``shard_out`` may be this rank's slice of ``full_in`` itself.
@@ -170,36 +245,36 @@ def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Te
             return Handle()
         if comm.prefers_list_collectives:
             chunks = list(full_in.chunk(comm.world_size))
-            return Handle(dist.reduce_scatter(shard_out, chunks, group=comm.group, async_op=True))
+            work = dist.reduce_scatter(shard_out, chunks, group=comm.group, async_op=True)
+            return _handle(comm, work, CollectiveKind.REDUCE_SCATTER, label)
         return _launch(
+            comm,
             comm.reduce_scatter_stream,
             (shard_out, full_in),
             lambda: _reduce_scatter_single(shard_out, full_in, group=comm.group, async_op=True),
+            _label(comm, CollectiveKind.REDUCE_SCATTER, label),
         )
 
 
-def all_reduce(comm: CommContext, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Handle:
+def all_reduce(
+    comm: CommContext, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, label: str = "step flags"
+) -> Handle:
     comm.stats.record(CollectiveKind.ALL_REDUCE, tensor)
     with record_function("zero::all_reduce"):
         if comm.world_size == 1:
             return Handle()
-        return Handle(dist.all_reduce(tensor, op=op, group=comm.group, async_op=True))
+        work = dist.all_reduce(tensor, op=op, group=comm.group, async_op=True)
+        return _handle(comm, work, CollectiveKind.ALL_REDUCE, label)
 
 
-def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0) -> Handle:
+def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label: str = "buffers") -> Handle:
     """Broadcast from ``src_rank`` of the group (a group rank, not a global one)."""
     comm.stats.record(CollectiveKind.BROADCAST, tensor)
     with record_function("zero::broadcast"):
         if comm.world_size == 1:
             return Handle()
-        return Handle(dist.broadcast(tensor, group_src=src_rank, group=comm.group, async_op=True))
-
-
-def agree_on_flag(comm: CommContext, local_flag: bool) -> bool:
-    """True on every rank if ``local_flag`` is true on any rank."""
-    flag = torch.tensor([1.0 if local_flag else 0.0], device=comm.device)
-    all_reduce(comm, flag, dist.ReduceOp.MAX).wait()
-    return bool(flag.item())
+        work = dist.broadcast(tensor, group_src=src_rank, group=comm.group, async_op=True)
+        return _handle(comm, work, CollectiveKind.BROADCAST, label)
 
 
 def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:
@@ -210,8 +285,8 @@ def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:
     """
     local = torch.tensor(values, dtype=torch.float64, device=comm.device)
     low, high = local.clone(), local.clone()
-    all_reduce(comm, low, dist.ReduceOp.MIN).wait()
-    all_reduce(comm, high, dist.ReduceOp.MAX).wait()
+    all_reduce(comm, low, dist.ReduceOp.MIN, label=what).wait()
+    all_reduce(comm, high, dist.ReduceOp.MAX, label=what).wait()
     if not torch.equal(low, high):
         raise ValueError(
             f"Ranks disagree on {what}: every rank must build the same model and optimizer "

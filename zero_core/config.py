@@ -77,6 +77,23 @@ class WrapPolicy:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """What a ZeRO stage means for the runtime, derived once from ``stage``.
+
+    Units and the step runtime read these behaviours instead of comparing
+    stage numbers, so each rule lives in one place.
+    """
+
+    params_sharded_at_rest: bool  # stage 3: full parameters exist only while a unit runs
+    grads_sharded: bool  # stages 2/3: each backward reduce-scatters and keeps only the shard
+    reduce_inside_no_sync: bool  # stages 2/3 cannot hold full gradients across micro-batches
+
+    @classmethod
+    def for_stage(cls, stage: int) -> "StagePlan":
+        return cls(params_sharded_at_rest=stage == 3, grads_sharded=stage >= 2, reduce_inside_no_sync=stage >= 2)
+
+
+@dataclass(frozen=True)
 class ZeroConfig:
     """The handful of knobs of the ZeRO core.
 
@@ -110,6 +127,10 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
+
+    @property
+    def plan(self) -> StagePlan:
+        return StagePlan.for_stage(self.stage)
 
     @property
     def bucket_numel(self) -> int:

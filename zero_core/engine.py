@@ -34,7 +34,7 @@ from torch import nn
 
 from . import collectives, full_params, grad_ops
 from .accounting import MemoryReport, StorageCounter
-from .collectives import CommContext, CommStats
+from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
 from .flat_unit import FlatUnit
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
@@ -122,13 +122,14 @@ class ZeroEngine:
         for plan in reversed(plans):
             if on_meta:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
-            units[plan.index] = FlatUnit(plan, config.stage, config.mixed_precision, self.comm)
+            units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
         self._cast_buffers(config.mixed_precision.compute_dtype)
         self._sync_buffers()
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         self._grads_unscaled = False
-        self.runtime = StepRuntime(self.units, config)
+        self.runtime = StepRuntime(self.units, config.plan, config.prefetch)
+        self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
         self.runtime.before_root_forward.append(self._before_root_forward)
         self.runtime.after_root_forward.append(self._after_root_forward)
         self._sync_buffers_next_forward = True
@@ -138,6 +139,7 @@ class ZeroEngine:
             self.attach_optimizer(optimizer)
         self._skip_refresh = False
         self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
+        self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
         self._traffic_at_last_step = self.comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
         _ENGINES[model] = self
@@ -241,7 +243,14 @@ class ZeroEngine:
         """``loss.backward()``, with fp16 loss scaling when enabled."""
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
-        loss.backward(**kwargs)
+        if "inputs" in kwargs:
+            loss.backward(**kwargs)
+            return
+        # Stage 3: unit outputs the loss does not use get zero gradients, so
+        # every rank gathers the same units in the same order (backward_roots.py).
+        roots, grads = self.runtime.backward_roots(loss)
+        grads[0] = kwargs.pop("gradient", None)
+        torch.autograd.backward(roots, grads, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -265,19 +274,19 @@ class ZeroEngine:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
-        self.runtime.finish_reduces()
+        self.runtime.settle()
         self._unscale_grads_once()
         return grad_ops.clip_grad_norm(self.units, self.comm, max_norm, float(norm_type))
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
-        self.runtime.finish_reduces()
+        self.runtime.settle()
         self._unscale_grads_once()
         grad_ops.clip_grad_value(self.units, clip_value)
 
     def zero_grad(self) -> None:
         """Discard accumulated gradients without stepping."""
-        self.runtime.finish_reduces()
+        self.runtime.settle()
         for unit in self.units:
             unit.reset_grads()
         self._grads_unscaled = False
@@ -290,19 +299,27 @@ class ZeroEngine:
         self.optimizer.step()
 
     def _before_optimizer_step(self) -> None:
-        self.runtime.finish_reduces()
+        # A forward whose backward never ran (a skipped batch) ends here.
+        self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
+        self._step_calls += 1
         if self.loss_scaler is not None:
             self._unscale_grads_once()
-            found_inf = grad_ops.any_nonfinite(self.units, self.comm)
-            self.loss_scaler.update(found_inf)
-            if found_inf:
+        counters = {
+            "forwards with grad": self.runtime.forwards,
+            "backwards": self.runtime.backwards,
+            "optimizer steps": self._step_calls,
+        }
+        agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(agreement.found_inf)
+            if agreement.found_inf:
                 # With no .grad anywhere the optimizer leaves every parameter alone.
                 for unit in self.units:
                     unit.attach_master_grads([False] * len(unit.slot_has_grad))
                 self._skip_refresh = True
                 return
-        for unit, flags in zip(self.units, grad_ops.agreed_slot_flags(self.units, self.comm)):
+        for unit, flags in zip(self.units, agreement.slot_flags):
             unit.attach_master_grads(flags)
 
     def refresh_parameters(self) -> None:

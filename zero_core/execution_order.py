@@ -1,40 +1,54 @@
-"""The order units run in, recorded in the first forward and first backward,
-which is what stage-3 prefetching follows."""
+"""The order units run in, which stage-3 prefetching follows.
+
+Each forward and each backward is recorded anew; prefetching predicts from
+the previous one. The prediction is a guess, never a promise: a unit that
+runs out of the predicted order (layerdrop, a branch, generation, an eval
+forward before training) moves a cursor through the previous order, and
+whatever was prefetched and did not run is released by the runtime (the
+live-unit bound holds whatever the order does). At the end of each pass the
+recording replaces the previous one when it differs, and ``changes`` counts
+how often that happened.
+"""
 
 from __future__ import annotations
 
 
+class PassOrder:
+    """One kind of pass (forward or backward): the last recorded order and the one being recorded."""
+
+    def __init__(self) -> None:
+        self.previous: list[int] = []
+        self.current: list[int] = []
+        self.changes = 0
+        self._cursor = 0  # position in ``previous`` just after the last unit matched
+
+    def record(self, unit_index: int, count: int) -> list[int]:
+        """Record that ``unit_index`` runs now; return up to ``count`` units predicted to run next."""
+        if unit_index in self.current:
+            return []  # a unit running again (a reused block): it is already live
+        self.current.append(unit_index)
+        try:
+            position = self.previous.index(unit_index, self._cursor)
+        except ValueError:
+            return []  # not where the last pass had it: no prediction until one matches again
+        self._cursor = position + 1
+        return [i for i in self.previous[self._cursor : self._cursor + count] if i not in self.current]
+
+    def end(self) -> None:
+        if self.current and self.current != self.previous:
+            if self.previous:
+                self.changes += 1
+            self.previous = self.current
+        self.current = []
+        self._cursor = 0
+
+
 class ExecutionOrder:
     def __init__(self) -> None:
-        self.forward: list[int] = []
-        self.backward: list[int] = []
-        self._forward_recorded = False
-        self._backward_recorded = False
+        self.forward = PassOrder()
+        self.backward = PassOrder()
 
-    def record_forward(self, unit_index: int) -> None:
-        if not self._forward_recorded and unit_index not in self.forward:
-            self.forward.append(unit_index)
-
-    def record_backward(self, unit_index: int) -> None:
-        if not self._backward_recorded and unit_index not in self.backward:
-            self.backward.append(unit_index)
-
-    def end_forward(self) -> None:
-        self._forward_recorded = True
-
-    def end_backward(self) -> None:
-        if self.backward:
-            self._backward_recorded = True
-
-    def next_forward(self, unit_index: int, count: int) -> list[int]:
-        return self._after(self.forward, unit_index, count) if self._forward_recorded else []
-
-    def next_backward(self, unit_index: int, count: int) -> list[int]:
-        return self._after(self.backward, unit_index, count) if self._backward_recorded else []
-
-    @staticmethod
-    def _after(order: list[int], unit_index: int, count: int) -> list[int]:
-        if unit_index not in order:
-            return []
-        position = order.index(unit_index)
-        return order[position + 1 : position + 1 + count]
+    @property
+    def changes(self) -> int:
+        """How many times a forward or backward ran its units in another order than the one before."""
+        return self.forward.changes + self.backward.changes

@@ -16,6 +16,12 @@ Tensors of a unit (P = padded numel, S = P / world_size):
   dtypes allow); stages 2/3 allocate it per backward and drop it once sent.
 - ``sharded_grads`` (S, reduce dtype): this rank's averaged gradient slice,
   accumulated across micro-batches until the optimizer step.
+- ``backward_shard`` (S, reduce dtype; stages 2/3): what the running
+  backward reduced, added to ``sharded_grads`` only when that backward
+  completes (``commit_backward``), so a backward that raises leaves no trace
+  (``discard_backward``). Without accumulation it simply becomes
+  ``sharded_grads``; with accumulation it is one extra shard while a
+  backward runs.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import torch
 from torch import nn
 
 from .collectives import CommContext, Handle, all_gather, broadcast, reduce_scatter
-from .config import MixedPrecision
+from .config import MixedPrecision, StagePlan
 from .layout import FlatLayout, ParamSlot, ShardPiece
 from .units import UnitPlan
 
@@ -53,9 +59,10 @@ class PendingReduce(NamedTuple):
 
 
 class FlatUnit:
-    def __init__(self, plan: UnitPlan, stage: int, precision: MixedPrecision, comm: CommContext):
+    def __init__(self, plan: UnitPlan, stage_plan: StagePlan, precision: MixedPrecision, comm: CommContext):
         self.index, self.name, self.module = plan.index, plan.name, plan.module
-        self.stage, self.precision, self.comm = stage, precision, comm
+        self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
+        self.label = f"unit '{plan.name}'" if plan.name else "the root unit"
         self.params: list[nn.Parameter] = plan.params
         self.layout = FlatLayout.build(
             [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)],
@@ -66,6 +73,7 @@ class FlatUnit:
         self._gather_handle: Handle | None = None
         self.full_grads: torch.Tensor | None = None
         self.sharded_grads: torch.Tensor | None = None
+        self.backward_shard: torch.Tensor | None = None
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward: set[int] = set()
         self._flatten_parameters()
@@ -74,10 +82,10 @@ class FlatUnit:
             for piece in self.layout.pieces(comm.rank)
             if piece.slot.requires_grad
         ]
-        if stage == 1:
+        if not stage_plan.grads_sharded:
             self.full_grads = torch.zeros(self.layout.padded_numel, dtype=precision.reduce_dtype, device=comm.device)
             self._attach_model_grad_views()
-        if stage == 3:
+        if stage_plan.params_sharded_at_rest:
             self.release()
 
     # ----------------------------------------------------------------- layout
@@ -90,11 +98,11 @@ class FlatUnit:
         padded_full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=comm.device)
         for slot, param in zip(layout.slots, self.params):
             self._slot_view(padded_full, slot).copy_(param.detach())
-        broadcast(comm, padded_full).wait()
+        broadcast(comm, padded_full, label=self.label).wait()
         lo, hi = layout.shard_range(comm.rank)
         compute_dtype = self.precision.compute_dtype
         self.gathered_params = padded_full.to(compute_dtype)
-        if self.stage == 3:
+        if self.stage_plan.params_sharded_at_rest:
             self.master_shard = padded_full[lo:hi].clone()
             self.compute_shard = self.master_shard.to(compute_dtype)
         else:
@@ -118,7 +126,7 @@ class FlatUnit:
         if self.state is not UnitState.SHARDED:
             return
         self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
-        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard)
+        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = UnitState.GATHERING
 
     def wait_gathered(self) -> None:
@@ -131,7 +139,7 @@ class FlatUnit:
 
     def release(self) -> None:
         """Stage 3: GATHERED/GATHERING -> SHARDED, freeing the full parameters."""
-        if self.stage < 3 or self.state is UnitState.SHARDED:
+        if not self.stage_plan.params_sharded_at_rest or self.state is UnitState.SHARDED:
             return
         self.wait_gathered()
         self.gathered_params.untyped_storage().resize_(0)
@@ -154,14 +162,13 @@ class FlatUnit:
         view = self._slot_view(self.full_grads, slot)
         grad = param.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
-            if self.stage > 1 and slot_index not in self._filled_this_backward:
+            if self.stage_plan.grads_sharded and slot_index not in self._filled_this_backward:
                 view.copy_(grad)
             else:
                 view.add_(grad)
-            keep_view = self.stage == 1 and view.dtype == param.dtype
+            keep_view = not self.stage_plan.grads_sharded and view.dtype == param.dtype
             param.grad = view if keep_view else None
         self._filled_this_backward.add(slot_index)
-        self.slot_has_grad[slot_index] = True
 
     def _zero_unfilled(self) -> None:
         """Stages 2/3: zero the slots no gradient reached this backward, and the padding."""
@@ -180,40 +187,84 @@ class FlatUnit:
             return None
         if self.full_grads is None:
             self.full_grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.reduce_dtype, device=self.comm.device)
-        elif self.stage > 1:
+        elif self.stage_plan.grads_sharded:
             self._zero_unfilled()
         if self.precision.reduce_dtype != torch.float32:
             self.full_grads.div_(self.comm.world_size)  # low precision: average before summing
         lo, hi = self.layout.shard_range(self.comm.rank)
         full_in = self.full_grads
-        sharded_out = full_in[lo:hi] if self.stage == 1 else torch.empty_like(full_in[lo:hi])
-        handle = reduce_scatter(self.comm, sharded_out, full_in)
-        if self.stage > 1:
+        sharded_out = torch.empty_like(full_in[lo:hi]) if self.stage_plan.grads_sharded else full_in[lo:hi]
+        handle = reduce_scatter(self.comm, sharded_out, full_in, label=self.label)
+        if self.stage_plan.grads_sharded:
             self.full_grads = None
-        self._filled_this_backward.clear()
         return PendingReduce(self, sharded_out, full_in, handle)
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         pending.handle.wait()
         if self.precision.reduce_dtype == torch.float32:
             pending.sharded_out.div_(self.comm.world_size)
-        if self.sharded_grads is None or self.stage == 1:
-            self.sharded_grads = pending.sharded_out
+        if self.stage_plan.grads_sharded:
+            self.backward_shard = pending.sharded_out
         else:
-            self.sharded_grads.add_(pending.sharded_out)
+            self.sharded_grads = pending.sharded_out  # this rank's slice of full_grads, reduced in place
+
+    def prepare_backward(self) -> None:
+        """Stage 1, a second synchronised backward before the step: reopen the reduced slice.
+
+        After a reduce, this rank's slice of ``full_grads`` holds the average
+        and the other slices stale local sums. Putting the sum back in the own
+        slice and zeroing the rest makes the next reduce add exactly the new
+        gradients to it.
+        """
+        if self.stage_plan.grads_sharded or self.sharded_grads is None:
+            return
+        lo, hi = self.layout.shard_range(self.comm.rank)
+        self.full_grads[:lo].zero_()
+        self.full_grads[hi:].zero_()
+        self.full_grads[lo:hi].mul_(self.comm.world_size)
+        self.sharded_grads = None
+
+    def commit_backward(self) -> None:
+        """The backward completed: its gradients join those accumulated before it."""
+        for slot_index in self._filled_this_backward:
+            self.slot_has_grad[slot_index] = True
+        self._filled_this_backward.clear()
+        if self.backward_shard is not None:
+            if self.sharded_grads is None:
+                self.sharded_grads = self.backward_shard
+            else:
+                self.sharded_grads.add_(self.backward_shard)
+            self.backward_shard = None
+
+    def discard_backward(self) -> bool:
+        """The backward raised: drop what it produced. True if earlier gradients went too.
+
+        Stages 2/3 keep the gradients accumulated before it. Stage 1 lets
+        autograd accumulate into ``full_grads`` in place, so an interrupted
+        backward cannot be told apart from earlier micro-batches: all go.
+        """
+        if self.stage_plan.grads_sharded:
+            self.full_grads = None
+            self.backward_shard = None
+            self._filled_this_backward.clear()
+            return False
+        had_earlier = any(self.slot_has_grad)
+        self.reset_grads()
+        return had_earlier
 
     def reset_grads(self) -> None:
         """After the optimizer step: gradients are consumed."""
         self.sharded_grads = None
+        self.backward_shard = None
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward.clear()
         for piece in self.master_pieces:
             piece.param.grad = None
-        if self.stage == 1:
+        if self.stage_plan.grads_sharded:
+            self.full_grads = None
+        else:
             self.full_grads.zero_()
             self._attach_model_grad_views()
-        else:
-            self.full_grads = None
 
     # ------------------------------------------------------------------ step
     def attach_master_grads(self, slot_has_grad: list[bool]) -> None:
@@ -233,15 +284,15 @@ class FlatUnit:
         """After the step: bring the compute copy up to date with the master shard."""
         if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
             self.compute_shard.copy_(self.master_shard)
-        if self.stage == 3:
+        if self.stage_plan.params_sharded_at_rest:
             return Handle()
-        return all_gather(self.comm, self.gathered_params, self.compute_shard)
+        return all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
 
     # ------------------------------------------------------- full parameters
     def gather_full_master(self) -> torch.Tensor:
         """The unit's full fp32 flat parameters (padded), gathered from the master shards."""
         full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.comm.device)
-        all_gather(self.comm, full, self.master_shard).wait()
+        all_gather(self.comm, full, self.master_shard, label=self.label).wait()
         return full
 
     def load_full_master(self, full: torch.Tensor) -> None:
@@ -250,7 +301,7 @@ class FlatUnit:
         self.master_shard.copy_(full[lo:hi])
         if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
             self.compute_shard.copy_(self.master_shard)
-        if self.stage < 3:
+        if not self.stage_plan.params_sharded_at_rest:
             self.gathered_params.copy_(full)
 
     def full_param_views(self, full: torch.Tensor) -> list[torch.Tensor]:

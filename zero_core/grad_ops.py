@@ -8,6 +8,8 @@ unsharded gradients would.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
@@ -51,19 +53,46 @@ def clip_grad_value(units: list[FlatUnit], clip_value: float) -> None:
         shard.clamp_(-clip_value, clip_value)
 
 
-def any_nonfinite(units: list[FlatUnit], comm: CommContext) -> bool:
-    local = any(not torch.isfinite(shard).all() for shard in _shards(units))
-    return collectives.agree_on_flag(comm, local)
+class StepAgreement(NamedTuple):
+    found_inf: bool  # some rank has a non-finite gradient: every rank skips the step
+    slot_flags: list[list[bool]]  # per unit, per parameter: did any rank produce a gradient
 
 
-def agreed_slot_flags(units: list[FlatUnit], comm: CommContext) -> list[list[bool]]:
-    """A parameter has a gradient if any rank produced one (DDP's unused-parameter rule)."""
-    flags = [flag for u in units for flag in u.slot_has_grad]
-    tensor = torch.tensor(flags, dtype=torch.float32, device=comm.device)
-    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX).wait()
-    agreed, offset = [], 0
+def agree_on_step(
+    units: list[FlatUnit], comm: CommContext, counters: dict[str, int], check_finite: bool
+) -> StepAgreement:
+    """What every rank needs to agree on before the optimizer step, in one all-reduce.
+
+    A parameter has a gradient if any rank produced one (DDP's
+    unused-parameter rule); an overflow anywhere skips the step everywhere.
+    ``counters`` (forwards, backwards, steps so far) ride along as +x and -x
+    under MAX, giving the highest and lowest over ranks: ranks that ran
+    different numbers of them are named here instead of mixing collectives
+    of different steps.
+    """
+    local_inf = check_finite and any(not torch.isfinite(shard).all() for shard in _shards(units))
+    flags = [float(flag) for u in units for flag in u.slot_has_grad]
+    values = list(counters.values())
+    tensor = torch.tensor(
+        [float(local_inf)] + flags + values + [-v for v in values], dtype=torch.float64, device=comm.device
+    )
+    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label="the optimizer-step agreement").wait()
+    reduced = tensor.tolist()
+    count = len(values)
+    highest, lowest = reduced[len(reduced) - 2 * count : len(reduced) - count], [-v for v in reduced[len(reduced) - count :]]
+    if highest != lowest:
+        differing = ", ".join(
+            f"{name}: {int(lo)} on some ranks, {int(hi)} on others"
+            for name, lo, hi in zip(counters, lowest, highest)
+            if lo != hi
+        )
+        raise collectives.CollectiveFailed(
+            f"ZeRO: ranks reached this optimizer step after different work ({differing}).\n"
+            + collectives.DIVERGENCE_ADVICE
+        )
+    agreed, offset = [], 1
     for unit in units:
-        count = len(unit.slot_has_grad)
-        agreed.append([bool(x) for x in tensor[offset : offset + count].tolist()])
-        offset += count
-    return agreed
+        n = len(unit.slot_has_grad)
+        agreed.append([bool(x) for x in reduced[offset : offset + n]])
+        offset += n
+    return StepAgreement(bool(reduced[0]), agreed)

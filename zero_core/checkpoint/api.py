@@ -58,7 +58,7 @@ def save_checkpoint(
     """Model and/or optimizer as one DCP directory (Accelerate keeps them in two)."""
     if not (include_model or include_optimizer):
         raise ValueError("Nothing to save: include the model, the optimizer or both.")
-    engine.runtime.finish_reduces()
+    engine.runtime.settle()
     engine.sync_buffers_for_export()
     state = engine_state(engine, include_model, include_optimizer)
     return save_atomically(path, state, {**(extra or {}), ZERO_KEY: zero_info(engine)})
@@ -106,7 +106,7 @@ def load_checkpoint(
         raise CheckpointError(f"{path} holds no optimizer state; pass load_optimizer=False to load the weights only.")
     check_files(path, metadata)
     extra = read_extra(path)
-    engine.runtime.finish_reduces()
+    engine.runtime.settle()
     state: dict[str, Any] = {}
     if load_model:
         state[MODEL_KEY] = sharded_model_state_dict(engine.model, engine.units, engine.rank)

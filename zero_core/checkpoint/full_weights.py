@@ -106,7 +106,7 @@ def _resolve_names(engine: "ZeroEngine", source: FlatSource, strict: bool) -> di
 def load_full_weights(engine: "ZeroEngine", source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> None:
     tensors = open_source(source)
     names = _resolve_names(engine, tensors, strict)
-    engine.runtime.finish_reduces()
+    engine.runtime.settle()
     for unit in engine.units:
         for piece in unit.layout.pieces(engine.rank):
             name = names.get(piece.slot.fqns[0])

@@ -1,0 +1,119 @@
+"""Ranks that stop running the same forwards, backwards and steps get an error
+that says so, on every rank, within the process group's timeout: never a
+silent hang, never a silent mix of collectives of different steps."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from zero_core import CollectiveFailed, ZeroEngine
+
+from .distributed import run_distributed
+from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import config_for
+
+PG_TIMEOUT = 4.0  # seconds; the process group's own timeout
+SLACK = 8.0  # how much longer than the timeout a rank may take to give up
+
+
+def _train_step(model: TinyTransformer, engine: ZeroEngine, step: int) -> None:
+    ids = batch(step, engine.rank)
+    engine.backward(lm_loss(model(ids), ids))
+    engine.step()
+
+
+def _outcome(run) -> dict:  # type: ignore[no-untyped-def]
+    """Run the diverging part; report what was raised and how long it took."""
+    start = time.monotonic()
+    try:
+        run()
+    except CollectiveFailed as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+def _extra_forward_on_rank0(rank: int, world_size: int) -> dict:
+    """Stage 3: rank 0 alone runs an evaluation forward (predict on rank 0 only)."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
+    _train_step(model, engine, 0)
+
+    def diverge() -> None:
+        if rank == 0:
+            with torch.no_grad():
+                model(batch(50, rank))
+        for step in range(1, 4):
+            _train_step(model, engine, step)
+
+    return _outcome(diverge)
+
+
+def _skipped_micro_batch_on_rank1(rank: int, world_size: int) -> dict:
+    """Stage 1, accumulation: rank 1 skips a micro-batch. The collectives still
+    line up, so only the step counters can tell: the same error on every rank."""
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(1))
+
+    def diverge() -> None:
+        for step in range(3):
+            for micro in range(2):
+                if step == 1 and micro == 0 and rank == 1:
+                    continue  # e.g. a bad batch caught on this rank only
+                ids = batch(10 * step + micro, rank)
+                with engine.no_sync() if micro == 0 else torch.enable_grad():
+                    engine.backward(lm_loss(model(ids), ids) / 2)
+            engine.step()
+
+    return _outcome(diverge)
+
+
+def _rank1_stops_early(rank: int, world_size: int) -> dict:
+    """Stage 2: rank 1 leaves the loop one step early; rank 0 must not wait forever."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(2))
+
+    def diverge() -> None:
+        for step in range(3 if rank == 0 else 2):
+            _train_step(model, engine, step)
+
+    return _outcome(diverge)
+
+
+def _assert_names_the_rule(message: str) -> None:
+    assert message.startswith("ZeRO: ")
+    assert "Every rank must run the same forwards, backwards and optimizer steps" in message
+    assert "gathered_parameters()" in message and "init_process_group(timeout=...)" in message
+
+
+def test_extra_forward_on_one_rank_fails_on_every_rank_within_the_timeout() -> None:
+    outcomes = run_distributed(_extra_forward_on_rank0, 2, pg_timeout=PG_TIMEOUT, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None, f"rank {rank} went on as if nothing happened"
+        _assert_names_the_rule(outcome["error"])
+        assert "optimizer step" in outcome["error"]
+        assert outcome["seconds"] <= PG_TIMEOUT + SLACK, outcome
+    # At least one rank names the unit whose all-gather it waited for.
+    assert any("unit '" in outcome["error"] or "root unit" in outcome["error"] for outcome in outcomes)
+
+
+def test_skipped_micro_batch_on_one_rank_is_caught_at_the_next_step_on_every_rank() -> None:
+    outcomes = run_distributed(_skipped_micro_batch_on_rank1, 2, pg_timeout=PG_TIMEOUT, timeout=120)
+    messages = [outcome["error"] for outcome in outcomes]
+    assert messages[0] is not None and messages[0] == messages[1]
+    assert "forwards with grad: 3 on some ranks, 4 on others" in messages[0]
+    _assert_names_the_rule(messages[0])
+    assert all(outcome["seconds"] <= PG_TIMEOUT for outcome in outcomes)
+
+
+def test_rank_that_stops_early_does_not_leave_the_other_hanging() -> None:
+    outcomes = run_distributed(_rank1_stops_early, 2, pg_timeout=PG_TIMEOUT, timeout=120)
+    assert outcomes[1]["error"] is None  # it finished its own loop
+    assert outcomes[0]["error"] is not None
+    _assert_names_the_rule(outcomes[0]["error"])
+    assert outcomes[0]["seconds"] <= PG_TIMEOUT + SLACK

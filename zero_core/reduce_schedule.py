@@ -1,0 +1,63 @@
+"""When each unit's gradients are reduce-scattered during a backward.
+
+The order of collectives must never depend on data: a rank whose gradients
+never reached a unit (its output unused on this rank, an expert that got no
+tokens) must still issue that unit's reduce-scatter at the same place in the
+sequence as every other rank. So every synchronising backward reduces every
+trainable unit exactly once, in one fixed order (reverse unit order, which
+is the order backward finishes units in most models), and a unit is issued
+only when it is next in that order and ready (its backward finished, or it
+did not run). A unit that finishes out of order waits for its turn; a unit
+whose backward never comes on this rank is issued at the end of backward.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from .flat_unit import FlatUnit, PendingReduce
+
+# Reduce-scatters in flight; each holds a full unit of gradients, so this
+# bounds stage-2/3 gradient memory to a few units.
+MAX_PENDING_REDUCES = 2
+
+
+class ReduceSchedule:
+    def __init__(self, units: list[FlatUnit]):
+        self.sequence = [unit for unit in reversed(units) if unit.trainable]
+        self._pending: deque[PendingReduce] = deque()
+        self.reset()
+
+    def reset(self) -> None:
+        """A new backward: nothing issued or finished yet (call with nothing in flight)."""
+        self._next = 0
+        self._finished: set[int] = set()
+        self._issued: set[int] = set()
+
+    def mark_finished(self, unit: FlatUnit) -> None:
+        self._finished.add(unit.index)
+
+    def finished(self, unit: FlatUnit) -> bool:
+        return unit.index in self._finished
+
+    def was_issued(self, unit: FlatUnit) -> bool:
+        return unit.index in self._issued
+
+    def advance(self, ready: Callable[[FlatUnit], bool]) -> None:
+        """Issue the next units in the sequence for as long as they are ready."""
+        while self._next < len(self.sequence) and ready(self.sequence[self._next]):
+            unit = self.sequence[self._next]
+            self._next += 1
+            self._issued.add(unit.index)
+            pending = unit.start_reduce()
+            if pending is not None:
+                self._pending.append(pending)
+            while len(self._pending) > MAX_PENDING_REDUCES:
+                oldest = self._pending.popleft()
+                oldest.unit.finish_reduce(oldest)
+
+    def wait_all(self) -> None:
+        while self._pending:
+            oldest = self._pending.popleft()
+            oldest.unit.finish_reduce(oldest)
