@@ -12,6 +12,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from zero_core import MixedPrecision, ZeroEngine
 
@@ -61,6 +62,17 @@ class ZeroPrecision(ZeroPrecisionSettings, Precision):
         if scaler is not None:
             tensor = scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
+
+    def backward(  # type: ignore[override]
+        self, tensor: torch.Tensor, model: "pl.LightningModule", optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        # Through the engine, so stage 3 gets its zero backward roots (the
+        # collectives then never depend on which outputs the loss used). A
+        # LightningModule that overrides backward() keeps its own.
+        if args or is_overridden("backward", model, pl.LightningModule):
+            model.backward(tensor, *args, **kwargs)
+        else:
+            self._engine().backward_scaled(tensor, **kwargs)
 
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizer, model: "pl.LightningModule", closure: Callable[[], Any], **kwargs: Any

@@ -243,6 +243,10 @@ class ZeroEngine:
         """``loss.backward()``, with fp16 loss scaling when enabled."""
         if self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
+        self.backward_scaled(loss, **kwargs)
+
+    def backward_scaled(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` for a loss the caller already scaled (adapters that scale themselves)."""
         if "inputs" in kwargs:
             loss.backward(**kwargs)
             return
