@@ -95,4 +95,12 @@ def run_distributed(
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
         raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout}s (hang or crash)")
+    # A rank that returned its result can still die afterwards (destroy_process_group,
+    # interpreter teardown: e.g. "terminate called without an active exception"),
+    # which torchrun would report as a failed job; do not let that pass silently.
+    bad_exits = {rank: p.exitcode for rank, p in enumerate(processes) if p.exitcode != 0}
+    if bad_exits:
+        raise RuntimeError(
+            f"ranks returned their results but exited abnormally (rank: exit code, negative = signal): {bad_exits}"
+        )
     return [results[rank] for rank in range(world_size)]

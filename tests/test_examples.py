@@ -30,3 +30,16 @@ def test_lightning_example_trains_with_zero3() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     assert "final train_loss" in result.stdout and "val_perplexity" in result.stdout
     assert sum(line.startswith("rank ") for line in result.stdout.splitlines()) == 2
+
+
+def test_quick_start_job_exits_cleanly_every_time() -> None:
+    """A finished job must not abort at exit (torchrun would report it failed):
+    20 launches, each exits 0 with nothing from std::terminate."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLES / "train_zero3.py"), "--steps", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    failures = []
+    for _ in range(20):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        if result.returncode != 0 or "terminate called" in result.stderr:
+            failures.append((result.returncode, result.stderr[-2000:]))
+    assert not failures, f"{len(failures)} of 20 launches did not exit cleanly; first: {failures[0]}"

@@ -277,6 +277,23 @@ def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label:
         return _handle(comm, work, CollectiveKind.BROADCAST, label)
 
 
+def true_on_any_rank(comm: CommContext, flags: list[bool], what: str) -> list[bool]:
+    """Per position: true on every rank if true on any rank.
+
+    The count rides along as +n and -n under MAX, so ranks that disagree on
+    how many flags there are fail with a message instead of mixing them.
+    """
+    n = len(flags)
+    tensor = torch.tensor([float(f) for f in flags] + [n, -n], dtype=torch.float32, device=comm.device)
+    all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
+    values = tensor.tolist()
+    if values[-2] != -values[-1]:
+        raise CollectiveFailed(
+            f"ZeRO: ranks disagree on {what} (from {int(-values[-1])} to {int(values[-2])} entries).\n{DIVERGENCE_ADVICE}"
+        )
+    return [v > 0 for v in values[:n]]
+
+
 def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:
     """Raise the same ValueError on every rank unless all ranks passed equal ``values``.
 

@@ -250,8 +250,9 @@ class ZeroEngine:
         if "inputs" in kwargs:
             loss.backward(**kwargs)
             return
-        # Stage 3: unit outputs the loss does not use get zero gradients, so
-        # every rank gathers the same units in the same order (backward_roots.py).
+        # Stage 3: unit outputs that other ranks' losses use and this one does
+        # not get zero gradients, so every rank gathers the same units in the
+        # same order (forward_records.py).
         roots, grads = self.runtime.backward_roots(loss)
         grads[0] = kwargs.pop("gradient", None)
         torch.autograd.backward(roots, grads, **kwargs)

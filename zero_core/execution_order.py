@@ -34,6 +34,11 @@ class PassOrder:
         self._cursor = position + 1
         return [i for i in self.previous[self._cursor : self._cursor + count] if i not in self.current]
 
+    def discard(self) -> None:
+        """The pass raised: forget what it recorded."""
+        self.current = []
+        self._cursor = 0
+
     def end(self) -> None:
         if self.current and self.current != self.previous:
             if self.previous:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections import Counter
 from enum import Enum, auto
 from typing import Any
 
@@ -40,10 +41,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .backward_roots import ForwardOutputs, forwards_reached, zero_roots
+from . import collectives
 from .config import StagePlan
 from .execution_order import ExecutionOrder
 from .flat_unit import FlatUnit, UnitState
+from .forward_records import ForwardRecord, ForwardRecords, reached_outputs, records_with, zero_roots
 from .reduce_schedule import ReduceSchedule
 
 
@@ -97,29 +99,18 @@ class StepRuntime:
         self.before_root_forward: list[Any] = []  # callables (args, kwargs) -> (args, kwargs)
         self.after_root_forward: list[Any] = []  # callables () -> None
         self._active: list[FlatUnit] = []  # the forward call stack of units
-        self._root_grad_enabled = False
-        self._outputs_of_this_forward = ForwardOutputs()
         self._completed_call: FlatUnit | None = None  # set by the post-forward hook for the after-call hook
-        self._join_zero_ptrs: set[int] = set()  # storage of the zeros the next backward starts from
-        self._reset_forwards()
+        self.records = ForwardRecords()  # forwards whose backward may still come
+        self._recording: ForwardRecord | None = None  # the outermost grad forward in progress
+        self._next_backward: list[ForwardRecord] | None = None  # set by backward_roots()
         self._reset_backward()
-
-    def _reset_forwards(self) -> None:
-        """What the forwards since the last completed backward built; reset when a new step's forward starts.
-
-        Kept across a backward so that a second backward through a retained
-        graph (``retain_graph=True``) knows the same units.
-        """
-        self._ran_with_grad: set[int] = set()  # units that ran inside grad-enabled outermost forwards
-        self._wrapped_calls: dict[int, int] = {}  # calls whose inputs were wrapped, per unit
-        self._forward_outputs: list[ForwardOutputs] = []  # stage 3: per grad forward of the root
 
     def _reset_backward(self) -> None:
         """What one backward tracks; reset when it starts, ends or is abandoned."""
+        self._covered: list[ForwardRecord] = []  # the forwards this backward goes through
+        self._ran: set[int] = set()  # units that ran in those forwards
         self._open_post_backwards: dict[int, int] = {}
         self._in_backward: set[int] = set()  # gathered for their backward, not yet finished
-        self._real_grad_units: set[int] = set()  # units whose outputs a real gradient reached
-        self._zero_only_units: set[int] = set()  # units whose outputs the backward-root zeros reached
         self.reduces.reset()
 
     # ------------------------------------------------------------ install
@@ -156,26 +147,34 @@ class StepRuntime:
         With ``drop_pending_forward`` (the optimizer step), a forward whose
         backward never ran is forgotten too: that batch was skipped.
         """
-        interrupted_forward = self.state is TrainingState.FORWARD
+        interrupted_forward = self.state is TrainingState.FORWARD and not self._active
         interrupted_backward = self.state in (TrainingState.BACKWARD, TrainingState.POST_BACKWARD) and not _inside_autograd()
         if interrupted_forward or interrupted_backward:
             self._abandon(backward_too=interrupted_backward)
-        elif drop_pending_forward and self.state is TrainingState.PRE_BACKWARD:
-            self._abandon(backward_too=False)
+        if drop_pending_forward:
+            # Forwards never back-propagated: their batches were skipped. A step
+            # inside a forward (manual optimization) ends that forward's record too.
+            self.records.clear()
+            self._recording = None
+            self.state = self._state_between_passes()
 
     def _abandon(self, backward_too: bool) -> None:
+        """Forget the forward that raised (earlier forwards keep their records), or the
+        backward that raised (with every forward it could have gone through)."""
         dropped_earlier = False
         if backward_too:
             self.reduces.wait_all()  # issued on every rank alike; their results are dropped below
             dropped_earlier = any([unit.discard_backward() for unit in self.units])
+            self.records.clear()
         for unit in self.units:
             self._release(unit)
-        self.order.forward.current, self.order.backward.current = [], []
+        self.order.forward.discard()
+        self.order.backward.discard()
         self._active = []
-        self._reset_forwards()
+        self._recording = None
+        self._next_backward = None
         self._reset_backward()
-        self._join_zero_ptrs = set()
-        self.state = TrainingState.IDLE
+        self.state = self._state_between_passes()
         if dropped_earlier:
             warnings.warn(
                 "A backward raised during gradient accumulation in ZeRO stage 1, where gradients "
@@ -185,17 +184,25 @@ class StepRuntime:
                 stacklevel=4,
             )
 
+    def _state_between_passes(self) -> TrainingState:
+        if self._active:
+            return TrainingState.FORWARD  # a backward inside a forward (manual optimization) ended
+        return TrainingState.PRE_BACKWARD if self.records.pending() else TrainingState.IDLE
+
+    def _pending_records(self) -> list[ForwardRecord]:
+        """Forwards a backward may go through: finished ones, and the one still running
+        (a backward inside it, as Lightning's manual optimization does)."""
+        records = self.records.pending()
+        return records + [self._recording] if self._recording is not None else records
+
     # ------------------------------------------------------------ forward
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._is_recompute():
             return self._pre_recompute(unit, args, kwargs)
         if not self._active:
             self.settle()
-            if self.state is TrainingState.IDLE:
-                self._reset_forwards()  # a new step (a pending forward's graph is still to be back-propagated)
             self.state = TrainingState.FORWARD
-            self._outputs_of_this_forward = ForwardOutputs()
-            self._root_grad_enabled = torch.is_grad_enabled()
+            self._recording = ForwardRecord() if torch.is_grad_enabled() else None
             if unit is self.root:
                 for transform in self.before_root_forward:
                     args, kwargs = transform(args, kwargs)
@@ -203,28 +210,33 @@ class StepRuntime:
             predicted = self.order.forward.record(unit.index, self.prefetch)
             self._gather(unit, predicted, keep={u.index for u in self._active})
         self._active.append(unit)
-        if self._root_grad_enabled:
-            self._ran_with_grad.add(unit.index)
-        if torch.is_grad_enabled():
-            args, kwargs = self._wrap_inputs(unit, args, kwargs, counts=self._wrapped_calls)
+        record = self._recording
+        if record is not None:
+            record.ran.add(unit.index)
+            if torch.is_grad_enabled():
+                args, kwargs = self._wrap_inputs(unit, args, kwargs, counts=record.wrapped_calls)
+            else:
+                record.unwrapped_calls[unit.index] += 1  # a reentrant checkpoint wraps its recompute
         return args, kwargs
 
     def _pre_recompute(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A checkpointed unit's forward rerun inside backward: gather it for its backward."""
         self._begin_backward_of(unit)
-        reentrant = self._wrapped_calls.get(unit.index, 0) == 0 and torch.is_grad_enabled()
+        reentrant = torch.is_grad_enabled() and any(r.unwrapped_calls[unit.index] for r in self._covered)
         if reentrant:
             # The original forward ran under no_grad: this recompute's own
-            # backward (run right after it by the checkpoint) is the unit's backward.
-            args, kwargs = self._wrap_inputs(unit, args, kwargs, counts=self._open_post_backwards)
+            # backward (run right after it by the checkpoint) is the unit's
+            # backward, already counted among the calls to finish.
+            args, kwargs = self._wrap_inputs(unit, args, kwargs, counts=None)
         return args, kwargs
 
-    def _wrap_inputs(self, unit: FlatUnit, args: tuple, kwargs: dict, counts: dict[int, int]) -> tuple[tuple, dict]:
+    def _wrap_inputs(self, unit: FlatUnit, args: tuple, kwargs: dict, counts: Counter | None) -> tuple[tuple, dict]:
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not positions:
             return args, kwargs
-        counts[unit.index] = counts.get(unit.index, 0) + 1
+        if counts is not None:
+            counts[unit.index] += 1
         on_backward = functools.partial(self._post_backward, unit)
         wrapped = _PostBackward.apply(on_backward, *(flat[i] for i in positions))
         for i, tensor in zip(positions, wrapped):
@@ -239,27 +251,36 @@ class StepRuntime:
         if unit in self._active:
             return output  # a nested call of a unit still running: the outer call finishes it
         self._release(unit)
-        if torch.is_grad_enabled():
-            hook = functools.partial(self._on_output_grad, unit)
-            outputs = self._outputs_of_this_forward
+        record = self._recording
+        if torch.is_grad_enabled() and record is not None:
+            # The outermost call's output hooks hold the record's token: when
+            # the user drops those outputs, the record (and what it holds) goes.
+            token = self.records.add(record) if not self._active else None
+            hook = functools.partial(self._on_output_grad, unit, token)
             for tensor in pytree.tree_leaves(output):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(hook)
-                    if unit is self.root:
-                        outputs.root_nodes.add(tensor.grad_fn)
-                    elif self.plan.params_sharded_at_rest:
-                        outputs.add_unit_output(tensor)
-            if unit is self.root and not self._active and outputs.root_nodes and outputs.unit_edges:
-                self._forward_outputs.append(outputs)
+                    if self._active and self.plan.params_sharded_at_rest:
+                        record.add_unit_output(tensor)
         if not self._active:
             self._end_forward(unit)
         return output
 
     def backward_roots(self, loss: torch.Tensor) -> tuple[list[Any], list[torch.Tensor | None]]:
-        """What ``engine.backward(loss)`` starts autograd from: the loss, plus zero
-        gradients for the unit outputs of the forwards it comes from (see backward_roots)."""
-        edges, zeros = zero_roots(forwards_reached(loss, self._forward_outputs))
-        self._join_zero_ptrs = {z.data_ptr() for z in zeros if z.numel()}
+        """What ``engine.backward(loss)`` starts autograd from (see forward_records.py).
+
+        Stage 3: the loss, plus zero gradients for the unit outputs other ranks'
+        losses reach and this rank's does not. The forwards the loss reaches
+        (on any rank) are the ones this backward covers.
+        """
+        self.settle()  # a backward that raised before this one
+        records = self._pending_records()
+        if not self.plan.params_sharded_at_rest or not any(r.unit_edges for r in records):
+            return [loss], [None]
+        reached = reached_outputs(loss, records)
+        anywhere = collectives.true_on_any_rank(self.root.comm, reached, "which unit outputs the loss uses")
+        self._next_backward = records_with(records, anywhere)
+        edges, zeros = zero_roots(records, [a and not r for a, r in zip(anywhere, reached)])
         return [loss, *edges], [None, *zeros]
 
     def _pop_call(self, unit: FlatUnit) -> None:
@@ -280,19 +301,16 @@ class StepRuntime:
         for other in self.units:  # prefetched units the forward did not use
             self._release(other)
         self.order.forward.end()
-        if self._root_grad_enabled:
+        if self._recording is not None:
             self.forwards += 1
-        self.state = TrainingState.PRE_BACKWARD if self._ran_with_grad else TrainingState.IDLE
+        self._recording = None
+        self.state = self._state_between_passes()
         if outermost is self.root:
             for callback in self.after_root_forward:
                 callback()
 
     # ----------------------------------------------------------- backward
-    def _on_output_grad(self, unit: FlatUnit, grad: torch.Tensor) -> None:
-        if grad.data_ptr() in self._join_zero_ptrs:
-            self._zero_only_units.add(unit.index)
-        else:
-            self._real_grad_units.add(unit.index)
+    def _on_output_grad(self, unit: FlatUnit, token: Any, grad: torch.Tensor | None) -> None:
         self._begin_backward_of(unit)
 
     def _begin_backward_of(self, unit: FlatUnit) -> None:
@@ -313,9 +331,6 @@ class StepRuntime:
                 "forward of the module that owns it. Call the owning module instead of reading its "
                 "parameter elsewhere, or choose a wrap policy whose unit contains every module that uses it."
             )
-        if unit.index in self._zero_only_units and unit.index not in self._real_grad_units:
-            param.grad = None  # only the join's zeros reached this unit: no gradient on this rank
-            return
         unit.accumulate_grad(slot_index, param)
 
     def _post_backward(self, unit: FlatUnit) -> None:
@@ -333,7 +348,7 @@ class StepRuntime:
 
     def _ready(self, unit: FlatUnit) -> bool:
         """A unit's gradients are final once its backward finished, or if it did not run."""
-        return unit.index not in self._ran_with_grad or self.reduces.finished(unit)
+        return unit.index not in self._ran or self.reduces.finished(unit)
 
     def _reducing(self) -> bool:
         return self.require_grad_sync or self.plan.reduce_inside_no_sync
@@ -343,8 +358,14 @@ class StepRuntime:
             return
         self.state = TrainingState.BACKWARD
         self._reset_backward()
-        # Every wrapped forward call must be back-propagated before its unit is finished.
-        self._open_post_backwards = dict(self._wrapped_calls)
+        if self._next_backward is not None:
+            self._covered, self._next_backward = self._next_backward, None
+        else:
+            self._covered = self._pending_records()  # a plain loss.backward(): every live forward
+        # Every call of a covered forward must be back-propagated before its unit is finished.
+        calls = sum((record.calls_to_finish() for record in self._covered), Counter())
+        self._open_post_backwards = dict(calls)
+        self._ran = set().union(*(record.ran for record in self._covered))
         for unit in self.units:
             unit.prepare_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -360,8 +381,7 @@ class StepRuntime:
         self.order.backward.end()
         self.backwards += 1
         self._reset_backward()
-        self._join_zero_ptrs = set()
-        self.state = TrainingState.IDLE
+        self.state = self._state_between_passes()
 
     # ----------------------------------------------------- gather/release
     def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int]) -> None:
