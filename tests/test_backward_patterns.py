@@ -3,8 +3,9 @@ a plain-module reference whose gradients are averaged over ranks (DDP itself
 refuses some of these): a reused block under a reentrant checkpoint, two
 forwards then the backward of their sum, two disjoint losses back-propagated
 one after the other, a retained graph back-propagated twice, a forward that
-raised between two good ones, a root output used on one rank only, and a
-chain of units no loss uses."""
+raised between two good ones, a root output used on one rank only, a chain
+of units no loss uses, a model returning its own output class, and logged
+losses kept alive on one rank only."""
 
 from __future__ import annotations
 
@@ -61,9 +62,36 @@ class TwoHeads(nn.Module):
         return self.tower_a(self.embed(ids)), self.tower_b(self.embed(ids))
 
 
+class Logits:
+    """A model's own output class, which pytree cannot look into."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+class ObjectOutput(TinyTransformer):
+    def __init__(self) -> None:
+        super().__init__(batchnorm=False)
+
+    def forward(self, ids: torch.Tensor) -> Logits:  # type: ignore[override]
+        return Logits(super().forward(ids))
+
+
+KEPT: list[torch.Tensor] = []  # losses a logging loop keeps, on rank 0 only
+
+
 def _losses(pattern: str, model: nn.Module, ids: torch.Tensor, backward) -> None:  # type: ignore[no-untyped-def]
     rank = dist.get_rank()
-    if pattern == "two-forwards-sum":
+    if pattern == "output-object-accumulated":
+        for micro in (ids, ids.flip(0)):
+            backward(lm_loss(model(micro).logits, micro) / 2)
+    elif pattern == "losses-kept-on-one-rank":
+        for micro in (ids, ids.flip(0)):
+            loss = lm_loss(model(micro), micro) / 2
+            if rank == 0:
+                KEPT.append(loss)
+            backward(loss)
+    elif pattern == "two-forwards-sum":
         backward(lm_loss(model(ids), ids) + lm_loss(model(ids.flip(0)), ids.flip(0)))
     elif pattern == "disjoint-losses":
         a, b = model(ids)
@@ -88,6 +116,8 @@ def _losses(pattern: str, model: nn.Module, ids: torch.Tensor, backward) -> None
 def _factory(pattern: str):  # type: ignore[no-untyped-def]
     if pattern in ("disjoint-losses", "retain-graph-twice", "root-output-per-rank"):
         return TwoHeads, (Block,)
+    if pattern == "output-object-accumulated":
+        return ObjectOutput, (Block,)
     # No BatchNorm: the plain-module reference does not broadcast buffers as DDP and ZeRO do.
     return functools.partial(TinyTransformer, batchnorm=False), (Block,)
 
@@ -124,7 +154,10 @@ def _run(stage: int, pattern: str) -> float:
     return worst
 
 
-PATTERNS = ["two-forwards-sum", "disjoint-losses", "retain-graph-twice", "root-output-per-rank", "failed-forward-between"]
+PATTERNS = [
+    "two-forwards-sum", "disjoint-losses", "retain-graph-twice", "root-output-per-rank", "failed-forward-between",
+    "output-object-accumulated", "losses-kept-on-one-rank",
+]
 CASES = [(stage, pattern) for pattern in PATTERNS for stage in STAGES]
 
 

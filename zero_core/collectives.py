@@ -280,18 +280,22 @@ def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label:
 def true_on_any_rank(comm: CommContext, flags: list[bool], what: str) -> list[bool]:
     """Per position: true on every rank if true on any rank.
 
-    The count rides along as +n and -n under MAX, so ranks that disagree on
-    how many flags there are fail with a message instead of mixing them.
+    Ranks that disagree on how many flags there are get the same error.
     """
     n = len(flags)
-    tensor = torch.tensor([float(f) for f in flags] + [n, -n], dtype=torch.float32, device=comm.device)
-    all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
-    values = tensor.tolist()
-    if values[-2] != -values[-1]:
+    # The count first, in a tensor of fixed size: all-reducing tensors of
+    # different sizes is itself a mismatch no check could report.
+    count = torch.tensor([n, -n], dtype=torch.float32, device=comm.device)
+    all_reduce(comm, count, dist.ReduceOp.MAX, label=what).wait()
+    highest, lowest = count.tolist()[0], -count.tolist()[1]
+    if highest != lowest:
         raise CollectiveFailed(
-            f"ZeRO: ranks disagree on {what} (from {int(-values[-1])} to {int(values[-2])} entries).\n{DIVERGENCE_ADVICE}"
+            f"ZeRO: ranks disagree on {what} ({int(lowest)} entries on some ranks, {int(highest)} on others).\n"
+            f"{DIVERGENCE_ADVICE}"
         )
-    return [v > 0 for v in values[:n]]
+    tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
+    all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
+    return [v > 0 for v in tensor.tolist()]
 
 
 def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:

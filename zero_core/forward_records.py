@@ -109,15 +109,19 @@ def reached_outputs(loss: torch.Tensor, records: list[ForwardRecord]) -> list[bo
     return reached
 
 
-def records_with(records: list[ForwardRecord], reached: list[bool]) -> list[ForwardRecord]:
-    """The records at least one of whose unit outputs is reached."""
-    chosen, position = [], 0
+def records_reached(loss: torch.Tensor, records: list[ForwardRecord]) -> tuple[list[ForwardRecord], list[bool]]:
+    """The records ``loss`` comes from (one of their unit outputs is reached), with
+    the reached flags of their unit outputs. Older records a rank still holds
+    (a list of logged losses) are left out: how many there are differs by rank."""
+    reached = reached_outputs(loss, records)
+    chosen, flags, position = [], [], 0
     for record in records:
         count = len(record.unit_edges)
         if any(reached[position : position + count]):
             chosen.append(record)
+            flags += reached[position : position + count]
         position += count
-    return chosen
+    return chosen, flags
 
 
 def zero_roots(

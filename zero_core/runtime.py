@@ -45,7 +45,7 @@ from . import collectives
 from .config import StagePlan
 from .execution_order import ExecutionOrder
 from .flat_unit import FlatUnit, UnitState
-from .forward_records import ForwardRecord, ForwardRecords, reached_outputs, records_with, zero_roots
+from .forward_records import ForwardRecord, ForwardRecords, records_reached, zero_roots
 from .reduce_schedule import ReduceSchedule
 
 
@@ -71,6 +71,18 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         ctx.on_backward()
         return (None, *grads)
+
+
+def output_tensors(output: Any, depth: int = 2) -> list[torch.Tensor]:
+    """The tensors of a module's output: pytree leaves, and the attributes of
+    objects pytree does not open (a model's own output class), a few levels down."""
+    tensors = []
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+        elif depth > 0 and hasattr(leaf, "__dict__") and not isinstance(leaf, (type, nn.Module)):
+            tensors.extend(output_tensors(list(vars(leaf).values()), depth - 1))
+    return tensors
 
 
 def _inside_autograd() -> bool:
@@ -101,6 +113,7 @@ class StepRuntime:
         self._active: list[FlatUnit] = []  # the forward call stack of units
         self._completed_call: FlatUnit | None = None  # set by the post-forward hook for the after-call hook
         self.records = ForwardRecords()  # forwards whose backward may still come
+        self._unhooked_tokens: list[Any] = []  # tokens of records whose outputs had nothing to hook
         self._recording: ForwardRecord | None = None  # the outermost grad forward in progress
         self._next_backward: list[ForwardRecord] | None = None  # set by backward_roots()
         self._reset_backward()
@@ -155,6 +168,7 @@ class StepRuntime:
             # Forwards never back-propagated: their batches were skipped. A step
             # inside a forward (manual optimization) ends that forward's record too.
             self.records.clear()
+            self._unhooked_tokens.clear()
             self._recording = None
             self.state = self._state_between_passes()
 
@@ -166,6 +180,7 @@ class StepRuntime:
             self.reduces.wait_all()  # issued on every rank alike; their results are dropped below
             dropped_earlier = any([unit.discard_backward() for unit in self.units])
             self.records.clear()
+            self._unhooked_tokens.clear()
         for unit in self.units:
             self._release(unit)
         self.order.forward.discard()
@@ -257,11 +272,16 @@ class StepRuntime:
             # the user drops those outputs, the record (and what it holds) goes.
             token = self.records.add(record) if not self._active else None
             hook = functools.partial(self._on_output_grad, unit, token)
-            for tensor in pytree.tree_leaves(output):
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            hooked = False
+            for tensor in output_tensors(output):
+                if tensor.requires_grad:
                     tensor.register_hook(hook)
+                    hooked = True
                     if self._active and self.plan.params_sharded_at_rest:
                         record.add_unit_output(tensor)
+            if token is not None and not hooked:
+                # No tensor of the output could be hooked: keep the record until the step.
+                self._unhooked_tokens.append(token)
         if not self._active:
             self._end_forward(unit)
         return output
@@ -277,9 +297,9 @@ class StepRuntime:
         records = self._pending_records()
         if not self.plan.params_sharded_at_rest or not any(r.unit_edges for r in records):
             return [loss], [None]
-        reached = reached_outputs(loss, records)
+        records, reached = records_reached(loss, records)
         anywhere = collectives.true_on_any_rank(self.root.comm, reached, "which unit outputs the loss uses")
-        self._next_backward = records_with(records, anywhere)
+        self._next_backward = records
         edges, zeros = zero_roots(records, [a and not r for a, r in zip(anywhere, reached)])
         return [loss, *edges], [None, *zeros]
 
