@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from zero_core import CollectiveKind, ZeroEngine
+from zero_core import CollectiveKind, CommStats, ZeroEngine
 
 from .models import TinyTransformer, make_optimizer
 from .workers import config_for, rank0_state_dict, relative_difference
@@ -55,6 +55,21 @@ def reference_step(pair: Pair) -> None:
 
 def parameter_error(pair: Pair) -> float:
     return relative_difference(pair.engine.full_state_dict(), rank0_state_dict(pair.reference))
+
+
+def traffic_of(engine: ZeroEngine, run: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:
+    """``run()``'s result and what it really sent, per collective kind (calls, elements, bytes)."""
+    before = engine.comm_stats.snapshot()
+    result = run()
+    return result, CommStats.difference(engine.comm_stats.snapshot(), before)
+
+
+def train_step(engine: ZeroEngine, model: nn.Module, ids: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """Forward, backward and optimizer step; returns the loss."""
+    loss = loss_fn(model, ids)
+    engine.backward(loss)
+    engine.step()
+    return loss
 
 
 def calls(engine: ZeroEngine, kind: CollectiveKind) -> int:

@@ -18,11 +18,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from zero_core import CollectiveKind, CommStats, MixedPrecision, WrapPolicy, ZeroConfig
+from zero_core import CollectiveKind, MixedPrecision, WrapPolicy, ZeroConfig
 
 from .distributed import run_distributed
 from .models import Block, batch, lm_loss
-from .runtime_workers import ReduceProbe, make_pair, padded_numel, parameter_error, reference_step
+from .runtime_workers import ReduceProbe, make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
 
 FORMS = [
     "none",
@@ -60,6 +60,14 @@ def _apply(form: str, model: torch.nn.Module) -> None:
         )
 
 
+def _lm(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model(ids), ids)
+
+
+def _hf_lm(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
 def _train(stage: int, form: str, steps: int = 3) -> dict:
     pair = make_pair(stage, prepare=functools.partial(_apply, form))
     probe = ReduceProbe(pair.engine, pair.model.norm)
@@ -74,11 +82,7 @@ def _train(stage: int, form: str, steps: int = 3) -> dict:
             reference_step(pair)
             pair.engine.reset_peak_live_units()
             probe.start_step()
-            before = pair.engine.comm_stats.snapshot()
-            loss = lm_loss(pair.model(ids), ids)
-            pair.engine.backward(loss)
-            pair.engine.step()
-            traffic = CommStats.difference(pair.engine.comm_stats.snapshot(), before)
+            loss, traffic = traffic_of(pair.engine, lambda: train_step(pair.engine, pair.model, ids, _lm))
             errors.append(max(abs(loss.item() - reference_loss.item()) / abs(reference_loss.item()), parameter_error(pair)))
             gathered.append(traffic[CollectiveKind.ALL_GATHER.value].bytes)
             reduced.append(traffic[CollectiveKind.REDUCE_SCATTER.value].calls)
@@ -153,11 +157,7 @@ def _hf_llama(stage: int, checkpointing: str) -> dict:
         reference_loss.backward()
         reference_step(pair)
         pair.engine.reset_peak_live_units()
-        before = pair.engine.comm_stats.snapshot()
-        loss = pair.model(input_ids=ids, labels=ids).loss
-        pair.engine.backward(loss)
-        pair.engine.step()
-        traffic = CommStats.difference(pair.engine.comm_stats.snapshot(), before)
+        loss, traffic = traffic_of(pair.engine, lambda: train_step(pair.engine, pair.model, ids, _hf_lm))
         errors.append(max(abs(loss.item() - reference_loss.item()) / abs(reference_loss.item()), parameter_error(pair)))
         peaks.append(pair.engine.peak_live_units)
         gathered.append(traffic[CollectiveKind.ALL_GATHER.value].bytes)

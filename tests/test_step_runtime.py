@@ -16,13 +16,17 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core import CollectiveKind, CommStats
+from zero_core import CollectiveKind
 
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss
-from .runtime_workers import make_pair, padded_numel, parameter_error, reference_step
+from .runtime_workers import make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
 
 STAGES = (1, 2, 3)
+
+
+def _lm(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return lm_loss(model(ids), ids)
 
 
 class InjectedFailure(RuntimeError):
@@ -54,12 +58,6 @@ class FaultyTransformer(TinyTransformer):
 
     def _maybe_fail_backward(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return _ExplodeInBackward.apply(output) if self.fail == "backward" else output
-
-
-def _step_traffic(pair, run) -> dict:  # type: ignore[no-untyped-def]
-    before = pair.engine.comm_stats.snapshot()
-    run()
-    return CommStats.difference(pair.engine.comm_stats.snapshot(), before)
 
 
 def _fail_once(pair, where: str, ids: torch.Tensor, micro_batches: int) -> tuple[int, list[str]]:  # type: ignore[no-untyped-def]
@@ -109,7 +107,7 @@ def _exceptions(stage: int, where: str, micro_batches: int) -> dict:
         errors.append(parameter_error(pair))
     pair.engine.reset_peak_live_units()
     ids = batch(99, rank)
-    traffic = _step_traffic(pair, lambda: (pair.engine.backward(lm_loss(pair.model(ids), ids)), pair.engine.step()))
+    _, traffic = traffic_of(pair.engine, lambda: train_step(pair.engine, pair.model, ids, _lm))
     return {
         "errors": errors,
         "caught": caught,
@@ -221,7 +219,7 @@ def _data_dependent(stage: int) -> dict:
         ids = batch(step, rank)
         lm_loss(pair.ddp(ids), ids).backward()
         reference_step(pair)
-        traffic = _step_traffic(pair, lambda: (pair.engine.backward(lm_loss(pair.model(ids), ids)), pair.engine.step()))
+        _, traffic = traffic_of(pair.engine, lambda: train_step(pair.engine, pair.model, ids, _lm))
         reduce_calls.append(traffic[CollectiveKind.REDUCE_SCATTER.value].calls)
         errors.append(parameter_error(pair))
     return {"errors": errors, "reduce_calls": reduce_calls, "units": len(pair.engine.units)}

@@ -15,8 +15,8 @@ gradient reaches its output. If which unit outputs get gradients depended on
 data (a task head used on one rank only), ranks would gather different units
 and pair all-gathers of different units: a hang, or with equal sizes a silent
 mix. So ``engine.backward(loss)`` finds which unit outputs the loss reaches
-on this rank, the ranks agree (one small all-reduce) which outputs any rank
-reaches, and autograd starts from the loss *and*, with zero gradients, from
+on this rank, the ranks agree (two small all-reduces: how many, then which)
+which outputs any rank reaches, and autograd starts from the loss *and*, with zero gradients, from
 the outputs other ranks reach and this one does not: the backward graph, and
 so the order autograd runs it in, is the same on every rank. Outputs no rank
 reaches (a second tower with its own loss, an unused auxiliary head) are left

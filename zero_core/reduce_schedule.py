@@ -54,10 +54,12 @@ class ReduceSchedule:
             if pending is not None:
                 self._pending.append(pending)
             while len(self._pending) > MAX_PENDING_REDUCES:
-                oldest = self._pending.popleft()
-                oldest.unit.finish_reduce(oldest)
+                self._finish_oldest()
 
     def wait_all(self) -> None:
         while self._pending:
-            oldest = self._pending.popleft()
-            oldest.unit.finish_reduce(oldest)
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        oldest = self._pending.popleft()
+        oldest.unit.finish_reduce(oldest)
