@@ -70,6 +70,7 @@ class ZeroPrecision(ZeroPrecisionSettings, Precision):
         # collectives then never depend on which outputs the loss used). A
         # LightningModule that overrides backward() keeps its own.
         if args or is_overridden("backward", model, pl.LightningModule):
+            self._engine().runtime.announce_scaled_backward()  # pre_backward scaled the loss
             model.backward(tensor, *args, **kwargs)
         else:
             self._engine().backward_scaled(tensor, **kwargs)

@@ -53,3 +53,46 @@ def test_cuda_stages_agree_and_train(world_size: int) -> None:
             for stage in (2, 3):
                 for a, b in zip(losses[f"{stage}-{dtype}"], stage1):
                     assert a == pytest.approx(b, rel=tolerance)
+
+
+def _gpu_model_access(rank: int, world_size: int) -> dict:
+    """Stage 3 on CUDA: parameters at rest refuse reads, state dicts round-trip, no-op moves pass."""
+    from zero_core import ParameterAtRestError
+
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    config = config_for(3, precision=MixedPrecision(compute_dtype=torch.bfloat16))
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    ids = batch(0, rank).to(device)
+    engine.backward(lm_loss(model(ids), ids))
+    engine.step()
+    model.to(device)
+    model.cuda()
+    try:
+        model.blocks[0].up.weight.sum()
+        refused = False
+    except ParameterAtRestError:
+        refused = True
+    state = model.state_dict()
+    full = engine.full_state_dict()
+    model.load_state_dict(full)
+    loss = lm_loss(model(ids), ids).item()
+    return {
+        "refused": refused,
+        "state_matches": all(torch.equal(state[k].cpu(), full[k].cpu()) for k in full),
+        "param_devices": {str(state[k].device) for k in ("embed.weight", "blocks.0.up.weight")},
+        "loss": loss,
+        "batchnorm": model.norm.running_mean.dtype,
+    }
+
+
+def test_cuda_stage3_model_access() -> None:
+    world_size = 2
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for result in run_distributed(_gpu_model_access, world_size, backend=backend):
+        assert result["refused"]
+        assert result["state_matches"]
+        assert result["param_devices"] == {"cpu"}  # full values gathered to the host, unit by unit
+        assert result["loss"] == result["loss"]  # finite, not NaN
+        assert result["batchnorm"] == torch.bfloat16

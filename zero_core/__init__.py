@@ -8,6 +8,9 @@ from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
 from .checkpoint.storage import CheckpointError
 from .engine import ZeroEngine, engine_of
+from .model_changes import ModelChangedError
+from .param_guard import ParameterAtRestError
+from .runtime import UnscaledBackwardError
 
 __all__ = [
     "CheckpointError",
@@ -16,7 +19,10 @@ __all__ = [
     "CommStats",
     "MemoryReport",
     "MixedPrecision",
+    "ModelChangedError",
+    "ParameterAtRestError",
     "WrapPolicy",
+    "UnscaledBackwardError",
     "ZeroConfig",
     "ZeroEngine",
     "engine_of",

@@ -28,6 +28,10 @@ class MixedPrecision:
 
     compute_dtype: torch.dtype = torch.float32
     reduce_dtype: torch.dtype = torch.float32
+    # None: buffers keep their dtype (rotary inv_freq stays fp32), except those of
+    # modules whose parameters are cast (BatchNorm statistics follow its weight).
+    # A dtype: every floating buffer is cast to it.
+    buffer_dtype: torch.dtype | None = None
     initial_loss_scale: float = 2.0**16
     loss_scale_growth_interval: int = 2000
 
@@ -39,6 +43,11 @@ class MixedPrecision:
                     f"MixedPrecision.{name}={value} is not supported; "
                     "use torch.float32, torch.bfloat16 or torch.float16."
                 )
+        if self.buffer_dtype is not None and self.buffer_dtype not in _COMPUTE_DTYPES:
+            raise ValueError(
+                f"MixedPrecision.buffer_dtype={self.buffer_dtype} is not supported; use None (keep the "
+                "model's buffer dtypes), torch.float32, torch.bfloat16 or torch.float16."
+            )
         if self.initial_loss_scale <= 0:
             raise ValueError("MixedPrecision.initial_loss_scale must be > 0 (try 2**16).")
         if self.loss_scale_growth_interval < 1:

@@ -35,12 +35,14 @@ from torch import nn
 from . import collectives, full_params, grad_ops
 from .accounting import MemoryReport, StorageCounter
 from .collectives import CommContext, CommStats, Position
-from .config import ZeroConfig
+from .config import MixedPrecision, ZeroConfig
 from .flat_unit import FlatUnit
+from .model_changes import RegisteredParameters
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
-from .optim import check_optimizer_supported, rebuild_optimizer
+from .optim import adopt_added_param_groups, check_optimizer_supported, rebuild_optimizer
 from .precision import DynamicLossScaler
 from .runtime import StepRuntime
+from .state_dict_hooks import StateDictHooks
 from .units import plan_units
 
 
@@ -124,16 +126,22 @@ class ZeroEngine:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
             units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
-        self._cast_buffers(config.mixed_precision.compute_dtype)
+        self._cast_buffers(config.mixed_precision)
         self._sync_buffers()
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         self._grads_unscaled = False
         self.runtime = StepRuntime(self.units, config.plan, config.prefetch)
+        self.runtime.requires_scaled_backward = self.loss_scaler is not None
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
+        self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units).check)
         self.runtime.before_root_forward.append(self._before_root_forward)
+        if config.mixed_precision.compute_dtype != torch.float32:
+            self.runtime.input_cast = self._cast_inputs
         self.runtime.after_root_forward.append(self._after_root_forward)
         self._sync_buffers_next_forward = True
         self._hooks = self.runtime.install()
+        self.state_dict_hooks = StateDictHooks(self)
+        self._hooks += self.state_dict_hooks.install()
         self._optimizer_hooks: list[Any] = []
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -207,18 +215,26 @@ class ZeroEngine:
     def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.config.broadcast_buffers and self._sync_buffers_next_forward:
             self._sync_buffers()
-        dtype = self.config.mixed_precision.compute_dtype
-        if dtype != torch.float32:
-            cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-            args, kwargs = pytree.tree_map(cast, (args, kwargs))
         return args, kwargs
 
-    def _cast_buffers(self, dtype: torch.dtype) -> None:
-        """Floating buffers follow the compute dtype (as DeepSpeed does), so layers
-        such as BatchNorm see one dtype."""
-        for buffer in self.model.buffers():
-            if buffer.is_floating_point() and buffer.dtype != dtype:
-                buffer.data = buffer.data.to(dtype)
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Floating inputs of every unit arrive in the compute dtype (as FSDP2's cast_forward_inputs)."""
+        dtype = self.config.mixed_precision.compute_dtype
+        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+        return pytree.tree_map(cast, (args, kwargs))
+
+    def _cast_buffers(self, precision: MixedPrecision) -> None:
+        """Buffers keep the dtype the model gave them, except where a module's own
+        parameters are cast: BatchNorm's running statistics must match its weight.
+        ``MixedPrecision.buffer_dtype`` casts every floating buffer instead."""
+        for module in self.model.modules():
+            owns_cast_params = any(
+                p.is_floating_point() and p.dtype == precision.compute_dtype for p in module.parameters(recurse=False)
+            )
+            target = precision.buffer_dtype or (precision.compute_dtype if owns_cast_params else None)
+            for name, buffer in module.named_buffers(recurse=False):
+                if target is not None and buffer.is_floating_point() and buffer.dtype != target:
+                    setattr(module, name, buffer.to(target))
 
     def _after_root_forward(self) -> None:
         # DDP's rule: the next forward syncs buffers only if this one was a
@@ -247,6 +263,7 @@ class ZeroEngine:
 
     def backward_scaled(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` for a loss the caller already scaled (adapters that scale themselves)."""
+        self.runtime.announce_scaled_backward()
         if "inputs" in kwargs:
             loss.backward(**kwargs)
             return
@@ -308,6 +325,7 @@ class ZeroEngine:
         self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
         self._step_calls += 1
+        self.param_group_names += adopt_added_param_groups(self.optimizer, self.units, len(self.param_group_names))
         if self.loss_scaler is not None:
             self._unscale_grads_once()
         counters = {

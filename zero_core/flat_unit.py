@@ -35,6 +35,7 @@ from torch import nn
 from .collectives import CommContext, Handle, all_gather, broadcast, reduce_scatter
 from .config import MixedPrecision, StagePlan
 from .layout import FlatLayout, ParamSlot, ShardPiece
+from .param_guard import guard_class, make_guard
 from .units import UnitPlan
 
 
@@ -77,6 +78,12 @@ class FlatUnit:
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward: set[int] = set()
         self._flatten_parameters()
+        self._own_pieces = {piece.slot.index: piece for piece in self.layout.pieces(comm.rank)}
+        # Stage 3 at rest: parameters take a guard class (param_guard.py) instead of their own.
+        self.guard = make_guard(self)
+        self._param_classes = [type(p) for p in self.params]
+        self.guard_classes = {cls: guard_class(cls, self.guard) for cls in set(self._param_classes)}
+        self._guarding = stage_plan.params_sharded_at_rest
         self.master_pieces = [
             MasterPiece(piece, nn.Parameter(self._shard_view(self.master_shard, piece)))
             for piece in self.layout.pieces(comm.rank)
@@ -136,6 +143,7 @@ class FlatUnit:
             self._gather_handle.wait()
             self._gather_handle = None
             self.state = UnitState.GATHERED
+            self.set_guard(False)
 
     def release(self) -> None:
         """Stage 3: GATHERED/GATHERING -> SHARDED, freeing the full parameters."""
@@ -144,6 +152,44 @@ class FlatUnit:
         self.wait_gathered()
         self.gathered_params.untyped_storage().resize_(0)
         self.state = UnitState.SHARDED
+        self.set_guard(True)
+
+    # ---------------------------------------------------- parameters at rest
+    def set_guard(self, on: bool) -> None:
+        """Stage 3: parameters without storage refuse reads (on) or are ordinary again (off)."""
+        on = on and self._guarding
+        for param, own_class in zip(self.params, self._param_classes):
+            param.__class__ = self.guard_classes[own_class] if on else own_class
+
+    def stop_guarding(self) -> None:
+        """The parameters are ordinary tensors of their own for good (``unshard``)."""
+        self.set_guard(False)
+        self._guarding = False
+
+    def param_data_ptr(self, slot_index: int) -> int:
+        """Where the parameter's data must start while the unit is gathered."""
+        slot = self.layout.slots[slot_index]
+        return self.gathered_params.data_ptr() + slot.flat_offset * self.gathered_params.element_size()
+
+    def slot_of(self, param: nn.Parameter) -> int:
+        return next(i for i, p in enumerate(self.params) if p is param)
+
+    def write_param(self, param: nn.Parameter, full_value: torch.Tensor) -> bool:
+        """Take this rank's part of a new full value of ``param`` into the shards (no communication).
+
+        False (nothing written) if the value does not have the parameter's shape.
+        """
+        slot = self.layout.slots[self.slot_of(param)]
+        if not isinstance(full_value, torch.Tensor) or full_value.shape != slot.shape:
+            return False
+        piece = self._own_pieces.get(slot.index)
+        if piece is None:
+            return True  # no part of it lies in this rank's shard
+        source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+        self._shard_view(self.master_shard, piece).copy_(source)
+        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
+            self._shard_view(self.compute_shard, piece).copy_(source)
+        return True
 
     # ------------------------------------------------------------- gradients
     def _attach_model_grad_views(self) -> None:

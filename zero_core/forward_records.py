@@ -39,6 +39,8 @@ class ForwardRecord:
     wrapped_calls: Counter = field(default_factory=Counter)  # calls whose inputs were wrapped
     # Calls under no_grad: a reentrant checkpoint recomputes (and wraps) each in backward.
     unwrapped_calls: Counter = field(default_factory=Counter)
+    # Units with a grad call whose inputs need no grad: no wrapped input marks the end of its backward.
+    finish_at_end: set[int] = field(default_factory=set)
     unit_edges: list[GradientEdge] = field(default_factory=list)  # stage 3
     unit_meta: list[tuple[torch.Size, torch.dtype, torch.device]] = field(default_factory=list)
 

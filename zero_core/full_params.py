@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, UnitState
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -31,6 +31,7 @@ def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writebac
     fulls = [unit.gather_full_master() for unit in units]
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     for unit, full in zip(units, fulls):
+        unit.set_guard(False)
         for param, view in zip(unit.params, unit.full_param_views(full)):
             saved.append((param, param.data))
             param.data = view
@@ -41,6 +42,8 @@ def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writebac
         engine.runtime.summoned = False
         for param, data in saved:
             param.data = data
+        for unit in units:
+            unit.set_guard(unit.state is UnitState.SHARDED)
         if writeback:
             for unit, full in zip(units, fulls):
                 unit.load_full_master(full)
@@ -73,6 +76,7 @@ def unshard(engine: "ZeroEngine") -> None:
     engine.runtime.settle()
     engine.remove_hooks()
     for unit in engine.units:
+        unit.stop_guarding()
         full = unit.gather_full_master()
         for param, view in zip(unit.params, unit.full_param_views(full)):
             param.data = view.clone()

@@ -93,3 +93,37 @@ def rebuild_optimizer(
         group["params"] = new_params[group_index]
     optimizer.state = defaultdict(dict)
     return group_names
+
+
+def adopt_added_param_groups(
+    optimizer: torch.optim.Optimizer, units: list[FlatUnit], known_groups: int
+) -> list[list[str]]:
+    """Groups added with ``optimizer.add_param_group(model params)`` since the engine was built
+    (progressive unfreezing, Lightning's BackboneFinetuning) train this rank's pieces of them.
+
+    Returns the new groups' parameter names. Called before each optimizer
+    step; a tensor the engine did not shard is refused, since its updates
+    would differ between ranks.
+    """
+    added = optimizer.param_groups[known_groups:]
+    if not added:
+        return []
+    masters = {id(m.param) for u in units for m in u.master_pieces}
+    pieces_of: dict[int, list[nn.Parameter]] = defaultdict(list)
+    name_of: dict[int, str] = {}
+    for unit in units:
+        for slot, param in zip(unit.layout.slots, unit.params):
+            name_of[id(param)] = slot.fqns[0]
+        for master in unit.master_pieces:
+            pieces_of[id(unit.params[master.piece.slot.index])].append(master.param)
+    names = []
+    for group in added:
+        unknown = [p for p in group["params"] if id(p) not in name_of and id(p) not in masters]
+        if unknown:
+            raise ValueError(
+                f"optimizer.add_param_group() was given {len(unknown)} tensor(s) the ZeRO engine did not shard "
+                "(a layer added after the engine was built?). Add layers before building the engine."
+            )
+        names.append([name_of[id(p)] for p in group["params"] if id(p) in name_of])
+        group["params"] = [piece for p in group["params"] for piece in (pieces_of[id(p)] if id(p) in name_of else [p])]
+    return names

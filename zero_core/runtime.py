@@ -93,6 +93,10 @@ class LateGradientError(RuntimeError):
     pass
 
 
+class UnscaledBackwardError(RuntimeError):
+    """fp16: gradients arrived from a backward the loss scaler did not scale."""
+
+
 class StepRuntime:
     def __init__(self, units: list[FlatUnit], plan: StagePlan, prefetch: int):
         self.units = units
@@ -104,14 +108,23 @@ class StepRuntime:
         self.state = TrainingState.IDLE
         self.require_grad_sync = True
         self.summoned = False  # inside gathered_parameters(): no gather/release
+        # fp16: every backward that reaches parameters must start from a scaled loss; the
+        # engine announces one (announce_scaled_backward) right before it starts it.
+        self.requires_scaled_backward = False
+        self._scaled_backward_announced = False
+        self._backward_scaled = False
         self.peak_live_units = 0
         # Counted when complete; ranks compare them at each optimizer step.
         self.forwards = 0
         self.backwards = 0
+        self.before_outermost_forward: list[Any] = []  # callables () -> None that may refuse the forward
         self.before_root_forward: list[Any] = []  # callables (args, kwargs) -> (args, kwargs)
+        self.input_cast: Any = None  # (args, kwargs) -> (args, kwargs), applied to every unit call
         self.after_root_forward: list[Any] = []  # callables () -> None
         self._active: list[FlatUnit] = []  # the forward call stack of units
         self._completed_call: FlatUnit | None = None  # set by the post-forward hook for the after-call hook
+        self._entries: list[tuple[nn.Module, list[FlatUnit]]] = []  # direct calls that entered units, innermost last
+        self._completed_entry: nn.Module | None = None
         self.records = ForwardRecords()  # forwards whose backward may still come
         self._unhooked_tokens: list[Any] = []  # tokens of records whose outputs had nothing to hook
         self._recording: ForwardRecord | None = None  # the outermost grad forward in progress
@@ -122,6 +135,7 @@ class StepRuntime:
         """What one backward tracks; reset when it starts, ends or is abandoned."""
         self._covered: list[ForwardRecord] = []  # the forwards this backward goes through
         self._ran: set[int] = set()  # units that ran in those forwards
+        self._finish_at_end: set[int] = set()  # units with a call whose backward end cannot be seen
         self._open_post_backwards: dict[int, int] = {}
         self._in_backward: set[int] = set()  # gathered for their backward, not yet finished
         self.reduces.reset()
@@ -148,7 +162,34 @@ class StepRuntime:
                             functools.partial(self._on_grad, unit, slot.index)
                         )
                     )
+        for module, needed in self._units_needed_by_calls():
+            # Registered after the unit hooks: the pre-hook runs before them (prepend), the others after.
+            handles.append(
+                module.register_forward_pre_hook(
+                    functools.partial(self._pre_call, needed), with_kwargs=True, prepend=True
+                )
+            )
+            handles.append(module.register_forward_hook(functools.partial(self._post_call, needed)))
+            handles.append(module.register_forward_hook(self._after_entry_call, always_call=True))
         return handles
+
+    def _units_needed_by_calls(self) -> list[tuple[nn.Module, list[FlatUnit]]]:
+        """For each module: the units outside its subtree that own parameters it uses.
+
+        Calling such a module directly (a submodule below the root, a GAN's
+        discriminator, a Hugging Face encoder inside generate()) must gather
+        those units for the call, and back-propagating it must reduce them,
+        exactly as if their own module had been called. Ancestors come first.
+        """
+        unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        result = []
+        for module in self.root.module.modules():
+            inside = {id(m) for m in module.modules()}
+            needed = {unit_of[id(p)] for p in module.parameters() if id(p) in unit_of}
+            needed = sorted((u for u in needed if id(u.module) not in inside), key=lambda u: u.index)
+            if needed:
+                result.append((module, needed))
+        return result
 
     # ------------------------------------------------------ interruptions
     def _is_recompute(self) -> bool:
@@ -186,6 +227,7 @@ class StepRuntime:
         self.order.forward.discard()
         self.order.backward.discard()
         self._active = []
+        self._entries = []
         self._recording = None
         self._next_backward = None
         self._reset_backward()
@@ -216,11 +258,15 @@ class StepRuntime:
             return self._pre_recompute(unit, args, kwargs)
         if not self._active:
             self.settle()
+            for check in self.before_outermost_forward:
+                check()
             self.state = TrainingState.FORWARD
             self._recording = ForwardRecord() if torch.is_grad_enabled() else None
             if unit is self.root:
                 for transform in self.before_root_forward:
                     args, kwargs = transform(args, kwargs)
+        if self.input_cast is not None:
+            args, kwargs = self.input_cast(args, kwargs)
         if unit not in self._active:
             predicted = self.order.forward.record(unit.index, self.prefetch)
             self._gather(unit, predicted, keep={u.index for u in self._active})
@@ -229,7 +275,7 @@ class StepRuntime:
         if record is not None:
             record.ran.add(unit.index)
             if torch.is_grad_enabled():
-                args, kwargs = self._wrap_inputs(unit, args, kwargs, counts=record.wrapped_calls)
+                args, kwargs = self._wrap_inputs(unit, args, kwargs, record=record)
             else:
                 record.unwrapped_calls[unit.index] += 1  # a reentrant checkpoint wraps its recompute
         return args, kwargs
@@ -242,16 +288,20 @@ class StepRuntime:
             # The original forward ran under no_grad: this recompute's own
             # backward (run right after it by the checkpoint) is the unit's
             # backward, already counted among the calls to finish.
-            args, kwargs = self._wrap_inputs(unit, args, kwargs, counts=None)
+            args, kwargs = self._wrap_inputs(unit, args, kwargs, record=None)
         return args, kwargs
 
-    def _wrap_inputs(self, unit: FlatUnit, args: tuple, kwargs: dict, counts: Counter | None) -> tuple[tuple, dict]:
+    def _wrap_inputs(self, unit: FlatUnit, args: tuple, kwargs: dict, record: ForwardRecord | None) -> tuple[tuple, dict]:
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not positions:
+        if record is not None:
+            if not positions:
+                # Nothing tells when this call's backward is over: the unit finishes with the backward.
+                record.finish_at_end.add(unit.index)
+                return args, kwargs
+            record.wrapped_calls[unit.index] += 1
+        elif not positions:
             return args, kwargs
-        if counts is not None:
-            counts[unit.index] += 1
         on_backward = functools.partial(self._post_backward, unit)
         wrapped = _PostBackward.apply(on_backward, *(flat[i] for i in positions))
         for i, tensor in zip(positions, wrapped):
@@ -285,6 +335,42 @@ class StepRuntime:
         if not self._active:
             self._end_forward(unit)
         return output
+
+    def _pre_call(self, needed: list[FlatUnit], module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """A module called while the units owning its parameters are not running: enter them."""
+        if self._is_recompute():
+            # Checkpointed code rerun in backward: its units only need to be gathered.
+            for unit in needed:
+                self._begin_backward_of(unit)
+            return None
+        entered = [unit for unit in needed if unit not in self._active]
+        if not entered:
+            return None  # the usual case: called inside its unit's forward
+        for unit in entered:
+            args, kwargs = self._pre_forward(unit, module, args, kwargs)
+        self._entries.append((module, entered))
+        return args, kwargs
+
+    def _post_call(self, needed: list[FlatUnit], module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self._entries or self._entries[-1][0] is not module:
+            return output
+        _, entered = self._entries.pop()
+        for unit in reversed(entered):
+            output = self._post_forward(unit, module, args, output)
+        self._completed_call = None
+        self._completed_entry = module
+        return output
+
+    def _after_entry_call(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Also after a call whose forward raised: leave the units it entered."""
+        if self._completed_entry is module:
+            self._completed_entry = None
+            return
+        if self._entries and self._entries[-1][0] is module:
+            _, entered = self._entries.pop()
+            for unit in reversed(entered):
+                if unit in self._active:
+                    self._pop_call(unit)
 
     def backward_roots(self, loss: torch.Tensor) -> tuple[list[Any], list[torch.Tensor | None]]:
         """What ``engine.backward(loss)`` starts autograd from (see forward_records.py).
@@ -342,8 +428,19 @@ class StepRuntime:
         predicted = self.order.backward.record(unit.index, self.prefetch)
         self._gather(unit, predicted, keep=self._in_backward)
 
+    def announce_scaled_backward(self) -> None:
+        """The next backward starts from a loss the loss scaler multiplied."""
+        self._scaled_backward_announced = True
+
     def _on_grad(self, unit: FlatUnit, slot_index: int, param: nn.Parameter) -> None:
         self._begin_backward()
+        if self.requires_scaled_backward and not self._backward_scaled:
+            raise UnscaledBackwardError(
+                "fp16 training needs loss scaling, but this backward did not come from engine.backward(loss) "
+                "(or accelerator.backward / fabric.backward / Lightning's own backward), so its gradients "
+                "would be divided by the loss scale when the step unscales them. Call the engine's backward "
+                "instead of loss.backward()."
+            )
         if self.reduces.was_issued(unit):
             raise LateGradientError(
                 f"The gradient of '{unit.layout.slots[slot_index].fqns[0]}' arrived after {unit.label} "
@@ -359,6 +456,8 @@ class StepRuntime:
         self._open_post_backwards[unit.index] = max(remaining, 0)
         if remaining > 0:
             return  # the unit ran forward more than once; its other calls are still in backward
+        if unit.index in self._finish_at_end:
+            return  # a call of it whose end cannot be seen may still be in backward: the end of backward finishes it
         self._in_backward.discard(unit.index)
         if unit not in self._active:
             self._release(unit)
@@ -385,7 +484,9 @@ class StepRuntime:
         # Every call of a covered forward must be back-propagated before its unit is finished.
         calls = sum((record.calls_to_finish() for record in self._covered), Counter())
         self._open_post_backwards = dict(calls)
+        self._backward_scaled, self._scaled_backward_announced = self._scaled_backward_announced, False
         self._ran = set().union(*(record.ran for record in self._covered))
+        self._finish_at_end = set().union(*(record.finish_at_end for record in self._covered))
         for unit in self.units:
             unit.prepare_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

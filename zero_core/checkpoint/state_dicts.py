@@ -36,7 +36,7 @@ def sharded_model_state_dict(model: torch.nn.Module, units: list[FlatUnit], rank
         for slot, param in zip(unit.layout.slots, unit.params):
             views[id(param)] = _local_chunks(unit, slot, piece_of.get(slot.index))
     return {
-        key: views.get(id(value), value.detach() if isinstance(value, torch.Tensor) else value)
+        key: views[id(value)] if id(value) in views else value.detach() if isinstance(value, torch.Tensor) else value
         for key, value in model.state_dict(keep_vars=True).items()
     }
 

@@ -1,0 +1,191 @@
+"""Changes to the model after sharding: what trains exactly, and what is refused
+with a clear error before it can train wrongly. Also fp16 backward safety and
+buffer dtypes under mixed precision."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core.model_changes import ModelChangedError
+from zero_core.runtime import UnscaledBackwardError
+
+from .distributed import run_distributed
+from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import relative_difference
+
+STAGES = (1, 2, 3)
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    ids = batch(step, rank)
+    return lm_loss(model(ids), ids)
+
+
+def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """DDP's step: every rank's gradient, averaged."""
+    optimizer.zero_grad()
+    _loss(model, step, dist.get_rank()).backward()
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+    optimizer.step()
+
+
+def _refusal(action, error_type: type[Exception]) -> str | None:
+    try:
+        action()
+    except error_type as error:
+        return str(error)
+    return None
+
+
+def _changes_worker(rank: int, world_size: int) -> list[dict]:
+    results = []
+    for stage in STAGES:
+        def fresh() -> tuple[nn.Module, ZeroEngine]:
+            torch.manual_seed(0)
+            model = TinyTransformer(batchnorm=False)
+            return model, ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage))
+
+        def forward(model: nn.Module) -> None:
+            model(batch(0, rank))
+
+        model, _ = fresh()
+        model.blocks[0].mix.weight = nn.Parameter(torch.zeros(16, 16))
+        replaced = _refusal(lambda: forward(model), ModelChangedError)
+        model, _ = fresh()
+        model.frozen.weight.requires_grad_(True)
+        unfrozen = _refusal(lambda: forward(model), ModelChangedError)
+        model, engine = fresh()
+        if stage == 3:
+            from zero_core import ParameterAtRestError
+
+            cast = _refusal(lambda: model.double(), ParameterAtRestError)
+        else:
+            model.double()
+            cast = _refusal(lambda: forward(model), ModelChangedError)
+        model, engine = fresh()
+        new_layer = nn.Linear(4, 4)
+        engine.optimizer.add_param_group({"params": new_layer.parameters()})
+        engine.backward(_loss(model, 0, rank))
+        added = _refusal(engine.step, ValueError)
+        results.append({"stage": stage, "replaced": replaced, "unfrozen": unfrozen, "cast": cast, "added": added})
+    return results
+
+
+def test_changes_after_sharding_are_refused_before_they_train_wrongly() -> None:
+    for results in run_distributed(_changes_worker, 2):
+        for result in results:
+            stage = result["stage"]
+            assert "'blocks.0.mix.weight' was replaced" in result["replaced"], stage
+            assert "'frozen.weight' was frozen" in result["unfrozen"], stage
+            assert "cast" in result["cast"], stage
+            assert "add_param_group" in result["added"], stage
+
+
+def _toggle_worker(rank: int, world_size: int) -> list[dict]:
+    """Freeze a block for some steps, unfreeze it; add a param group later (progressive unfreezing)."""
+    results = []
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        reference = copy.deepcopy(model)
+
+        def optimizer_without_last_block(module: TinyTransformer) -> torch.optim.Optimizer:
+            skip = {id(p) for p in module.blocks[2].parameters()}
+            return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad and id(p) not in skip], lr=1e-2)
+
+        engine = ZeroEngine(model, optimizer_without_last_block(model), ZeroConfig(stage=stage))
+        reference_optimizer = optimizer_without_last_block(reference)
+        for step in range(6):
+            for module in (model, reference):
+                module.blocks[0].requires_grad_(step not in (1, 2))  # frozen for two steps
+            if step == 3:  # the last block joins the optimizer with its own learning rate
+                for module, optimizer in ((model, engine.optimizer), (reference, reference_optimizer)):
+                    optimizer.add_param_group({"params": list(module.blocks[2].parameters()), "lr": 5e-3})
+            engine.backward(_loss(model, step, rank))
+            engine.step()
+            _reference_step(reference, reference_optimizer, step)
+        results.append({"stage": stage, "error": relative_difference(engine.full_state_dict(), reference.state_dict())})
+    return results
+
+
+def test_toggling_requires_grad_and_adding_param_groups_train_like_ddp() -> None:
+    for results in run_distributed(_toggle_worker, 2):
+        for result in results:
+            assert result["error"] < 1e-5, result
+
+
+def _fp16_worker(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = ZeroConfig(stage=2, mixed_precision=MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10))
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    plain = _refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
+    engine.backward(_loss(model, 0, rank))  # the engine's backward still works after the refusal
+    engine.step()
+    return {"plain": plain, "steps": engine.steps_taken}
+
+
+def test_fp16_backward_not_scaled_by_the_engine_is_refused() -> None:
+    for result in run_distributed(_fp16_worker, 2):
+        assert "engine.backward(loss)" in result["plain"]
+        assert result["steps"] == 1
+
+
+def _llama(dtype_config: MixedPrecision | None, stage: int = 3):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if dtype_config is not None:
+        policy = WrapPolicy(module_classes=(LlamaDecoderLayer,))
+        ZeroEngine(model, None, ZeroConfig(stage=stage, mixed_precision=dtype_config, wrap_policy=policy))
+    return model
+
+
+def _buffers_worker(rank: int, world_size: int) -> dict:
+    bf16 = MixedPrecision(compute_dtype=torch.bfloat16)
+    reference = _llama(None)
+    model = _llama(bf16)
+    cast_all = _llama(MixedPrecision(compute_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    positions = torch.arange(0, 4096, 97).unsqueeze(0)
+    probe = torch.zeros(1, 1, dtype=torch.bfloat16)
+    cos, sin = model.model.rotary_emb(probe, positions)
+    expected_cos, expected_sin = reference.model.rotary_emb(probe, positions)
+    cast_cos, _ = cast_all.model.rotary_emb(probe, positions)
+    torch.manual_seed(0)
+    tiny = TinyTransformer()
+    ZeroEngine(tiny, None, ZeroConfig(stage=3, mixed_precision=bf16))
+    ids = batch(0, rank)
+    tiny(ids)  # BatchNorm trains with its statistics in its weight's dtype
+    return {
+        "inv_freq": model.model.rotary_emb.inv_freq.dtype,
+        "cast_inv_freq": cast_all.model.rotary_emb.inv_freq.dtype,
+        "rotary_equal": torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin),
+        "cast_rotary_error": (cast_cos.float() - expected_cos.float()).abs().max().item(),
+        "batchnorm_buffers": tiny.norm.running_mean.dtype,
+        "loss_finite": bool(torch.isfinite(lm_loss(model(ids).logits, ids))),
+    }
+
+
+def test_buffers_keep_their_dtype_so_rotary_positions_match_fp32() -> None:
+    pytest.importorskip("transformers")
+    for result in run_distributed(_buffers_worker, 2):
+        assert result["inv_freq"] == torch.float32
+        assert result["rotary_equal"]
+        assert result["cast_inv_freq"] == torch.bfloat16 and result["cast_rotary_error"] > 0.05  # what fp32 avoids
+        assert result["batchnorm_buffers"] == torch.bfloat16
+        assert result["loss_finite"]

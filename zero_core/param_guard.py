@@ -1,0 +1,162 @@
+"""Stage-3 parameters at rest: every read is either answered correctly or refused clearly.
+
+At rest a unit's full parameters have no storage (flat_unit.py): each
+parameter is a full-shape view of a storage shrunk to 0 bytes, and a kernel
+that reads it reads freed memory. So while its unit is released, each
+parameter's class is switched to a guard subclass of its own class whose
+``__torch_function__``:
+
+- lets metadata through (shape, dtype, device, requires_grad, grad, hooks);
+- answers conversions that change nothing (``model.to(same_device)``)
+  with the parameter itself, as torch does;
+- prints a description instead of values;
+- writes ``copy_`` of full values into this rank's shard (no communication:
+  every rank holds the full source), which is how ``load_state_dict``
+  loads a sharded model;
+- hands ``detach()`` the full value while ``state_dict()`` exports it;
+- refuses everything else with :class:`ParameterAtRestError`, naming the
+  ways to get full values.
+
+Switching the class, rather than swapping the registered parameter objects
+as FSDP2 does, keeps every reference a user holds (param groups, lists of
+frozen parameters) pointing at the one object. While its unit is gathered a
+parameter has its own class again, so the forward pays nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from .flat_unit import FlatUnit
+
+
+class ParameterAtRestError(RuntimeError):
+    """A stage-3 parameter was read while its values are sharded across the ranks."""
+
+
+_GETTERS = (
+    "shape", "dtype", "device", "requires_grad", "grad", "_grad", "is_leaf", "grad_fn", "ndim", "layout",
+    "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
+    "names", "name", "output_nr", "_version", "retains_grad", "itemsize", "nbytes", "_backward_hooks",
+    "_post_accumulate_grad_hooks", "is_sparse_csr", "_cdata",
+)  # fmt: skip
+_SETTERS = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
+_METHODS = (
+    "size", "dim", "numel", "nelement", "element_size", "stride", "is_contiguous", "get_device",
+    "is_floating_point", "is_complex", "is_signed", "requires_grad_", "register_hook",
+    "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type", "__len__", "is_inference",
+    "storage_offset", "retain_grad", "is_shared", "_is_view", "__hash__",
+    # The 0-byte storage itself is safe to hand out: reads through it are bounds-checked.
+    "untyped_storage", "data_ptr",
+)  # fmt: skip
+_TORCH_FUNCTIONS = (torch.numel, torch.is_floating_point, torch.is_complex, torch._has_compatible_shallow_copy_type)
+
+_METADATA: frozenset[Any] = frozenset(
+    [getattr(torch._C.TensorBase, name).__get__ for name in _GETTERS if hasattr(torch._C.TensorBase, name)]
+    + [getattr(torch._C.TensorBase, name).__set__ for name in _SETTERS if hasattr(torch._C.TensorBase, name)]
+    + [getattr(torch.Tensor, name) for name in _METHODS if hasattr(torch.Tensor, name)]
+    + list(_TORCH_FUNCTIONS)
+)
+
+_DATA_SETTER = torch._C.TensorBase.data.__set__  # a new, equal object on each access: compare with ==
+
+# Conversions that return the parameter itself when they change nothing.
+_CONVERSIONS: dict[Any, Callable[..., tuple[torch.device | None, torch.dtype | None]]] = {
+    torch.Tensor.to: lambda self, *a, **k: torch._C._nn._parse_to(*a, **k)[:2],
+    torch.Tensor.cpu: lambda self, *a, **k: (torch.device("cpu"), None),
+    torch.Tensor.cuda: lambda self, device=None, *a, **k: (torch.device("cuda" if device is None else device), None),
+    torch.Tensor.float: lambda self, *a, **k: (None, torch.float32),
+    torch.Tensor.double: lambda self, *a, **k: (None, torch.float64),
+    torch.Tensor.half: lambda self, *a, **k: (None, torch.float16),
+    torch.Tensor.bfloat16: lambda self, *a, **k: (None, torch.bfloat16),
+    torch.Tensor.type_as: lambda self, other, *a, **k: (other.device, other.dtype),
+}
+
+
+def _describe(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if name in ("__get__", "__set__"):
+        return f"its attribute '{getattr(getattr(func, '__self__', None), '__name__', '?')}'"
+    return f"'{name}'"
+
+
+def _same_device(wanted: torch.device | None, actual: torch.device) -> bool:
+    if wanted is None:
+        return True
+    return wanted.type == actual.type and wanted.index in (None, actual.index)
+
+
+class _Guard:
+    """The ``__torch_function__`` of one unit's guard classes."""
+
+    def __init__(self, unit: "FlatUnit"):
+        self.unit = unit
+        self.exported: dict[int, torch.Tensor] | None = None  # slot index -> full value, during state_dict()
+
+    def __call__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            return self._plain(func, args, kwargs)
+        param = next((a for a in args if self.owns(a)), None)
+        if param is None:  # a resting parameter inside a container argument (torch.cat([...]), say)
+            param = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if self.owns(a)), None)
+        if func in (torch.Tensor.__repr__, torch.Tensor.__format__):
+            return self._description(param)
+        if func in _CONVERSIONS and args and args[0] is param:
+            device, dtype = _CONVERSIONS[func](*args, **kwargs)
+            if _same_device(device, param.device) and dtype in (None, param.dtype):
+                return param
+            raise self.error(param, "cannot be moved or cast after sharding: move and cast the model "
+                             "before building the engine (choose dtypes with MixedPrecision)")
+        if func == _DATA_SETTER and args[1] is args[0]:
+            return None  # module._apply() setting a parameter's data to itself
+        if func is torch.Tensor.copy_ and args[0] is param and self.unit.write_param(param, args[1]):
+            return param
+        if func is torch.Tensor.detach and self.exported is not None and param is args[0]:
+            return self.exported[self.unit.slot_of(param)]
+        if func in (torch.equal, torch.Tensor.equal) and len(args) == 2:
+            if args[0] is args[1]:
+                return True
+            if args[0].shape != args[1].shape:
+                return False
+        raise self.error(param, f"cannot be read by {_describe(func)}")
+
+    def owns(self, value: Any) -> bool:
+        return isinstance(value, nn.Parameter) and type(value) in self.unit.guard_classes.values()
+
+    @staticmethod
+    def _plain(func: Any, args: tuple, kwargs: dict) -> Any:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def _description(self, param: nn.Parameter) -> str:
+        return (
+            f"Parameter '{self._name(param)}' sharded at rest by ZeRO-3 (shape {tuple(param.shape)}, "
+            f"{param.dtype}, {param.device}); read it inside engine.gathered_parameters()"
+        )
+
+    def _name(self, param: nn.Parameter) -> str:
+        return self.unit.layout.slots[self.unit.slot_of(param)].fqns[0]
+
+    def error(self, param: nn.Parameter | None, what: str) -> ParameterAtRestError:
+        name = f"'{self._name(param)}'" if param is not None else f"a parameter of {self.unit.label}"
+        return ParameterAtRestError(
+            f"ZeRO-3 parameter {name} {what}: between uses its values are sharded across the ranks and "
+            "not held by any one of them. Read or edit parameters inside `with engine.gathered_parameters():` "
+            "(every rank enters together), take full values with engine.full_state_dict() or "
+            "model.state_dict() (every rank calls), load them with model.load_state_dict() or "
+            "engine.load_full_state_dict(), or call the module that owns the parameter."
+        )
+
+
+def guard_class(param_class: type[nn.Parameter], guard: _Guard) -> type[nn.Parameter]:
+    """The at-rest class of parameters of ``param_class`` in the guarded unit."""
+    return type(param_class.__name__, (param_class,), {"__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k))})
+
+
+def make_guard(unit: "FlatUnit") -> _Guard:
+    return _Guard(unit)

@@ -1,0 +1,98 @@
+"""``model.state_dict()`` and ``model.load_state_dict()`` on the sharded model.
+
+- ``state_dict()`` (stage 3): the module's units are gathered from the fp32
+  master shards, one at a time, into full CPU tensors, which the parameters'
+  ``detach()`` hands to torch's own ``state_dict`` (param_guard.py). Every
+  rank must call it, as with ``engine.full_state_dict()``, whose values it
+  returns. Stages 1 and 2 hold full parameters and need nothing.
+  ``keep_vars=True`` returns the parameter objects themselves.
+- ``load_state_dict()`` (every stage): each parameter's new full value goes
+  into this rank's master and compute shards before torch copies it into
+  the full parameters (stages 1/2), so the next optimizer step starts from
+  the loaded values. No communication: every rank holds the full source.
+  ``assign=True`` would replace the sharded parameter objects and is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+    from .flat_unit import FlatUnit
+
+
+class StateDictHooks:
+    def __init__(self, engine: "ZeroEngine"):
+        self.engine = engine
+        self.unit_of: dict[int, "FlatUnit"] = {id(p): unit for unit in engine.units for p in unit.params}
+        self._exports: dict[int, list["FlatUnit"]] = {}  # id(module) -> units whose values its state_dict() gathered
+
+    def install(self) -> list[RemovableHandle]:
+        handles = []
+        for module in self.engine.model.modules():
+            if any(id(p) in self.unit_of for p in module.parameters(recurse=False)):
+                handles.append(module.register_load_state_dict_pre_hook(self._before_load))
+            if self.engine.config.plan.params_sharded_at_rest and any(True for _ in module.parameters()):
+                handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+                # torch marks post-hooks with an attribute, which a bound method cannot take.
+                handles.append(module.register_state_dict_post_hook(functools.partial(StateDictHooks._after_state_dict, self)))
+        return handles
+
+    # -------------------------------------------------------------- export
+    def _before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        if not prefix:
+            self.clear_exports()  # a new outermost call: nothing of an earlier, failed one survives
+        wanted = {id(p) for p in module.parameters()}
+        units = [
+            u for u in self.engine.units
+            if u.guard.exported is None and any(id(p) in wanted for p in u.params)
+        ]  # fmt: skip
+        if not units:
+            return  # an enclosing module's state_dict() gathered them already
+        self.engine.runtime.settle()
+        self.engine.sync_buffers_for_export()
+        for unit in units:
+            full = unit.gather_full_master()
+            unit.guard.exported = {i: view.to("cpu", copy=True) for i, view in enumerate(unit.full_param_views(full))}
+            del full
+        self._exports[id(module)] = units
+
+    def _after_state_dict(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        for unit in self._exports.pop(id(module), []):
+            unit.guard.exported = None
+
+    def clear_exports(self) -> None:
+        self._exports.clear()
+        for unit in self.engine.units:
+            unit.guard.exported = None
+
+    # ---------------------------------------------------------------- load
+    def _before_load(
+        self,
+        module: nn.Module,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: dict,
+        strict: bool,
+        missing_keys: list,
+        unexpected_keys: list,
+        error_msgs: list,
+    ) -> None:
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise ValueError(
+                "load_state_dict(assign=True) would replace the parameters ZeRO has sharded. "
+                "Load with assign=False (the default), or use engine.load_full_state_dict()."
+            )
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            unit = self.unit_of.get(id(param))
+            if unit is not None and isinstance(value, torch.Tensor):
+                unit.write_param(param, value)  # a wrong shape is left to torch's own error
