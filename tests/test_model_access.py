@@ -43,6 +43,14 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 # ------------------------------------------------------------------ at rest
+def _message_of(action, error_type: type[Exception]) -> str | None:
+    try:
+        action()
+    except error_type as error:
+        return str(error)
+    return None
+
+
 def _at_rest_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=False)
@@ -73,7 +81,18 @@ def _at_rest_worker(rank: int, world_size: int) -> dict:
     with engine.gathered_parameters():
         gathered_norm = param.norm().item()
     _train(engine, model, 1, rank)  # still trains after all of the above
+    from .models import Block
+
+    torch.manual_seed(0)
+    blocky = TinyTransformer(batchnorm=False)
+    block_reference = copy.deepcopy(blocky.blocks[0])
+    ZeroEngine(blocky, None, ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(Block,))))
+    hidden = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(rank))
+    inner_call = _message_of(lambda: blocky.blocks[0].up(hidden), ParameterAtRestError)
+    block_call_error = (blocky.blocks[0](hidden) - block_reference(hidden)).abs().max().item()
     return {
+        "inner_call": inner_call,
+        "block_call_error": block_call_error,
         "repr": repr(param),
         "metadata": (tuple(param.shape), param.dtype, param.requires_grad, param.numel(), param.grad),
         "refused": refused,
@@ -92,6 +111,9 @@ def test_stage3_parameters_at_rest_are_described_or_refused_never_read_from_free
             if name not in ("double()", "deepcopy"):  # those stop at the model's first parameter
                 assert "'blocks.0.up.weight'" in message, name
         assert result["gathered_norm"] == pytest.approx(result["reference_norm"], rel=1e-5)
+        # A layer inside a unit, called on its own: refused, naming the unit to call instead.
+        assert "'blocks.0.up.weight' of unit 'blocks.0'" in result["inner_call"]
+        assert result["block_call_error"] < 1e-6  # the unit's own module, called directly, works
 
 
 # ------------------------------------------------------------- state dicts

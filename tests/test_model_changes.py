@@ -189,3 +189,88 @@ def test_buffers_keep_their_dtype_so_rotary_positions_match_fp32() -> None:
         assert result["cast_inv_freq"] == torch.bfloat16 and result["cast_rotary_error"] > 0.05  # what fp32 avoids
         assert result["batchnorm_buffers"] == torch.bfloat16
         assert result["loss_finite"]
+
+
+def _more_changes_worker(rank: int, world_size: int) -> list[dict]:
+    results = []
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        clean = copy.deepcopy(model)
+        precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
+        engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision))
+        clean_engine = ZeroEngine(clean, make_optimizer("adamw", clean), ZeroConfig(stage=stage, mixed_precision=precision))
+        _refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
+        for each_model, each_engine in ((model, engine), (clean, clean_engine)):
+            each_engine.backward(_loss(each_model, 1, rank))
+            each_engine.step()
+        # The refused backward left nothing behind: the step equals one that never saw it.
+        stale = relative_difference(engine.full_state_dict(), clean_engine.full_state_dict())
+        duplicate = engine.optimizer.add_param_group({"params": [model.blocks[0].up.weight]})
+        engine.backward(_loss(model, 2, rank))
+        twice = _refusal(engine.step, ValueError)
+        torch.manual_seed(0)
+        other = TinyTransformer(batchnorm=False)
+        ZeroEngine(other, make_optimizer("adamw", other), ZeroConfig(stage=stage))
+        other.branch = nn.Linear(16, 16)
+        submodule = _refusal(lambda: other(batch(0, rank)), ModelChangedError)
+        results.append({"stage": stage, "stale": stale, "twice": twice, "submodule": submodule, "none": duplicate})
+    return results
+
+
+def test_refused_backward_leaves_nothing_and_other_changes_are_refused() -> None:
+    for results in run_distributed(_more_changes_worker, 2):
+        for result in results:
+            assert result["stale"] == 0.0, result
+            assert "already in a param group" in result["twice"], result
+            assert "submodule 'branch' was replaced" in result["submodule"], result
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * scale
+
+
+class _CheckpointedModel(nn.Module):
+    """fp32 values computed from an fp32 buffer reach checkpointed blocks (rotary cos/sin do)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.blocks = nn.ModuleList([_ScaledBlock(), _ScaledBlock()])
+        self.reentrant = reentrant
+        self.register_buffer("inv", torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        hidden, scale = self.embed(x), self.inv.sin()
+        for block in self.blocks:
+            hidden = checkpoint(block, hidden, scale, use_reentrant=self.reentrant)
+        return hidden.float().sum()
+
+
+def _recompute_cast_worker(rank: int, world_size: int) -> list[tuple]:
+    done = []
+    for stage in STAGES:
+        for reentrant in (False, True):
+            torch.manual_seed(0)
+            model = _CheckpointedModel(reentrant)
+            config = ZeroConfig(
+                stage=stage, mixed_precision=MixedPrecision(compute_dtype=torch.bfloat16),
+                wrap_policy=WrapPolicy(module_classes=(_ScaledBlock,)),
+            )  # fmt: skip
+            engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+            engine.backward(model(torch.ones(2, 4)))
+            engine.step()
+            done.append((stage, reentrant, model.inv.dtype))
+    return done
+
+
+def test_checkpoint_recompute_casts_inputs_as_the_forward_did() -> None:
+    for done in run_distributed(_recompute_cast_worker, 1):
+        assert done == [(s, r, torch.float32) for s in STAGES for r in (False, True)]

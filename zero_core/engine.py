@@ -133,7 +133,7 @@ class ZeroEngine:
         self.runtime = StepRuntime(self.units, config.plan, config.prefetch)
         self.runtime.requires_scaled_backward = self.loss_scaler is not None
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
-        self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units).check)
+        self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units, self.runtime).check)
         self.runtime.before_root_forward.append(self._before_root_forward)
         if config.mixed_precision.compute_dtype != torch.float32:
             self.runtime.input_cast = self._cast_inputs
@@ -142,6 +142,8 @@ class ZeroEngine:
         self._hooks = self.runtime.install()
         self.state_dict_hooks = StateDictHooks(self)
         self._hooks += self.state_dict_hooks.install()
+        # An export that raised midway must not outlive the next forward.
+        self.runtime.before_outermost_forward.append(self.state_dict_hooks.clear_exports)
         self._optimizer_hooks: list[Any] = []
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -226,15 +228,20 @@ class ZeroEngine:
     def _cast_buffers(self, precision: MixedPrecision) -> None:
         """Buffers keep the dtype the model gave them, except where a module's own
         parameters are cast: BatchNorm's running statistics must match its weight.
-        ``MixedPrecision.buffer_dtype`` casts every floating buffer instead."""
+        ``MixedPrecision.buffer_dtype`` casts every floating buffer instead.
+        Each buffer is cast once, in place, so shared buffers stay shared."""
+        targets: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
         for module in self.model.modules():
             owns_cast_params = any(
                 p.is_floating_point() and p.dtype == precision.compute_dtype for p in module.parameters(recurse=False)
             )
             target = precision.buffer_dtype or (precision.compute_dtype if owns_cast_params else None)
-            for name, buffer in module.named_buffers(recurse=False):
-                if target is not None and buffer.is_floating_point() and buffer.dtype != target:
-                    setattr(module, name, buffer.to(target))
+            for buffer in module.buffers(recurse=False):
+                if target is not None and buffer.is_floating_point() and id(buffer) not in targets:
+                    targets[id(buffer)] = (buffer, target)
+        for buffer, target in targets.values():
+            if buffer.dtype != target:
+                buffer.data = buffer.data.to(target)
 
     def _after_root_forward(self) -> None:
         # DDP's rule: the next forward syncs buffers only if this one was a
@@ -325,7 +332,7 @@ class ZeroEngine:
         self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
         self._step_calls += 1
-        self.param_group_names += adopt_added_param_groups(self.optimizer, self.units, len(self.param_group_names))
+        self.param_group_names += adopt_added_param_groups(self.optimizer, self.units, self.param_group_names)
         if self.loss_scaler is not None:
             self._unscale_grads_once()
         counters = {

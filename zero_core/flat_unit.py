@@ -293,6 +293,8 @@ class FlatUnit:
             self.full_grads = None
             self.backward_shard = None
             self._filled_this_backward.clear()
+            for param in self.params:
+                param.grad = None  # a gradient autograd set before the backward raised
             return False
         had_earlier = any(self.slot_has_grad)
         self.reset_grads()

@@ -96,7 +96,7 @@ def rebuild_optimizer(
 
 
 def adopt_added_param_groups(
-    optimizer: torch.optim.Optimizer, units: list[FlatUnit], known_groups: int
+    optimizer: torch.optim.Optimizer, units: list[FlatUnit], known_names: list[list[str]]
 ) -> list[list[str]]:
     """Groups added with ``optimizer.add_param_group(model params)`` since the engine was built
     (progressive unfreezing, Lightning's BackboneFinetuning) train this rank's pieces of them.
@@ -105,7 +105,7 @@ def adopt_added_param_groups(
     step; a tensor the engine did not shard is refused, since its updates
     would differ between ranks.
     """
-    added = optimizer.param_groups[known_groups:]
+    added = optimizer.param_groups[len(known_names):]
     if not added:
         return []
     masters = {id(m.param) for u in units for m in u.master_pieces}
@@ -116,8 +116,16 @@ def adopt_added_param_groups(
             name_of[id(param)] = slot.fqns[0]
         for master in unit.master_pieces:
             pieces_of[id(unit.params[master.piece.slot.index])].append(master.param)
+    # By name, which every rank knows alike (pieces exist on some ranks only).
+    already = {name for group_names in known_names for name in group_names}
     names = []
     for group in added:
+        duplicated = [name_of[id(p)] for p in group["params"] if name_of.get(id(p)) in already]
+        if duplicated:
+            raise ValueError(
+                f"optimizer.add_param_group() was given parameters already in a param group ({', '.join(duplicated)}); "
+                "each parameter may be in one group only."
+            )
         unknown = [p for p in group["params"] if id(p) not in name_of and id(p) not in masters]
         if unknown:
             raise ValueError(

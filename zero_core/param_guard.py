@@ -42,7 +42,7 @@ _GETTERS = (
     "shape", "dtype", "device", "requires_grad", "grad", "_grad", "is_leaf", "grad_fn", "ndim", "layout",
     "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
     "names", "name", "output_nr", "_version", "retains_grad", "itemsize", "nbytes", "_backward_hooks",
-    "_post_accumulate_grad_hooks", "is_sparse_csr", "_cdata",
+    "_post_accumulate_grad_hooks", "is_sparse_csr", "_cdata", "grad_dtype",
 )  # fmt: skip
 _SETTERS = ("requires_grad", "grad", "_grad", "_backward_hooks", "_post_accumulate_grad_hooks")
 _METHODS = (
@@ -51,7 +51,7 @@ _METHODS = (
     "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type", "__len__", "is_inference",
     "storage_offset", "retain_grad", "is_shared", "_is_view", "__hash__",
     # The 0-byte storage itself is safe to hand out: reads through it are bounds-checked.
-    "untyped_storage", "data_ptr",
+    "untyped_storage", "data_ptr", "is_conj", "is_neg",
 )  # fmt: skip
 _TORCH_FUNCTIONS = (torch.numel, torch.is_floating_point, torch.is_complex, torch._has_compatible_shallow_copy_type)
 
@@ -64,9 +64,16 @@ _METADATA: frozenset[Any] = frozenset(
 
 _DATA_SETTER = torch._C.TensorBase.data.__set__  # a new, equal object on each access: compare with ==
 
+def _parse_to(self: torch.Tensor, *args: Any, copy: bool = False, **kwargs: Any) -> tuple[Any, Any]:
+    device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    if copy or memory_format not in (None, torch.preserve_format):
+        return "copy", None  # never a no-op: refused
+    return device, dtype
+
+
 # Conversions that return the parameter itself when they change nothing.
-_CONVERSIONS: dict[Any, Callable[..., tuple[torch.device | None, torch.dtype | None]]] = {
-    torch.Tensor.to: lambda self, *a, **k: torch._C._nn._parse_to(*a, **k)[:2],
+_CONVERSIONS: dict[Any, Callable[..., tuple[Any, torch.dtype | None]]] = {
+    torch.Tensor.to: _parse_to,
     torch.Tensor.cpu: lambda self, *a, **k: (torch.device("cpu"), None),
     torch.Tensor.cuda: lambda self, device=None, *a, **k: (torch.device("cuda" if device is None else device), None),
     torch.Tensor.float: lambda self, *a, **k: (None, torch.float32),
@@ -84,10 +91,10 @@ def _describe(func: Any) -> str:
     return f"'{name}'"
 
 
-def _same_device(wanted: torch.device | None, actual: torch.device) -> bool:
+def _same_device(wanted: Any, actual: torch.device) -> bool:
     if wanted is None:
         return True
-    return wanted.type == actual.type and wanted.index in (None, actual.index)
+    return isinstance(wanted, torch.device) and wanted.type == actual.type and wanted.index in (None, actual.index)
 
 
 class _Guard:
@@ -143,13 +150,14 @@ class _Guard:
         return self.unit.layout.slots[self.unit.slot_of(param)].fqns[0]
 
     def error(self, param: nn.Parameter | None, what: str) -> ParameterAtRestError:
-        name = f"'{self._name(param)}'" if param is not None else f"a parameter of {self.unit.label}"
+        name = f"'{self._name(param)}' of {self.unit.label}" if param is not None else f"a parameter of {self.unit.label}"
         return ParameterAtRestError(
             f"ZeRO-3 parameter {name} {what}: between uses its values are sharded across the ranks and "
             "not held by any one of them. Read or edit parameters inside `with engine.gathered_parameters():` "
             "(every rank enters together), take full values with engine.full_state_dict() or "
             "model.state_dict() (every rank calls), load them with model.load_state_dict() or "
-            "engine.load_full_state_dict(), or call the module that owns the parameter."
+            "engine.load_full_state_dict(), or run them inside a call of the unit's module or of a module "
+            "outside the units (the unit is gathered for it)."
         )
 
 

@@ -174,16 +174,23 @@ class StepRuntime:
         return handles
 
     def _units_needed_by_calls(self) -> list[tuple[nn.Module, list[FlatUnit]]]:
-        """For each module: the units outside its subtree that own parameters it uses.
+        """For each module outside the non-root units: the units outside its subtree
+        that own parameters it uses.
 
         Calling such a module directly (a submodule below the root, a GAN's
         discriminator, a Hugging Face encoder inside generate()) must gather
         those units for the call, and back-propagating it must reduce them,
         exactly as if their own module had been called. Ancestors come first.
+        Modules inside a unit (the layers of a transformer block) get no hooks,
+        so the forward's hot path pays nothing: called directly, their unit is
+        not gathered and stage 3 refuses with ParameterAtRestError naming it.
         """
         unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        inside_units = {id(m) for unit in self.units[1:] for m in unit.module.modules() if m is not unit.module}
         result = []
         for module in self.root.module.modules():
+            if id(module) in inside_units:
+                continue
             inside = {id(m) for m in module.modules()}
             needed = {unit_of[id(p)] for p in module.parameters() if id(p) in unit_of}
             needed = sorted((u for u in needed if id(u.module) not in inside), key=lambda u: u.index)
@@ -254,6 +261,8 @@ class StepRuntime:
 
     # ------------------------------------------------------------ forward
     def _pre_forward(self, unit: FlatUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.input_cast is not None:
+            args, kwargs = self.input_cast(args, kwargs)
         if self._is_recompute():
             return self._pre_recompute(unit, args, kwargs)
         if not self._active:
@@ -265,8 +274,6 @@ class StepRuntime:
             if unit is self.root:
                 for transform in self.before_root_forward:
                     args, kwargs = transform(args, kwargs)
-        if self.input_cast is not None:
-            args, kwargs = self.input_cast(args, kwargs)
         if unit not in self._active:
             predicted = self.order.forward.record(unit.index, self.prefetch)
             self._gather(unit, predicted, keep={u.index for u in self._active})
@@ -339,10 +346,11 @@ class StepRuntime:
     def _pre_call(self, needed: list[FlatUnit], module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """A module called while the units owning its parameters are not running: enter them."""
         if self._is_recompute():
-            # Checkpointed code rerun in backward: its units only need to be gathered.
+            # Checkpointed code rerun in backward: its units only need to be gathered,
+            # and its inputs cast as in the forward, so the recompute matches it.
             for unit in needed:
                 self._begin_backward_of(unit)
-            return None
+            return self.input_cast(args, kwargs) if self.input_cast is not None else None
         entered = [unit for unit in needed if unit not in self._active]
         if not entered:
             return None  # the usual case: called inside its unit's forward
@@ -435,6 +443,7 @@ class StepRuntime:
     def _on_grad(self, unit: FlatUnit, slot_index: int, param: nn.Parameter) -> None:
         self._begin_backward()
         if self.requires_scaled_backward and not self._backward_scaled:
+            param.grad = None  # the discarded backward leaves nothing for the next one to add to
             raise UnscaledBackwardError(
                 "fp16 training needs loss scaling, but this backward did not come from engine.backward(loss) "
                 "(or accelerator.backward / fabric.backward / Lightning's own backward), so its gradients "
@@ -442,6 +451,7 @@ class StepRuntime:
                 "instead of loss.backward()."
             )
         if self.reduces.was_issued(unit):
+            param.grad = None
             raise LateGradientError(
                 f"The gradient of '{unit.layout.slots[slot_index].fqns[0]}' arrived after {unit.label} "
                 "had finished its backward and reduced its gradients: the parameter is used outside the "
