@@ -79,6 +79,8 @@ class FlatUnit:
         self._filled_this_backward: set[int] = set()
         self._flatten_parameters()
         self._own_pieces = {piece.slot.index: piece for piece in self.layout.pieces(comm.rank)}
+        # Where each parameter's data starts in the gathered buffer (model_changes.py checks it).
+        self.slot_byte_offsets = [s.flat_offset * self.gathered_params.element_size() for s in self.layout.slots]
         # Stage 3 at rest: parameters take a guard class (param_guard.py) instead of their own.
         self.guard = make_guard(self)
         self._param_classes = [type(p) for p in self.params]
@@ -165,11 +167,6 @@ class FlatUnit:
         """The parameters are ordinary tensors of their own for good (``unshard``)."""
         self.set_guard(False)
         self._guarding = False
-
-    def param_data_ptr(self, slot_index: int) -> int:
-        """Where the parameter's data must start while the unit is gathered."""
-        slot = self.layout.slots[slot_index]
-        return self.gathered_params.data_ptr() + slot.flat_offset * self.gathered_params.element_size()
 
     def slot_of(self, param: nn.Parameter) -> int:
         return next(i for i, p in enumerate(self.params) if p is param)

@@ -85,6 +85,12 @@ def output_tensors(output: Any, depth: int = 2) -> list[torch.Tensor]:
     return tensors
 
 
+def _eager(hook: Any) -> Any:
+    """Hooks run as plain Python under torch.compile (a graph break each), as FSDP2's do:
+    they gather, release and keep step state, none of which belongs in a graph."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 def _inside_autograd() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -147,13 +153,13 @@ class StepRuntime:
             module = unit.module
             handles.append(
                 module.register_forward_pre_hook(
-                    functools.partial(self._pre_forward, unit), with_kwargs=True, prepend=True
+                    _eager(functools.partial(self._pre_forward, unit)), with_kwargs=True, prepend=True
                 )
             )
-            handles.append(module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            handles.append(module.register_forward_hook(_eager(functools.partial(self._post_forward, unit))))
             # Registered after the post-forward hook, so it runs after it; it also runs when forward raised.
             handles.append(
-                module.register_forward_hook(functools.partial(self._after_call, unit), always_call=True)
+                module.register_forward_hook(_eager(functools.partial(self._after_call, unit)), always_call=True)
             )
             for slot, param in zip(unit.layout.slots, unit.params):
                 if slot.requires_grad:
@@ -166,11 +172,11 @@ class StepRuntime:
             # Registered after the unit hooks: the pre-hook runs before them (prepend), the others after.
             handles.append(
                 module.register_forward_pre_hook(
-                    functools.partial(self._pre_call, needed), with_kwargs=True, prepend=True
+                    _eager(functools.partial(self._pre_call, needed)), with_kwargs=True, prepend=True
                 )
             )
-            handles.append(module.register_forward_hook(functools.partial(self._post_call, needed)))
-            handles.append(module.register_forward_hook(self._after_entry_call, always_call=True))
+            handles.append(module.register_forward_hook(_eager(functools.partial(self._post_call, needed))))
+            handles.append(module.register_forward_hook(_eager(self._after_entry_call), always_call=True))
         return handles
 
     def _units_needed_by_calls(self) -> list[tuple[nn.Module, list[FlatUnit]]]:
