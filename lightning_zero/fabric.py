@@ -9,7 +9,6 @@ sharded DCP directories, at any world size and stage.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal
@@ -26,9 +25,16 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from zero_core import ZeroEngine
 
-from zero_core.sharding import shard_module, single_optimizer
+from zero_core.sharding import single_optimizer
 
-from ._sharding import WrapPolicyLike, register_zero_strategies, zero_settings
+from ._sharding import (
+    WrapPolicyLike,
+    as_zero_precision,
+    build_engine,
+    register_zero_strategies,
+    teardown_keeping_module,
+    zero_settings,
+)
 from .precision import ZeroPrecisionSettings
 
 
@@ -91,20 +97,16 @@ class ZeroFabricStrategy(DDPStrategy):
     @property
     def precision(self) -> ZeroFabricPrecision:
         if not isinstance(self._precision, ZeroFabricPrecision):
-            self._precision = ZeroFabricPrecision(getattr(self._precision, "precision", "32-true"))
+            self._precision = as_zero_precision(self._precision, ZeroFabricPrecision) or ZeroFabricPrecision()
         return self._precision
 
     @precision.setter
     def precision(self, plugin: Precision | None) -> None:
-        if plugin is not None and not isinstance(plugin, ZeroFabricPrecision):
-            plugin = ZeroFabricPrecision(getattr(plugin, "precision", "32-true"))
-        self._precision = plugin
+        self._precision = as_zero_precision(plugin, ZeroFabricPrecision)
 
     # ---------------------------------------------------------------- setup
     def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
-        config = replace(self.zero_config, mixed_precision=self.precision.policy)
-        self.engine = shard_module(module, optimizer, config, self.root_device)
-        self.precision.engine = self.engine
+        self.engine = build_engine(module, optimizer, self.zero_config, self.precision, self.root_device)
         return module
 
     def setup_module_and_optimizers(
@@ -179,10 +181,4 @@ class ZeroFabricStrategy(DDPStrategy):
         return extra
 
     def teardown(self) -> None:
-        # Keep the module where it is: its parameters are views of the engine's buffers.
-        assert self.cluster_environment is not None
-        self.cluster_environment.teardown()
-        self.precision.teardown()
-        if self.accelerator is not None:
-            self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        teardown_keeping_module(self, self.precision)

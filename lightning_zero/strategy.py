@@ -10,7 +10,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -26,12 +25,20 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 
-from zero_core import ZeroEngine
+from zero_core import ZeroEngine, engine_of
 from zero_core.checkpoint.state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
 
-from zero_core.sharding import move_real_tensors, shard_module, single_optimizer
+from zero_core.sharding import move_real_tensors, single_optimizer
 
-from ._sharding import WrapPolicyLike, register_zero_strategies, zero_settings
+from ._sharding import (
+    WrapPolicyLike,
+    as_zero_precision,
+    build_engine,
+    check_sync_batchnorm_device,
+    register_zero_strategies,
+    teardown_keeping_module,
+    zero_settings,
+)
 from .precision import ZeroPrecision
 
 
@@ -90,16 +97,12 @@ class ZeroStrategy(DDPStrategy):
     @property
     def precision_plugin(self) -> ZeroPrecision:
         if not isinstance(self._precision_plugin, ZeroPrecision):
-            self._precision_plugin = ZeroPrecision(getattr(self._precision_plugin, "precision", "32-true"))
+            self._precision_plugin = as_zero_precision(self._precision_plugin, ZeroPrecision) or ZeroPrecision()
         return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # Lightning hands every strategy its generic plugin for the flag; ZeRO
-        # owns the precision, so keep only the flag.
-        if plugin is not None and not isinstance(plugin, ZeroPrecision):
-            plugin = ZeroPrecision(getattr(plugin, "precision", "32-true"))
-        self._precision_plugin = plugin
+        self._precision_plugin = as_zero_precision(plugin, ZeroPrecision)
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -107,11 +110,14 @@ class ZeroStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
+            if self._layer_sync is not None and engine_of(self.lightning_module) is None:
+                # Trainer(sync_batchnorm=True), as DDP honours it; kept after fit (the
+                # converted layers' parameters are sharded, so they are not reverted).
+                check_sync_batchnorm_device(self.root_device)
+                self.model = self._layer_sync.apply(self.lightning_module)
             self.setup_optimizers(trainer)
             optimizer = single_optimizer(self.optimizers)
-        config = replace(self.zero_config, mixed_precision=self.precision_plugin.policy)
-        self.engine = shard_module(self.lightning_module, optimizer, config, self.root_device)
-        self.precision_plugin.engine = self.engine
+        self.engine = build_engine(self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device)
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -207,10 +213,4 @@ class ZeroStrategy(DDPStrategy):
         pass  # likewise for the optimizer state
 
     def teardown(self) -> None:
-        # Unlike DDP, leave the module where it is: its parameters are views of
-        # the engine's buffers (engine.unshard() gives an ordinary module back).
-        assert self.cluster_environment is not None and self.accelerator is not None
-        self.cluster_environment.teardown()
-        self.precision_plugin.teardown()
-        self.accelerator.teardown()
-        self.checkpoint_io.teardown()
+        teardown_keeping_module(self, self.precision_plugin)

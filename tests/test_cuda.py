@@ -100,3 +100,21 @@ def test_cuda_stage3_model_access() -> None:
         assert result["param_devices"] == {"cpu"}  # full values gathered to the host, unit by unit
         assert result["loss"] == result["loss"]  # finite, not NaN
         assert result["batchnorm"] == torch.bfloat16
+
+
+def test_cuda_lightning_applies_sync_batchnorm() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+
+    from .lightning_module import TinyLM
+
+    module = TinyLM(batchnorm=True, batch_size=4, dataset_size=16)
+    trainer = pl.Trainer(
+        accelerator="gpu", devices=1, strategy=ZeroStrategy(stage=2), sync_batchnorm=True, max_steps=2,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(module)
+    converted = [m for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    assert converted and not any(type(m) is torch.nn.BatchNorm1d for m in module.modules())
+    assert trainer.global_step == 2

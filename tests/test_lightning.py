@@ -41,6 +41,7 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-fp32", "strategy": "zero3", "max_steps": 4},
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
+    {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
 ]
 ONE_DEVICE_RUNS = [
     {"name": "resumed-zero1", "strategy": "zero1", **RESUMABLE, "batch_size": 8, "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt"},
@@ -165,3 +166,9 @@ def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:
     assert isinstance(strategy, ZeroStrategy)
     assert (strategy.zero_config.stage, strategy.zero_config.prefetch) == (2, 2)
     assert strategy.zero_config.wrap_policy.module_classes[0].__name__ == "Block"
+
+
+def test_sync_batchnorm_is_refused_on_cpu_before_training(results: tuple) -> None:
+    # torch's SyncBatchNorm trains on accelerators only; on GPUs it is applied (tests/test_cuda.py).
+    error = results[1]["zero2-syncbn"]["error"]
+    assert error is not None and "sync_batchnorm=True) needs GPUs" in error

@@ -71,8 +71,18 @@ def run(spec: dict, out: Path, devices: int) -> None:
         enable_progress_bar=False,
         enable_model_summary=spec.get("summary", False),
         num_sanity_val_steps=0,
+        sync_batchnorm=spec.get("sync_batchnorm", False),
     )
     ckpt_path = spec.get("ckpt_path")
+    if spec.get("expect_error"):
+        try:
+            trainer.fit(module)
+            error = None
+        except Exception as raised:  # noqa: BLE001 - reported to the test
+            error = f"{type(raised).__name__}: {raised}"
+        if trainer.global_rank == 0:
+            torch.save({"error": error}, out / f"{spec['name']}.pt")
+        return
     trainer.fit(module, ckpt_path=str(out / ckpt_path) if ckpt_path else None)
     result = {"losses": module.losses, "weights": full_weights(trainer, module), "global_step": trainer.global_step}
     if spec.get("summary"):
