@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from zero_core import MixedPrecision, WrapPolicy, ZeroConfig
 
 from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
+from .grad_norm import grad_norm
 from .precision import ZeroPrecision
 from .strategy import ZeroStrategy
 
@@ -21,4 +22,5 @@ __all__ = [
     "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
+    "grad_norm",
 ]

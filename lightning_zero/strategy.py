@@ -35,6 +35,8 @@ from ._sharding import (
     as_zero_precision,
     build_engine,
     check_sync_batchnorm_device,
+    refuse_finetuning_callbacks,
+    refuse_late_sync_batchnorm,
     register_zero_strategies,
     teardown_keeping_module,
     zero_settings,
@@ -109,12 +111,16 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         optimizer = None
+        refuse_finetuning_callbacks(trainer.callbacks)
         if trainer.state.fn == TrainerFn.FITTING:
-            if self._layer_sync is not None and engine_of(self.lightning_module) is None:
+            if self._layer_sync is not None:
                 # Trainer(sync_batchnorm=True), as DDP honours it; kept after fit (the
                 # converted layers' parameters are sharded, so they are not reverted).
                 check_sync_batchnorm_device(self.root_device)
-                self.model = self._layer_sync.apply(self.lightning_module)
+                if engine_of(self.lightning_module) is not None:
+                    refuse_late_sync_batchnorm(self.lightning_module)
+                else:
+                    self.model = self._layer_sync.apply(self.lightning_module)
             self.setup_optimizers(trainer)
             optimizer = single_optimizer(self.optimizers)
         self.engine = build_engine(self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device)

@@ -42,6 +42,7 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
     {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
+    {"name": "zero3-finetuning", "strategy": "zero3", "max_steps": 1, "finetuning_callback": True, "expect_error": True},
 ]
 ONE_DEVICE_RUNS = [
     {"name": "resumed-zero1", "strategy": "zero1", **RESUMABLE, "batch_size": 8, "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt"},
@@ -172,3 +173,9 @@ def test_sync_batchnorm_is_refused_on_cpu_before_training(results: tuple) -> Non
     # torch's SyncBatchNorm trains on accelerators only; on GPUs it is applied (tests/test_cuda.py).
     error = results[1]["zero2-syncbn"]["error"]
     assert error is not None and "sync_batchnorm=True) needs GPUs" in error
+
+
+def test_finetuning_callbacks_are_refused_before_training(results: tuple) -> None:
+    error = results[1]["zero3-finetuning"]["error"]
+    assert error is not None and "UnfreezeFirstBlock (a BaseFinetuning callback) is not supported" in error
+    assert "add_param_group" in error  # and says what works instead

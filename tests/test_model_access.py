@@ -16,7 +16,7 @@ from zero_core import ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import relative_difference
+from .workers import refusal, relative_difference
 
 STAGES = (1, 2, 3)
 
@@ -43,14 +43,6 @@ def _close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 # ------------------------------------------------------------------ at rest
-def _message_of(action, error_type: type[Exception]) -> str | None:
-    try:
-        action()
-    except error_type as error:
-        return str(error)
-    return None
-
-
 def _at_rest_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=False)
@@ -59,7 +51,6 @@ def _at_rest_worker(rank: int, world_size: int) -> dict:
     _train(engine, model, 2, rank)
     _reference_train(reference, make_optimizer("adamw", reference), 2, world_size)
     param = model.blocks[0].up.weight
-    refused = {}
     attempts = {
         "norm": lambda: param.norm(),
         "clone": lambda: param.clone(),
@@ -70,12 +61,7 @@ def _at_rest_worker(rank: int, world_size: int) -> dict:
         "deepcopy": lambda: copy.deepcopy(model),
         "torch.save(param)": lambda: torch.save(param, io.BytesIO()),
     }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            refused[name] = None
-        except ParameterAtRestError as error:
-            refused[name] = str(error)
+    refused = {name: refusal(attempt, ParameterAtRestError) for name, attempt in attempts.items()}
     model.to(param.device)  # changes nothing: allowed, as Lightning does before each stage
     model.float()
     with engine.gathered_parameters():
@@ -88,7 +74,7 @@ def _at_rest_worker(rank: int, world_size: int) -> dict:
     block_reference = copy.deepcopy(blocky.blocks[0])
     ZeroEngine(blocky, None, ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(Block,))))
     hidden = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(rank))
-    inner_call = _message_of(lambda: blocky.blocks[0].up(hidden), ParameterAtRestError)
+    inner_call = refusal(lambda: blocky.blocks[0].up(hidden), ParameterAtRestError)
     block_call_error = (blocky.blocks[0](hidden) - block_reference(hidden)).abs().max().item()
     return {
         "inner_call": inner_call,

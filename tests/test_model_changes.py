@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core import MixedPrecision, ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
 from zero_core.model_changes import ModelChangedError
 from zero_core.runtime import UnscaledBackwardError
 
 from .distributed import run_distributed
-from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import relative_difference
+from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import refusal, relative_difference
 
 STAGES = (1, 2, 3)
 
@@ -38,14 +38,6 @@ def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
     optimizer.step()
 
 
-def _refusal(action, error_type: type[Exception]) -> str | None:
-    try:
-        action()
-    except error_type as error:
-        return str(error)
-    return None
-
-
 def _changes_worker(rank: int, world_size: int) -> list[dict]:
     results = []
     for stage in STAGES:
@@ -59,24 +51,26 @@ def _changes_worker(rank: int, world_size: int) -> list[dict]:
 
         model, _ = fresh()
         model.blocks[0].mix.weight = nn.Parameter(torch.zeros(16, 16))
-        replaced = _refusal(lambda: forward(model), ModelChangedError)
-        model, _ = fresh()
-        model.frozen.weight.requires_grad_(True)
-        unfrozen = _refusal(lambda: forward(model), ModelChangedError)
+        replaced = refusal(lambda: forward(model), ModelChangedError)
+        model, engine = fresh()
+        weight = model.blocks[0].up.weight
+        if stage == 3:
+            reshaped = refusal(lambda: setattr(weight, "data", weight.data.view(16, 48)), ParameterAtRestError)
+        else:
+            weight.data = weight.data.view(16, 48)  # the same storage, another shape
+            reshaped = refusal(lambda: forward(model), ModelChangedError)
         model, engine = fresh()
         if stage == 3:
-            from zero_core import ParameterAtRestError
-
-            cast = _refusal(lambda: model.double(), ParameterAtRestError)
+            cast = refusal(lambda: model.double(), ParameterAtRestError)
         else:
             model.double()
-            cast = _refusal(lambda: forward(model), ModelChangedError)
+            cast = refusal(lambda: forward(model), ModelChangedError)
         model, engine = fresh()
         new_layer = nn.Linear(4, 4)
         engine.optimizer.add_param_group({"params": new_layer.parameters()})
         engine.backward(_loss(model, 0, rank))
-        added = _refusal(engine.step, ValueError)
-        results.append({"stage": stage, "replaced": replaced, "unfrozen": unfrozen, "cast": cast, "added": added})
+        added = refusal(engine.step, ValueError)
+        results.append({"stage": stage, "replaced": replaced, "reshaped": reshaped, "cast": cast, "added": added})
     return results
 
 
@@ -85,13 +79,15 @@ def test_changes_after_sharding_are_refused_before_they_train_wrongly() -> None:
         for result in results:
             stage = result["stage"]
             assert "'blocks.0.mix.weight' was replaced" in result["replaced"], stage
-            assert "'frozen.weight' was frozen" in result["unfrozen"], stage
             assert "cast" in result["cast"], stage
+            assert result["reshaped"] is not None, stage
             assert "add_param_group" in result["added"], stage
 
 
 def _toggle_worker(rank: int, world_size: int) -> list[dict]:
-    """Freeze a block for some steps, unfreeze it; add a param group later (progressive unfreezing)."""
+    """Freeze a block for some steps, unfreeze it; unfreeze a layer frozen when the engine
+    was built; add a block and a frozen-at-build layer as new param groups later
+    (progressive unfreezing)."""
     results = []
     for stage in STAGES:
         torch.manual_seed(0)
@@ -99,17 +95,26 @@ def _toggle_worker(rank: int, world_size: int) -> list[dict]:
         reference = copy.deepcopy(model)
 
         def optimizer_without_last_block(module: TinyTransformer) -> torch.optim.Optimizer:
-            skip = {id(p) for p in module.blocks[2].parameters()}
-            return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad and id(p) not in skip], lr=1e-2)
+            # ``frozen`` (requires_grad=False when the engine is built) is in the optimizer, ``branch`` is not.
+            skip = {id(p) for p in [*module.blocks[2].parameters(), *module.branch.parameters()]}
+            return torch.optim.AdamW([p for p in module.parameters() if id(p) not in skip], lr=1e-2)
 
-        engine = ZeroEngine(model, optimizer_without_last_block(model), ZeroConfig(stage=stage))
+        for module in (model, reference):
+            module.branch.requires_grad_(False)
+        policy = WrapPolicy(module_classes=(Block,))
+        engine = ZeroEngine(model, optimizer_without_last_block(model), ZeroConfig(stage=stage, wrap_policy=policy))
         reference_optimizer = optimizer_without_last_block(reference)
         for step in range(6):
             for module in (model, reference):
                 module.blocks[0].requires_grad_(step not in (1, 2))  # frozen for two steps
-            if step == 3:  # the last block joins the optimizer with its own learning rate
+            if step == 2:
+                for module in (model, reference):
+                    module.frozen.requires_grad_(True)  # frozen when the engine was built, in the optimizer
+            if step == 3:  # the last block, and the frozen-at-build branch, join with their own learning rates
                 for module, optimizer in ((model, engine.optimizer), (reference, reference_optimizer)):
+                    module.branch.requires_grad_(True)
                     optimizer.add_param_group({"params": list(module.blocks[2].parameters()), "lr": 5e-3})
+                    optimizer.add_param_group({"params": list(module.branch.parameters()), "lr": 2e-3})
             engine.backward(_loss(model, step, rank))
             engine.step()
             _reference_step(reference, reference_optimizer, step)
@@ -128,7 +133,7 @@ def _fp16_worker(rank: int, world_size: int) -> dict:
     model = TinyTransformer()
     config = ZeroConfig(stage=2, mixed_precision=MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10))
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-    plain = _refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
+    plain = refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
     engine.backward(_loss(model, 0, rank))  # the engine's backward still works after the refusal
     engine.step()
     return {"plain": plain, "steps": engine.steps_taken}
@@ -200,7 +205,7 @@ def _more_changes_worker(rank: int, world_size: int) -> list[dict]:
         precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
         engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision))
         clean_engine = ZeroEngine(clean, make_optimizer("adamw", clean), ZeroConfig(stage=stage, mixed_precision=precision))
-        _refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
+        refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
         for each_model, each_engine in ((model, engine), (clean, clean_engine)):
             each_engine.backward(_loss(each_model, 1, rank))
             each_engine.step()
@@ -208,12 +213,12 @@ def _more_changes_worker(rank: int, world_size: int) -> list[dict]:
         stale = relative_difference(engine.full_state_dict(), clean_engine.full_state_dict())
         duplicate = engine.optimizer.add_param_group({"params": [model.blocks[0].up.weight]})
         engine.backward(_loss(model, 2, rank))
-        twice = _refusal(engine.step, ValueError)
+        twice = refusal(engine.step, ValueError)
         torch.manual_seed(0)
         other = TinyTransformer(batchnorm=False)
         ZeroEngine(other, make_optimizer("adamw", other), ZeroConfig(stage=stage))
         other.branch = nn.Linear(16, 16)
-        submodule = _refusal(lambda: other(batch(0, rank)), ModelChangedError)
+        submodule = refusal(lambda: other(batch(0, rank)), ModelChangedError)
         results.append({"stage": stage, "stale": stale, "twice": twice, "submodule": submodule, "none": duplicate})
     return results
 
@@ -274,3 +279,57 @@ def _recompute_cast_worker(rank: int, world_size: int) -> list[tuple]:
 def test_checkpoint_recompute_casts_inputs_as_the_forward_did() -> None:
     for done in run_distributed(_recompute_cast_worker, 1):
         assert done == [(s, r, torch.float32) for s in STAGES for r in (False, True)]
+
+
+def _checkpoint_after_added_group_worker(rank: int, world_size: int, directory: str) -> list[dict]:
+    """A save right after add_param_group (before any step with it) keeps the group, and
+    a fresh run that re-adds the group resumes from it."""
+    results = []
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        skip = {id(p) for p in model.blocks[2].parameters()}
+        engine = ZeroEngine(model, torch.optim.AdamW([p for p in model.parameters() if id(p) not in skip], lr=1e-2), ZeroConfig(stage=stage))
+        engine.backward(_loss(model, 0, rank))
+        engine.step()
+        engine.optimizer.add_param_group({"params": list(model.blocks[2].parameters()), "lr": 5e-3})
+        path = f"{directory}/stage{stage}"
+        engine.save_checkpoint(path)
+        torch.manual_seed(1)
+        resumed = TinyTransformer(batchnorm=False)
+        skip = {id(p) for p in resumed.blocks[2].parameters()}
+        other = ZeroEngine(resumed, torch.optim.AdamW([p for p in resumed.parameters() if id(p) not in skip], lr=1e-2), ZeroConfig(stage=stage))
+        other.optimizer.add_param_group({"params": list(resumed.blocks[2].parameters()), "lr": 5e-3})
+        other.load_checkpoint(path)
+        for each_model, each_engine in ((model, engine), (resumed, other)):
+            each_engine.backward(_loss(each_model, 1, rank))
+            each_engine.step()
+        results.append({"stage": stage, "error": relative_difference(other.full_state_dict(), engine.full_state_dict()), "groups": len(other.param_group_names)})
+    return results
+
+
+def test_checkpoints_keep_param_groups_added_since_the_last_step(tmp_path) -> None:
+    for results in run_distributed(_checkpoint_after_added_group_worker, 2, str(tmp_path)):
+        for result in results:
+            assert result["groups"] == 2 and result["error"] == 0.0, result
+
+
+def _adagrad_worker(rank: int, world_size: int) -> list[float]:
+    errors = []
+    for stage in STAGES:
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        reference = copy.deepcopy(model)
+        engine = ZeroEngine(model, torch.optim.Adagrad(model.parameters(), lr=0.05), ZeroConfig(stage=stage))
+        reference_optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.05)
+        for step in range(3):
+            engine.backward(_loss(model, step, rank))
+            engine.step()
+            _reference_step(reference, reference_optimizer, step)
+        errors.append(relative_difference(engine.full_state_dict(), reference.state_dict()))
+    return errors
+
+
+def test_adagrad_state_made_at_construction_is_rebuilt_over_the_shards() -> None:
+    for errors in run_distributed(_adagrad_worker, 2):
+        assert max(errors) < 1e-5, errors

@@ -14,6 +14,15 @@ from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer, uses_branch
 
 
+def refusal(action: Any, error_type: type[Exception]) -> str | None:
+    """The message of the ``error_type`` that ``action()`` raises, or None if it raises nothing."""
+    try:
+        action()
+    except error_type as error:
+        return str(error)
+    return None
+
+
 def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     """Largest per-tensor max|a - b| / max|b| over keys of ``b``."""
     worst = 0.0

@@ -55,6 +55,15 @@ def engine_of(model: nn.Module) -> "ZeroEngine | None":
     return _ENGINES.get(model)
 
 
+def engine_owning(module: nn.Module) -> "tuple[ZeroEngine, str] | None":
+    """The engine whose model contains ``module``, and the module's name in that model."""
+    for engine in list(_ENGINES.values()):
+        for name, candidate in engine.model.named_modules():
+            if candidate is module:
+                return engine, name
+    return None
+
+
 def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
     if device is not None:
         return torch.device(device)
@@ -109,7 +118,7 @@ class ZeroEngine:
             check_meta_initialisable(model, param_init_fn)
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
-        self.param_group_names: list[list[str]] = []
+        self._param_group_names: list[list[str]] = []
         self.comm = CommContext.create(process_group, _model_device(model, device))
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
         sizes = [sum(p.numel() for p in plan.params) for plan in plans]
@@ -126,6 +135,7 @@ class ZeroEngine:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
             units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
+        self._canonical_names = {id(p): slot.fqns[0] for u in self.units for slot, p in zip(u.layout.slots, u.params)}
         self._cast_buffers(config.mixed_precision)
         self._sync_buffers()
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
@@ -163,7 +173,7 @@ class ZeroEngine:
         check_optimizer_supported(optimizer)
         for handle in self._optimizer_hooks:
             handle.remove()
-        self.param_group_names = rebuild_optimizer(optimizer, self.model, self.units)
+        self._param_group_names = rebuild_optimizer(optimizer, self.model, self.units)
         self.optimizer = optimizer
         self._optimizer_hooks = [
             optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()),
@@ -171,6 +181,18 @@ class ZeroEngine:
         ]
 
     # --------------------------------------------------------------- facts
+    @property
+    def param_group_names(self) -> list[list[str]]:
+        """Each optimizer group's parameters by name (every rank alike): how checkpoints
+        refer to them. Groups added with ``optimizer.add_param_group`` since are adopted
+        first, so a save or load right after adding one sees it."""
+        self._adopt_added_param_groups()
+        return self._param_group_names
+
+    def _adopt_added_param_groups(self) -> None:
+        if self.optimizer is not None:
+            self._param_group_names += adopt_added_param_groups(self.optimizer, self.units, self._param_group_names)
+
     @property
     def stage(self) -> int:
         return self.config.stage
@@ -190,7 +212,7 @@ class ZeroEngine:
 
     @property
     def num_trainable_parameters(self) -> int:
-        return sum(s.numel for u in self.units for s in u.layout.slots if s.requires_grad)
+        return sum(s.numel for u in self.units for s, p in zip(u.layout.slots, u.params) if p.requires_grad)
 
     @property
     def comm_stats(self) -> CommStats:
@@ -307,6 +329,30 @@ class ZeroEngine:
         self._unscale_grads_once()
         return grad_ops.clip_grad_norm(self.units, self.comm, max_norm, float(norm_type))
 
+    def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
+        """Gradient norms as Lightning's ``grad_norm`` reports them, from the shards.
+
+        ``{"grad_2.0_norm/<name>": ..., "grad_2.0_norm_total": ...}`` over every
+        parameter some rank has a gradient for, by its canonical name, for the
+        gradients reduced since the last step (after a synchronising backward;
+        unscaled under fp16, without touching the gradients). ``param.grad``
+        does not hold them (see the README): every rank must call this.
+        """
+        self.runtime.settle()
+        scaled = self.loss_scaler is not None and not self._grads_unscaled
+        factor = 1.0 / self.loss_scaler.scale if scaled else 1.0
+        norm_type = float(norm_type)
+        norms = grad_ops.grad_norms(self.units, self.comm, norm_type, factor)
+        prefix = f"grad_{norm_type}_norm"
+        result = {f"{prefix}/{name}": value for name, value in norms.items()}
+        if norms:
+            result[f"{prefix}_total"] = grad_ops.total_norm(list(norms.values()), norm_type)
+        return result
+
+    def canonical_name(self, param: torch.Tensor) -> str | None:
+        """The name ``grad_norms`` and checkpoints use for a parameter (its first name in the model)."""
+        return self._canonical_names.get(id(param))
+
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
         self.runtime.settle()
@@ -332,13 +378,14 @@ class ZeroEngine:
         self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
         self._step_calls += 1
-        self.param_group_names += adopt_added_param_groups(self.optimizer, self.units, self.param_group_names)
+        self._adopt_added_param_groups()  # groups added since the last step train from this one
         if self.loss_scaler is not None:
             self._unscale_grads_once()
         counters = {
             "forwards with grad": self.runtime.forwards,
             "backwards": self.runtime.backwards,
             "optimizer steps": self._step_calls,
+            "units reduced, as a sum of unit numbers (ranks froze different parameters?)": self.runtime.reduces.issued_fingerprint,
         }
         agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None)
         if self.loss_scaler is not None:
@@ -454,7 +501,8 @@ class ZeroEngine:
         return MemoryReport(params, grads, optimizer)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks + self._optimizer_hooks:
+        for handle in self._hooks + self._optimizer_hooks + self.runtime.late_handles:
             handle.remove()
+        self.runtime.late_handles.clear()
         self._hooks.clear()
         self._optimizer_hooks.clear()

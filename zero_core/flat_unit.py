@@ -69,7 +69,6 @@ class FlatUnit:
             [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)],
             comm.world_size,
         )
-        self.trainable = any(slot.requires_grad for slot in self.layout.slots)
         self.state = UnitState.GATHERED
         self._gather_handle: Handle | None = None
         self.full_grads: torch.Tensor | None = None
@@ -87,9 +86,9 @@ class FlatUnit:
         self.guard_classes = {cls: guard_class(cls, self.guard) for cls in set(self._param_classes)}
         self._guarding = stage_plan.params_sharded_at_rest
         self.master_pieces = [
+            # Every parameter, frozen ones too: unfreezing one later trains it from its shard.
             MasterPiece(piece, nn.Parameter(self._shard_view(self.master_shard, piece)))
             for piece in self.layout.pieces(comm.rank)
-            if piece.slot.requires_grad
         ]
         if not stage_plan.grads_sharded:
             self.full_grads = torch.zeros(self.layout.padded_numel, dtype=precision.reduce_dtype, device=comm.device)
@@ -189,13 +188,19 @@ class FlatUnit:
         return True
 
     # ------------------------------------------------------------- gradients
+    @property
+    def trainable(self) -> bool:
+        """Read when a backward starts: freezing and unfreezing are allowed between steps
+        (every rank alike; the step's agreement compares how many units each reduced)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return any(param.requires_grad for param in self.params)
+
     def _attach_model_grad_views(self) -> None:
         """Stage 1: let autograd accumulate straight into ``full_grads`` (no copy)."""
         if self.precision.reduce_dtype != self.precision.compute_dtype:
             return
         for slot, param in zip(self.layout.slots, self.params):
-            if slot.requires_grad:
-                param.grad = self._slot_view(self.full_grads, slot)
+            param.grad = self._slot_view(self.full_grads, slot) if param.requires_grad else None
 
     def accumulate_grad(self, slot_index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook body: move ``param.grad`` into ``full_grads``."""
@@ -250,6 +255,10 @@ class FlatUnit:
             self.backward_shard = pending.sharded_out
         else:
             self.sharded_grads = pending.sharded_out  # this rank's slice of full_grads, reduced in place
+            # The model's .grad views now mix this reduced slice with other ranks'
+            # unreduced local sums: absent is better than wrong (re-attached after the step).
+            for param in self.params:
+                param.grad = None
 
     def prepare_backward(self) -> None:
         """Stage 1, a second synchronised backward before the step: reopen the reduced slice.

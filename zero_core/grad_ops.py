@@ -47,6 +47,43 @@ def clip_grad_norm(units: list[FlatUnit], comm: CommContext, max_norm: float, no
     return total_norm
 
 
+def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, factor: float) -> dict[str, torch.Tensor]:
+    """Each trainable parameter's gradient norm over the full model (times ``factor``),
+    keyed by its canonical name; parameters no rank has a gradient for are left
+    out, as Lightning's ``grad_norm`` leaves out ``grad is None``. Per-parameter
+    partial sums of this rank's pieces and has-gradient flags, one all-reduce.
+    Reads the shards only."""
+    slots = [(unit, slot) for unit in units for slot, param in zip(unit.layout.slots, unit.params) if param.requires_grad]
+    position = {(unit.index, slot.index): i for i, (unit, slot) in enumerate(slots)}
+    count = len(slots)
+    partial = torch.zeros(2 * count, dtype=torch.float32, device=comm.device)  # [partial norms | has-gradient flags]
+    for unit in units:
+        if unit.sharded_grads is None:
+            continue
+        for master in unit.master_pieces:
+            i = position.get((unit.index, master.piece.slot.index))
+            if i is None:
+                continue  # frozen now
+            piece = master.piece
+            values = unit.sharded_grads[piece.shard_start : piece.shard_start + piece.numel].detach().float().abs()
+            partial[i] = values.max() if norm_type == float("inf") else values.pow(norm_type).sum()
+        for slot in unit.layout.slots:
+            if (unit.index, slot.index) in position and unit.slot_has_grad[slot.index]:
+                partial[count + position[(unit.index, slot.index)]] = 1.0
+    # Both halves combine under MAX for the inf-norm and under SUM otherwise (flags only test > 0).
+    op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
+    collectives.all_reduce(comm, partial, op, label="gradient norms").wait()
+    norms = partial[:count] if norm_type == float("inf") else partial[:count].pow(1.0 / norm_type)
+    return {slot.fqns[0]: norms[i] * factor for i, (_, slot) in enumerate(slots) if partial[count + i] > 0}
+
+
+def total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    if not norms:
+        return torch.zeros(())
+    values = torch.stack(norms)
+    return values.max() if norm_type == float("inf") else values.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
 def clip_grad_value(units: list[FlatUnit], clip_value: float) -> None:
     """Elementwise, so clipping each shard is clipping the whole."""
     for shard in _shards(units):

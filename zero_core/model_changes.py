@@ -1,11 +1,10 @@
 """Changes to the model after sharding that would otherwise train wrongly in silence.
 
 The engine laid every parameter into a flat buffer when it was built. A
-parameter object replaced afterwards (``setattr``, ``load_state_dict(assign=True)``),
-a parameter whose data was swapped or cast (``model.double()`` in stages 1/2,
-``param.data = ...``), or a parameter frozen when the engine was built and
-unfrozen later would no longer be what the engine reduces, shards and
-steps. Each outermost forward checks the registrations in one pass (a
+parameter or submodule replaced afterwards (``setattr``), or a parameter
+whose data was swapped or cast (``model.double()`` in stages 1/2,
+``param.data = ...``) would no longer be what the engine reduces, shards
+and steps. (Freezing and unfreezing are fine: see ``FlatUnit.trainable``.) Each outermost forward checks the registrations in one pass (a
 dictionary lookup and a few attribute reads per parameter) and refuses the
 forward with a message that says what to do, before any step uses it.
 """
@@ -34,7 +33,7 @@ class Registration(NamedTuple):
     param: nn.Parameter
     unit: FlatUnit
     slot_index: int
-    trainable_at_build: bool
+    shape: torch.Size
 
 
 _ADVICE = (
@@ -60,8 +59,8 @@ class RegisteredParameters:
             for name, param in module.named_parameters(recurse=False):
                 unit, slot_index = slot_of[id(param)]
                 fqn = f"{module_name}.{name}" if module_name else name
-                trainable = unit.layout.slots[slot_index].requires_grad
-                self.registrations.append(Registration(module._parameters, name, fqn, param, unit, slot_index, trainable))
+                shape = unit.layout.slots[slot_index].shape
+                self.registrations.append(Registration(module._parameters, name, fqn, param, unit, slot_index, shape))
         self.by_unit = [
             (unit, [(e, unit.slot_byte_offsets[e.slot_index]) for e in self.registrations if e.unit is unit]) for unit in units
         ]
@@ -84,8 +83,8 @@ class RegisteredParameters:
                     param = entry.param
                     if (
                         entry.registry.get(entry.name) is not param
-                        or (param.requires_grad and not entry.trainable_at_build)
-                        or param.dtype is not dtype
+                            or param.dtype is not dtype
+                    or param.shape != entry.shape
                         or (base is not None and param.data_ptr() != base + offset and param.numel())
                     ):
                         self._refuse(entry)
@@ -98,15 +97,10 @@ class RegisteredParameters:
                 f"The parameter '{entry.fqn}' was replaced after ZeRO sharded the model, so the engine "
                 f"would keep training the old one. {_ADVICE}"
             )
-        if param.requires_grad and not entry.trainable_at_build:
+        if param.dtype != entry.unit.precision.compute_dtype or param.shape != entry.shape:
             raise ModelChangedError(
-                f"'{entry.fqn}' was frozen (requires_grad=False) when the engine was built and has been "
-                "unfrozen since: the engine made no gradient shard or optimizer state for it. Build the "
-                "engine with every parameter you will train unfrozen and freeze them after; toggling "
-                "requires_grad of those is supported."
+                f"'{entry.fqn}' was cast or reshaped after sharding (now {param.dtype}, {tuple(param.shape)}). {_ADVICE}"
             )
-        if param.dtype != entry.unit.precision.compute_dtype:
-            raise ModelChangedError(f"'{entry.fqn}' was cast after sharding (now {param.dtype}). {_ADVICE}")
         raise ModelChangedError(
             f"The data of '{entry.fqn}' was replaced after sharding (param.data = ..., or a move to "
             f"another device), so the engine would no longer see its updates. {_ADVICE}"

@@ -52,11 +52,27 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
             "1-D slices of parameters: results are exact only if its update is elementwise.",
             stacklevel=3,
         )
-    if any(len(state) for state in optimizer.state.values()):
+    if any(_has_stepped(state) for state in optimizer.state.values()):
         raise ValueError(
             "The optimizer already has state (it has stepped). Build the ZeRO engine right after "
             "creating the optimizer, and load optimizer checkpoints through the engine."
         )
+
+
+def _has_stepped(state: dict) -> bool:
+    """Adagrad fills its state at construction (step 0); that is not a step taken."""
+    step = state.get("step")
+    return bool(state) and (step is None or float(step) != 0.0)
+
+
+def _state_at_construction(optimizer: torch.optim.Optimizer) -> None:
+    """What an optimizer's constructor puts into its state, for the new master pieces."""
+    if isinstance(optimizer, torch.optim.Adagrad):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state[param]
+                state["step"] = torch.tensor(0.0)
+                state["sum"] = torch.full_like(param, group["initial_accumulator_value"])
 
 
 def rebuild_optimizer(
@@ -92,6 +108,7 @@ def rebuild_optimizer(
     for group_index, group in enumerate(optimizer.param_groups):
         group["params"] = new_params[group_index]
     optimizer.state = defaultdict(dict)
+    _state_at_construction(optimizer)
     return group_names
 
 

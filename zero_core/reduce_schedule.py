@@ -25,12 +25,20 @@ MAX_PENDING_REDUCES = 2
 
 class ReduceSchedule:
     def __init__(self, units: list[FlatUnit]):
-        self.sequence = [unit for unit in reversed(units) if unit.trainable]
+        self.units = units
         self._pending: deque[PendingReduce] = deque()
+        # Which units were reduced since creation, as a sum of (unit index + 1): compared
+        # across ranks at each step, so ranks that froze different units are caught.
+        self.issued_fingerprint = 0
         self.reset()
 
     def reset(self) -> None:
-        """A new backward: nothing issued or finished yet (call with nothing in flight)."""
+        """A new backward: nothing issued or finished yet (call with nothing in flight).
+
+        Units whose parameters are all frozen now are left out (their
+        gradients are never read); every rank freezes alike.
+        """
+        self.sequence = [unit for unit in reversed(self.units) if unit.trainable]
         self._next = 0
         self._finished: set[int] = set()
         self._issued: set[int] = set()
@@ -50,6 +58,7 @@ class ReduceSchedule:
             unit = self.sequence[self._next]
             self._next += 1
             self._issued.add(unit.index)
+            self.issued_fingerprint += unit.index + 1
             pending = unit.start_reduce()
             if pending is not None:
                 self._pending.append(pending)

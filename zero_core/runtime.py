@@ -129,6 +129,8 @@ class StepRuntime:
         self.after_root_forward: list[Any] = []  # callables () -> None
         self._active: list[FlatUnit] = []  # the forward call stack of units
         self._completed_call: FlatUnit | None = None  # set by the post-forward hook for the after-call hook
+        self._unhooked: list[tuple[FlatUnit, int, nn.Parameter]] = []  # frozen parameters, hooked when unfrozen
+        self.late_handles: list[RemovableHandle] = []
         self._entries: list[tuple[nn.Module, list[FlatUnit]]] = []  # direct calls that entered units, innermost last
         self._completed_entry: nn.Module | None = None
         self.records = ForwardRecords()  # forwards whose backward may still come
@@ -161,13 +163,8 @@ class StepRuntime:
             handles.append(
                 module.register_forward_hook(_eager(functools.partial(self._after_call, unit)), always_call=True)
             )
-            for slot, param in zip(unit.layout.slots, unit.params):
-                if slot.requires_grad:
-                    handles.append(
-                        param.register_post_accumulate_grad_hook(
-                            functools.partial(self._on_grad, unit, slot.index)
-                        )
-                    )
+            self._unhooked += [(unit, slot.index, param) for slot, param in zip(unit.layout.slots, unit.params)]
+        self.hook_trainable_params()
         for module, needed in self._units_needed_by_calls():
             # Registered after the unit hooks: the pre-hook runs before them (prepend), the others after.
             handles.append(
@@ -177,6 +174,22 @@ class StepRuntime:
             )
             handles.append(module.register_forward_hook(_eager(functools.partial(self._post_call, needed))))
             handles.append(module.register_forward_hook(_eager(self._after_entry_call), always_call=True))
+        return handles
+
+    def hook_trainable_params(self) -> list[RemovableHandle]:
+        """Gradient hooks on the parameters that require grad now; a frozen one gets
+        its hook when it is unfrozen (torch takes none on a frozen tensor). Called
+        at install and before each outermost forward (``late_handles``)."""
+        if not self._unhooked:
+            return []
+        handles, still_frozen = [], []
+        for unit, slot_index, param in self._unhooked:
+            if param.requires_grad:
+                handles.append(param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit, slot_index)))
+            else:
+                still_frozen.append((unit, slot_index, param))
+        self._unhooked = still_frozen
+        self.late_handles += handles
         return handles
 
     def _units_needed_by_calls(self) -> list[tuple[nn.Module, list[FlatUnit]]]:
@@ -275,6 +288,7 @@ class StepRuntime:
             self.settle()
             for check in self.before_outermost_forward:
                 check()
+            self.hook_trainable_params()
             self.state = TrainingState.FORWARD
             self._recording = ForwardRecord() if torch.is_grad_enabled() else None
             if unit is self.root:

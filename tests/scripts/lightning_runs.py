@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint  # noqa: E402
 
 import lightning_zero  # noqa: E402, F401  (registers the strategies)
 from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
@@ -40,6 +40,15 @@ def full_weights(trainer: pl.Trainer, module: TinyLM) -> dict[str, torch.Tensor]
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
+class UnfreezeFirstBlock(BaseFinetuning):
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.net.blocks[0])
+
+    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.net.blocks[0], optimizer)
+
+
 def run(spec: dict, out: Path, devices: int) -> None:
     module_class = ManualTinyLM if spec.get("manual") else TinyLM
     module = module_class(
@@ -48,6 +57,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
         dataset_size=spec.get("dataset_size", 96),
     )
     callbacks = []
+    if spec.get("finetuning_callback"):
+        callbacks.append(UnfreezeFirstBlock())
     if spec.get("checkpoint_epochs"):
         callbacks.append(ModelCheckpoint(dirpath=out / spec["name"], every_n_epochs=1, save_top_k=-1, save_last=True))
     if spec.get("top_k"):
