@@ -35,7 +35,7 @@ from torch import nn
 from .collectives import CommContext, Handle, all_gather, broadcast, reduce_scatter
 from .config import MixedPrecision, StagePlan
 from .layout import FlatLayout, ParamSlot, ShardPiece
-from .param_guard import guard_class, make_guard
+from .param_guard import ParameterGuard, guard_class
 from .units import UnitPlan
 
 
@@ -81,7 +81,7 @@ class FlatUnit:
         # Where each parameter's data starts in the gathered buffer (model_changes.py checks it).
         self.slot_byte_offsets = [s.flat_offset * self.gathered_params.element_size() for s in self.layout.slots]
         # Stage 3 at rest: parameters take a guard class (param_guard.py) instead of their own.
-        self.guard = make_guard(self)
+        self.guard = ParameterGuard(self)
         self._param_classes = [type(p) for p in self.params]
         self.guard_classes = {cls: guard_class(cls, self.guard) for cls in set(self._param_classes)}
         self._guarding = stage_plan.params_sharded_at_rest

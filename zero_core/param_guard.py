@@ -97,7 +97,7 @@ def _same_device(wanted: Any, actual: torch.device) -> bool:
     return isinstance(wanted, torch.device) and wanted.type == actual.type and wanted.index in (None, actual.index)
 
 
-class _Guard:
+class ParameterGuard:
     """The ``__torch_function__`` of one unit's guard classes."""
 
     def __init__(self, unit: "FlatUnit"):
@@ -161,10 +161,6 @@ class _Guard:
         )
 
 
-def guard_class(param_class: type[nn.Parameter], guard: _Guard) -> type[nn.Parameter]:
+def guard_class(param_class: type[nn.Parameter], guard: ParameterGuard) -> type[nn.Parameter]:
     """The at-rest class of parameters of ``param_class`` in the guarded unit."""
     return type(param_class.__name__, (param_class,), {"__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k))})
-
-
-def make_guard(unit: "FlatUnit") -> _Guard:
-    return _Guard(unit)
