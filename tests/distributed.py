@@ -104,3 +104,13 @@ def run_distributed(
             f"ranks returned their results but exited abnormally (rank: exit code, negative = signal): {bad_exits}"
         )
     return [results[rank] for rank in range(world_size)]
+
+
+def run_each(rank: int, world_size: int, workers: dict[str, Callable]) -> dict[str, Any]:
+    """Several workers in one spawn (one process group for a file's cases): their results by name."""
+    return {name: worker(rank, world_size) for name, worker in workers.items()}
+
+
+def by_rank(grid: list[dict[str, Any]], name: str) -> list[Any]:
+    """One worker's results from ``run_each``, rank by rank."""
+    return [ranked[name] for ranked in grid]

@@ -4,6 +4,7 @@ modules called directly (below the root), at every stage, against DDP."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from zero_core import ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import refusal, relative_difference
 
@@ -87,8 +88,8 @@ def _at_rest_worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_stage3_parameters_at_rest_are_described_or_refused_never_read_from_freed_memory() -> None:
-    for result in run_distributed(_at_rest_worker, 2):
+def test_stage3_parameters_at_rest_are_described_or_refused_never_read_from_freed_memory(grid: list) -> None:
+    for result in by_rank(grid, "at rest"):
         assert "sharded at rest by ZeRO-3" in result["repr"] and "blocks.0.up.weight" in result["repr"]
         assert result["metadata"] == ((48, 16), torch.float32, True, 768, None)
         for name, message in result["refused"].items():
@@ -150,8 +151,8 @@ def _state_dict_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_state_dict_and_load_state_dict_give_full_values_at_every_stage() -> None:
-    for results in run_distributed(_state_dict_worker, 2):
+def test_state_dict_and_load_state_dict_give_full_values_at_every_stage(grid: list) -> None:
+    for results in by_rank(grid, "state dict"):
         for result in results:
             stage = result["stage"]
             assert result["trained_error"] < 1e-5, stage
@@ -229,8 +230,8 @@ def _gan_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_gan_halves_called_directly_train_like_ddp_at_every_stage_and_wrap_policy() -> None:
-    for results in run_distributed(_gan_worker, 2):
+def test_gan_halves_called_directly_train_like_ddp_at_every_stage_and_wrap_policy(grid: list) -> None:
+    for results in by_rank(grid, "gan"):
         for result in results:
             assert result["error"] < 1e-5, result
             assert result["sample_error"] < 1e-5, result
@@ -260,8 +261,17 @@ def _generate_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_hugging_face_encoder_decoder_generate_on_the_sharded_model() -> None:
+def test_hugging_face_encoder_decoder_generate_on_the_sharded_model(grid: list) -> None:
     pytest.importorskip("transformers")
-    for results in run_distributed(_generate_worker, 2):
+    for results in by_rank(grid, "generate"):
         for result in results:
             assert result["equal"], result["case"]
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict]:
+    """Every case of this file in one spawn of two ranks."""
+    workers = {"at rest": _at_rest_worker, "state dict": _state_dict_worker, "gan": _gan_worker}
+    if importlib.util.find_spec("transformers") is not None:
+        workers["generate"] = _generate_worker
+    return run_distributed(run_each, 2, workers, timeout=600)

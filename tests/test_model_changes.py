@@ -5,6 +5,8 @@ buffer dtypes under mixed precision."""
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.util
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from zero_core import MixedPrecision, ParameterAtRestError, WrapPolicy, ZeroConf
 from zero_core.model_changes import ModelChangedError
 from zero_core.runtime import UnscaledBackwardError
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import refusal, relative_difference
 
@@ -74,8 +76,8 @@ def _changes_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_changes_after_sharding_are_refused_before_they_train_wrongly() -> None:
-    for results in run_distributed(_changes_worker, 2):
+def test_changes_after_sharding_are_refused_before_they_train_wrongly(grid: list) -> None:
+    for results in by_rank(grid, "changes"):
         for result in results:
             stage = result["stage"]
             assert "'blocks.0.mix.weight' was replaced" in result["replaced"], stage
@@ -122,8 +124,8 @@ def _toggle_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_toggling_requires_grad_and_adding_param_groups_train_like_ddp() -> None:
-    for results in run_distributed(_toggle_worker, 2):
+def test_toggling_requires_grad_and_adding_param_groups_train_like_ddp(grid: list) -> None:
+    for results in by_rank(grid, "toggle"):
         for result in results:
             assert result["error"] < 1e-5, result
 
@@ -139,8 +141,8 @@ def _fp16_worker(rank: int, world_size: int) -> dict:
     return {"plain": plain, "steps": engine.steps_taken}
 
 
-def test_fp16_backward_not_scaled_by_the_engine_is_refused() -> None:
-    for result in run_distributed(_fp16_worker, 2):
+def test_fp16_backward_not_scaled_by_the_engine_is_refused(grid: list) -> None:
+    for result in by_rank(grid, "fp16"):
         assert "engine.backward(loss)" in result["plain"]
         assert result["steps"] == 1
 
@@ -186,9 +188,9 @@ def _buffers_worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_buffers_keep_their_dtype_so_rotary_positions_match_fp32() -> None:
+def test_buffers_keep_their_dtype_so_rotary_positions_match_fp32(grid: list) -> None:
     pytest.importorskip("transformers")
-    for result in run_distributed(_buffers_worker, 2):
+    for result in by_rank(grid, "buffers"):
         assert result["inv_freq"] == torch.float32
         assert result["rotary_equal"]
         assert result["cast_inv_freq"] == torch.bfloat16 and result["cast_rotary_error"] > 0.05  # what fp32 avoids
@@ -223,8 +225,8 @@ def _more_changes_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_refused_backward_leaves_nothing_and_other_changes_are_refused() -> None:
-    for results in run_distributed(_more_changes_worker, 2):
+def test_refused_backward_leaves_nothing_and_other_changes_are_refused(grid: list) -> None:
+    for results in by_rank(grid, "more changes"):
         for result in results:
             assert result["stale"] == 0.0, result
             assert "already in a param group" in result["twice"], result
@@ -276,8 +278,8 @@ def _recompute_cast_worker(rank: int, world_size: int) -> list[tuple]:
     return done
 
 
-def test_checkpoint_recompute_casts_inputs_as_the_forward_did() -> None:
-    for done in run_distributed(_recompute_cast_worker, 1):
+def test_checkpoint_recompute_casts_inputs_as_the_forward_did(grid: list) -> None:
+    for done in by_rank(grid, "recompute cast"):
         assert done == [(s, r, torch.float32) for s in STAGES for r in (False, True)]
 
 
@@ -308,8 +310,8 @@ def _checkpoint_after_added_group_worker(rank: int, world_size: int, directory: 
     return results
 
 
-def test_checkpoints_keep_param_groups_added_since_the_last_step(tmp_path) -> None:
-    for results in run_distributed(_checkpoint_after_added_group_worker, 2, str(tmp_path)):
+def test_checkpoints_keep_param_groups_added_since_the_last_step(grid: list) -> None:
+    for results in by_rank(grid, "checkpoint after added group"):
         for result in results:
             assert result["groups"] == 2 and result["error"] == 0.0, result
 
@@ -330,6 +332,25 @@ def _adagrad_worker(rank: int, world_size: int) -> list[float]:
     return errors
 
 
-def test_adagrad_state_made_at_construction_is_rebuilt_over_the_shards() -> None:
-    for errors in run_distributed(_adagrad_worker, 2):
+def test_adagrad_state_made_at_construction_is_rebuilt_over_the_shards(grid: list) -> None:
+    for errors in by_rank(grid, "adagrad"):
         assert max(errors) < 1e-5, errors
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """Every case of this file in one spawn of two ranks."""
+    workers = {
+        "changes": _changes_worker,
+        "toggle": _toggle_worker,
+        "fp16": _fp16_worker,
+        "more changes": _more_changes_worker,
+        "recompute cast": _recompute_cast_worker,
+        "checkpoint after added group": functools.partial(
+            _checkpoint_after_added_group_worker, directory=str(tmp_path_factory.mktemp("groups"))
+        ),
+        "adagrad": _adagrad_worker,
+    }
+    if importlib.util.find_spec("transformers") is not None:
+        workers["buffers"] = _buffers_worker
+    return run_distributed(run_each, 2, workers, timeout=600)

@@ -14,7 +14,7 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from lightning_zero import grad_norm
 from zero_core import ZeroConfig, ZeroEngine
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 
 
@@ -63,8 +63,8 @@ def _grads_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_grads_are_absent_not_mixed_and_norms_match_ddp() -> None:
-    for results in run_distributed(_grads_worker, 2):
+def test_grads_are_absent_not_mixed_and_norms_match_ddp(grid: list) -> None:
+    for results in by_rank(grid, "grads"):
         for result in results:
             assert result["present"] == [], result["stage"]
             for ours, expected in (result["norms"], result["block"]):
@@ -100,8 +100,8 @@ def _fp16_norms_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def test_reading_norms_between_micro_batches_leaves_fp16_gradients_alone() -> None:
-    for results in run_distributed(_fp16_norms_worker, 2):
+def test_reading_norms_between_micro_batches_leaves_fp16_gradients_alone(grid: list) -> None:
+    for results in by_rank(grid, "fp16 norms"):
         for result in results:
             assert result["same"], result["stage"]
             assert result["norms"][0] == result["norms"][1], result["stage"]
@@ -125,8 +125,15 @@ def _tied_worker(rank: int, world_size: int) -> dict:
     }
 
 
-def test_grad_norm_of_a_submodule_names_tied_parameters_as_lightning_does() -> None:
-    for result in run_distributed(_tied_worker, 2):
+def test_grad_norm_of_a_submodule_names_tied_parameters_as_lightning_does(grid: list) -> None:
+    for result in by_rank(grid, "tied"):
         assert result["ours"].keys() == result["expected"].keys() == {"grad_2.0_norm/weight", "grad_2.0_norm_total"}
         for key, value in result["expected"].items():
             assert result["ours"][key] == pytest.approx(value, rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict]:
+    """Every case of this file in one spawn of two ranks."""
+    workers = {"grads": _grads_worker, "fp16 norms": _fp16_norms_worker, "tied": _tied_worker}
+    return run_distributed(run_each, 2, workers, timeout=600)
