@@ -39,7 +39,7 @@ from .config import MixedPrecision, ZeroConfig
 from .flat_unit import FlatUnit
 from .model_changes import RegisteredParameters
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
-from .optim import adopt_added_param_groups, check_optimizer_supported, rebuild_optimizer
+from .optim import adopt_added_param_groups, canonical_names, check_optimizer_supported, rebuild_optimizer
 from .precision import DynamicLossScaler
 from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
@@ -135,7 +135,7 @@ class ZeroEngine:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
             units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
-        self._canonical_names = {id(p): slot.fqns[0] for u in self.units for slot, p in zip(u.layout.slots, u.params)}
+        self._canonical_names = canonical_names(self.units)
         self._cast_buffers(config.mixed_precision)
         self._sync_buffers()
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None

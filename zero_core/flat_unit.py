@@ -83,6 +83,7 @@ class FlatUnit:
         # Stage 3 at rest: parameters take a guard class (param_guard.py) instead of their own.
         self.guard = ParameterGuard(self)
         self._param_classes = [type(p) for p in self.params]
+        self._slot_of_param = {id(p): i for i, p in enumerate(self.params)}
         self.guard_classes = {cls: guard_class(cls, self.guard) for cls in set(self._param_classes)}
         self._guarding = stage_plan.params_sharded_at_rest
         self.master_pieces = [
@@ -168,7 +169,7 @@ class FlatUnit:
         self._guarding = False
 
     def slot_of(self, param: nn.Parameter) -> int:
-        return next(i for i, p in enumerate(self.params) if p is param)
+        return self._slot_of_param[id(param)]
 
     def write_param(self, param: nn.Parameter, full_value: torch.Tensor) -> bool:
         """Take this rank's part of a new full value of ``param`` into the shards (no communication).
@@ -191,7 +192,7 @@ class FlatUnit:
     @property
     def trainable(self) -> bool:
         """Read when a backward starts: freezing and unfreezing are allowed between steps
-        (every rank alike; the step's agreement compares how many units each reduced)."""
+        (every rank alike; the step's agreement compares which units each reduced)."""
         with torch._C.DisableTorchFunctionSubclass():
             return any(param.requires_grad for param in self.params)
 

@@ -40,6 +40,11 @@ WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
 )
 
 
+def canonical_names(units: list[FlatUnit]) -> dict[int, str]:
+    """id(parameter) -> its first name in the model: how groups and checkpoints name it."""
+    return {id(p): slot.fqns[0] for unit in units for slot, p in zip(unit.layout.slots, unit.params)}
+
+
 def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
     if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
         raise ValueError(
@@ -103,7 +108,7 @@ def rebuild_optimizer(
             if id(param) not in group_of:
                 continue  # trainable but not optimized: its gradient is reduced and ignored
             new_params[group_of[id(param)]].append(master.param)
-    name_of = {id(p): slot.fqns[0] for u in units for slot, p in zip(u.layout.slots, u.params)}
+    name_of = canonical_names(units)
     group_names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
     for group_index, group in enumerate(optimizer.param_groups):
         group["params"] = new_params[group_index]
@@ -116,21 +121,19 @@ def adopt_added_param_groups(
     optimizer: torch.optim.Optimizer, units: list[FlatUnit], known_names: list[list[str]]
 ) -> list[list[str]]:
     """Groups added with ``optimizer.add_param_group(model params)`` since the engine was built
-    (progressive unfreezing, Lightning's BackboneFinetuning) train this rank's pieces of them.
+    (progressive unfreezing) train this rank's pieces of them.
 
     Returns the new groups' parameter names. Called before each optimizer
-    step; a tensor the engine did not shard is refused, since its updates
-    would differ between ranks.
+    step and before checkpoints read the groups; a tensor the engine did not
+    shard is refused, since its updates would differ between ranks.
     """
     added = optimizer.param_groups[len(known_names):]
     if not added:
         return []
     masters = {id(m.param) for u in units for m in u.master_pieces}
     pieces_of: dict[int, list[nn.Parameter]] = defaultdict(list)
-    name_of: dict[int, str] = {}
+    name_of = canonical_names(units)
     for unit in units:
-        for slot, param in zip(unit.layout.slots, unit.params):
-            name_of[id(param)] = slot.fqns[0]
         for master in unit.master_pieces:
             pieces_of[id(unit.params[master.piece.slot.index])].append(master.param)
     # By name, which every rank knows alike (pieces exist on some ranks only).

@@ -172,25 +172,24 @@ class StepRuntime:
                     _eager(functools.partial(self._pre_call, needed)), with_kwargs=True, prepend=True
                 )
             )
-            handles.append(module.register_forward_hook(_eager(functools.partial(self._post_call, needed))))
+            handles.append(module.register_forward_hook(_eager(self._post_call)))
             handles.append(module.register_forward_hook(_eager(self._after_entry_call), always_call=True))
         return handles
 
-    def hook_trainable_params(self) -> list[RemovableHandle]:
+    def hook_trainable_params(self) -> None:
         """Gradient hooks on the parameters that require grad now; a frozen one gets
         its hook when it is unfrozen (torch takes none on a frozen tensor). Called
         at install and before each outermost forward (``late_handles``)."""
         if not self._unhooked:
-            return []
-        handles, still_frozen = [], []
+            return
+        still_frozen = []
         for unit, slot_index, param in self._unhooked:
             if param.requires_grad:
-                handles.append(param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit, slot_index)))
+                hook = functools.partial(self._on_grad, unit, slot_index)
+                self.late_handles.append(param.register_post_accumulate_grad_hook(hook))
             else:
                 still_frozen.append((unit, slot_index, param))
         self._unhooked = still_frozen
-        self.late_handles += handles
-        return handles
 
     def _units_needed_by_calls(self) -> list[tuple[nn.Module, list[FlatUnit]]]:
         """For each module outside the non-root units: the units outside its subtree
@@ -379,7 +378,7 @@ class StepRuntime:
         self._entries.append((module, entered))
         return args, kwargs
 
-    def _post_call(self, needed: list[FlatUnit], module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post_call(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._entries or self._entries[-1][0] is not module:
             return output
         _, entered = self._entries.pop()
