@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -129,20 +128,21 @@ class ZeroAccelerator(Accelerator):
         return location
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
-        """Also with another number of processes: the shards are read for the current layout."""
-        engine = self._require_engine()
-        location = Path(self._resolve_input_dir(input_dir))
-        engine.load_checkpoint(location / MODEL_DIR.format(0), load_optimizer=False)
-        if engine.optimizer is not None:
-            engine.load_checkpoint(location / OPTIMIZER_DIR.format(0), load_model=False)
-        with self._accelerate_handles_the_rest():
-            super().load_state(str(location), load_kwargs=load_kwargs, **kwargs)
+        """Also with another number of processes: the shards are read for the current layout.
 
-    def _resolve_input_dir(self, input_dir: str | None) -> str:
-        if input_dir is not None:
-            return os.path.expanduser(input_dir)
-        if not self.project_configuration.automatic_checkpoint_naming:
-            raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
-        root = os.path.join(self.project_dir, "checkpoints")
-        folders = sorted(os.listdir(root), key=lambda f: int(re.findall(r"([0-9]+)(?=[^/]*$)", f)[0]))
-        return os.path.join(root, folders[-1])
+        The folder is the one Accelerate resolves (``input_dir``, or the latest
+        automatic checkpoint), handed to its load-state pre-hook. Our model and
+        optimizer load there, all or nothing, before Accelerate restores its own files.
+        """
+        engine = self._require_engine()
+
+        def load_shards(models: list, location: str) -> None:
+            optimizer_dir = Path(location) / OPTIMIZER_DIR.format(0) if engine.optimizer is not None else None
+            engine.load_checkpoint(Path(location) / MODEL_DIR.format(0), optimizer_path=optimizer_dir)
+
+        handle = self.register_load_state_pre_hook(load_shards)
+        try:
+            with self._accelerate_handles_the_rest():
+                super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+        finally:
+            handle.remove()

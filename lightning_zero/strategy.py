@@ -26,7 +26,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 
 from zero_core import ZeroEngine, engine_of
-from zero_core.checkpoint.state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
+from zero_core.checkpoint import is_sharded_checkpoint
 
 from zero_core.sharding import move_real_tensors, single_optimizer
 
@@ -171,11 +171,11 @@ class ZeroStrategy(DDPStrategy):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.engine is not None
-        return sharded_model_state_dict(self.engine.model, self.engine.units, self.engine.rank)
+        return self.engine.sharded_model_state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.engine is not None
-        return sharded_optimizer_state_dict(optimizer, self.engine.units, self.engine.param_group_names)
+        return self.engine.sharded_optimizer_state_dict()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
@@ -197,7 +197,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.engine is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if path.is_dir():
+        if is_sharded_checkpoint(path):
             with_optimizer = fitting and self.engine.optimizer is not None
             checkpoint = self.engine.load_checkpoint(path, load_optimizer=with_optimizer)
             checkpoint["state_dict"] = {}  # already in place; Lightning's own restore has nothing to do

@@ -92,7 +92,7 @@ def test_bad_input_fails_on_every_rank_before_any_work() -> None:
     assert "LBFGS needs whole parameter tensors" in errors["lbfgs"] and "AdamW" in errors["lbfgs"]
     assert "already has state" in errors["stepped"]
     assert "no reset_parameters()" in errors["meta"] and "param_init_fn" in errors["meta"]
-    assert "Ranks disagree on the model's units" in errors["mismatch"]
+    assert "ranks disagree on parameter count: 23 on rank 0; 31 on rank 1" in errors["mismatch"]
     assert all(r["untouched"] for r in results)
 
 

@@ -1,139 +1,456 @@
-"""A bad checkpoint fails fast with a message naming the problem, on every
-rank; a crash mid-save leaves the previous checkpoint loadable; loading runs
-no code from the checkpoint."""
+"""Checkpoints you can trust, attacked as an adversary or a failing disk would (2 ranks).
+
+Loads: a damaged, substituted, hostile or incomplete checkpoint fails with
+the same CheckpointError on every rank, naming the file, and leaves the
+model, optimizer and step counter bit-identical; an interrupted replacement
+is recovered by itself. Saves: a failure anywhere (disk full, permission
+denied, a failed write on one rank, a failed rename, a rank that stopped)
+raises the same CheckpointError on every rank, root cause first, never
+returns normally on any rank, removes its partial directory, and leaves the
+previous checkpoint loading bit-identically. Each spawn runs a whole grid.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
+import shutil
+import signal
+import time
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from zero_core import ZeroEngine
-from zero_core.checkpoint import CheckpointError, load_full_checkpoint
+from zero_core import CheckpointError, ZeroEngine
+from zero_core.checkpoint import saving, storage
 
-from .distributed import run_distributed
+from . import checkpoint_files as files
+from .distributed import by_rank, run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for
 
 
-def _engine(blocks: int = 3, width: int = 16) -> tuple[TinyTransformer, ZeroEngine]:
+
+def _engine() -> tuple[TinyTransformer, ZeroEngine]:
     torch.manual_seed(0)
-    model = TinyTransformer(blocks=blocks, width=width)
+    model = TinyTransformer(blocks=3, width=16)
     return model, ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
 
 
-def _train_step(model: TinyTransformer, engine: ZeroEngine, step: int) -> None:
-    ids = batch(step, engine.rank)
+def _train(model: TinyTransformer, engine: ZeroEngine, steps: range) -> None:
+    for step in steps:
+        ids = batch(step, engine.rank)
+        engine.backward(lm_loss(model(ids), ids))
+        engine.step()
+
+
+def _snapshot(engine: ZeroEngine) -> dict[str, Any]:
+    """Everything a load may change: full weights, this rank's optimizer state and settings, the step counter."""
+    optimizer = engine.optimizer
+    assert optimizer is not None
+    state = [
+        {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in optimizer.state[p].items()}
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    return {"weights": engine.full_state_dict(), "optimizer": state, "groups": groups, "steps": engine.steps_taken}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+# ------------------------------------------------------------------ saving the baselines
+def _save_baselines(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    model, engine = _engine()
+    _train(model, engine, range(3))
+    engine.save_checkpoint(Path(root) / "good", extra={"epoch": 3})
+    good = _snapshot(engine)
+    _train(model, engine, range(3, 4))
+    engine.save_checkpoint(Path(root) / "other", extra={"epoch": 4})
+    return good
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    root = tmp_path_factory.mktemp("baselines")
+    return root, run_distributed(_save_baselines, 2, str(root))
+
+
+# ------------------------------------------------------------------ loads that must fail
+class _RunsCode:
+    """Unpickling this runs a shell command that leaves a file behind."""
+
+    def __init__(self, sentinel: Path):
+        self.sentinel = sentinel
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.sentinel}",))
+
+
+def _meta(directory: Path) -> dict[str, Any]:
+    return torch.load(directory / "meta.pt", weights_only=True)
+
+
+def _corruptions(good: Path, other: Path, sentinel: Path) -> dict[str, tuple[Any, str]]:
+    """name -> (what to do to a copy of ``good``, what the error must say)."""
+
+    def resigned(action):  # type: ignore[no-untyped-def]
+        def both(d: Path) -> None:
+            action(d)
+            files.resign(d)
+        return both
+
+    def shard_name(d: Path) -> str:
+        return files.largest_shard(d).name
+
+    def escape(d: Path) -> None:
+        metadata = files.read_metadata(d)
+        info = next(iter(metadata.storage_data.values()))
+        info.relative_path = "../escape.distcp"
+        files.write_metadata(d, metadata)
+
+    def meta_from_other(d: Path) -> None:
+        shutil.copy(other / "meta.pt", d / "meta.pt")
+
+    def meta_without_record(d: Path) -> None:
+        torch.save({k: v for k, v in _meta(d).items() if k != "zero"}, d / "meta.pt")
+
+    def broken_zip_late_in_shard(d: Path) -> None:
+        shard = files.largest_shard(d)
+        files.flip_bytes(shard, shard.stat().st_size - 200, 16)  # a zip directory near the end: read last
+
+    return {
+        "flipped bytes in a shard": (
+            lambda d: files.flip_bytes(files.largest_shard(d), files.largest_shard(d).stat().st_size // 2),
+            "does not match its checksum: it is corrupt, or it comes from another save"),
+        "a shard from another save": (
+            lambda d: shutil.copy(other / shard_name(d), d / shard_name(d)), "does not match its checksum"),
+        "truncated shard": (
+            lambda d: os.truncate(files.largest_shard(d), files.largest_shard(d).stat().st_size // 2), "is truncated"),
+        "deleted shard": (lambda d: files.largest_shard(d).unlink(), ".distcp is missing; the checkpoint is incomplete"),
+        "meta.pt deleted": (lambda d: (d / "meta.pt").unlink(), "meta.pt is missing"),
+        "meta.pt emptied": (lambda d: (d / "meta.pt").write_bytes(b""), "meta.pt is truncated (0 bytes"),
+        "meta.pt emptied, manifest re-signed": (resigned(lambda d: (d / "meta.pt").write_bytes(b"")), "meta.pt is empty"),
+        "meta.pt garbage, manifest re-signed": (resigned(lambda d: (d / "meta.pt").write_bytes(b"PK\x03\x04garbage")), "meta.pt is corrupt"),
+        "meta.pt runs code, manifest re-signed": (
+            resigned(lambda d: torch.save({**_meta(d), "hook": _RunsCode(sentinel)}, d / "meta.pt")),
+            "meta.pt holds objects that only arbitrary code could rebuild"),
+        "meta.pt from another save, manifest re-signed": (resigned(meta_from_other), "comes from another save than the rest"),
+        "meta.pt without our record, manifest re-signed": (resigned(meta_without_record), "it has no 'zero' entry"),
+        "manifest deleted": (lambda d: (d / "zero-manifest.json").unlink(), "zero-manifest.json is missing"),
+        "manifest damaged": (lambda d: files.flip_bytes(d / "zero-manifest.json", 40, 1), "zero-manifest.json is corrupt"),
+        ".metadata runs code, manifest re-signed": (
+            resigned(lambda d: (d / ".metadata").write_bytes(pickle.dumps(_RunsCode(sentinel)))), "refusing to load posix.system"),
+        ".metadata points outside the directory, manifest re-signed": (
+            resigned(escape), "names a data file '../escape.distcp' that is not part of this checkpoint"),
+        "a shard breaks half-way through reading, manifest re-signed": (
+            resigned(broken_zip_late_in_shard), "failed while reading the shards"),
+    }
+
+
+def _try_loads(rank: int, world_size: int, good: str, cases: list[tuple[str, str]], recoveries: list[tuple[str, str]]) -> dict[str, Any]:
+    model, engine = _engine()
+    _train(model, engine, range(2))  # live state differs from every checkpoint
+    out: dict[str, Any] = {}
+    for name, path in cases:
+        before = _snapshot(engine)
+        try:
+            engine.load_checkpoint(path)
+            outcome = "loaded"
+        except CheckpointError as error:
+            outcome = str(error)
+        out[name] = (outcome, _same(before, _snapshot(engine)))
+    for name, path in recoveries:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            extra = engine.load_checkpoint(path)
+        out[name] = (extra, _snapshot(engine), [str(w.message) for w in caught])
+        _train(model, engine, range(5, 6))
+    # Gradients accumulated before a load never reach a step after it.
+    engine.load_checkpoint(good)
+    ids = batch(10, rank)
     engine.backward(lm_loss(model(ids), ids))
-    engine.step()
+    engine.load_checkpoint(good)
+    _train(model, engine, range(11, 12))
+    after_interrupted_accumulation = engine.full_state_dict()
+    engine.load_checkpoint(good)
+    _train(model, engine, range(11, 12))
+    out["accumulation"] = _same(after_interrupted_accumulation, engine.full_state_dict())
+    engine.load_checkpoint(good)
+    out["good"] = _snapshot(engine)
+    return out
 
 
-def _save(rank: int, world_size: int, path: str, steps: int) -> dict[str, torch.Tensor]:
-    model, engine = _engine()
-    for step in range(steps):
-        _train_step(model, engine, step)
-    engine.save_checkpoint(path)
-    return engine.full_state_dict()
+@pytest.fixture(scope="module")
+def loads(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root, baselines = saved
+    work = tmp_path_factory.mktemp("loads")
+    good, other = root / "good", root / "other"
+    corruptions = _corruptions(good, other, work / "code-from-a-checkpoint-ran")
+    cases = []
+    for index, (name, (damage, _)) in enumerate(corruptions.items()):
+        target = files.copy_checkpoint(good, work / f"case{index}")
+        damage(target)
+        cases.append((name, str(target)))
+    cases.append(("no such directory", str(work / "nowhere")))
+    (work / ".unfinished.partial").mkdir()
+    cases.append(("only an unfinished save", str(work / "unfinished")))
+    # What a crash between the two renames of a replacement leaves behind.
+    files.copy_checkpoint(good, work / ".renamed.previous")
+    files.copy_checkpoint(good, work / ".swapped.partial")
+    recoveries = [("previous copy", str(work / "renamed")), ("complete partial copy", str(work / "swapped"))]
+    results = run_distributed(_try_loads, 2, str(good), cases, recoveries, timeout=240)
+    expected = {name: text for name, (_, text) in corruptions.items()}
+    expected["no such directory"] = "the directory does not exist."
+    expected["only an unfinished save"] = "was interrupted before it completed"
+    return {"work": work, "expected": expected, "results": results, "baselines": baselines}
 
 
-def _crash_during_save(rank: int, world_size: int, path: str) -> None:
-    model, engine = _engine()
-    for step in range(4):
-        _train_step(model, engine, step)
-    if rank == 1:
-        original = FileSystemWriter.write_data
-
-        def write_then_die(self, plan, planner):  # type: ignore[no-untyped-def]
-            original(self, plan, planner).wait()
-            os._exit(17)  # killed after writing its shard, before the save completes
-
-        FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
-    engine.save_checkpoint(path)
+def test_every_damaged_checkpoint_fails_alike_on_every_rank_and_changes_nothing(loads: dict) -> None:
+    results = loads["results"]
+    for name, text in loads["expected"].items():
+        (message, unchanged), (other_message, other_unchanged) = results[0][name], results[1][name]
+        assert message == other_message, (name, message, other_message)
+        assert text in message, (name, message)
+        assert unchanged and other_unchanged, f"{name}: the failed load changed the training state"
 
 
-def _load_error(rank: int, world_size: int, path: str, blocks: int, width: int) -> str:
-    model, engine = _engine(blocks, width)
+def test_messages_name_the_file_and_skip_torchs_retry_advice(loads: dict) -> None:
+    results = loads["results"]
+    assert "__" in results[0]["flipped bytes in a shard"][0] and ".distcp" in results[0]["flipped bytes in a shard"][0]
+    refused = results[0]["meta.pt runs code, manifest re-signed"][0]
+    assert "posix.system" in refused and "weights_only` set to `False`" not in refused
+    assert "previous checkpoint" not in results[0]["no such directory"][0]
+
+
+def test_no_code_from_a_checkpoint_ran(loads: dict) -> None:
+    assert not (loads["work"] / "code-from-a-checkpoint-ran").exists()
+
+
+def test_interrupted_replacement_is_recovered_by_itself(loads: dict) -> None:
+    results, baselines = loads["results"], loads["baselines"]
+    for rank in range(2):
+        for name, place in (("previous copy", ".renamed.previous"), ("complete partial copy", ".swapped.partial")):
+            extra, state, warned = results[rank][name]
+            assert extra == {"epoch": 3}
+            assert _same(state, baselines[rank]), name
+            assert any(place in w and "interrupted" in w for w in warned), warned
+
+
+def test_a_load_discards_gradients_accumulated_before_it(loads: dict) -> None:
+    results = loads["results"]
+    assert results[0]["accumulation"] and results[1]["accumulation"]
+
+
+def test_the_good_checkpoint_still_loads_bit_identically(loads: dict) -> None:
+    results, baselines = loads["results"], loads["baselines"]
+    for rank in range(2):
+        assert _same(results[rank]["good"], baselines[rank])
+
+
+# ------------------------------------------------------------------ saves that must fail
+def _oserror(code: int, path: object) -> OSError:
+    return OSError(code, os.strerror(code), str(path))
+
+
+def _patched(target: object, name: str, replacement: Any) -> Any:
+    original = getattr(target, name)
+    setattr(target, name, replacement)
+    return original
+
+
+def _fault_meta_write_rank0(rank: int) -> list[tuple[object, str, Any]]:
+    if rank != 0:
+        return []
+
+    def failing(directory, meta, manifest):  # type: ignore[no-untyped-def]
+        raise _oserror(errno.EIO, directory / "meta.pt")
+
+    return [(saving, "_write_meta_and_manifest", failing)]
+
+
+def _fault_disk_full_rank1(rank: int) -> list[tuple[object, str, Any]]:
+    if rank != 1:
+        return []
+
+    def failing(self, plan, planner):  # type: ignore[no-untyped-def]
+        raise _oserror(errno.ENOSPC, Path(self.path) / "__1_0.distcp")
+
+    return [(FileSystemWriter, "write_data", failing)]
+
+
+def _fault_permission_rank0(rank: int) -> list[tuple[object, str, Any]]:
+    if rank != 0:
+        return []
+
+    def failing(dirs):  # type: ignore[no-untyped-def]
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(dirs.partial))
+
+    return [(saving, "prepare_partial", failing)]
+
+
+def _fault_second_rename_rank0(rank: int) -> list[tuple[object, str, Any]]:
+    if rank != 0:
+        return []
+    def failing(source, destination):  # type: ignore[no-untyped-def]
+        if str(source).endswith(".partial"):  # the partial taking the path's place, after the path moved aside
+            raise _oserror(errno.EIO, destination)
+        return os.rename(source, destination)
+
+    return [(storage.os, "replace", failing)]
+
+
+def _fault_checksum_rank1(rank: int) -> list[tuple[object, str, Any]]:
+    if rank != 1:
+        return []
+
+    def failing(file, sync=False):  # type: ignore[no-untyped-def]
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(file))
+
+    return [(saving, "digest_file", failing)]
+
+
+class _Unsafe:
+    """A custom object in the extra state: weights_only loading could not read it back."""
+
+
+SAVE_FAULTS = {
+    "meta.pt write fails on rank 0": (_fault_meta_write_rank0, None, "Input/output error: "),
+    "disk full on rank 1": (_fault_disk_full_rank1, None, "No space left on device: "),
+    "permission denied on rank 0": (_fault_permission_rank0, None, "Permission denied: "),
+    "second rename fails on rank 0": (_fault_second_rename_rank0, None, "Input/output error: "),
+    "checksumming fails on rank 1": (_fault_checksum_rank1, None, "No such file or directory: "),
+    "extra state needs arbitrary code": (None, {"obj": _Unsafe()}, "holds objects that loading with weights_only=True refuses"),
+}
+
+
+def _save_with_fault(engine: ZeroEngine, target: str, fault: Any, extra: Any) -> str:
+    patches = [(owner, name, _patched(owner, name, replacement)) for owner, name, replacement in (fault(engine.rank) if fault else [])]
     try:
-        engine.load_checkpoint(path)
+        engine.save_checkpoint(target, extra=extra)
+        return "saved"
     except CheckpointError as error:
         return str(error)
-    return "loaded"
+    finally:
+        for owner, name, original in patches:
+            setattr(owner, name, original)
 
 
-def _load_state(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
+def _try_saves(rank: int, world_size: int, targets: dict[str, str], real_targets: dict[str, str], stop_target: str) -> dict[str, Any]:
     model, engine = _engine()
-    engine.load_checkpoint(path)
-    return engine.full_state_dict()
+    _train(model, engine, range(5))  # differs from the checkpoint about to be overwritten
+    out: dict[str, Any] = {}
+    for name, (fault, extra, _) in SAVE_FAULTS.items():
+        out[name] = _save_with_fault(engine, targets[name], fault, extra)
+    for name, target in real_targets.items():
+        out[name] = _save_with_fault(engine, target, None, None)
+    for name, target in {**targets, **real_targets}.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.load_checkpoint(target)
+        out[f"{name}: reloaded"] = _snapshot(engine)
+    out["a later save succeeds"] = _save_with_fault(engine, targets["meta.pt write fails on rank 0"], None, None)
+    out["stopped rank"] = _stop_during_save(engine, stop_target)
+    return out
 
 
-@pytest.fixture()
-def checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    path = tmp_path / "checkpoint"
-    return path, run_distributed(_save, 2, str(path), 2)[0]
+def _stop_during_save(engine: ZeroEngine, target: str) -> tuple[str, float]:
+    """Rank 1 stops (SIGSTOP) while checksumming; rank 0 must give up after the process group's
+    timeout, naming the step, and then wakes rank 1, whose save must fail as well."""
+    pids = [None, None]
+    torch.distributed.all_gather_object(pids, os.getpid())
+    original = saving.digest_file
+    if engine.rank == 1:
+        def stop_then_digest(file, sync=False):  # type: ignore[no-untyped-def]
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return original(file, sync=sync)
+        saving.digest_file = stop_then_digest
+    started = time.monotonic()
+    try:
+        engine.save_checkpoint(target)
+        outcome = "saved"
+    except CheckpointError as error:
+        outcome = str(error)
+    finally:
+        saving.digest_file = original
+    waited = time.monotonic() - started
+    if engine.rank == 0:
+        os.kill(pids[1], signal.SIGCONT)
+    return outcome, waited
 
 
-def test_crash_mid_save_leaves_previous_checkpoint_loadable(checkpoint: tuple) -> None:
-    path, saved = checkpoint
-    with pytest.raises((RuntimeError, TimeoutError)):
-        run_distributed(_crash_during_save, 2, str(path), timeout=60)
-    loaded = run_distributed(_load_state, 2, str(path))[0]
-    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+PG_TIMEOUT = 8
 
 
-def _assert_same_error_everywhere(path: Path, expected: str, blocks: int = 3, width: int = 16) -> None:
-    messages = run_distributed(_load_error, 2, str(path), blocks, width, timeout=60)
-    assert messages[0] == messages[1], messages
-    assert expected in messages[0], messages[0]
+@pytest.fixture(scope="module")
+def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, list, dict]:
+    root, baselines = saved
+    good = root / "good"
+    work = tmp_path_factory.mktemp("saves")
+    targets = {name: str(files.copy_checkpoint(good, work / f"target{index}")) for index, name in enumerate(SAVE_FAULTS)}
+    real_targets: dict[str, str] = {}
+    size = files.directory_bytes(good)
+    with files.tmpfs(work / "full", int(size * 1.5)) as full_mounted, files.tmpfs(work / "ro", 4 * size) as ro_mounted:
+        if full_mounted:
+            real_targets["a really full filesystem"] = str(files.copy_checkpoint(good, work / "full" / "checkpoint"))
+        if ro_mounted:
+            real_targets["a really read-only filesystem"] = str(files.copy_checkpoint(good, work / "ro" / "checkpoint"))
+            if not files.remount_read_only(work / "ro"):
+                del real_targets["a really read-only filesystem"]
+        results = run_distributed(
+            _try_saves, 2, targets, real_targets, str(work / "stopped"), timeout=240, pg_timeout=PG_TIMEOUT
+        )
+        leftovers = {name: sorted(p.name for p in Path(t).parent.iterdir() if p.name.startswith(".")) for name, t in {**targets, **real_targets}.items()}
+    return {"results": results, "baselines": baselines, "leftovers": leftovers, "real": sorted(real_targets)}
 
 
-def test_deleted_shard_file_is_named(checkpoint: tuple) -> None:
-    path, _ = checkpoint
-    shard = sorted(path.glob("*.distcp"))[-1]
-    shard.unlink()
-    _assert_same_error_everywhere(path, f"shard file {shard.name} is missing")
+def test_a_failed_save_fails_alike_on_every_rank_root_cause_first(saves: dict) -> None:
+    results = saves["results"]
+    for name, (_, _, cause) in SAVE_FAULTS.items():
+        assert results[0][name] == results[1][name], (name, results[0][name], results[1][name])
+        assert results[0][name] != "saved", f"{name}: a rank returned normally from a failed save"
+        assert cause in results[0][name], (name, results[0][name])
+    assert results[0]["disk full on rank 1"].startswith("No space left on device")
+    assert results[0]["meta.pt write fails on rank 0"].startswith("Input/output error")
 
 
-def test_truncated_shard_file_is_named(checkpoint: tuple) -> None:
-    path, _ = checkpoint
-    shard = sorted(path.glob("*.distcp"))[0]
-    with open(shard, "r+b") as stream:
-        stream.truncate(shard.stat().st_size // 2)
-    _assert_same_error_everywhere(path, f"shard file {shard.name} is truncated")
+def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_directory(saves: dict) -> None:
+    for name, hidden in saves["leftovers"].items():
+        assert not [h for h in hidden if h.endswith(".partial")], (name, hidden)
+    for rank in range(2):
+        for name in list(SAVE_FAULTS) + saves["real"]:
+            assert _same(saves["results"][rank][f"{name}: reloaded"], saves["baselines"][rank]), name
 
 
-def test_checkpoint_of_another_model_lists_the_differences(checkpoint: tuple) -> None:
-    path, _ = checkpoint
-    messages = run_distributed(_load_error, 2, str(path), 2, 24, timeout=60)
-    assert messages[0] == messages[1]
-    message = messages[0]
-    assert "does not hold this model's weights" in message
-    assert "unexpected keys: ['blocks.2." in message
-    assert "mis-shaped: [" in message and "embed.weight (checkpoint (37, 16), model (37, 24))" in message
+def test_real_full_and_read_only_filesystems(saves: dict) -> None:
+    if not saves["real"]:
+        pytest.skip("mounting a small tmpfs needs root and mount permission")
+    results = saves["results"]
+    causes = {"a really full filesystem": "No space left on device", "a really read-only filesystem": "Read-only file system"}
+    for name in saves["real"]:
+        assert results[0][name] == results[1][name] and results[0][name].startswith(causes[name]), results[0][name]
 
 
-def test_corrupt_metadata_is_reported(checkpoint: tuple) -> None:
-    path, _ = checkpoint
-    (path / ".metadata").write_bytes(b"not a pickle at all")
-    _assert_same_error_everywhere(path, "is corrupt or not DCP metadata")
+def test_saving_works_again_after_failures(saves: dict) -> None:
+    assert by_rank(saves["results"], "a later save succeeds") == ["saved", "saved"]
 
 
-def test_missing_directory_is_reported(tmp_path: Path) -> None:
-    _assert_same_error_everywhere(tmp_path / "nowhere", "is not a checkpoint: .metadata is missing")
+def test_a_stopped_rank_ends_the_save_on_the_others_with_the_step_named(saves: dict) -> None:
+    (message, waited), (other_message, _) = saves["results"][0]["stopped rank"], saves["results"][1]["stopped rank"]
+    assert "gave up waiting for the other ranks while checksumming the shards" in message, message
+    assert waited < PG_TIMEOUT * 4, waited
+    assert other_message != "saved", "the stopped rank's save returned normally"
 
-
-class _Exploit:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
-        return (os.system, ("touch pwned",))
-
-
-def test_loading_never_runs_code_from_the_checkpoint(checkpoint: tuple, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    path, _ = checkpoint
-    monkeypatch.chdir(tmp_path)
-    (path / ".metadata").write_bytes(pickle.dumps(_Exploit()))
-    with pytest.raises(CheckpointError, match="refusing to load posix.system|refusing to load os.system"):
-        load_full_checkpoint(path)
-    assert not (tmp_path / "pwned").exists()

@@ -13,6 +13,7 @@ the tensor size of an all-reduce or broadcast.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -298,18 +299,21 @@ def true_on_any_rank(comm: CommContext, flags: list[bool], what: str) -> list[bo
     return [v > 0 for v in tensor.tolist()]
 
 
-def agree_on_values(comm: CommContext, values: list[int], what: str) -> None:
-    """Raise the same ValueError on every rank unless all ranks passed equal ``values``.
+def all_gather_objects(comm: CommContext, obj: object, label: str) -> list:
+    """Every rank's small picklable ``obj``, in rank order: for agreements, not data.
 
-    Used before any collective whose shapes depend on ``values``, so a
-    mismatch fails fast everywhere instead of hanging.
+    Not counted in ``comm.stats``: those count the model-state traffic the
+    ZeRO formulas describe. A peer that never answers ends this after the
+    process group's timeout with :class:`CollectiveFailed` naming ``label``.
     """
-    local = torch.tensor(values, dtype=torch.float64, device=comm.device)
-    low, high = local.clone(), local.clone()
-    all_reduce(comm, low, dist.ReduceOp.MIN, label=what).wait()
-    all_reduce(comm, high, dist.ReduceOp.MAX, label=what).wait()
-    if not torch.equal(low, high):
-        raise ValueError(
-            f"Ranks disagree on {what}: every rank must build the same model and optimizer "
-            f"before sharding (lowest values {low.long().tolist()}, highest {high.long().tolist()})."
-        )
+    if comm.world_size == 1:
+        return [obj]
+    gathered: list = [None] * comm.world_size
+    # NCCL moves the pickled bytes through the current CUDA device: make it ours.
+    device = torch.cuda.device(comm.device) if comm.device.type == "cuda" else contextlib.nullcontext()
+    with record_function("zero::all_gather_object"), device:
+        try:
+            dist.all_gather_object(gathered, obj, group=comm.group)
+        except (RuntimeError, ValueError) as error:  # gloo: timeout, closed connection
+            raise CollectiveFailed(f"ZeRO: {label} did not complete on every rank ({error}).") from error
+    return gathered

@@ -21,10 +21,8 @@ the optimizer step (there is nothing left for ``zero_grad`` to clear).
 from __future__ import annotations
 
 import contextlib
-import os
 import weakref
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,10 +30,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import collectives, full_params, grad_ops
+from . import collectives, full_params, grad_ops, setup_agreement
 from .accounting import MemoryReport, StorageCounter
 from .collectives import CommContext, CommStats, Position
 from .config import MixedPrecision, ZeroConfig
+from .engine_checkpoints import CheckpointMethods
 from .flat_unit import FlatUnit
 from .model_changes import RegisteredParameters
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
@@ -75,7 +74,7 @@ def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.
     return torch.device("cpu")
 
 
-class ZeroEngine:
+class ZeroEngine(CheckpointMethods):
     """Shard ``model`` and ``optimizer`` in place and drive them.
 
     Typical loop (launched with torchrun, process group initialised)::
@@ -121,12 +120,10 @@ class ZeroEngine:
         self._param_group_names: list[list[str]] = []
         self.comm = CommContext.create(process_group, _model_device(model, device))
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
-        sizes = [sum(p.numel() for p in plan.params) for plan in plans]
-        collectives.agree_on_values(
-            self.comm,
-            [len(plans), sum(sizes), sum(i * s for i, s in enumerate(sizes)), config.stage],
-            "the model's units and parameter counts, or the ZeRO stage",
-        )
+        # Before any other collective: ranks that built different models, configs
+        # or optimizers would hang, abort in the backend or train wrong values.
+        setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_setup(model, plans, config, optimizer))
+        self._optimizer_agreed_at_setup = optimizer  # attach_optimizer need not ask again
         units: dict[int, FlatUnit] = {}
         # Children first: a parameter owned by an ancestor (shared between
         # children) is materialised with the children before the ancestor flattens.
@@ -171,6 +168,10 @@ class ZeroEngine:
         train an engine built without one, or with a fresh optimizer.
         """
         check_optimizer_supported(optimizer)
+        if optimizer is not self._optimizer_agreed_at_setup:
+            described = setup_agreement.describe_optimizer(optimizer, self._canonical_names)
+            setup_agreement.agree_on_setup(self.comm, described)
+        self._optimizer_agreed_at_setup = None
         for handle in self._optimizer_hooks:
             handle.remove()
         self._param_group_names = rebuild_optimizer(optimizer, self.model, self.units)
@@ -441,43 +442,6 @@ class ZeroEngine:
         """
         full_params.unshard(self)
         _ENGINES.pop(self.model, None)
-
-    # --------------------------------------------------------- checkpoints
-    def save_checkpoint(
-        self,
-        path: str | os.PathLike,
-        extra: dict[str, Any] | None = None,
-        *,
-        include_optimizer: bool = True,
-        include_model: bool = True,
-    ) -> Path:
-        """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically.
-
-        Every rank calls it; each writes only its own pieces. Without the
-        optimizer the directory holds the model alone, which is what
-        ``accelerate merge-weights`` consolidates.
-        """
-        from .checkpoint.api import save_checkpoint
-
-        return save_checkpoint(self, path, extra, include_optimizer, include_model)
-
-    def load_checkpoint(
-        self, path: str | os.PathLike, *, load_optimizer: bool = True, load_model: bool = True
-    ) -> dict[str, Any]:
-        """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``."""
-        from .checkpoint.api import load_checkpoint
-
-        return load_checkpoint(self, path, load_optimizer=load_optimizer, load_model=load_model)
-
-    def load_full_state_dict(self, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True) -> None:
-        """Load ordinary full weights (a state dict, or a .safetensors / torch file) into the shards.
-
-        Each rank reads only the parts of each tensor its shard covers
-        (safetensors slices, or memory-mapped torch files).
-        """
-        from .checkpoint.full_weights import load_full_weights
-
-        load_full_weights(self, source, strict=strict)
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:

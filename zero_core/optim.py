@@ -15,7 +15,7 @@ from collections import defaultdict
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit
+from .flat_unit import FlatUnit, MasterPiece
 
 # Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -155,3 +155,14 @@ def adopt_added_param_groups(
         names.append([name_of[id(p)] for p in group["params"] if id(p) in name_of])
         group["params"] = [piece for p in group["params"] for piece in (pieces_of[id(p)] if id(p) in name_of else [p])]
     return names
+
+
+def install_optimizer_state(
+    optimizer: torch.optim.Optimizer, group_settings: list[dict], state: list[tuple[MasterPiece, str, torch.Tensor]]
+) -> None:
+    """Replace the optimizer's hyperparameters and state with loaded ones (validated by the loader)."""
+    for group, settings in zip(optimizer.param_groups, group_settings):
+        group.update(settings)
+    optimizer.state.clear()
+    for master, key, tensor in state:
+        optimizer.state[master.param][key] = tensor

@@ -1,6 +1,7 @@
 """Sharded checkpoints: save/resume at any world size and stage, consolidation."""
 
 from .consolidate import consolidate_checkpoint, load_full_checkpoint
-from .storage import CheckpointError
+from .errors import CheckpointError
+from .storage import is_sharded_checkpoint
 
-__all__ = ["CheckpointError", "consolidate_checkpoint", "load_full_checkpoint"]
+__all__ = ["CheckpointError", "consolidate_checkpoint", "is_sharded_checkpoint", "load_full_checkpoint"]

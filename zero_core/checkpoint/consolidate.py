@@ -15,15 +15,17 @@ import argparse
 import importlib.metadata
 import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .api import MODEL_KEY, ZERO_KEY
-from .storage import CheckpointError, check_files, load_into, read_extra, read_metadata
+from .agreement import RankAgreement
+from .errors import CheckpointError
+from .loading import open_checkpoint
+from .records import MODEL_KEY
+from .storage import read_shards
 
 
 def _set_nested(tree: dict[str, Any], path: tuple, value: Any) -> None:
@@ -43,29 +45,32 @@ def _set_nested(tree: dict[str, Any], path: tuple, value: Any) -> None:
     node[path[-1]] = value
 
 
-def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Everything in the directory, as full tensors in nested dicts (keys ``model``, ``optimizer_0``, ...)."""
-    path = Path(path)
-    metadata = read_metadata(path)
-    check_files(path, metadata)
+def _read_full(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every entry as full tensors in nested dicts, and the extra state saved beside them."""
+    agreement = RankAgreement(None, f"consolidating checkpoint {Path(path).absolute()}")
+    checkpoint = open_checkpoint(agreement, path)
     flat: dict[str, Any] = {}
-    for key, entry in metadata.state_dict_metadata.items():
+    for key, entry in checkpoint.metadata.state_dict_metadata.items():
         flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_into(path, flat, no_dist=True)
+    agreement.run("reading the shards", lambda: read_shards(checkpoint.directory, checkpoint.metadata, flat))
     nested: dict[str, Any] = {}
-    mappings = metadata.planner_data or {}
+    mappings = checkpoint.metadata.planner_data or {}
     for key, value in flat.items():
         _set_nested(nested, tuple(mappings.get(key, (key,))), value)
-    return nested
+    return nested, checkpoint.extra
+
+
+def load_full_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Everything in the directory, as full tensors in nested dicts (keys ``model``, ``optimizer_0``, ...),
+    after verifying every file; no process group needed."""
+    return _read_full(path)[0]
 
 
 def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, fmt: str = "safetensors") -> Path:
     """Write full weights (``safetensors``) or a Lightning checkpoint file (``lightning``)."""
     if fmt not in ("safetensors", "lightning"):
         raise ValueError(f"format {fmt!r} is not supported; use 'safetensors' or 'lightning'.")
-    checkpoint = load_full_checkpoint(path)
+    checkpoint, extra = _read_full(path)
     if MODEL_KEY not in checkpoint:
         raise CheckpointError(f"{path} holds no '{MODEL_KEY}' entry; it is not a model checkpoint.")
     output = Path(output)
@@ -76,8 +81,6 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, f
 
         save_file(model, str(output))
         return output
-    extra = read_extra(Path(path))
-    extra.pop(ZERO_KEY, None)
     result: dict[str, Any] = {**extra, "state_dict": model}
     optimizers = sorted((k for k in checkpoint if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     if optimizers:

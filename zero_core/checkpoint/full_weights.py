@@ -12,15 +12,15 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
+from .agreement import RankAgreement
 from .chunks import flat_range_to_rectangles
-from .storage import CheckpointError, mismatch_error
-
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+from .errors import CheckpointError, mismatch_error
+from .loading import expected_model_shapes
+from .records import LoadedWeights, ShardedModel
 
 
 class FlatSource(Protocol):
@@ -81,13 +81,11 @@ def open_source(source: Mapping[str, torch.Tensor] | str | os.PathLike) -> FlatS
     return DictSource(loaded)
 
 
-def _resolve_names(engine: "ZeroEngine", source: FlatSource, strict: bool) -> dict[str, str]:
+def _resolve_names(view: ShardedModel, source: FlatSource, strict: bool) -> dict[str, str]:
     """Map each model key to the source key holding it (a tied parameter needs one of its names)."""
-    from .api import _expected_model_shapes
-
-    expected = _expected_model_shapes(engine)
+    expected = expected_model_shapes(view)
     available = source.names()
-    slot_names = {name: slot.fqns for u in engine.units for slot in u.layout.slots for name in slot.fqns}
+    slot_names = {name: slot.fqns for u in view.units for slot in u.layout.slots for name in slot.fqns}
     resolved, missing, misshaped = {}, [], []
     for key, shape in expected.items():
         candidates = [n for n in slot_names.get(key, (key,)) if n in available]
@@ -103,20 +101,28 @@ def _resolve_names(engine: "ZeroEngine", source: FlatSource, strict: bool) -> di
     return resolved
 
 
-def load_full_weights(engine: "ZeroEngine", source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> None:
+def _read_weights(view: ShardedModel, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> LoadedWeights:
     tensors = open_source(source)
-    names = _resolve_names(engine, tensors, strict)
-    engine.runtime.settle()
-    for unit in engine.units:
-        for piece in unit.layout.pieces(engine.rank):
+    names = _resolve_names(view, tensors, strict)
+    shards = [unit.master_shard.clone() for unit in view.units]
+    for unit, shard in zip(view.units, shards):
+        for piece in unit.layout.pieces(view.rank):
             name = names.get(piece.slot.fqns[0])
             if name is None:
                 continue
             values = tensors.read_flat(name, piece.param_start, piece.param_start + piece.numel)
-            unit.master_shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
-    buffers = dict(engine.model.named_buffers())
-    for key, name in names.items():
-        if key in buffers:
-            shape = tensors.shape(name)
-            buffers[key].copy_(tensors.read_flat(name, 0, math.prod(shape)).view(shape))
-    engine.refresh_parameters()
+            shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
+    buffers = {}
+    for key, buffer in view.model.named_buffers():
+        if key in names:
+            shape = tensors.shape(names[key])
+            buffers[key] = tensors.read_flat(names[key], 0, math.prod(shape)).view(shape).to(buffer.dtype).clone()
+    return LoadedWeights(shards, buffers)
+
+
+def load_full_weights(view: ShardedModel, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> LoadedWeights:
+    """This rank's part of ordinary full weights, in new tensors, once every rank has read its part."""
+    where = "a state dict" if isinstance(source, Mapping) else str(source)
+    agreement = RankAgreement(view.comm, f"loading full weights from {where}")
+    weights, _ = agreement.run("reading the weights", lambda: _read_weights(view, source, strict))
+    return weights

@@ -12,6 +12,7 @@ written at.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,23 +23,40 @@ from ..layout import ParamSlot, ShardPiece
 from .chunks import ShardedChunks
 
 
-def _local_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None) -> ShardedChunks:
+def _local_chunks(shard: torch.Tensor, slot: ParamSlot, piece: ShardPiece | None) -> ShardedChunks:
     if piece is None:  # this rank's shard holds none of the parameter
-        return ShardedChunks(slot.shape, unit.master_shard[:0], 0)
-    return ShardedChunks(slot.shape, unit.master_shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
+        return ShardedChunks(slot.shape, shard[:0], 0)
+    return ShardedChunks(slot.shape, shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
 
 
-def sharded_model_state_dict(model: torch.nn.Module, units: list[FlatUnit], rank: int) -> dict[str, torch.Tensor]:
-    """``model.state_dict()``'s keys and order; parameters as views of the fp32 master shard."""
+def sharded_model_state_dict(
+    model: torch.nn.Module,
+    units: Sequence[FlatUnit],
+    rank: int,
+    shards: Sequence[torch.Tensor] | None = None,
+    copy_buffers: bool = False,
+) -> dict[str, torch.Tensor]:
+    """``model.state_dict()``'s keys and order; parameters as views of the fp32 master shard.
+
+    ``shards`` (one per unit, shaped like its master shard) and ``copy_buffers``
+    give a state dict over new tensors instead: what a load fills before it
+    is known to have succeeded everywhere.
+    """
     views = {}
-    for unit in units:
+    for index, unit in enumerate(units):
+        shard = shards[index] if shards is not None else unit.master_shard
         piece_of = {piece.slot.index: piece for piece in unit.layout.pieces(rank)}
         for slot, param in zip(unit.layout.slots, unit.params):
-            views[id(param)] = _local_chunks(unit, slot, piece_of.get(slot.index))
-    return {
-        key: views[id(value)] if id(value) in views else value.detach() if isinstance(value, torch.Tensor) else value
-        for key, value in model.state_dict(keep_vars=True).items()
-    }
+            views[id(param)] = _local_chunks(shard, slot, piece_of.get(slot.index))
+
+    def entry(value: Any) -> Any:
+        if id(value) in views:
+            return views[id(value)]
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone() if copy_buffers else value.detach()
+        return value
+
+    return {key: entry(value) for key, value in model.state_dict(keep_vars=True).items()}
 
 
 def _is_per_element(value: Any, master: MasterPiece) -> bool:
@@ -46,7 +64,7 @@ def _is_per_element(value: Any, master: MasterPiece) -> bool:
 
 
 def sharded_optimizer_state_dict(
-    optimizer: torch.optim.Optimizer, units: list[FlatUnit], group_names: list[list[str]]
+    optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit], group_names: list[list[str]]
 ) -> dict[str, Any]:
     state: dict[str, dict[str, Any]] = {}
     for unit in units:
@@ -64,7 +82,7 @@ def sharded_optimizer_state_dict(
 
 
 def optimizer_load_targets(
-    optimizer: torch.optim.Optimizer, units: list[FlatUnit], metadata: Metadata, prefix: str
+    optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit], metadata: Metadata, prefix: str
 ) -> tuple[dict[str, Any], list[tuple[MasterPiece, str, torch.Tensor]]]:
     """A state dict to load optimizer state into, built from what the checkpoint holds.
 

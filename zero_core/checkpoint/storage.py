@@ -1,100 +1,109 @@
-"""Reading and writing DCP directories safely.
+"""A checkpoint directory on disk: its files, DCP reads and writes, and atomic replacement.
 
-Trust: a checkpoint is data. Its ``.metadata`` is unpickled with an
-allow-list of DCP's own record classes and torch dtypes; tensors are read
-with ``torch.load(weights_only=True)`` (DCP's default); pickled objects in
-the checkpoint (param groups, extras) are read with ``weights_only=True``
-too, instead of DCP's default ``weights_only=False``. Nothing in a
-checkpoint can run code when it is loaded here.
+A save writes into the hidden sibling ``.NAME.partial``; the manifest is
+written last, and only then does the directory take ``NAME``'s place. The
+replacement is two renames (``NAME`` → ``.NAME.previous``, partial →
+``NAME``), so at every instant ``NAME``, a complete partial or the
+previous copy holds a complete checkpoint, and :func:`locate_checkpoint`
+finds it by itself after a crash between the renames.
 
-Saves are atomic: everything is written into a hidden sibling directory
-that replaces the target only once complete, so a crash mid-save leaves the
-previous checkpoint as it was.
+Reading: DCP's ``.metadata`` is parsed from verified bytes with the
+allow-listed unpickler; tensors are read by DCP with
+``torch.load(weights_only=True)``, and pickled objects (param groups) with
+``weights_only=True`` too, instead of DCP's default ``False``.
 """
 
 from __future__ import annotations
 
 import io
 import os
-import pickle
 import shutil
-from collections import OrderedDict
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem
+
+from ..collectives import CommContext
+from .errors import CheckpointError
+from .manifest import MANIFEST_FILENAME, is_plain_file_name
 
 METADATA_FILENAME = ".metadata"
 EXTRA_FILENAME = "meta.pt"  # the name Lightning's consolidation tool reads user state from
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded into this model; the message says why."""
+class CheckpointDirs(NamedTuple):
+    """``path`` and the hidden siblings a save uses beside it."""
+
+    path: Path
+    partial: Path
+    previous: Path
+
+    @classmethod
+    def of(cls, path: str | os.PathLike) -> "CheckpointDirs":
+        path = Path(path).absolute()
+        return cls(path, path.parent / f".{path.name}.partial", path.parent / f".{path.name}.previous")
 
 
-def mismatch_error(what: str, missing: list[str], unexpected: list[str], misshaped: list[str]) -> CheckpointError:
-    """One message naming every difference (the first ten of each kind)."""
-    problems = [
-        f"{label}: {names[:10]}{' ...' if len(names) > 10 else ''}"
-        for label, names in (("missing keys", missing), ("unexpected keys", unexpected), ("mis-shaped", misshaped))
-        if names
-    ]
-    return CheckpointError(f"{what}; " + "; ".join(problems))
+def is_complete(directory: Path) -> bool:
+    """The manifest is written last: its presence marks a finished save."""
+    return (directory / MANIFEST_FILENAME).is_file()
 
 
-_ALLOWED_MODULES = {dcp_metadata.__name__, dcp_filesystem.__name__}
-_ALLOWED_BUILTINS = {"set", "frozenset", "slice", "complex", "list", "dict", "tuple"}
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """A directory, or a path whose save was interrupted between its renames (not a single file)."""
+    dirs = CheckpointDirs.of(path)
+    return dirs.path.is_dir() or (not dirs.path.exists() and (is_complete(dirs.partial) or is_complete(dirs.previous)))
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        if module == "torch" and name == "Size":
-            return torch.Size
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        if module == "torch.serialization" and name == "_get_layout":
-            return torch.serialization._get_layout  # name -> torch.layout lookup
-        if module == "pathlib" and name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
-            return super().find_class(module, name)  # the checkpoint_id DCP records
-        if module == "builtins" and name in _ALLOWED_BUILTINS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+def locate_checkpoint(path: str | os.PathLike) -> Path:
+    """The directory holding the checkpoint saved at ``path``.
+
+    ``path`` itself, unless a save was interrupted between its two renames:
+    then the complete new copy (``.NAME.partial``) or the previous one
+    (``.NAME.previous``), with a warning naming it.
+    """
+    dirs = CheckpointDirs.of(path)
+    if dirs.path.exists():
+        return dirs.path
+    for candidate, which in ((dirs.partial, "the complete new copy"), (dirs.previous, "the previous checkpoint")):
+        if is_complete(candidate):
+            warnings.warn(
+                f"{dirs.path} is missing: a save was interrupted while replacing it. Loading {which} from {candidate}.",
+                stacklevel=3,
+            )
+            return candidate
+    hint = ""
+    if dirs.partial.exists():
+        hint = f" A save into it was interrupted before it completed ({dirs.partial} is incomplete and no earlier checkpoint is left)."
+    raise CheckpointError(f"{dirs.path} is not a checkpoint: the directory does not exist.{hint}")
 
 
-def read_metadata(path: Path) -> dcp_metadata.Metadata:
-    file = path / METADATA_FILENAME
-    if not file.is_file():
-        hint = ""
-        partial = _partial_dir(path)
-        if partial.exists():
-            hint = f" A save into it was interrupted ({partial.name} is left over); the previous checkpoint, if any, is intact."
-        raise CheckpointError(f"{path} is not a checkpoint: {METADATA_FILENAME} is missing.{hint}")
-    try:
-        with open(file, "rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
-    except Exception as error:  # noqa: BLE001 - any failure means the file is unusable
-        raise CheckpointError(f"{file} is corrupt or not DCP metadata ({error}).") from error
-    if not isinstance(metadata, dcp_metadata.Metadata):
-        raise CheckpointError(f"{file} is not DCP metadata (found {type(metadata).__name__}).")
-    return metadata
+def check_storage_paths(directory: Path, metadata: dcp_metadata.Metadata, manifest_files: set[str]) -> list[str]:
+    """The data files the metadata reads, each a plain name the manifest covers (nothing outside the directory)."""
+    names = set()
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not is_plain_file_name(name) or name not in manifest_files:
+            raise CheckpointError(f"{directory / METADATA_FILENAME} names a data file {name!r} that is not part of this checkpoint.")
+        names.add(name)
+    return sorted(names)
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the allow-listed metadata unpickler."""
+    """DCP's file reader, handed metadata that was already verified and parsed."""
+
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata):
+        super().__init__(path)
+        self._verified_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        metadata = read_metadata(Path(self.path))
+        metadata = self._verified_metadata
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -114,75 +123,78 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def check_files(path: Path, metadata: dcp_metadata.Metadata) -> None:
-    """Every data file the metadata names exists and is long enough."""
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, length in sorted(needed.items()):
-        file = path / name
-        if not file.is_file():
-            raise CheckpointError(f"{path}: shard file {name} is missing; the checkpoint is incomplete.")
-        size = file.stat().st_size
-        if size < length:
-            raise CheckpointError(
-                f"{path}: shard file {name} is truncated ({size} bytes, the metadata needs {length})."
-            )
+def read_shards(directory: Path, metadata: dcp_metadata.Metadata, state: dict[str, Any]) -> None:
+    """Fill ``state`` (tensors and checkpointable views, in place) from the directory.
 
-
-def load_into(path: Path, state: dict[str, Any], *, no_dist: bool = False) -> None:
-    """Fill ``state`` (tensors and checkpointable views, in place) from the DCP directory."""
-    dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(allow_partial_load=True), no_dist=no_dist)
-
-
-def read_extra(path: Path) -> dict[str, Any]:
-    file = path / EXTRA_FILENAME
-    return torch.load(file, map_location="cpu", weights_only=True) if file.is_file() else {}
-
-
-# ---------------------------------------------------------------- saving
-def _partial_dir(path: Path) -> Path:
-    return path.parent / f".{path.name}.partial"
-
-
-def _is_coordinator() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def save_atomically(path: str | os.PathLike, state: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-    """Write ``state`` as a DCP directory at ``path`` (and ``extra`` as meta.pt), all or nothing.
-
-    Every rank calls it. The directory is complete before it takes the
-    target's place; an existing checkpoint there is replaced only then.
+    Every rank reads on its own (no collectives inside DCP): the ranks agree
+    on the outcome afterwards, so a failure on one is an error on all.
     """
-    path = Path(path).absolute()
-    partial = _partial_dir(path)
-    if _is_coordinator():
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.parent.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    dcp.save(state, storage_writer=FileSystemWriter(partial), no_dist=not dist.is_initialized())
-    if _is_coordinator():
-        if extra is not None:
-            torch.save(extra, partial / EXTRA_FILENAME)
-        _replace(path, partial)
-    _barrier()
-    return path
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=".*no_dist.*")
+        dcp.load(state, storage_reader=SafeReader(directory, metadata),
+                 planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
 
 
-def _replace(path: Path, partial: Path) -> None:
-    """Put ``partial`` at ``path``; the old directory is removed only after the swap."""
-    for file in partial.iterdir():
-        with open(file, "rb") as stream:
-            os.fsync(stream.fileno())
-    previous = path.parent / f".{path.name}.previous"
-    shutil.rmtree(previous, ignore_errors=True)
-    if path.exists():
-        os.replace(path, previous)
-    os.replace(partial, path)
-    shutil.rmtree(previous, ignore_errors=True)
+def write_shards(directory: Path, state: dict[str, Any], comm: CommContext | None) -> dcp_metadata.Metadata:
+    """Every rank writes its pieces; rank 0 writes ``.metadata``. Returns the metadata, on every rank."""
+    alone = comm is None or comm.world_size == 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        return dcp.save(
+            state, storage_writer=FileSystemWriter(directory), process_group=None if alone else comm.group, no_dist=alone
+        )
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames and new files in ``directory`` durable (POSIX; skipped where unsupported)."""
+    try:
+        descriptor = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(descriptor)
+    except OSError:
+        pass
+    finally:
+        os.close(descriptor)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def prepare_partial(dirs: CheckpointDirs) -> None:
+    """An empty partial directory; a leftover one from an interrupted save goes first."""
+    dirs.path.parent.mkdir(parents=True, exist_ok=True)
+    if is_complete(dirs.partial) and not dirs.path.exists():
+        # A crash between the two renames left the newest checkpoint here: finish that replacement first.
+        os.replace(dirs.partial, dirs.path)
+    if dirs.partial.exists():
+        _remove(dirs.partial)
+    dirs.partial.mkdir()
+
+
+def replace_with_partial(dirs: CheckpointDirs) -> None:
+    """Put the complete partial at ``path``; the old checkpoint is removed only after the swap."""
+    fsync_directory(dirs.partial)
+    if dirs.previous.exists():
+        _remove(dirs.previous)  # path, or else the complete partial, still holds a checkpoint
+    if dirs.path.exists() or dirs.path.is_symlink():
+        os.replace(dirs.path, dirs.previous)
+    os.replace(dirs.partial, dirs.path)
+    fsync_directory(dirs.path.parent)
+    try:
+        _remove(dirs.previous)
+    except OSError:
+        pass  # a leftover previous copy is harmless; the next save removes it
+
+
+def discard_partial(dirs: CheckpointDirs) -> None:
+    """After a failed save: remove the partial directory unless it is the only complete copy."""
+    only_copy = is_complete(dirs.partial) and not dirs.path.exists() and not is_complete(dirs.previous)
+    if dirs.partial.exists() and not only_copy:
+        shutil.rmtree(dirs.partial, ignore_errors=True)

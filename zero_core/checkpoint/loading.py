@@ -1,0 +1,161 @@
+"""Loading a checkpoint directory into a sharded model, all or nothing, agreed on every rank.
+
+Steps, each agreed across ranks before the next: find the checkpoint (the
+path, or the copy an interrupted save left), verify it (manifest, every
+file's checksum, the save identity, the model's keys and shapes; the data
+files are split between ranks), then read this rank's pieces into new
+tensors. Nothing of the live model or optimizer is touched: the engine
+applies the returned :class:`LoadedCheckpoint` only once every rank has it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+from .agreement import RankAgreement
+from .errors import CheckpointError, mismatch_error
+from .manifest import Manifest, read_manifest, read_verified, verify_file
+from .records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedCheckpoint, LoadedOptimizer, LoadedWeights, ShardedModel, parse_engine_record
+from .chunks import ShardedChunks
+from .state_dicts import optimizer_load_targets, sharded_model_state_dict
+from .storage import EXTRA_FILENAME, METADATA_FILENAME, check_storage_paths, locate_checkpoint, read_shards
+from .unpickling import load_weights_only, unpickle_metadata
+
+
+class VerifiedCheckpoint(NamedTuple):
+    directory: Path
+    manifest: Manifest
+    metadata: Metadata
+    extra: dict[str, Any]
+    record: EngineRecord
+
+
+def open_checkpoint(agreement: RankAgreement, path: str | os.PathLike) -> VerifiedCheckpoint:
+    """Find and verify the checkpoint at ``path``; every rank checks its share of the data files."""
+    _, places = agreement.run("finding the checkpoint", lambda: str(locate_checkpoint(path)), share=True)
+    if len(set(places)) > 1:
+        raise CheckpointError(f"{agreement.operation}: the ranks found different directories ({places}); is the filesystem shared?")
+    directory = Path(places[0])
+
+    def verify() -> VerifiedCheckpoint:
+        manifest = read_manifest(directory)
+        metadata = unpickle_metadata(read_verified(directory, manifest, METADATA_FILENAME), directory / METADATA_FILENAME)
+        data_files = check_storage_paths(directory, metadata, set(manifest.files))
+        meta = load_weights_only(read_verified(directory, manifest, EXTRA_FILENAME), directory / EXTRA_FILENAME, "the step counter and extra state")
+        extra, record = parse_engine_record(meta, directory / EXTRA_FILENAME, manifest.save_id)
+        for name in data_files[agreement.rank :: agreement.world_size]:
+            verify_file(directory, manifest, name)
+        return VerifiedCheckpoint(directory, manifest, metadata, extra, record)
+
+    checkpoint, _ = agreement.run("verifying the files", verify)
+    return checkpoint
+
+
+def expected_model_shapes(view: ShardedModel) -> dict[str, tuple[int, ...]]:
+    """Every key of ``model.state_dict()`` with its full (logical) shape."""
+    shapes = {}
+    slot_of = {id(p): slot for u in view.units for slot, p in zip(u.layout.slots, u.params)}
+    for key, value in view.model.state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            slot = slot_of.get(id(value))
+            shapes[key] = tuple(slot.shape) if slot is not None else tuple(value.shape)
+    return shapes
+
+
+def check_model_keys(path: Path, metadata: Metadata, expected: dict[str, tuple[int, ...]]) -> None:
+    """Raise, naming every difference, unless the checkpoint's model keys and shapes are ours."""
+    prefix = MODEL_KEY + "."
+    stored = {k[len(prefix) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    misshaped = [
+        f"{key} (checkpoint {tuple(stored[key].size)}, model {shape})"
+        for key, shape in expected.items()
+        if key in stored and hasattr(stored[key], "size") and tuple(stored[key].size) != shape
+    ]
+    if missing or unexpected or misshaped:
+        raise mismatch_error(f"{path} does not hold this model's weights", missing, unexpected, misshaped)
+
+
+def load_checkpoint(view: ShardedModel, path: str | os.PathLike, *, load_model: bool, load_optimizer: bool) -> LoadedCheckpoint:
+    agreement = RankAgreement(view.comm, f"loading checkpoint {Path(path).absolute()}")
+    checkpoint = open_checkpoint(agreement, path)
+
+    def check_contents() -> None:
+        if load_model:
+            check_model_keys(checkpoint.directory, checkpoint.metadata, expected_model_shapes(view))
+        saved = checkpoint.metadata.state_dict_metadata
+        if load_optimizer and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved):
+            raise CheckpointError(f"{checkpoint.directory} holds no optimizer state; pass load_optimizer=False to load the weights only.")
+
+    agreement.run("checking the contents", check_contents)
+    loaded, _ = agreement.run("reading the shards", lambda: _read(view, checkpoint, load_model, load_optimizer))
+    return loaded
+
+
+def _read(view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, load_optimizer: bool) -> LoadedCheckpoint:
+    state: dict[str, Any] = {}
+    shards = None
+    if load_model:
+        shards = [unit.master_shard.clone() for unit in view.units]  # padding keeps its values
+        state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank, shards, copy_buffers=True)
+    installs: list = []
+    if load_optimizer:
+        assert view.optimizer is not None
+        state[OPTIMIZER_KEY], installs = optimizer_load_targets(view.optimizer, view.units, checkpoint.metadata, OPTIMIZER_KEY)
+    read_shards(checkpoint.directory, checkpoint.metadata, state)
+    weights = None
+    if load_model:
+        assert shards is not None
+        buffers = {
+            key: value for key, value in state[MODEL_KEY].items()
+            if isinstance(value, torch.Tensor) and not isinstance(value, ShardedChunks)
+        }
+        weights = LoadedWeights(shards, buffers)
+    optimizer = None
+    if load_optimizer:
+        settings = _group_settings(view, state[OPTIMIZER_KEY]["param_groups"], checkpoint.directory)
+        optimizer = LoadedOptimizer(settings, installs)
+    return LoadedCheckpoint(checkpoint.extra, checkpoint.record, weights, optimizer)
+
+
+def _group_settings(view: ShardedModel, saved_groups: Any, path: Path) -> list[dict[str, Any]]:
+    """The saved groups' hyperparameters, once their parameters and value types are known to match ours."""
+    assert view.optimizer is not None
+    valid = isinstance(saved_groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups)
+    if not valid:
+        raise CheckpointError(f"{path}: the optimizer's param groups are malformed.")
+    saved_names = [list(group["params"]) for group in saved_groups]
+    if saved_names != view.param_group_names:
+        raise CheckpointError(
+            f"{path}: the optimizer's param groups differ from the checkpoint's "
+            f"({len(saved_names)} groups saved, {len(view.param_group_names)} now, or other parameters in them)."
+        )
+    settings = []
+    for index, (group, saved) in enumerate(zip(view.optimizer.param_groups, saved_groups)):
+        for key, value in saved.items():
+            if key != "params" and key in group and not _same_kind(group[key], value):
+                raise CheckpointError(
+                    f"{path}: param group {index}'s {key!r} is {value!r} in the checkpoint, of another kind than "
+                    f"this optimizer's {group[key]!r}; was it saved from another optimizer?"
+                )
+        settings.append({k: v for k, v in saved.items() if k != "params"})
+    return settings
+
+
+def _same_kind(current: Any, saved: Any) -> bool:
+    def kind(value: Any) -> str:
+        if isinstance(value, bool) or value is None:
+            return type(value).__name__
+        if isinstance(value, (int, float)) or (isinstance(value, torch.Tensor) and value.numel() == 1):
+            return "number"
+        if isinstance(value, (tuple, list)):
+            return "sequence of " + ",".join(kind(v) for v in value)
+        return type(value).__name__
+
+    return current is None or saved is None or kind(current) == kind(saved)

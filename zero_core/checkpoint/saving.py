@@ -1,0 +1,115 @@
+"""Saving a sharded model and optimizer as a DCP directory, all or nothing, agreed on every rank.
+
+Layout (the one Lightning's FSDP strategy writes, so
+``python -m lightning.pytorch.utilities.consolidate_checkpoint`` reads it):
+DCP keys ``model`` and ``optimizer_0``; ``meta.pt`` with the caller's extra
+state and the engine's record (``zero``); ``zero-manifest.json`` with every
+file's checksum and the save's identity, written last.
+
+Steps, each agreed across ranks before the next (see ``agreement.py``):
+prepare the hidden partial directory (rank 0), collect the state, write
+the shards (DCP, every rank), checksum and sync them (split between
+ranks), write ``meta.pt`` and the manifest (rank 0), replace the old
+checkpoint (rank 0). A failure removes the partial directory and raises
+the same :class:`CheckpointError` everywhere; the previous checkpoint is
+untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .agreement import RankAgreement
+from .errors import CheckpointError
+from .manifest import FileDigest, Manifest, digest_bytes, digest_file, write_manifest
+from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
+from .state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
+from .storage import EXTRA_FILENAME, METADATA_FILENAME, CheckpointDirs, discard_partial, prepare_partial, replace_with_partial, write_shards
+from .unpickling import refusal_reason
+
+
+def sharded_state(view: ShardedModel, with_model: bool = True, with_optimizer: bool = True) -> dict[str, Any]:
+    """The DCP state dict: the model's and the optimizer's, as views of this rank's shards."""
+    state: dict[str, Any] = {}
+    if with_model:
+        state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank)
+    if with_optimizer and view.optimizer is not None:
+        state[OPTIMIZER_KEY] = sharded_optimizer_state_dict(view.optimizer, view.units, view.param_group_names)
+    return state
+
+
+def save_checkpoint(
+    view: ShardedModel,
+    path: str | os.PathLike,
+    extra: dict[str, Any],
+    record: EngineRecord,
+    *,
+    include_model: bool,
+    include_optimizer: bool,
+) -> Path:
+    dirs = CheckpointDirs.of(path)
+    agreement = RankAgreement(view.comm, f"saving checkpoint {dirs.path}")
+    coordinator = agreement.rank == 0
+
+    def prepare() -> str | None:
+        if not coordinator:
+            return None
+        prepare_partial(dirs)
+        return uuid.uuid4().hex
+
+    _, save_ids = agreement.run("preparing the directory", prepare, share=True)
+    try:
+        meta = {**extra, ZERO_KEY: dataclasses.replace(record, save_id=save_ids[0]).to_dict()}
+        meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
+        state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
+        metadata, _ = agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
+        names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_FILENAME})
+        mine = names[agreement.rank :: agreement.world_size]
+        _, shares = agreement.run(
+            "checksumming the shards", lambda: {n: digest_file(dirs.partial / n, sync=True) for n in mine}, share=True
+        )
+        digests: dict[str, FileDigest] = {name: digest for share in shares for name, digest in share.items()}
+
+        def finish() -> None:
+            if coordinator:
+                _write_meta_and_manifest(dirs.partial, meta_bytes, Manifest(save_ids[0], digests))
+
+        agreement.run("writing meta.pt and the manifest", finish)
+        agreement.run("replacing the previous checkpoint", lambda: replace_with_partial(dirs) if coordinator else None)
+    except CheckpointError:
+        if coordinator:
+            discard_partial(dirs)
+        raise
+    return dirs.path
+
+
+def serialize_meta(meta: dict[str, Any]) -> bytes:
+    """``meta.pt``'s bytes, refused now (before any shard is written) if they could not be loaded safely."""
+    buffer = io.BytesIO()
+    torch.save(meta, buffer)
+    data = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as error:  # noqa: BLE001 - whatever weights_only refuses
+        raise CheckpointError(
+            f"The extra state given to save_checkpoint holds objects that loading with weights_only=True "
+            f"refuses ({refusal_reason(error)}), so the save was refused. Save plain types (numbers, strings, "
+            "tensors, lists, dicts), or register your classes with torch.serialization.add_safe_globals."
+        ) from error
+    return data
+
+
+def _write_meta_and_manifest(directory: Path, data: bytes, manifest: Manifest) -> None:
+    with open(directory / EXTRA_FILENAME, "wb") as stream:
+        stream.write(data)
+        stream.flush()
+        os.fsync(stream.fileno())
+    files = {**manifest.files, EXTRA_FILENAME: digest_bytes(data)}
+    write_manifest(directory, Manifest(manifest.save_id, files))

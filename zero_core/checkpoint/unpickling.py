@@ -1,0 +1,112 @@
+"""Reading the pickled files of a checkpoint without running code from them.
+
+DCP's ``.metadata`` is a plain pickle: its unpickler here resolves only an
+exact list of fully qualified names (DCP's record classes, torch dtypes and
+``Size``, paths). A name is looked up as a whole: dotted attribute paths
+(pickle protocol 4 lets ``find_class`` walk ``module.attr.attr``), other
+modules and anything not on the list are refused, whichever opcode asked
+(GLOBAL, STACK_GLOBAL, INST, OBJ, EXT1/2/4 all go through ``find_class``).
+Persistent ids are refused too.
+
+Everything else we unpickle (``meta.pt``, tensors, param groups) goes
+through ``torch.load(weights_only=True)``, torch's own allow-list.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections import OrderedDict
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+
+from .errors import CheckpointError
+
+
+def _exact_names() -> dict[tuple[str, str], Any]:
+    names: dict[tuple[str, str], Any] = {
+        (dcp_metadata.__name__, cls.__name__): cls
+        for cls in (
+            dcp_metadata.Metadata,
+            dcp_metadata.MetadataIndex,
+            dcp_metadata.StorageMeta,
+            dcp_metadata.TensorProperties,
+            dcp_metadata.TensorStorageMetadata,
+            dcp_metadata.ChunkStorageMetadata,
+            dcp_metadata.BytesStorageMetadata,
+            dcp_metadata._MEM_FORMAT_ENCODING,  # an Enum: how TensorProperties records memory_format
+        )
+    }
+    names[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
+    names[("torch", "Size")] = torch.Size
+    names[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
+    names[("collections", "OrderedDict")] = OrderedDict
+    names[("builtins", "set")] = set
+    names[("builtins", "frozenset")] = frozenset
+    for cls in (PosixPath, WindowsPath, PurePosixPath, PureWindowsPath):  # DCP records the checkpoint_id
+        names[("pathlib", cls.__name__)] = cls
+    for attribute in dir(torch):
+        value = getattr(torch, attribute, None)
+        if isinstance(value, torch.dtype):
+            names[("torch", attribute)] = value
+    return names
+
+
+ALLOWED_METADATA_NAMES = _exact_names()
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        found = ALLOWED_METADATA_NAMES.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("refusing a persistent id in checkpoint metadata")
+
+
+def unpickle_metadata(data: bytes, file: Path) -> dcp_metadata.Metadata:
+    """DCP's ``.metadata`` from ``data`` (read from ``file``), or CheckpointError saying why not."""
+    try:
+        metadata = MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as error:  # noqa: BLE001 - any failure means the file is unusable
+        raise CheckpointError(f"{file} is corrupt or not DCP metadata ({type(error).__name__}: {error}).") from error
+    if not isinstance(metadata, dcp_metadata.Metadata):
+        raise CheckpointError(f"{file} is not DCP metadata (found {type(metadata).__name__}).")
+    return metadata
+
+
+def load_weights_only(data: bytes, file: Path, what: str) -> Any:
+    """``torch.load(weights_only=True)`` of a small file's bytes, or CheckpointError with the reason."""
+    if not data:
+        raise CheckpointError(f"{file} is empty: {what} cannot be restored from it.")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{file} holds objects that only arbitrary code could rebuild; refusing to load it "
+            f"({refusal_reason(error)}). If you wrote it yourself with custom classes, register them with "
+            "torch.serialization.add_safe_globals."
+        ) from error
+    except Exception as error:  # noqa: BLE001 - truncated zip, bad header, ...
+        raise CheckpointError(f"{file} is corrupt ({type(error).__name__}: {error}); {what} cannot be restored.") from error
+
+
+def refusal_reason(error: Exception) -> str:
+    """The part of torch's refusal that names the object, without its advice to
+    retry with ``weights_only=False`` (the one thing not to do with a hostile file)."""
+    text = str(error)
+    marker = "WeightsUnpickler error: "
+    if marker in text:
+        return text.split(marker, 1)[1].split(". Please", 1)[0].split("\n", 1)[0].strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "unsupported" in line.lower():
+            return line
+    advice = ("Weights only load failed", "Check the documentation", "(1)", "(2)")
+    return next((line for line in lines if not line.startswith(advice)), type(error).__name__)
