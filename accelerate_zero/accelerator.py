@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
 
-from zero_core import ZeroEngine
+from zero_core import CheckpointError, ZeroEngine
 from zero_core.sharding import shard_module, single_optimizer
 
 from .plugin import MIXED_PRECISION_POLICIES, ZeroPlugin
@@ -118,12 +122,39 @@ class ZeroAccelerator(Accelerator):
             self._models, self._optimizers = models, optimizers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
+        """Our model and optimizer first (each directory atomic, both tagged with one token so
+        ``load_state`` refuses a mixed pair), then Accelerate's own files.
+
+        Under automatic checkpoint naming, old checkpoints beyond ``total_limit``
+        are pruned only once this save succeeded (Accelerate prunes first), and
+        a failed save removes its new folder: the previous checkpoint stays the
+        latest, loadable one.
+        """
         engine = self._require_engine()
-        with self._accelerate_handles_the_rest():
-            location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        engine.save_checkpoint(Path(location) / MODEL_DIR.format(0), include_optimizer=False)
-        if engine.optimizer is not None:
-            engine.save_checkpoint(Path(location) / OPTIMIZER_DIR.format(0), include_model=False)
+        config = self.project_configuration
+        limit, config.total_limit = config.total_limit, None
+        created: list[Path] = []
+
+        def save_shards(models: list, weights: list, location: str) -> None:
+            created.append(Path(location))
+            pair = {"save_state": broadcast_object_list([uuid.uuid4().hex])[0]}
+            if engine.optimizer is not None:  # the larger write first: if it fails, nothing changed
+                engine.save_checkpoint(Path(location) / OPTIMIZER_DIR.format(0), pair, include_model=False)
+            engine.save_checkpoint(Path(location) / MODEL_DIR.format(0), pair, include_optimizer=False)
+
+        handle = self.register_save_state_pre_hook(save_shards)
+        try:
+            with self._accelerate_handles_the_rest():
+                location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        except CheckpointError:
+            if config.automatic_checkpoint_naming and created and self.is_main_process:
+                shutil.rmtree(created[0], ignore_errors=True)  # a new folder of its own: nothing else in it
+            raise
+        finally:
+            handle.remove()
+            config.total_limit = limit
+        if config.automatic_checkpoint_naming and limit is not None and self.is_main_process:
+            _prune_automatic_checkpoints(Path(location).parent, keep=limit)
         self.wait_for_everyone()
         return location
 
@@ -132,7 +163,8 @@ class ZeroAccelerator(Accelerator):
 
         The folder is the one Accelerate resolves (``input_dir``, or the latest
         automatic checkpoint), handed to its load-state pre-hook. Our model and
-        optimizer load there, all or nothing, before Accelerate restores its own files.
+        optimizer load there, all or nothing (a pair from two different saves is
+        refused), before Accelerate restores its own files.
         """
         engine = self._require_engine()
 
@@ -146,3 +178,14 @@ class ZeroAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         finally:
             handle.remove()
+
+
+def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
+    """Keep the ``keep`` newest ``checkpoint_<n>`` folders (Accelerate's automatic names) under ``root``."""
+    numbered = sorted(
+        (int(match.group(1)), folder)
+        for folder in root.iterdir()
+        if (match := re.fullmatch(r"checkpoint_(\d+)", folder.name)) and folder.is_dir()
+    )
+    for _, folder in numbered[: max(0, len(numbered) - keep)]:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -155,7 +155,8 @@ class ZeroFabricStrategy(DDPStrategy):
             raise TypeError("ZeroFabricStrategy.save_checkpoint does not support storage_options or filter.")
         assert self.engine is not None
         path = Path(self.broadcast(str(path)))
-        extra = {k: v for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
+        # Stateful objects (schedulers, ...) as their state dicts, as Fabric's other strategies store them.
+        extra = {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
         has_optimizer = any(isinstance(v, Optimizer) for v in state.values())
         self.engine.save_checkpoint(path, extra, include_optimizer=has_optimizer)
 
@@ -169,16 +170,27 @@ class ZeroFabricStrategy(DDPStrategy):
             state = {"model": state}
         state = state if isinstance(state, dict) else {}
         has_optimizer = any(isinstance(v, Optimizer) for v in state.values())
-        extra = self.engine.load_checkpoint(path, load_optimizer=has_optimizer)
-        for key, value in state.items():
-            if isinstance(value, (nn.Module, Optimizer)):
-                continue
+        requested = [k for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))]
+
+        def check_requested(extra: dict[str, Any]) -> None:  # before anything is applied
+            missing = [key for key in requested if key not in extra]
+            if missing and strict:
+                raise KeyError(f"{path} holds no entries {missing}; pass strict=False to skip them.")
+
+        extra = self.engine.load_checkpoint(path, load_optimizer=has_optimizer, check_extra=check_requested)
+        for key in requested:
             if key not in extra:
-                if strict:
-                    raise KeyError(f"{path} holds no entry {key!r}; pass strict=False to skip it.")
                 continue
-            state[key] = extra.pop(key)
+            if _is_stateful(state[key]):
+                state[key].load_state_dict(extra.pop(key))
+            else:
+                state[key] = extra.pop(key)
         return extra
 
     def teardown(self) -> None:
         teardown_keeping_module(self, self.precision)
+
+
+def _is_stateful(value: Any) -> bool:
+    """Fabric's notion of a stateful object: it has ``state_dict`` and ``load_state_dict``."""
+    return not isinstance(value, type) and callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))

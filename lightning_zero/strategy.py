@@ -7,7 +7,6 @@ itself is the engine's root module, so checkpoint keys are the module's own.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -26,8 +25,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 
 from zero_core import ZeroEngine, engine_of
-from zero_core.checkpoint import is_sharded_checkpoint
-
+from zero_core.checkpoint import is_sharded_checkpoint, remove_checkpoint
 from zero_core.sharding import move_real_tensors, single_optimizer
 
 from ._sharding import (
@@ -187,13 +185,11 @@ class ZeroStrategy(DDPStrategy):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            path = Path(filepath)
-            if path.is_dir():
-                shutil.rmtree(path)
-            elif path.exists():
-                path.unlink()
+            remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """A sharded directory, or a consolidated file; both are read without running code from them
+        (``weights_only`` cannot turn that off)."""
         assert self.engine is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
@@ -204,9 +200,9 @@ class ZeroStrategy(DDPStrategy):
             if with_optimizer:
                 checkpoint["optimizer_states"] = [{}]
             return checkpoint
-        # A consolidated file: its weights, read piecewise; optimizer state starts fresh.
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only is not False)
-        self.engine.load_full_state_dict(checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
+        # A consolidated file: its weights, read piecewise (agreed on every rank); optimizer state starts fresh.
+        self.engine.load_full_state_dict(path, strict=self.lightning_module.strict_loading)
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         checkpoint["state_dict"] = {}
         if fitting:
             checkpoint["optimizer_states"] = [{}]

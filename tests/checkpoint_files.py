@@ -10,9 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from zero_core.checkpoint.manifest import Manifest, digest_file, read_manifest, write_manifest
-
-__all__ = ["Manifest", "digest_file", "read_manifest", "write_manifest"]
+from zero_core.checkpoint.manifest import Manifest, digest_data_file, read_manifest, write_manifest
 from zero_core.checkpoint.unpickling import MetadataUnpickler
 
 
@@ -20,7 +18,14 @@ def resign(directory: Path) -> None:
     """Recompute the manifest over the files as they are now: what an adversary who
     edits a checkpoint would do, so the checks behind the checksums are reached."""
     manifest = read_manifest(directory)
-    files = {name: digest_file(directory / name) for name in manifest.files if (directory / name).exists()}
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    try:
+        for info in read_metadata(directory).storage_data.values():
+            ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    except Exception:  # noqa: BLE001 - a hostile .metadata: whole-file digests only
+        pass
+    names = set(manifest.files) | {p.name for p in directory.iterdir() if p.name.endswith(".distcp")}
+    files = {name: digest_data_file(directory / name, ranges.get(name, [])) for name in names if (directory / name).exists()}
     write_manifest(directory, Manifest(manifest.save_id, files))
 
 

@@ -4,6 +4,7 @@ across process counts, and the consolidation paths."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -145,3 +146,22 @@ def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(
     assert (plugin.stage, plugin.prefetch, plugin.broadcast_buffers) == (2, 1, False)
     assert launch_args.training_script == "train.py"
     assert launch_args.training_script_args == ["--zero_prefetch", "3"]  # the script's, not ours
+
+
+def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_refused(tmp_path: Path) -> None:
+    """One process: a save that fails (disk full) under automatic naming with total_limit=1 leaves
+    the previous checkpoint as the latest (Accelerate alone would have pruned it first); a reused
+    folder whose model save failed after its optimizer save is refused by load_state, changing nothing."""
+    script = Path(__file__).parent / "scripts" / "accelerate_failures.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True, text=True, timeout=300,
+    )
+    _checked(result)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["failed save"].startswith("No space left on device"), report
+    assert report["folders after a failed save"] == ["checkpoint_0"]
+    assert report["latest loads the first save"]
+    assert report["folders after a good save"] == ["checkpoint_1"]
+    assert "come from different saves" in report["mixed pair"], report
+    assert report["mixed pair left the model alone"]

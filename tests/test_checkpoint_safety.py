@@ -135,7 +135,7 @@ def _corruptions(good: Path, other: Path, sentinel: Path) -> dict[str, tuple[Any
     return {
         "flipped bytes in a shard": (
             lambda d: files.flip_bytes(files.largest_shard(d), files.largest_shard(d).stat().st_size // 2),
-            "does not match its checksum: it is corrupt, or it comes from another save"),
+            "it is corrupt, or it comes from another save"),
         "a shard from another save": (
             lambda d: shutil.copy(other / shard_name(d), d / shard_name(d)), "does not match its checksum"),
         "truncated shard": (
@@ -208,14 +208,26 @@ def loads(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     cases.append(("no such directory", str(work / "nowhere")))
     (work / ".unfinished.partial").mkdir()
     cases.append(("only an unfinished save", str(work / "unfinished")))
-    # What a crash between the two renames of a replacement leaves behind.
-    files.copy_checkpoint(good, work / ".renamed.previous")
+    # What a crash between the two renames of a replacement leaves behind: the old copy
+    # moved aside, the complete new one not yet in place.
+    files.copy_checkpoint(other, work / ".swapped.previous")
     files.copy_checkpoint(good, work / ".swapped.partial")
-    recoveries = [("previous copy", str(work / "renamed")), ("complete partial copy", str(work / "swapped"))]
+    recoveries = [("complete partial copy", str(work / "swapped"))]
+    # A lone previous copy is never loaded by itself (its checkpoint was removed on purpose), only named.
+    files.copy_checkpoint(good, work / ".removed.previous")
+    cases.append(("only a previous copy", str(work / "removed")))
+    (work / "plain").mkdir()
+    (work / "plain" / "notes.txt").write_text("not a checkpoint")
+    cases.append(("a directory of other files", str(work / "plain")))
+    (work / "weights.safetensors").write_bytes(b"{}")
+    cases.append(("a file", str(work / "weights.safetensors")))
     results = run_distributed(_try_loads, 2, str(good), cases, recoveries, timeout=240)
     expected = {name: text for name, (_, text) in corruptions.items()}
     expected["no such directory"] = "the directory does not exist."
     expected["only an unfinished save"] = "was interrupted before it completed"
+    expected["only a previous copy"] = "An older copy remains at"
+    expected["a directory of other files"] = "zero-manifest.json is missing"
+    expected["a file"] = "is a file, not a sharded checkpoint directory; full weights"
     return {"work": work, "expected": expected, "results": results, "baselines": baselines}
 
 
@@ -243,7 +255,7 @@ def test_no_code_from_a_checkpoint_ran(loads: dict) -> None:
 def test_interrupted_replacement_is_recovered_by_itself(loads: dict) -> None:
     results, baselines = loads["results"], loads["baselines"]
     for rank in range(2):
-        for name, place in (("previous copy", ".renamed.previous"), ("complete partial copy", ".swapped.partial")):
+        for name, place in (("complete partial copy", ".swapped.partial"),):
             extra, state, warned = results[rank][name]
             assert extra == {"epoch": 3}
             assert _same(state, baselines[rank]), name
@@ -317,10 +329,10 @@ def _fault_checksum_rank1(rank: int) -> list[tuple[object, str, Any]]:
     if rank != 1:
         return []
 
-    def failing(file, sync=False):  # type: ignore[no-untyped-def]
+    def failing(file, ranges, sync=False):  # type: ignore[no-untyped-def]
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(file))
 
-    return [(saving, "digest_file", failing)]
+    return [(saving, "digest_data_file", failing)]
 
 
 class _Unsafe:
@@ -349,7 +361,9 @@ def _save_with_fault(engine: ZeroEngine, target: str, fault: Any, extra: Any) ->
             setattr(owner, name, original)
 
 
-def _try_saves(rank: int, world_size: int, targets: dict[str, str], real_targets: dict[str, str], stop_target: str) -> dict[str, Any]:
+def _try_saves(
+    rank: int, world_size: int, targets: dict[str, str], real_targets: dict[str, str], plain_dir: str, stop_target: str
+) -> dict[str, Any]:
     model, engine = _engine()
     _train(model, engine, range(5))  # differs from the checkpoint about to be overwritten
     out: dict[str, Any] = {}
@@ -363,6 +377,7 @@ def _try_saves(rank: int, world_size: int, targets: dict[str, str], real_targets
             engine.load_checkpoint(target)
         out[f"{name}: reloaded"] = _snapshot(engine)
     out["a later save succeeds"] = _save_with_fault(engine, targets["meta.pt write fails on rank 0"], None, None)
+    out["over a directory of other files"] = _save_with_fault(engine, plain_dir, None, None)
     out["stopped rank"] = _stop_during_save(engine, stop_target)
     return out
 
@@ -372,12 +387,12 @@ def _stop_during_save(engine: ZeroEngine, target: str) -> tuple[str, float]:
     timeout, naming the step, and then wakes rank 1, whose save must fail as well."""
     pids = [None, None]
     torch.distributed.all_gather_object(pids, os.getpid())
-    original = saving.digest_file
+    original = saving.digest_data_file
     if engine.rank == 1:
-        def stop_then_digest(file, sync=False):  # type: ignore[no-untyped-def]
+        def stop_then_digest(file, ranges, sync=False):  # type: ignore[no-untyped-def]
             os.kill(os.getpid(), signal.SIGSTOP)
-            return original(file, sync=sync)
-        saving.digest_file = stop_then_digest
+            return original(file, ranges, sync=sync)
+        saving.digest_data_file = stop_then_digest
     started = time.monotonic()
     try:
         engine.save_checkpoint(target)
@@ -385,7 +400,7 @@ def _stop_during_save(engine: ZeroEngine, target: str) -> tuple[str, float]:
     except CheckpointError as error:
         outcome = str(error)
     finally:
-        saving.digest_file = original
+        saving.digest_data_file = original
     waited = time.monotonic() - started
     if engine.rank == 0:
         os.kill(pids[1], signal.SIGCONT)
@@ -410,11 +425,15 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
             real_targets["a really read-only filesystem"] = str(files.copy_checkpoint(good, work / "ro" / "checkpoint"))
             if not files.remount_read_only(work / "ro"):
                 del real_targets["a really read-only filesystem"]
+        plain = work / "plain"
+        plain.mkdir()
+        (plain / "notes.txt").write_text("mine")
         results = run_distributed(
-            _try_saves, 2, targets, real_targets, str(work / "stopped"), timeout=240, pg_timeout=PG_TIMEOUT
+            _try_saves, 2, targets, real_targets, str(plain), str(work / "stopped"), timeout=240, pg_timeout=PG_TIMEOUT
         )
         leftovers = {name: sorted(p.name for p in Path(t).parent.iterdir() if p.name.startswith(".")) for name, t in {**targets, **real_targets}.items()}
-    return {"results": results, "baselines": baselines, "leftovers": leftovers, "real": sorted(real_targets)}
+        plain_contents = sorted(p.name for p in plain.iterdir())
+    return {"results": results, "baselines": baselines, "leftovers": leftovers, "real": sorted(real_targets), "plain": plain_contents}
 
 
 def test_a_failed_save_fails_alike_on_every_rank_root_cause_first(saves: dict) -> None:
@@ -448,9 +467,48 @@ def test_saving_works_again_after_failures(saves: dict) -> None:
     assert by_rank(saves["results"], "a later save succeeds") == ["saved", "saved"]
 
 
+def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused(saves: dict) -> None:
+    messages = by_rank(saves["results"], "over a directory of other files")
+    assert messages[0] == messages[1] and "Refusing to save to" in messages[0] and "would delete them" in messages[0]
+    assert saves["plain"] == ["notes.txt"]
+
+
 def test_a_stopped_rank_ends_the_save_on_the_others_with_the_step_named(saves: dict) -> None:
     (message, waited), (other_message, _) = saves["results"][0]["stopped rank"], saves["results"][1]["stopped rank"]
     assert "gave up waiting for the other ranks while checksumming the shards" in message, message
     assert waited < PG_TIMEOUT * 4, waited
     assert other_message != "saved", "the stopped rank's save returned normally"
 
+
+
+# ------------------------------------------------------------------ fp16: loss scale and step counter
+def test_loss_scale_and_step_counter_are_restored_and_survive_a_failed_load(tmp_path: Path) -> None:
+    """One process, no process group: the same code path as every rank takes."""
+    from zero_core import MixedPrecision
+
+    torch.manual_seed(0)
+    model = TinyTransformer(blocks=2, width=16)
+    precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3, precision=precision))
+
+    def step(overflow: bool) -> None:
+        ids = batch(0, 0)
+        loss = lm_loss(model(ids), ids)
+        engine.backward(loss * float("inf") if overflow else loss)
+        engine.step()
+
+    step(False)
+    step(True)  # halves the scale, skips the update
+    saved = (engine.loss_scale, engine.steps_taken)
+    engine.save_checkpoint(tmp_path / "good")
+    step(True)
+    step(False)
+    live = (engine.loss_scale, engine.steps_taken)
+    assert live != saved
+    broken = files.copy_checkpoint(tmp_path / "good", tmp_path / "broken")
+    files.flip_bytes(files.largest_shard(broken), 100)
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        engine.load_checkpoint(broken)
+    assert (engine.loss_scale, engine.steps_taken) == live
+    engine.load_checkpoint(tmp_path / "good")
+    assert (engine.loss_scale, engine.steps_taken) == saved == (2.0**9, 1)

@@ -190,9 +190,7 @@ def test_no_payload_runs_from_a_pickled_object_in_the_shards(checkpoint: Path, t
         (target / ".metadata").unlink()
         state = {"model": load_full_checkpoint(checkpoint)["model"], "optimizer_0": {"param_groups": [{"lr": gadget}]}}
         dcp.save(state, storage_writer=FileSystemWriter(target), no_dist=True)
-        manifest = files.read_manifest(target)
-        names = {p.name for p in target.iterdir() if p.name not in ("zero-manifest.json",)}
-        files.write_manifest(target, files.Manifest(manifest.save_id, {n: files.digest_file(target / n) for n in names}))
+        files.resign(target)
         with pytest.raises(CheckpointError, match="refusing to load an object from the checkpoint"):
             load_full_checkpoint(target)
         assert not sentinel.exists(), name
@@ -209,3 +207,27 @@ def test_consolidation_tool_refuses_and_exits_nonzero(checkpoint: Path, tmp_path
     shutil.rmtree(target)
     with pytest.raises(CheckpointError, match="does not exist"):
         consolidate_checkpoint(target, tmp_path / "out.safetensors")
+
+
+def _build_on_global(module: str, name: str, state: object) -> bytes:
+    """GLOBAL module.name, then BUILD with ``state`` on it (setattr on a class or function), then None."""
+    body = pickle.dumps(state, protocol=2)[2:-1]  # without PROTO and STOP
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + body + b"b0" + pickle.dumps(None, protocol=2)[2:]
+
+
+def test_build_cannot_change_allowed_classes_or_functions_for_the_process() -> None:
+    """BUILD on an allowed class would set attributes process-wide (every Path's name,
+    DCP's records, torch's layout lookup), which later saves and loads would act on."""
+    attacks = {
+        ("pathlib", "PosixPath"): (None, {"name": "hijacked"}),
+        ("torch.distributed.checkpoint.metadata", "Metadata"): (None, {"planner_data": {"model.x": ("evil",)}}),
+        ("torch.serialization", "_get_layout"): {"cache": {"torch.sparse_coo": torch.strided}},
+        ("torch", "Size"): (None, {"numel": None}),
+    }
+    for (module, name), state in attacks.items():
+        with pytest.raises(pickle.UnpicklingError, match="refusing to set the state of"):
+            MetadataUnpickler(io.BytesIO(_build_on_global(module, name, state))).load()
+    assert Path("/ckpt/step-1").name == "step-1"
+    assert torch.distributed.checkpoint.metadata.Metadata({}).planner_data is None
+    assert torch.serialization._get_layout("torch.sparse_coo") is torch.sparse_coo
+    assert torch.Size([2, 3]).numel() == 6

@@ -149,8 +149,9 @@ def test_fabric_trains_saves_and_resumes_exactly(tmp_path: Path) -> None:
     assert run["strategy"] == "ZeroFabricStrategy"
     assert run["first"][-1] < run["first"][0]
     assert run["step"] == 3 and run["remainder"] == {}
-    assert run["resumed"] == run["continued"]
+    assert run["resumed"] == run["continued"]  # the scheduler's state came back too
     assert relative_difference(run["final"], run["uninterrupted"]) == 0.0
+    assert "holds no entries ['epoch']" in run["refused"] and run["refused_changed_nothing"]
 
 
 def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:

@@ -94,6 +94,13 @@ def _param_name(rank: int) -> ZeroEngine:
     return ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
 
 
+def _defaults(rank: int) -> ZeroEngine:
+    """Groups alike, defaults not: a group added later would train at another lr per rank."""
+    model = _model()
+    groups = [dict(group, lr=1e-2) for group in param_groups(model, 1e-2)]
+    return ZeroEngine(model, torch.optim.AdamW(groups, lr=0.1 * (1 + rank)), config_for(3))
+
+
 class Case(NamedTuple):
     build: Build
     field: str
@@ -113,6 +120,7 @@ CASES: dict[str, Case] = {
     "group count": Case(_group_count, "optimizer param group count", "2", "1"),
     "group weight decay": Case(_group_weight_decay, "optimizer param group 1 weight_decay", "0", "0.1"),
     "param name": Case(_param_name, "parameter 0 name", "'a.weight'", "'b.weight'"),
+    "optimizer defaults": Case(_defaults, "optimizer default lr", "0.1", "0.2"),
 }
 
 
@@ -144,6 +152,39 @@ def _attach(rank: int, world_size: int) -> dict[str, object]:
     return {"refused": refused, "steps": engine.steps_taken}
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+class _OtherBlock(_Block):
+    pass
+
+
+def _legitimately_different(rank: int, world_size: int) -> dict[str, object]:
+    """Not refused: wrap classes in another order (a set has none), a hyperparameter whose repr
+    holds an address (functools.partial); an added group with another lr is refused at the step."""
+    from zero_core import WrapPolicy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_Block(), _OtherBlock(), nn.Linear(4, 1))
+    classes = (_Block, _OtherBlock) if rank == 0 else (_OtherBlock, _Block)
+    groups = [{"params": list(model[0].parameters()) + list(model[1].parameters()), "schedule": functools.partial(max, 1)}]
+    optimizer = torch.optim.SGD(groups, lr=0.1)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=classes)))
+    optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.1 * (1 + rank)})
+
+    def step() -> None:
+        engine.backward(model(torch.ones(2, 4)).sum())
+        engine.step()
+
+    return {"built": True, "added group": refusal(step, ValueError)}
+
+
 def _message(case: Case) -> str:
     return f"ZeRO: ranks disagree on {case.field}: {case.rank0} on rank 0; {case.rank1} on rank 1. {ADVICE}"
 
@@ -160,6 +201,13 @@ def test_agreeing_ranks_build_and_train_after_a_refused_build(grid: list) -> Non
         assert result == {"refused": True, "left_unsharded": True, "steps": 1}
 
 
+def test_legitimate_differences_are_not_refused_and_added_groups_are_compared(grid: list) -> None:
+    results = by_rank(grid, "legitimate")
+    assert all(result["built"] for result in results)
+    assert results[0]["added group"] == results[1]["added group"]
+    assert "ranks disagree on optimizer param group 1 lr: 0.1 on rank 0; 0.2 on rank 1" in results[0]["added group"]
+
+
 def test_attach_optimizer_with_disagreeing_optimizers_is_refused_on_every_rank(grid: list) -> None:
     results = by_rank(grid, "attach")
     assert results[0]["refused"] == results[1]["refused"]
@@ -174,4 +222,5 @@ def grid() -> list[dict]:
     workers: dict[str, Callable] = {name: functools.partial(_refused, build=case.build) for name, case in CASES.items()}
     workers["agree"] = _agreeing_after_refusal
     workers["attach"] = _attach
+    workers["legitimate"] = _legitimately_different
     return run_distributed(run_each, 2, workers, timeout=180, pg_timeout=30)

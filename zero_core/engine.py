@@ -118,6 +118,7 @@ class ZeroEngine(CheckpointMethods):
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
         self._param_group_names: list[list[str]] = []
+        self._added_groups_unchecked = False  # groups added after setup, compared at the next step
         self.comm = CommContext.create(process_group, _model_device(model, device))
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
         # Before any other collective: ranks that built different models, configs
@@ -192,7 +193,17 @@ class ZeroEngine(CheckpointMethods):
 
     def _adopt_added_param_groups(self) -> None:
         if self.optimizer is not None:
-            self._param_group_names += adopt_added_param_groups(self.optimizer, self.units, self._param_group_names)
+            added = adopt_added_param_groups(self.optimizer, self.units, self._param_group_names)
+            self._param_group_names += added
+            self._added_groups_unchecked |= bool(added)
+
+    def _agree_on_added_param_groups(self) -> None:
+        """Groups added after setup (progressive unfreezing) are compared across ranks at the
+        next step, a point every rank reaches together, as the setup's optimizer was."""
+        if self._added_groups_unchecked and self.optimizer is not None:
+            self._added_groups_unchecked = False
+            described = setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names)
+            setup_agreement.agree_on_setup(self.comm, described)
 
     @property
     def stage(self) -> int:
@@ -380,6 +391,7 @@ class ZeroEngine(CheckpointMethods):
         self._skip_refresh = False
         self._step_calls += 1
         self._adopt_added_param_groups()  # groups added since the last step train from this one
+        self._agree_on_added_param_groups()
         if self.loss_scaler is not None:
             self._unscale_grads_once()
         counters = {

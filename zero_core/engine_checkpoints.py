@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .checkpoint.errors import CheckpointError
 from .checkpoint.full_weights import load_full_weights
 from .checkpoint.loading import load_checkpoint
 from .checkpoint.records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
@@ -72,11 +73,16 @@ class CheckpointMethods:
         load_optimizer: bool = True,
         load_model: bool = True,
         optimizer_path: str | os.PathLike | None = None,
+        check_extra: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[str, Any]:
         """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``.
 
         ``optimizer_path``: read the optimizer from this other directory (one saved
-        with ``include_model=False``, as Accelerate keeps them apart).
+        with ``include_model=False``, as Accelerate keeps them apart); both must
+        hold the same ``extra`` and step count, or the pair is refused.
+        ``check_extra``: called with the loaded ``extra`` before anything is
+        applied; what it raises leaves everything as it was (``extra`` is the
+        same on every rank, so it raises on every rank alike).
 
         All or nothing: every file is verified and read on every rank before
         anything changes; a failure anywhere raises the same ``CheckpointError``
@@ -87,8 +93,16 @@ class CheckpointMethods:
         view, with_optimizer = self._sharded_view(), load_optimizer and self.optimizer is not None
         loaded = load_checkpoint(view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None)
         if with_optimizer and optimizer_path is not None:
-            optimizer = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True).optimizer
-            loaded = loaded._replace(optimizer=optimizer)
+            apart = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True)
+            if (apart.extra, apart.record.steps) != (loaded.extra, loaded.record.steps):
+                raise CheckpointError(
+                    f"{optimizer_path} and {path} come from different saves ({apart.record.steps} and "
+                    f"{loaded.record.steps} steps, or other extra state): a save that failed between the two? "
+                    "Load an earlier pair."
+                )
+            loaded = loaded._replace(optimizer=apart.optimizer)
+        if check_extra is not None:
+            check_extra(loaded.extra)
         if loaded.weights is not None:
             self._install_weights(loaded.weights)
         if loaded.optimizer is not None:

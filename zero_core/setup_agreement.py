@@ -57,7 +57,12 @@ def describe_value(value: Any) -> str:
         return repr(int(value))
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(describe_value(v) for v in value) + ")"
-    return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{describe_value(k)}: {describe_value(v)}" for k, v in value.items()) + "}"
+    text = repr(value)
+    if " at 0x" in text:  # a default repr (or a partial's) holds the object's address, different per rank
+        return f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return text
 
 
 def describe_config(config: Any, prefix: str = "config") -> list[Field]:
@@ -67,6 +72,8 @@ def describe_config(config: Any, prefix: str = "config") -> list[Field]:
         value = getattr(config, spec.name)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             fields += describe_config(value, f"{prefix}.{spec.name}")
+        elif spec.name == "module_classes":  # order does not matter, and a set given by the user has none
+            fields.append(Field(f"{prefix}.{spec.name}", repr(sorted(describe_value(c) for c in value))))
         else:
             fields.append(Field(f"{prefix}.{spec.name}", describe_value(value)))
     return fields
@@ -94,10 +101,14 @@ def describe_units(plans: list[UnitPlan]) -> list[Field]:
     return fields
 
 
-def describe_optimizer(optimizer: torch.optim.Optimizer | None, names: Mapping[int, str]) -> list[Field]:
-    """Type, groups, each group's parameters by name and every hyperparameter.
+def describe_optimizer(
+    optimizer: torch.optim.Optimizer | None, names: Mapping[int, str], group_names: list[list[str]] | None = None
+) -> list[Field]:
+    """Type, defaults, groups, each group's parameters by name and every hyperparameter.
 
-    ``names``: id(parameter) -> its canonical name in the model.
+    ``names``: id(parameter) -> its canonical name in the model. Once the
+    optimizer is rebuilt over shards its groups hold pieces that differ per
+    rank: ``group_names`` (the engine's names per group) describes them instead.
     """
     if optimizer is None:
         return [Field("optimizer type", "None")]
@@ -106,15 +117,21 @@ def describe_optimizer(optimizer: torch.optim.Optimizer | None, names: Mapping[i
         Field("optimizer param group count", str(len(optimizer.param_groups))),
     ]
     for g, group in enumerate(optimizer.param_groups):
-        params = group["params"]
-        fields.append(Field(f"optimizer param group {g} parameter count", str(len(params))))
-        for i, param in enumerate(params):
-            name = names.get(id(param))
-            value = repr(name) if name is not None else f"<a tensor not in the model, shape {tuple(param.shape)}>"
+        if group_names is not None:
+            described = [repr(name) for name in group_names[g]]
+        else:
+            described = [
+                repr(names[id(p)]) if id(p) in names else f"<a tensor not in the model, shape {tuple(p.shape)}>"
+                for p in group["params"]
+            ]
+        fields.append(Field(f"optimizer param group {g} parameter count", str(len(described))))
+        for i, value in enumerate(described):
             fields.append(Field(f"optimizer param group {g} parameter {i}", value))
         keys = sorted(key for key in group if key != "params")
         fields.append(Field(f"optimizer param group {g} hyperparameters", repr(keys)))
         fields += [Field(f"optimizer param group {g} {key}", describe_value(group[key])) for key in keys]
+    # Last: a default differs alone only where no group uses it yet (a group added later takes it).
+    fields += [Field(f"optimizer default {key}", describe_value(optimizer.defaults[key])) for key in sorted(optimizer.defaults)]
     return fields
 
 

@@ -1,5 +1,7 @@
-"""Fabric with strategy="zero3": train, save, keep training; then a fresh model
-loads the checkpoint and trains the same steps. Rank 0 writes OUT/fabric.pt.
+"""Fabric with strategy="zero3": train, save (model, optimizer, LR scheduler, a
+step count), keep training; then a fresh model refuses a load that asks for a
+missing entry (changing nothing), loads the checkpoint and trains the same
+steps. Rank 0 writes OUT/fabric.pt.
 
     python tests/scripts/fabric_run.py OUT_DIR
 """
@@ -19,7 +21,7 @@ import lightning_zero  # noqa: E402, F401  (registers the strategies)
 from tests.models import TinyTransformer, batch, lm_loss, make_optimizer  # noqa: E402
 
 
-def train(fabric: Fabric, model, optimizer, steps: range) -> list[float]:  # type: ignore[no-untyped-def]
+def train(fabric: Fabric, model, optimizer, scheduler, steps: range) -> list[float]:  # type: ignore[no-untyped-def]
     losses = []
     for step in steps:
         ids = batch(step, fabric.global_rank)
@@ -27,6 +29,7 @@ def train(fabric: Fabric, model, optimizer, steps: range) -> list[float]:  # typ
         fabric.backward(loss)
         fabric.clip_gradients(model, optimizer, max_norm=1.0)
         optimizer.step()
+        scheduler.step()
         losses.append(loss.item())
     return losses
 
@@ -34,23 +37,32 @@ def train(fabric: Fabric, model, optimizer, steps: range) -> list[float]:  # typ
 def fresh(fabric: Fabric):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=False)
-    return fabric.setup(model, make_optimizer("adamw", model))
+    model, optimizer = fabric.setup(model, make_optimizer("adamw", model))
+    return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     fabric = Fabric(accelerator="cpu", devices=2, strategy="zero3")
     fabric.launch()
-    model, optimizer = fresh(fabric)
-    first = train(fabric, model, optimizer, range(3))
-    fabric.save(out / "fabric-ckpt", {"model": model, "optimizer": optimizer, "step": 3})
-    continued = train(fabric, model, optimizer, range(3, 5))
+    model, optimizer, scheduler = fresh(fabric)
+    first = train(fabric, model, optimizer, scheduler, range(3))
+    fabric.save(out / "fabric-ckpt", {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 3})
+    continued = train(fabric, model, optimizer, scheduler, range(3, 5))
     uninterrupted = fabric.strategy.engine.full_state_dict()
 
-    model, optimizer = fresh(fabric)
-    state = {"model": model, "optimizer": optimizer, "step": 0}
+    model, optimizer, scheduler = fresh(fabric)
+    before = fabric.strategy.engine.full_state_dict()
+    try:
+        fabric.load(out / "fabric-ckpt", {"model": model, "optimizer": optimizer, "epoch": 0})
+        refused = "loaded"
+    except KeyError as error:
+        refused = str(error)
+    after = fabric.strategy.engine.full_state_dict()
+    refused_changed_nothing = all(torch.equal(before[k], v) for k, v in after.items())
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     remainder = fabric.load(out / "fabric-ckpt", state)
-    resumed = train(fabric, model, optimizer, range(state["step"], 5))
+    resumed = train(fabric, model, optimizer, scheduler, range(state["step"], 5))
     result = {
         "first": first,
         "continued": continued,
@@ -60,6 +72,9 @@ def main() -> None:
         "uninterrupted": uninterrupted,
         "final": fabric.strategy.engine.full_state_dict(),
         "strategy": type(fabric.strategy).__name__,
+        "refused": refused,
+        "refused_changed_nothing": refused_changed_nothing,
+        "lr": scheduler.get_last_lr(),
     }
     if fabric.global_rank == 0:
         torch.save(result, out / "fabric.pt")

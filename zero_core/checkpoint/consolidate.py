@@ -52,11 +52,16 @@ def _read_full(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]
     flat: dict[str, Any] = {}
     for key, entry in checkpoint.metadata.state_dict_metadata.items():
         flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
-    agreement.run("reading the shards", lambda: read_shards(checkpoint.directory, checkpoint.metadata, flat))
-    nested: dict[str, Any] = {}
+    agreement.run("reading the shards", lambda: read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, flat))
     mappings = checkpoint.metadata.planner_data or {}
-    for key, value in flat.items():
-        _set_nested(nested, tuple(mappings.get(key, (key,))), value)
+
+    def assemble() -> dict[str, Any]:
+        nested: dict[str, Any] = {}
+        for key, value in flat.items():
+            _set_nested(nested, tuple(mappings.get(key, (key,))), value)
+        return nested
+
+    nested, _ = agreement.run("assembling the entries", assemble)
     return nested, checkpoint.extra
 
 

@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .agreement import RankAgreement
 from .errors import CheckpointError, mismatch_error
-from .manifest import Manifest, read_manifest, read_verified, verify_file
+from .manifest import Manifest, check_present, read_manifest, read_verified
 from .records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedCheckpoint, LoadedOptimizer, LoadedWeights, ShardedModel, parse_engine_record
 from .chunks import ShardedChunks
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
-from .storage import EXTRA_FILENAME, METADATA_FILENAME, check_storage_paths, locate_checkpoint, read_shards
+from .metadata_checks import check_metadata
+from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .unpickling import load_weights_only, unpickle_metadata
 
 
@@ -45,11 +46,11 @@ def open_checkpoint(agreement: RankAgreement, path: str | os.PathLike) -> Verifi
     def verify() -> VerifiedCheckpoint:
         manifest = read_manifest(directory)
         metadata = unpickle_metadata(read_verified(directory, manifest, METADATA_FILENAME), directory / METADATA_FILENAME)
-        data_files = check_storage_paths(directory, metadata, set(manifest.files))
+        data_files = check_metadata(directory, metadata, manifest)
         meta = load_weights_only(read_verified(directory, manifest, EXTRA_FILENAME), directory / EXTRA_FILENAME, "the step counter and extra state")
         extra, record = parse_engine_record(meta, directory / EXTRA_FILENAME, manifest.save_id)
-        for name in data_files[agreement.rank :: agreement.world_size]:
-            verify_file(directory, manifest, name)
+        for name in data_files:  # present and whole; their bytes are checked as they are read
+            check_present(directory, manifest, name)
         return VerifiedCheckpoint(directory, manifest, metadata, extra, record)
 
     checkpoint, _ = agreement.run("verifying the files", verify)
@@ -82,6 +83,25 @@ def check_model_keys(path: Path, metadata: Metadata, expected: dict[str, tuple[i
         raise mismatch_error(f"{path} does not hold this model's weights", missing, unexpected, misshaped)
 
 
+def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) -> None:
+    """Every saved optimizer tensor belongs to a parameter of this model and is either per element
+    (the parameter's full shape) or a scalar (``step``): anything else would be installed as is."""
+    slots = {slot.fqns[0]: slot for unit in view.units for slot in unit.layout.slots}
+    prefix = OPTIMIZER_KEY + ".state."
+    unknown, misshaped = set(), []
+    for key, entry in metadata.state_dict_metadata.items():
+        if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
+            continue
+        fqn, state_key = key[len(prefix) :].rsplit(".", 1)
+        slot = slots.get(fqn)
+        if slot is None:
+            unknown.add(fqn)
+        elif tuple(entry.size) not in (tuple(slot.shape), ()):
+            misshaped.append(f"{fqn} {state_key} (checkpoint {tuple(entry.size)}, parameter {tuple(slot.shape)})")
+    if unknown or misshaped:
+        raise mismatch_error(f"{path}'s optimizer state does not fit this model", [], sorted(unknown), misshaped)
+
+
 def load_checkpoint(view: ShardedModel, path: str | os.PathLike, *, load_model: bool, load_optimizer: bool) -> LoadedCheckpoint:
     agreement = RankAgreement(view.comm, f"loading checkpoint {Path(path).absolute()}")
     checkpoint = open_checkpoint(agreement, path)
@@ -92,6 +112,8 @@ def load_checkpoint(view: ShardedModel, path: str | os.PathLike, *, load_model: 
         saved = checkpoint.metadata.state_dict_metadata
         if load_optimizer and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved):
             raise CheckpointError(f"{checkpoint.directory} holds no optimizer state; pass load_optimizer=False to load the weights only.")
+        if load_optimizer:
+            check_optimizer_entries(checkpoint.directory, checkpoint.metadata, view)
 
     agreement.run("checking the contents", check_contents)
     loaded, _ = agreement.run("reading the shards", lambda: _read(view, checkpoint, load_model, load_optimizer))
@@ -108,7 +130,7 @@ def _read(view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, 
     if load_optimizer:
         assert view.optimizer is not None
         state[OPTIMIZER_KEY], installs = optimizer_load_targets(view.optimizer, view.units, checkpoint.metadata, OPTIMIZER_KEY)
-    read_shards(checkpoint.directory, checkpoint.metadata, state)
+    read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, state)
     weights = None
     if load_model:
         assert shards is not None

@@ -7,9 +7,11 @@ digest of its own body, so a damaged manifest is told apart from damaged
 data. Names in it are plain file names (no separators, no ``..``), so a
 hostile manifest cannot point a load outside the directory.
 
-Verification streams each file in fixed-size chunks (no copy of the model
-in memory); the data files are split between ranks, so together they read
-each byte once.
+Data files also record a digest per DCP item (a byte range): readers check
+exactly the bytes they read, as they read them (one item in memory at a
+time, no second pass over the files), so a rank's stale or local copy of a
+file cannot slip past a check another rank made. Saving computes both in
+one sequential pass, the files split between ranks.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
 class FileDigest(NamedTuple):
     size: int
     sha256: str
+    # For a data file: (offset, length, sha256) of each DCP item in it, so a reader can
+    # verify exactly the bytes it reads, as it reads them.
+    items: tuple[tuple[int, int, str], ...] = ()
 
 
 class Manifest(NamedTuple):
@@ -44,13 +49,26 @@ def digest_bytes(data: bytes) -> FileDigest:
     return FileDigest(len(data), hashlib.sha256(data).hexdigest())
 
 
-def digest_file(file: Path, *, sync: bool = False) -> FileDigest:
-    """Size and SHA-256 of ``file``, streamed; ``sync`` also flushes it to disk first."""
+def digest_data_file(file: Path, ranges: list[tuple[int, int]], *, sync: bool = False) -> FileDigest:
+    """The file's size and SHA-256 and each item's (byte ranges, as DCP wrote them), in one
+    sequential pass; ``sync`` also flushes the file to disk first."""
+    whole = hashlib.sha256()
+    items = []
     with open(file, "rb") as stream:
         if sync:
             os.fsync(stream.fileno())
-        digest = hashlib.file_digest(stream, "sha256")
-        return FileDigest(stream.tell(), digest.hexdigest())
+        position = 0
+        for offset, length in sorted(ranges):
+            if offset > position:
+                whole.update(stream.read(offset - position))  # bytes between items, if any
+            data = stream.read(length)
+            whole.update(data)
+            items.append((offset, length, hashlib.sha256(data).hexdigest()))
+            position = offset + length
+        while chunk := stream.read(_CHUNK_BYTES):
+            whole.update(chunk)
+            position += len(chunk)
+    return FileDigest(position, whole.hexdigest(), tuple(items))
 
 
 def is_plain_file_name(name: object) -> bool:
@@ -67,12 +85,19 @@ def _body_digest(body: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+def _file_entry(digest: FileDigest) -> dict:
+    entry: dict = {"bytes": digest.size, "sha256": digest.sha256}
+    if digest.items:
+        entry["items"] = [list(item) for item in digest.items]
+    return entry
+
+
 def write_manifest(directory: Path, manifest: Manifest) -> None:
     """Write, sync and then rename into place, so a half-written manifest never exists."""
     body = {
         "format": MANIFEST_FORMAT,
         "save_id": manifest.save_id,
-        "files": {name: {"bytes": d.size, "sha256": d.sha256} for name, d in sorted(manifest.files.items())},
+        "files": {name: _file_entry(d) for name, d in sorted(manifest.files.items())},
     }
     text = json.dumps({**body, "manifest_sha256": _body_digest(body)}, indent=1, sort_keys=True)
     temporary = directory / f".{MANIFEST_FILENAME}.tmp"
@@ -113,13 +138,27 @@ def _parse(document: dict) -> Manifest:
         raise ValueError("save_id must be a string and files a mapping")
     files = {}
     for name, entry in document["files"].items():
-        if not is_plain_file_name(name):
-            raise ValueError(f"{name!r} is not a plain file name")
+        if not is_plain_file_name(name) or not isinstance(entry, dict) or not set(entry) <= {"bytes", "sha256", "items"}:
+            raise ValueError(f"the entry for {name!r} is malformed")
         size, sha256 = entry["bytes"], entry["sha256"]
-        if not (isinstance(size, int) and size >= 0 and isinstance(sha256, str) and _HEX_DIGEST.fullmatch(sha256)):
+        items = tuple(tuple(item) for item in entry.get("items", ()))
+        well_formed = (
+            _is_count(size)
+            and _is_digest(sha256)
+            and all(len(item) == 3 and _is_count(item[0]) and _is_count(item[1]) and _is_digest(item[2]) for item in items)
+        )
+        if not well_formed:
             raise ValueError(f"the entry for {name} is malformed")
-        files[name] = FileDigest(size, sha256)
+        files[name] = FileDigest(size, sha256, items)  # type: ignore[arg-type]
     return Manifest(document["save_id"], files)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_digest(value: object) -> bool:
+    return isinstance(value, str) and _HEX_DIGEST.fullmatch(value) is not None
 
 
 def _check(file: Path, expected: FileDigest, actual: FileDigest) -> None:
@@ -136,23 +175,36 @@ def expected_digest(directory: Path, manifest: Manifest, name: str) -> FileDiges
     return manifest.files[name]
 
 
-def verify_file(directory: Path, manifest: Manifest, name: str) -> None:
-    """Stream ``name`` and compare it with the manifest; CheckpointError naming the file otherwise."""
+def check_present(directory: Path, manifest: Manifest, name: str) -> None:
+    """``name`` is a regular file of the recorded size (not a link that could lead outside)."""
     expected = expected_digest(directory, manifest, name)
     file = directory / name
+    if file.is_symlink():
+        raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own.")
     if not file.is_file():
-        raise CheckpointError(f"{directory / name} is missing; the checkpoint is incomplete.")
-    _check(file, expected, digest_file(file))
+        raise CheckpointError(f"{file} is missing; the checkpoint is incomplete.")
+    size = file.stat().st_size
+    if size != expected.size:
+        _check(file, expected, FileDigest(size, ""))
+
+
+def check_item(file: Path, expected: FileDigest, offset: int, data: bytes) -> None:
+    """The bytes read for one DCP item match the digest recorded for them."""
+    recorded = {(o, n): digest for o, n, digest in expected.items}.get((offset, len(data)))
+    if recorded is None:
+        raise CheckpointError(f"{file}: no checksum is recorded for bytes {offset}..{offset + len(data)}; the checkpoint is inconsistent.")
+    if hashlib.sha256(data).hexdigest() != recorded:
+        raise CheckpointError(
+            f"{file} does not match its checksum (bytes {offset}..{offset + len(data)}): it is corrupt, or it "
+            "comes from another save."
+        )
 
 
 def read_verified(directory: Path, manifest: Manifest, name: str) -> bytes:
     """A small file's bytes, checked against the manifest; what is parsed is what was checked."""
-    expected = expected_digest(directory, manifest, name)
+    check_present(directory, manifest, name)
+    data = (directory / name).read_bytes()
     file = directory / name
-    if not file.is_file():
-        raise CheckpointError(f"{directory / name} is missing; the checkpoint is incomplete.")
-    if file.stat().st_size != expected.size:
-        _check(file, expected, FileDigest(file.stat().st_size, ""))
-    data = file.read_bytes()
+    expected = manifest.files[name]
     _check(file, expected, digest_bytes(data))
     return data

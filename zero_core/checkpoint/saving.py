@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from .agreement import RankAgreement
 from .errors import CheckpointError
-from .manifest import FileDigest, Manifest, digest_bytes, digest_file, write_manifest
+from .manifest import FileDigest, Manifest, digest_bytes, digest_data_file, write_manifest
 from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
 from .state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
 from .storage import EXTRA_FILENAME, METADATA_FILENAME, CheckpointDirs, discard_partial, prepare_partial, replace_with_partial, write_shards
@@ -70,11 +71,7 @@ def save_checkpoint(
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
         state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
         metadata, _ = agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
-        names = sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {METADATA_FILENAME})
-        mine = names[agreement.rank :: agreement.world_size]
-        _, shares = agreement.run(
-            "checksumming the shards", lambda: {n: digest_file(dirs.partial / n, sync=True) for n in mine}, share=True
-        )
+        _, shares = agreement.run("checksumming the shards", lambda: checksum_share(dirs.partial, metadata, agreement), share=True)
         digests: dict[str, FileDigest] = {name: digest for share in shares for name, digest in share.items()}
 
         def finish() -> None:
@@ -88,6 +85,16 @@ def save_checkpoint(
             discard_partial(dirs)
         raise
     return dirs.path
+
+
+def checksum_share(directory: Path, metadata: Metadata, agreement: RankAgreement) -> dict[str, FileDigest]:
+    """This rank's share of the files (each file once across ranks): synced, digested whole and
+    item by item."""
+    ranges: dict[str, list[tuple[int, int]]] = {METADATA_FILENAME: []}
+    for info in (metadata.storage_data or {}).values():
+        ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    mine = sorted(ranges)[agreement.rank :: agreement.world_size]
+    return {name: digest_data_file(directory / name, ranges[name], sync=True) for name in mine}
 
 
 def serialize_meta(meta: dict[str, Any]) -> bytes:

@@ -3,9 +3,11 @@
 A save writes into the hidden sibling ``.NAME.partial``; the manifest is
 written last, and only then does the directory take ``NAME``'s place. The
 replacement is two renames (``NAME`` → ``.NAME.previous``, partial →
-``NAME``), so at every instant ``NAME``, a complete partial or the
-previous copy holds a complete checkpoint, and :func:`locate_checkpoint`
-finds it by itself after a crash between the renames.
+``NAME``, undone if the second fails), so at every instant ``NAME`` or
+the complete partial holds a complete checkpoint, and
+:func:`locate_checkpoint` finds the partial by itself after a crash
+between the renames. Saving over a directory that is not a checkpoint is
+refused: its files would be deleted.
 
 Reading: DCP's ``.metadata`` is parsed from verified bytes with the
 allow-listed unpickler; tensors are read by DCP with
@@ -20,7 +22,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import IO, Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -31,7 +33,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..collectives import CommContext
 from .errors import CheckpointError
-from .manifest import MANIFEST_FILENAME, is_plain_file_name
+from .manifest import MANIFEST_FILENAME, Manifest, check_item
 
 METADATA_FILENAME = ".metadata"
 EXTRA_FILENAME = "meta.pt"  # the name Lightning's consolidation tool reads user state from
@@ -58,49 +60,61 @@ def is_complete(directory: Path) -> bool:
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """A directory, or a path whose save was interrupted between its renames (not a single file)."""
     dirs = CheckpointDirs.of(path)
-    return dirs.path.is_dir() or (not dirs.path.exists() and (is_complete(dirs.partial) or is_complete(dirs.previous)))
+    return dirs.path.is_dir() or (not dirs.path.exists() and is_complete(dirs.partial))
 
 
 def locate_checkpoint(path: str | os.PathLike) -> Path:
     """The directory holding the checkpoint saved at ``path``.
 
     ``path`` itself, unless a save was interrupted between its two renames:
-    then the complete new copy (``.NAME.partial``) or the previous one
-    (``.NAME.previous``), with a warning naming it.
+    then the complete new copy (``.NAME.partial``), with a warning naming it.
+    A ``.NAME.previous`` is never loaded by itself: after a failed save the
+    previous checkpoint is back at ``path``, so a lone previous copy means
+    ``path`` was removed on purpose.
     """
     dirs = CheckpointDirs.of(path)
+    if dirs.path.is_file():
+        raise CheckpointError(
+            f"{dirs.path} is a file, not a sharded checkpoint directory; full weights (.safetensors, .pt, "
+            ".ckpt) load with load_full_state_dict."
+        )
     if dirs.path.exists():
         return dirs.path
-    for candidate, which in ((dirs.partial, "the complete new copy"), (dirs.previous, "the previous checkpoint")):
-        if is_complete(candidate):
-            warnings.warn(
-                f"{dirs.path} is missing: a save was interrupted while replacing it. Loading {which} from {candidate}.",
-                stacklevel=3,
-            )
-            return candidate
+    if is_complete(dirs.partial):
+        warnings.warn(
+            f"{dirs.path} is missing: a save was interrupted between its two renames. Loading the complete "
+            f"new copy from {dirs.partial}.",
+            stacklevel=3,
+        )
+        return dirs.partial
     hint = ""
-    if dirs.partial.exists():
-        hint = f" A save into it was interrupted before it completed ({dirs.partial} is incomplete and no earlier checkpoint is left)."
+    if is_complete(dirs.previous):
+        hint = f" An older copy remains at {dirs.previous}; rename it to {dirs.path.name} to load it."
+    elif dirs.partial.exists():
+        hint = f" A save into it was interrupted before it completed ({dirs.partial} is incomplete)."
     raise CheckpointError(f"{dirs.path} is not a checkpoint: the directory does not exist.{hint}")
 
 
-def check_storage_paths(directory: Path, metadata: dcp_metadata.Metadata, manifest_files: set[str]) -> list[str]:
-    """The data files the metadata reads, each a plain name the manifest covers (nothing outside the directory)."""
-    names = set()
-    for info in (metadata.storage_data or {}).values():
-        name = getattr(info, "relative_path", None)
-        if not is_plain_file_name(name) or name not in manifest_files:
-            raise CheckpointError(f"{directory / METADATA_FILENAME} names a data file {name!r} that is not part of this checkpoint.")
-        names.add(name)
-    return sorted(names)
+def remove_checkpoint(path: str | os.PathLike) -> None:
+    """Delete a checkpoint and whatever an interrupted save left beside it."""
+    for directory in CheckpointDirs.of(path):
+        if directory.exists() or directory.is_symlink():
+            _remove(directory)
+
+
+if not hasattr(FileSystemReader, "_slice_file"):  # where every item's bytes pass; verified there
+    raise ImportError("lightning-zero needs torch.distributed.checkpoint.FileSystemReader._slice_file (torch 2.4-2.13).")
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader, handed metadata that was already verified and parsed."""
+    """DCP's file reader, handed metadata that was already verified and parsed, and checking the
+    bytes of every item it reads against the manifest before torch.load sees them."""
 
-    def __init__(self, path: Path, metadata: dcp_metadata.Metadata):
+    def __init__(self, path: Path, metadata: dcp_metadata.Metadata, manifest: Manifest):
         super().__init__(path)
+        self._directory = Path(path)
         self._verified_metadata = metadata
+        self._manifest = manifest
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = self._verified_metadata
@@ -108,6 +122,13 @@ class SafeReader(FileSystemReader):
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _slice_file(self, file: IO[bytes], sinfo: Any) -> IO[bytes]:
+        name = sinfo.relative_path
+        file.seek(sinfo.offset)
+        data = file.read(sinfo.length)
+        check_item(self._directory / name, self._manifest.files[name], sinfo.offset, data)
+        return io.BytesIO(data)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -123,16 +144,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = loaded
 
 
-def read_shards(directory: Path, metadata: dcp_metadata.Metadata, state: dict[str, Any]) -> None:
+def read_shards(directory: Path, metadata: dcp_metadata.Metadata, manifest: Manifest, state: dict[str, Any]) -> None:
     """Fill ``state`` (tensors and checkpointable views, in place) from the directory.
 
-    Every rank reads on its own (no collectives inside DCP): the ranks agree
-    on the outcome afterwards, so a failure on one is an error on all.
+    Every rank reads on its own (no collectives inside DCP), verifying each
+    item's bytes as it reads them: the ranks agree on the outcome afterwards,
+    so a failure on one is an error on all.
     """
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message=".*no_dist.*")
-        dcp.load(state, storage_reader=SafeReader(directory, metadata),
+        dcp.load(state, storage_reader=SafeReader(directory, metadata, manifest),
                  planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
 
 
@@ -167,8 +189,21 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
+def _check_target(dirs: CheckpointDirs) -> None:
+    """Refuse to replace a directory that is not a checkpoint: its files would be deleted."""
+    path = dirs.path
+    if path.is_dir() and not path.is_symlink() and any(path.iterdir()):
+        if not (is_complete(path) or (path / METADATA_FILENAME).is_file()):
+            raise CheckpointError(
+                f"Refusing to save to {path}: it is a directory holding other files, not a checkpoint "
+                f"(no {MANIFEST_FILENAME} or {METADATA_FILENAME}); saving would delete them. Choose another "
+                "path, or remove it first."
+            )
+
+
 def prepare_partial(dirs: CheckpointDirs) -> None:
     """An empty partial directory; a leftover one from an interrupted save goes first."""
+    _check_target(dirs)
     dirs.path.parent.mkdir(parents=True, exist_ok=True)
     if is_complete(dirs.partial) and not dirs.path.exists():
         # A crash between the two renames left the newest checkpoint here: finish that replacement first.
@@ -179,22 +214,30 @@ def prepare_partial(dirs: CheckpointDirs) -> None:
 
 
 def replace_with_partial(dirs: CheckpointDirs) -> None:
-    """Put the complete partial at ``path``; the old checkpoint is removed only after the swap."""
+    """Put the complete partial at ``path``; the old checkpoint is removed only after the swap,
+    and put back if the swap fails."""
     fsync_directory(dirs.partial)
-    if dirs.previous.exists():
-        _remove(dirs.previous)  # path, or else the complete partial, still holds a checkpoint
-    if dirs.path.exists() or dirs.path.is_symlink():
+    if dirs.previous.exists() or dirs.previous.is_symlink():
+        _remove(dirs.previous)  # a leftover: path, or else the complete partial, holds the checkpoint
+    moved_aside = dirs.path.exists() or dirs.path.is_symlink()
+    if moved_aside:
         os.replace(dirs.path, dirs.previous)
-    os.replace(dirs.partial, dirs.path)
+    try:
+        os.replace(dirs.partial, dirs.path)
+    except BaseException:
+        if moved_aside:
+            os.replace(dirs.previous, dirs.path)
+        raise
     fsync_directory(dirs.path.parent)
     try:
         _remove(dirs.previous)
     except OSError:
-        pass  # a leftover previous copy is harmless; the next save removes it
+        pass  # never loaded by itself; the next save removes it
 
 
 def discard_partial(dirs: CheckpointDirs) -> None:
-    """After a failed save: remove the partial directory unless it is the only complete copy."""
-    only_copy = is_complete(dirs.partial) and not dirs.path.exists() and not is_complete(dirs.previous)
-    if dirs.partial.exists() and not only_copy:
+    """After a failed save: remove the partial directory unless it is the newest complete copy
+    (a failed replacement whose undo failed too)."""
+    newest = is_complete(dirs.partial) and not dirs.path.exists()
+    if dirs.partial.exists() and not newest:
         shutil.rmtree(dirs.partial, ignore_errors=True)

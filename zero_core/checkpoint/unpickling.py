@@ -6,7 +6,8 @@ exact list of fully qualified names (DCP's record classes, torch dtypes and
 (pickle protocol 4 lets ``find_class`` walk ``module.attr.attr``), other
 modules and anything not on the list are refused, whichever opcode asked
 (GLOBAL, STACK_GLOBAL, INST, OBJ, EXT1/2/4 all go through ``find_class``).
-Persistent ids are refused too.
+Persistent ids are refused too, and BUILD (which sets attributes) applies
+only to instances of DCP's record classes, never to a class or function.
 
 Everything else we unpickle (``meta.pt``, tensors, param groups) goes
 through ``torch.load(weights_only=True)``, torch's own allow-list.
@@ -14,6 +15,7 @@ through ``torch.load(weights_only=True)``, torch's own allow-list.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections import OrderedDict
@@ -59,7 +61,31 @@ def _exact_names() -> dict[tuple[str, str], Any]:
 ALLOWED_METADATA_NAMES = _exact_names()
 
 
-class MetadataUnpickler(pickle.Unpickler):
+# The record classes whose instances BUILD may fill, with the fields it may set.
+_BUILDABLE: dict[type, frozenset[str]] = {
+    cls: frozenset(field.name for field in dataclasses.fields(cls))
+    for cls in (
+        dcp_metadata.Metadata,
+        dcp_metadata.MetadataIndex,
+        dcp_metadata.StorageMeta,
+        dcp_metadata.TensorProperties,
+        dcp_metadata.TensorStorageMetadata,
+        dcp_metadata.ChunkStorageMetadata,
+        dcp_metadata.BytesStorageMetadata,
+        dcp_filesystem._StorageInfo,
+    )
+}
+
+
+class MetadataUnpickler(pickle._Unpickler):
+    """The pure-Python unpickler (its opcodes can be overridden; the C one's cannot),
+    resolving only exact names and letting BUILD fill only instances of DCP's records.
+
+    BUILD would otherwise set attributes on whatever is on the stack: on an
+    allowed class or function, for the whole process (``PosixPath.name``,
+    ``Metadata.planner_data``), which a later save would act on.
+    """
+
     def find_class(self, module: str, name: str) -> Any:
         found = ALLOWED_METADATA_NAMES.get((module, name))
         if found is None:
@@ -68,6 +94,28 @@ class MetadataUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("refusing a persistent id in checkpoint metadata")
+
+    def load_build(self) -> None:
+        state, target = self.stack[-1], self.stack[-2]
+        fields = _BUILDABLE.get(type(target))
+        if fields is None:
+            raise pickle.UnpicklingError(f"refusing to set the state of {describe(target)} from checkpoint metadata")
+        if "__setstate__" in vars(type(target)):  # TensorProperties: a tuple of its fields, in order
+            well_formed = isinstance(state, tuple) and len(state) == len(fields)
+        else:
+            well_formed = isinstance(state, dict) and all(isinstance(k, str) and k in fields for k in state)
+        if not well_formed:
+            raise pickle.UnpicklingError(f"refusing a malformed state for {type(target).__name__} in checkpoint metadata")
+        super().load_build()
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+def describe(value: Any) -> str:
+    if isinstance(value, type):
+        return f"the class {value.__module__}.{value.__qualname__}"
+    return f"a {type(value).__name__}"
 
 
 def unpickle_metadata(data: bytes, file: Path) -> dcp_metadata.Metadata:

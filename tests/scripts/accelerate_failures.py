@@ -1,0 +1,97 @@
+"""ZeroAccelerator's save_state/load_state when a save fails, in one CPU process; prints a JSON report.
+
+    python tests/scripts/accelerate_failures.py WORKDIR
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from accelerate.utils import ProjectConfiguration  # noqa: E402
+from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
+
+from accelerate_zero import ZeroAccelerator, ZeroPlugin  # noqa: E402
+from tests.models import TinyTransformer, batch, lm_loss, make_optimizer  # noqa: E402
+from zero_core import CheckpointError  # noqa: E402
+
+
+def fail_writes_into(directory_name: str):  # type: ignore[no-untyped-def]
+    """Make DCP writes into one kind of directory fail as a full disk would."""
+    original = FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):  # type: ignore[no-untyped-def]
+        if directory_name in str(self.path):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    return original
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    accelerator = ZeroAccelerator(
+        zero_plugin=ZeroPlugin(stage=3),
+        project_config=ProjectConfiguration(project_dir=str(work), automatic_checkpoint_naming=True, total_limit=1),
+    )
+    torch.manual_seed(0)
+    model = TinyTransformer(blocks=2, width=16)
+    optimizer = make_optimizer("adamw", model)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    def train_step(step: int) -> None:
+        ids = batch(step, 0)
+        accelerator.backward(lm_loss(model(ids), ids))
+        optimizer.step()
+
+    report: dict = {}
+    train_step(0)
+    accelerator.save_state()
+    saved = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    train_step(1)
+    original = fail_writes_into(".pytorch_model_zero_0.partial")
+    try:
+        accelerator.save_state()
+        report["failed save"] = "returned normally"
+    except CheckpointError as error:
+        report["failed save"] = str(error)
+    FileSystemWriter.write_data = original  # type: ignore[method-assign]
+    report["folders after a failed save"] = sorted(p.name for p in (work / "checkpoints").iterdir())
+    accelerator.load_state()
+    report["latest loads the first save"] = all(torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items())
+    train_step(2)
+    accelerator.save_state()
+    report["folders after a good save"] = sorted(p.name for p in (work / "checkpoints").iterdir())
+
+    # An explicit folder reused: the optimizer directory saved, the model directory failed.
+    accelerator.project_configuration.automatic_checkpoint_naming = False
+    pair = work / "pair"
+    accelerator.save_state(str(pair))
+    train_step(3)
+    original = fail_writes_into(".pytorch_model_zero_0.partial")
+    try:
+        accelerator.save_state(str(pair))
+    except CheckpointError:
+        pass
+    FileSystemWriter.write_data = original  # type: ignore[method-assign]
+    before = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    try:
+        accelerator.load_state(str(pair))
+        report["mixed pair"] = "loaded"
+    except CheckpointError as error:
+        report["mixed pair"] = str(error)
+    report["mixed pair left the model alone"] = all(torch.equal(before[k], v) for k, v in accelerator.get_state_dict(model).items())
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
