@@ -29,21 +29,26 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from .errors import CheckpointError
 
 
+# DCP's record classes: the only classes BUILD may fill (with their own fields).
+_RECORD_CLASSES: tuple[type, ...] = (
+    dcp_metadata.Metadata,
+    dcp_metadata.MetadataIndex,
+    dcp_metadata.StorageMeta,
+    dcp_metadata.TensorProperties,
+    dcp_metadata.TensorStorageMetadata,
+    dcp_metadata.ChunkStorageMetadata,
+    dcp_metadata.BytesStorageMetadata,
+    dcp_filesystem._StorageInfo,
+)
+_BUILDABLE: dict[type, frozenset[str]] = {
+    cls: frozenset(field.name for field in dataclasses.fields(cls)) for cls in _RECORD_CLASSES
+}
+
+
 def _exact_names() -> dict[tuple[str, str], Any]:
-    names: dict[tuple[str, str], Any] = {
-        (dcp_metadata.__name__, cls.__name__): cls
-        for cls in (
-            dcp_metadata.Metadata,
-            dcp_metadata.MetadataIndex,
-            dcp_metadata.StorageMeta,
-            dcp_metadata.TensorProperties,
-            dcp_metadata.TensorStorageMetadata,
-            dcp_metadata.ChunkStorageMetadata,
-            dcp_metadata.BytesStorageMetadata,
-            dcp_metadata._MEM_FORMAT_ENCODING,  # an Enum: how TensorProperties records memory_format
-        )
-    }
-    names[(dcp_filesystem.__name__, "_StorageInfo")] = dcp_filesystem._StorageInfo
+    names: dict[tuple[str, str], Any] = {(cls.__module__, cls.__name__): cls for cls in _RECORD_CLASSES}
+    # An Enum: how TensorProperties records memory_format.
+    names[(dcp_metadata.__name__, "_MEM_FORMAT_ENCODING")] = dcp_metadata._MEM_FORMAT_ENCODING
     names[("torch", "Size")] = torch.Size
     names[("torch.serialization", "_get_layout")] = torch.serialization._get_layout  # a name -> layout lookup
     names[("collections", "OrderedDict")] = OrderedDict
@@ -59,22 +64,6 @@ def _exact_names() -> dict[tuple[str, str], Any]:
 
 
 ALLOWED_METADATA_NAMES = _exact_names()
-
-
-# The record classes whose instances BUILD may fill, with the fields it may set.
-_BUILDABLE: dict[type, frozenset[str]] = {
-    cls: frozenset(field.name for field in dataclasses.fields(cls))
-    for cls in (
-        dcp_metadata.Metadata,
-        dcp_metadata.MetadataIndex,
-        dcp_metadata.StorageMeta,
-        dcp_metadata.TensorProperties,
-        dcp_metadata.TensorStorageMetadata,
-        dcp_metadata.ChunkStorageMetadata,
-        dcp_metadata.BytesStorageMetadata,
-        dcp_filesystem._StorageInfo,
-    )
-}
 
 
 class MetadataUnpickler(pickle._Unpickler):
