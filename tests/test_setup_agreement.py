@@ -185,6 +185,26 @@ def _legitimately_different(rank: int, world_size: int) -> dict[str, object]:
     return {"built": True, "added group": refusal(step, ValueError)}
 
 
+def _added_on_one_rank(rank: int, world_size: int) -> dict[str, object]:
+    """A group added (or refused) on one rank only is named at the step agreement: no hang."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3))
+
+    def step() -> None:
+        engine.backward(model(torch.ones(2, 4)).sum())
+        engine.step()
+
+    if rank == 0:
+        optimizer.add_param_group({"params": list(model[1].parameters())})
+    added = refusal(step, RuntimeError)
+    if rank == 1:
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})  # not the model's: refused
+    refused = refusal(step, RuntimeError)
+    return {"added": added, "refused": refused}
+
+
 def _message(case: Case) -> str:
     return f"ZeRO: ranks disagree on {case.field}: {case.rank0} on rank 0; {case.rank1} on rank 1. {ADVICE}"
 
@@ -206,6 +226,10 @@ def test_legitimate_differences_are_not_refused_and_added_groups_are_compared(gr
     assert all(result["built"] for result in results)
     assert results[0]["added group"] == results[1]["added group"]
     assert "ranks disagree on optimizer param group 1 lr: 0.1 on rank 0; 0.2 on rank 1" in results[0]["added group"]
+    one = by_rank(grid, "added on one rank")
+    assert one[0]["added"] == one[1]["added"]
+    assert "optimizer param groups (add_param_group on some ranks only?): 1 on some ranks, 2 on others" in one[0]["added"]
+    assert one[0]["refused"] == one[1]["refused"] and "refused add_param_group calls: 0 on some ranks, 1 on others" in one[0]["refused"]
 
 
 def test_attach_optimizer_with_disagreeing_optimizers_is_refused_on_every_rank(grid: list) -> None:
@@ -223,4 +247,5 @@ def grid() -> list[dict]:
     workers["agree"] = _agreeing_after_refusal
     workers["attach"] = _attach
     workers["legitimate"] = _legitimately_different
+    workers["added on one rank"] = _added_on_one_rank
     return run_distributed(run_each, 2, workers, timeout=180, pg_timeout=30)

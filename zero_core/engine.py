@@ -118,7 +118,7 @@ class ZeroEngine(CheckpointMethods):
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
         self._param_group_names: list[list[str]] = []
-        self._added_groups_unchecked = False  # groups added after setup, compared at the next step
+        self._groups_compared = 0  # how many param groups ranks have compared (setup, then each step)
         self.comm = CommContext.create(process_group, _model_device(model, device))
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
         # Before any other collective: ranks that built different models, configs
@@ -176,6 +176,7 @@ class ZeroEngine(CheckpointMethods):
         for handle in self._optimizer_hooks:
             handle.remove()
         self._param_group_names = rebuild_optimizer(optimizer, self.model, self.units)
+        self._groups_compared = len(self._param_group_names)
         self.optimizer = optimizer
         self._optimizer_hooks = [
             optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()),
@@ -195,15 +196,14 @@ class ZeroEngine(CheckpointMethods):
         if self.optimizer is not None:
             added = adopt_added_param_groups(self.optimizer, self.units, self._param_group_names)
             self._param_group_names += added
-            self._added_groups_unchecked |= bool(added)
 
     def _agree_on_added_param_groups(self) -> None:
-        """Groups added after setup (progressive unfreezing) are compared across ranks at the
-        next step, a point every rank reaches together, as the setup's optimizer was."""
-        if self._added_groups_unchecked and self.optimizer is not None:
-            self._added_groups_unchecked = False
+        """Groups added after setup (progressive unfreezing) are compared across ranks at the step
+        after the step agreement found equal group counts on every rank, so every rank decides alike."""
+        if self.optimizer is not None and len(self._param_group_names) != self._groups_compared:
             described = setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names)
             setup_agreement.agree_on_setup(self.comm, described)
+            self._groups_compared = len(self._param_group_names)
 
     @property
     def stage(self) -> int:
@@ -390,8 +390,13 @@ class ZeroEngine(CheckpointMethods):
         self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
         self._step_calls += 1
-        self._adopt_added_param_groups()  # groups added since the last step train from this one
-        self._agree_on_added_param_groups()
+        # Groups added since the last step train from this one. A refused group is reported
+        # after the step agreement, so a rank that alone added one does not leave the others waiting.
+        refused_group = None
+        try:
+            self._adopt_added_param_groups()
+        except ValueError as error:
+            refused_group = error
         if self.loss_scaler is not None:
             self._unscale_grads_once()
         counters = {
@@ -399,8 +404,13 @@ class ZeroEngine(CheckpointMethods):
             "backwards": self.runtime.backwards,
             "optimizer steps": self._step_calls,
             "units reduced, as a sum of unit numbers (ranks froze different parameters?)": self.runtime.reduces.issued_fingerprint,
+            "optimizer param groups (add_param_group on some ranks only?)": len(self._param_group_names),
+            "refused add_param_group calls": int(refused_group is not None),
         }
         agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None)
+        if refused_group is not None:
+            raise refused_group
+        self._agree_on_added_param_groups()
         if self.loss_scaler is not None:
             self.loss_scaler.update(agreement.found_inf)
             if agreement.found_inf:
