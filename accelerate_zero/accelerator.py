@@ -23,7 +23,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from zero_core import CheckpointError, ZeroEngine
 from zero_core.sharding import shard_module, single_optimizer
@@ -143,16 +143,24 @@ class ZeroAccelerator(Accelerator):
             engine.save_checkpoint(Path(location) / MODEL_DIR.format(0), pair, include_optimizer=False)
 
         handle = self.register_save_state_pre_hook(save_shards)
+        failure: Exception | None = None
         try:
             with self._accelerate_handles_the_rest():
                 location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
-        except CheckpointError:
-            if config.automatic_checkpoint_naming and created and self.is_main_process:
-                shutil.rmtree(created[0], ignore_errors=True)  # a new folder of its own: nothing else in it
-            raise
+        except Exception as error:  # noqa: BLE001 - ours or Accelerate's own files; agreed on below
+            failure = error
         finally:
             handle.remove()
             config.total_limit = limit
+        # Accelerate writes its files per process: every process learns whether all succeeded.
+        failures = [f for f in gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"]) if f]
+        if failures:
+            if config.automatic_checkpoint_naming and created and self.is_main_process:
+                shutil.rmtree(created[0], ignore_errors=True)  # a new folder of its own: nothing else in it
+            self.wait_for_everyone()
+            if isinstance(failure, CheckpointError):
+                raise failure
+            raise CheckpointError(f"save_state failed: {failures[0]}") from failure
         if config.automatic_checkpoint_naming and limit is not None and self.is_main_process:
             _prune_automatic_checkpoints(Path(location).parent, keep=limit)
         self.wait_for_everyone()

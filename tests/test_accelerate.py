@@ -162,6 +162,8 @@ def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_r
     assert report["failed save"].startswith("No space left on device"), report
     assert report["folders after a failed save"] == ["checkpoint_0"]
     assert report["latest loads the first save"]
+    assert report["accelerate's files fail"].startswith("save_state failed: OSError: [Errno 28] No space left on device")
+    assert report["folders after accelerate's files failed"] == ["checkpoint_0"]
     assert report["folders after a good save"] == ["checkpoint_1"]
     assert "come from different saves" in report["mixed pair"], report
     assert report["mixed pair left the model alone"]

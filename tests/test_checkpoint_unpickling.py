@@ -231,3 +231,66 @@ def test_build_cannot_change_allowed_classes_or_functions_for_the_process() -> N
     assert torch.distributed.checkpoint.metadata.Metadata({}).planner_data is None
     assert torch.serialization._get_layout("torch.sparse_coo") is torch.sparse_coo
     assert torch.Size([2, 3]).numel() == 6
+
+
+# ------------------------------------------------------------ resource bombs in re-signed files
+def _assert_refused(checkpoint: Path, tmp_path: Path, tamper: Callable[[Path], None], match: str) -> None:
+    target = files.copy_checkpoint(checkpoint, tmp_path / "target")
+    tamper(target)
+    files.resign(target)
+    with pytest.raises(CheckpointError, match=match):
+        load_full_checkpoint(target)
+
+
+def test_deeply_nested_tuples_are_refused_not_a_crash(checkpoint: Path, tmp_path: Path) -> None:
+    """A million-deep tuple used as a dict key would crash the process when hashed (C recursion)."""
+
+    def nest(target: Path) -> None:
+        (target / ".metadata").write_bytes(b"\x80\x02}" + b")" + b"\x85" * 1_000_000 + b"NsN.")
+
+    _assert_refused(checkpoint, tmp_path, nest, "refusing tuples nested more than 32 deep")
+
+
+def test_a_chunk_list_shared_by_many_entries_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    """Pickle stores a shared list once: N entries x N chunks from a few KB, quadratic to check."""
+
+    def share(target: Path) -> None:
+        metadata = files.read_metadata(target)
+        template = next(e for e in metadata.state_dict_metadata.values() if hasattr(e, "chunks"))
+        chunk = type(template.chunks[0])
+        shared = [chunk(offsets=torch.Size([0, 0]), sizes=torch.Size([0, 0])) for _ in range(2000)]
+        for index in range(2000):
+            metadata.state_dict_metadata[f"junk{index}"] = type(template)(template.properties, torch.Size([1, 1]), shared)
+        files.write_metadata(target, metadata)
+
+    _assert_refused(checkpoint, tmp_path, share, "shares its chunk list|more chunks than stored items")
+
+
+def test_a_compressed_record_is_refused_before_it_inflates(checkpoint: Path, tmp_path: Path) -> None:
+    """A deflated record of zeros inflates a thousandfold inside torch.load before any size check."""
+
+    def deflate(target: Path) -> None:
+        metadata = files.read_metadata(target)
+        info = next(s for i, s in metadata.storage_data.items() if i.fqn.startswith("model."))
+        data = (target / info.relative_path).read_bytes()[info.offset : info.offset + info.length]
+        source, bomb = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+        with zipfile.ZipFile(bomb, "w") as archive:
+            for record in source.infolist():
+                packed = "/data/" in record.filename
+                body = source.read(record) + (bytes(1 << 20) if packed else b"")
+                archive.writestr(record.filename, body, compress_type=zipfile.ZIP_DEFLATED if packed else zipfile.ZIP_STORED)
+        with open(target / info.relative_path, "ab") as stream:
+            info.offset = stream.tell()
+            stream.write(bomb.getvalue())
+        info.length = len(bomb.getvalue())
+        files.write_metadata(target, metadata)
+
+    _assert_refused(checkpoint, tmp_path, deflate, "holds compressed records")
+
+
+def test_a_manifest_that_is_a_symbolic_link_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    target = files.copy_checkpoint(checkpoint, tmp_path / "target")
+    (target / "zero-manifest.json").rename(tmp_path / "elsewhere.json")
+    (target / "zero-manifest.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        load_full_checkpoint(target)

@@ -71,3 +71,30 @@ def test_sharding_saves_memory_against_ddp(measured: tuple[int, list]) -> None:
     for (stage, dtype), result in zip(CASES, per_rank[0]):
         ddp = expected_model_state_bytes(0, result["numel"], world_size, MixedPrecision(compute_dtype=dtype), 8)
         assert result["report"].model_state_bytes < ddp.model_state_bytes
+
+
+def _buffer_broadcasts(rank: int, world_size: int) -> dict[str, object]:
+    """A BatchNorm model: rank 0's buffers reach every rank before each training forward,
+    in one broadcast per buffer dtype, not one per buffer."""
+    from torch import nn
+
+    from zero_core import ZeroConfig, ZeroEngine
+
+    torch.manual_seed(rank)  # different statistics per rank until broadcast
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(5)])
+    engine = ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+    seen: list[list[torch.Tensor]] = []
+    model[0].register_forward_pre_hook(lambda *_: seen.append([b.clone() for b in model.buffers()]))
+    for step in range(2):
+        engine.backward(model(torch.randn(3, 4) + rank + step).sum())
+        engine.step()
+    traffic = engine.last_step_traffic["broadcast"]
+    return {"calls": traffic.calls, "numel": traffic.numel, "buffers": len(list(model.buffers())), "seen": seen[-1]}
+
+
+def test_buffers_are_broadcast_in_one_call_per_dtype() -> None:
+    results = run_distributed(_buffer_broadcasts, 2)
+    for result in results:
+        assert result["buffers"] == 15 and result["calls"] == 2  # float32 statistics, int64 batch counts
+        assert result["numel"] == 5 * (4 + 4 + 1)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["seen"], results[1]["seen"]))  # rank 0's, everywhere

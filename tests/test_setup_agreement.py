@@ -205,6 +205,20 @@ def _added_on_one_rank(rank: int, world_size: int) -> dict[str, object]:
     return {"added": added, "refused": refused}
 
 
+def _save_after_adding_groups(rank: int, world_size: int, directory: str) -> dict[str, object]:
+    """A save between add_param_group and the next step compares the new groups first."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3))
+    optimizer.add_param_group({"params": list(model[1].parameters()), "lr": 0.1 * (1 + rank)})
+    differing = refusal(lambda: engine.save_checkpoint(f"{directory}/differing"), ValueError)
+    if rank == 1:
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})  # refused on this rank only
+    refused = refusal(lambda: engine.save_checkpoint(f"{directory}/refused"), ValueError)
+    return {"differing": differing, "refused": refused}
+
+
 def _message(case: Case) -> str:
     return f"ZeRO: ranks disagree on {case.field}: {case.rank0} on rank 0; {case.rank1} on rank 1. {ADVICE}"
 
@@ -232,6 +246,13 @@ def test_legitimate_differences_are_not_refused_and_added_groups_are_compared(gr
     assert one[0]["refused"] == one[1]["refused"] and "refused add_param_group calls: 0 on some ranks, 1 on others" in one[0]["refused"]
 
 
+def test_a_save_compares_groups_added_since_the_last_step(grid: list) -> None:
+    results = by_rank(grid, "save after adding")
+    assert results[0] == results[1]
+    assert "ranks disagree on optimizer param group 1 lr: 0.1 on rank 0; 0.2 on rank 1" in results[0]["differing"]
+    assert "did not shard" in results[0]["refused"] and "adopting param groups added since the last step, on rank 1" in results[0]["refused"]
+
+
 def test_attach_optimizer_with_disagreeing_optimizers_is_refused_on_every_rank(grid: list) -> None:
     results = by_rank(grid, "attach")
     assert results[0]["refused"] == results[1]["refused"]
@@ -240,7 +261,7 @@ def test_attach_optimizer_with_disagreeing_optimizers_is_refused_on_every_rank(g
 
 
 @pytest.fixture(scope="module")
-def grid() -> list[dict]:
+def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Every case of this file in one spawn of two ranks; a collective that
     waits (a hang) fails after the process group's short timeout."""
     workers: dict[str, Callable] = {name: functools.partial(_refused, build=case.build) for name, case in CASES.items()}
@@ -248,4 +269,5 @@ def grid() -> list[dict]:
     workers["attach"] = _attach
     workers["legitimate"] = _legitimately_different
     workers["added on one rank"] = _added_on_one_rank
+    workers["save after adding"] = functools.partial(_save_after_adding_groups, directory=str(tmp_path_factory.mktemp("saves")))
     return run_distributed(run_each, 2, workers, timeout=180, pg_timeout=30)

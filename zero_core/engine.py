@@ -30,10 +30,11 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import collectives, full_params, grad_ops, setup_agreement
+from . import full_params, grad_ops, setup_agreement
 from .accounting import MemoryReport, StorageCounter
+from .buffers import broadcast_buffers, cast_buffers
 from .collectives import CommContext, CommStats, Position
-from .config import MixedPrecision, ZeroConfig
+from .config import ZeroConfig
 from .engine_checkpoints import CheckpointMethods
 from .flat_unit import FlatUnit
 from .model_changes import RegisteredParameters
@@ -134,8 +135,8 @@ class ZeroEngine(CheckpointMethods):
             units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
         self._canonical_names = canonical_names(self.units)
-        self._cast_buffers(config.mixed_precision)
-        self._sync_buffers()
+        cast_buffers(model, config.mixed_precision)
+        broadcast_buffers(self.model, self.comm)
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         self._grads_unscaled = False
         self.runtime = StepRuntime(self.units, config.plan, config.prefetch)
@@ -250,7 +251,7 @@ class ZeroEngine(CheckpointMethods):
     # ------------------------------------------------------------- forward
     def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.config.broadcast_buffers and self._sync_buffers_next_forward:
-            self._sync_buffers()
+            broadcast_buffers(self.model, self.comm)
         return args, kwargs
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -258,24 +259,6 @@ class ZeroEngine(CheckpointMethods):
         dtype = self.config.mixed_precision.compute_dtype
         cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
         return pytree.tree_map(cast, (args, kwargs))
-
-    def _cast_buffers(self, precision: MixedPrecision) -> None:
-        """Buffers keep the dtype the model gave them, except where a module's own
-        parameters are cast: BatchNorm's running statistics must match its weight.
-        ``MixedPrecision.buffer_dtype`` casts every floating buffer instead.
-        Each buffer is cast once, in place, so shared buffers stay shared."""
-        targets: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
-        for module in self.model.modules():
-            owns_cast_params = any(
-                p.is_floating_point() and p.dtype == precision.compute_dtype for p in module.parameters(recurse=False)
-            )
-            target = precision.buffer_dtype or (precision.compute_dtype if owns_cast_params else None)
-            for buffer in module.buffers(recurse=False):
-                if target is not None and buffer.is_floating_point() and id(buffer) not in targets:
-                    targets[id(buffer)] = (buffer, target)
-        for buffer, target in targets.values():
-            if buffer.dtype != target:
-                buffer.data = buffer.data.to(target)
 
     def _after_root_forward(self) -> None:
         # DDP's rule: the next forward syncs buffers only if this one was a
@@ -285,15 +268,7 @@ class ZeroEngine(CheckpointMethods):
     def sync_buffers_for_export(self) -> None:
         """Exports hold rank 0's buffers (DDP's rule), which the next forward would broadcast anyway."""
         if self.config.broadcast_buffers:
-            self._sync_buffers()
-
-    def _sync_buffers(self) -> None:
-        """Rank 0's buffers everywhere, as DDP's broadcast_buffers does."""
-        if self.world_size == 1:
-            return
-        handles = [collectives.broadcast(self.comm, b) for b in self.model.buffers() if b.numel()]
-        for handle in handles:
-            handle.wait()
+            broadcast_buffers(self.model, self.comm)
 
     # ------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

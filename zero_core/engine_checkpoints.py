@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import setup_agreement
+from .checkpoint.agreement import RankAgreement
 from .checkpoint.errors import CheckpointError
 from .checkpoint.full_weights import load_full_weights
 from .checkpoint.loading import load_checkpoint
@@ -29,8 +31,15 @@ if TYPE_CHECKING:
 
 
 class CheckpointMethods:
-    def _sharded_view(self: "ZeroEngine") -> ShardedModel:
-        return ShardedModel(self.model, self.units, self.comm, self.optimizer, self.param_group_names)
+    def _sharded_view(self: "ZeroEngine", operation: str | None = None) -> ShardedModel:
+        """What the checkpoint code sees. With ``operation`` (every rank is in it together), param
+        groups added since the last step are adopted and compared first, agreed on every rank,
+        so a group added or refused on one rank only fails everywhere alike."""
+        if operation is not None and self.optimizer is not None:
+            RankAgreement(self.comm, operation).run("adopting param groups added since the last step", self._adopt_added_param_groups)
+            setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names))
+            self._groups_compared = len(self._param_group_names)
+        return ShardedModel(self.model, self.units, self.comm, self.optimizer, self._param_group_names)
 
     def sharded_model_state_dict(self: "ZeroEngine") -> dict[str, Any]:
         """``model.state_dict()``'s keys, parameters as DCP-checkpointable views of this rank's fp32 shard
@@ -39,7 +48,7 @@ class CheckpointMethods:
 
     def sharded_optimizer_state_dict(self: "ZeroEngine") -> dict[str, Any]:
         """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard)."""
-        return sharded_state(self._sharded_view(), with_model=False)[OPTIMIZER_KEY]
+        return sharded_state(self._sharded_view("collecting the optimizer's state"), with_model=False)[OPTIMIZER_KEY]
 
     def save_checkpoint(
         self: "ZeroEngine",
@@ -63,7 +72,7 @@ class CheckpointMethods:
         self.sync_buffers_for_export()
         scaler = dataclasses.replace(self.loss_scaler.state) if self.loss_scaler is not None else None
         record = EngineRecord(self.stage, self.world_size, self.steps_taken, scaler)
-        return save_checkpoint(self._sharded_view(), path, dict(extra or {}), record,
+        return save_checkpoint(self._sharded_view(f"saving checkpoint {path}"), path, dict(extra or {}), record,
                                include_model=include_model, include_optimizer=include_optimizer and self.optimizer is not None)
 
     def load_checkpoint(
@@ -90,7 +99,7 @@ class CheckpointMethods:
         they were. Gradients accumulated before the load are discarded.
         """
         self.runtime.settle()
-        view, with_optimizer = self._sharded_view(), load_optimizer and self.optimizer is not None
+        view, with_optimizer = self._sharded_view(f"loading checkpoint {path}"), load_optimizer and self.optimizer is not None
         loaded = load_checkpoint(view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None)
         if with_optimizer and optimizer_path is not None:
             apart = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True)

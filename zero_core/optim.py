@@ -138,8 +138,7 @@ def adopt_added_param_groups(
             pieces_of[id(unit.params[master.piece.slot.index])].append(master.param)
     # By name, which every rank knows alike (pieces exist on some ranks only).
     already = {name for group_names in known_names for name in group_names}
-    names = []
-    for group in added:
+    for group in added:  # every group is checked before any is converted: a refusal leaves all as they were
         duplicated = [name_of[id(p)] for p in group["params"] if name_of.get(id(p)) in already]
         if duplicated:
             raise ValueError(
@@ -152,6 +151,8 @@ def adopt_added_param_groups(
                 f"optimizer.add_param_group() was given {len(unknown)} tensor(s) the ZeRO engine did not shard "
                 "(a layer added after the engine was built?). Add layers before building the engine."
             )
+    names = []
+    for group in added:
         names.append([name_of[id(p)] for p in group["params"] if id(p) in name_of])
         group["params"] = [piece for p in group["params"] for piece in (pieces_of[id(p)] if id(p) in name_of else [p])]
     return names

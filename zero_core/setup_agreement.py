@@ -57,6 +57,8 @@ def describe_value(value: Any) -> str:
         return repr(int(value))
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(describe_value(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):  # iteration order depends on each process's hash seed
+        return "{" + ", ".join(sorted(describe_value(v) for v in value)) + "}"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{describe_value(k)}: {describe_value(v)}" for k, v in value.items()) + "}"
     text = repr(value)

@@ -69,6 +69,21 @@ def main() -> None:
     accelerator.load_state()
     report["latest loads the first save"] = all(torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items())
     train_step(2)
+    import accelerate.accelerator as accelerate_module  # Accelerate's own files failing this time
+
+    original_state_saver = accelerate_module.save_accelerator_state
+
+    def disk_full(output_dir, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), output_dir)
+
+    accelerate_module.save_accelerator_state = disk_full
+    try:
+        accelerator.save_state()
+        report["accelerate's files fail"] = "returned normally"
+    except CheckpointError as error:
+        report["accelerate's files fail"] = str(error)
+    accelerate_module.save_accelerator_state = original_state_saver
+    report["folders after accelerate's files failed"] = sorted(p.name for p in (work / "checkpoints").iterdir())
     accelerator.save_state()
     report["folders after a good save"] = sorted(p.name for p in (work / "checkpoints").iterdir())
 

@@ -28,21 +28,27 @@ from .records import MODEL_KEY
 from .storage import read_shards
 
 
-def _set_nested(tree: dict[str, Any], path: tuple, value: Any) -> None:
-    node: Any = tree
-    for part, following in zip(path[:-1], path[1:]):
-        if isinstance(node, list):
-            while len(node) <= part:
-                node.append(None)
-            if node[part] is None:
-                node[part] = [] if isinstance(following, int) else {}
-            node = node[part]
-        else:
-            node = node.setdefault(part, [] if isinstance(following, int) else {})
-    if isinstance(node, list):
-        while len(node) <= path[-1]:
-            node.append(None)
+def _set_nested(tree: dict, path: tuple, value: Any) -> None:
+    """Place ``value`` at ``path`` in nested dicts (integer parts stay dict keys until
+    :func:`_lists_where_dense`, so a forged index cannot make a list a billion long)."""
+    node = tree
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise CheckpointError(f"entry path {path!r} runs through a value")
     node[path[-1]] = value
+
+
+def _lists_where_dense(node: Any) -> Any:
+    """Dicts keyed exactly 0..n-1 become lists (param groups), as DCP flattened them."""
+    if not isinstance(node, dict):
+        return node
+    converted = {key: _lists_where_dense(child) for key, child in node.items()}
+    if converted and all(isinstance(k, int) for k in converted):
+        if sorted(converted) != list(range(len(converted))):
+            raise CheckpointError(f"list indices {sorted(converted)[:10]} are not 0..{len(converted) - 1}")
+        return [converted[i] for i in range(len(converted))]
+    return converted
 
 
 def _read_full(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -56,10 +62,10 @@ def _read_full(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]
     mappings = checkpoint.metadata.planner_data or {}
 
     def assemble() -> dict[str, Any]:
-        nested: dict[str, Any] = {}
+        nested: dict = {}
         for key, value in flat.items():
             _set_nested(nested, tuple(mappings.get(key, (key,))), value)
-        return nested
+        return _lists_where_dense(nested)
 
     nested, _ = agreement.run("assembling the entries", assemble)
     return nested, checkpoint.extra

@@ -111,6 +111,8 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
 def read_manifest(directory: Path) -> Manifest:
     """The validated manifest, or CheckpointError saying what is wrong with it."""
     file = directory / MANIFEST_FILENAME
+    if file.is_symlink():
+        raise CheckpointError(f"{file} is a symbolic link; a checkpoint's files must be its own.")
     if not file.is_file():
         raise CheckpointError(
             f"{directory} is not a complete lightning-zero checkpoint: {MANIFEST_FILENAME} is missing "
@@ -188,9 +190,14 @@ def check_present(directory: Path, manifest: Manifest, name: str) -> None:
         _check(file, expected, FileDigest(size, ""))
 
 
-def check_item(file: Path, expected: FileDigest, offset: int, data: bytes) -> None:
+def item_digests(manifest: Manifest) -> dict[str, dict[tuple[int, int], str]]:
+    """Per data file: (offset, length) -> the item's SHA-256, for lookups while reading."""
+    return {name: {(o, n): digest for o, n, digest in d.items} for name, d in manifest.files.items()}
+
+
+def check_item(file: Path, recorded_items: dict[tuple[int, int], str], offset: int, data: bytes) -> None:
     """The bytes read for one DCP item match the digest recorded for them."""
-    recorded = {(o, n): digest for o, n, digest in expected.items}.get((offset, len(data)))
+    recorded = recorded_items.get((offset, len(data)))
     if recorded is None:
         raise CheckpointError(f"{file}: no checksum is recorded for bytes {offset}..{offset + len(data)}; the checkpoint is inconsistent.")
     if hashlib.sha256(data).hexdigest() != recorded:

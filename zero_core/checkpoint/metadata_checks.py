@@ -77,11 +77,19 @@ def check_metadata(directory: Path, metadata: dcp_metadata.Metadata, manifest: M
 def _check(metadata: dcp_metadata.Metadata, manifest: Manifest) -> list[str]:
     if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
         raise ValueError("its entries or storage map are not mappings")
-    tensor_bytes = 0
+    tensor_bytes, chunks, chunk_lists = 0, 0, set()
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(key, str):
             raise ValueError(f"entry name {key!r} is not a string")
         if isinstance(entry, dcp_metadata.TensorStorageMetadata):
+            # Each chunk is one stored item: more chunks than items, or one chunk list shared
+            # by many entries (pickle stores it once), would only make checking take quadratic time.
+            if id(entry.chunks) in chunk_lists:
+                raise ValueError(f"{key!r} shares its chunk list with another entry")
+            chunk_lists.add(id(entry.chunks))
+            chunks += len(entry.chunks) if isinstance(entry.chunks, list) else 0
+            if chunks > len(metadata.storage_data):
+                raise ValueError("it lists more chunks than stored items")
             tensor_bytes += _check_tensor_entry(key, entry)
         elif not isinstance(entry, dcp_metadata.BytesStorageMetadata):
             raise ValueError(f"{key!r} is neither a tensor nor an object entry")

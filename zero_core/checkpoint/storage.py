@@ -21,6 +21,7 @@ import io
 import os
 import shutil
 import warnings
+import zipfile
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from ..collectives import CommContext
 from .errors import CheckpointError
-from .manifest import MANIFEST_FILENAME, Manifest, check_item
+from .manifest import MANIFEST_FILENAME, Manifest, check_item, item_digests
 
 METADATA_FILENAME = ".metadata"
 EXTRA_FILENAME = "meta.pt"  # the name Lightning's consolidation tool reads user state from
@@ -114,7 +115,7 @@ class SafeReader(FileSystemReader):
         super().__init__(path)
         self._directory = Path(path)
         self._verified_metadata = metadata
-        self._manifest = manifest
+        self._item_digests = item_digests(manifest)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
         metadata = self._verified_metadata
@@ -127,8 +128,21 @@ class SafeReader(FileSystemReader):
         name = sinfo.relative_path
         file.seek(sinfo.offset)
         data = file.read(sinfo.length)
-        check_item(self._directory / name, self._manifest.files[name], sinfo.offset, data)
+        check_item(self._directory / name, self._item_digests[name], sinfo.offset, data)
+        check_stored_zip(self._directory / name, sinfo.offset, data)
         return io.BytesIO(data)
+
+
+def check_stored_zip(file: Path, offset: int, data: bytes) -> None:
+    """An item is a torch.save zip whose records are stored, not compressed: a deflated
+    record could inflate a thousandfold inside torch.load before any size check."""
+    where = f"{file} (bytes {offset}..{offset + len(data)})"
+    try:
+        records = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    except zipfile.BadZipFile as error:
+        raise CheckpointError(f"{where} is not a torch.save archive ({error}).") from error
+    if any(r.compress_type != zipfile.ZIP_STORED for r in records) or sum(r.file_size for r in records) > len(data):
+        raise CheckpointError(f"{where} holds compressed records, which lightning-zero never writes; refusing to inflate them.")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

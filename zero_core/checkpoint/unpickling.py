@@ -29,6 +29,8 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from .errors import CheckpointError
 
 
+_MAX_TUPLE_DEPTH = 32
+
 # DCP's record classes: the only classes BUILD may fill (with their own fields).
 _RECORD_CLASSES: tuple[type, ...] = (
     dcp_metadata.Metadata,
@@ -97,8 +99,36 @@ class MetadataUnpickler(pickle._Unpickler):
             raise pickle.UnpicklingError(f"refusing a malformed state for {type(target).__name__} in checkpoint metadata")
         super().load_build()
 
+    def _track_tuple(self) -> None:
+        """Tuples nested deeper than any DCP record needs are refused: hashing a tuple (a dict
+        key) recurses in C without a depth guard, and a million-deep one crashes the process."""
+        built = self.stack[-1]
+        depth = 1 + max((self._tuple_depths.get(id(item), 0) for item in built), default=0)
+        if depth > _MAX_TUPLE_DEPTH:
+            raise pickle.UnpicklingError(f"refusing tuples nested more than {_MAX_TUPLE_DEPTH} deep in checkpoint metadata")
+        self._tuple_depths[id(built)] = depth
+        self._kept.append(built)  # ids stay unique while tracked
+
+    def _tracking(load: Any) -> Any:  # noqa: N805 - a decorator inside the class body
+        def tracked(self: "MetadataUnpickler") -> None:
+            if not hasattr(self, "_tuple_depths"):
+                self._tuple_depths: dict[int, int] = {}
+                self._kept: list[Any] = []
+            load(self)
+            self._track_tuple()
+
+        return tracked
+
     dispatch = dict(pickle._Unpickler.dispatch)
     dispatch[pickle.BUILD[0]] = load_build
+    for _opcode, _load in (
+        (pickle.TUPLE, pickle._Unpickler.load_tuple),
+        (pickle.TUPLE1, pickle._Unpickler.load_tuple1),
+        (pickle.TUPLE2, pickle._Unpickler.load_tuple2),
+        (pickle.TUPLE3, pickle._Unpickler.load_tuple3),
+    ):
+        dispatch[_opcode[0]] = _tracking(_load)
+    del _opcode, _load
 
 
 def describe(value: Any) -> str:
