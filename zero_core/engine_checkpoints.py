@@ -47,7 +47,9 @@ class CheckpointMethods:
         return sharded_state(self._sharded_view(), with_optimizer=False)[MODEL_KEY]
 
     def sharded_optimizer_state_dict(self: "ZeroEngine") -> dict[str, Any]:
-        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard)."""
+        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard).
+
+        Every rank calls it: param groups added since the last step are compared across ranks first."""
         return sharded_state(self._sharded_view("collecting the optimizer's state"), with_model=False)[OPTIMIZER_KEY]
 
     def save_checkpoint(
