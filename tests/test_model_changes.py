@@ -337,6 +337,27 @@ def test_adagrad_state_made_at_construction_is_rebuilt_over_the_shards(grid: lis
         assert max(errors) < 1e-5, errors
 
 
+def _frozen_differently_worker(rank: int, world_size: int) -> dict:
+    """Stage 3: a rank that froze a unit the other did not is named before any reduce-scatter
+    (they would pair different units' collectives); once they agree again, training goes on."""
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(Block,))))
+    model.blocks[0].requires_grad_(rank == 0)
+    refused = refusal(lambda: engine.backward(_loss(model, 0, rank)), RuntimeError)
+    model.blocks[0].requires_grad_(True)
+    engine.backward(_loss(model, 1, rank))
+    engine.step()
+    return {"refused": refused, "steps": engine.steps_taken}
+
+
+def test_ranks_that_froze_different_units_are_named_before_the_backward(grid: list) -> None:
+    results = by_rank(grid, "frozen differently")
+    assert results[0]["refused"] == results[1]["refused"]
+    assert "which units have trainable parameters (every rank must freeze the same ones; a checksum)" in results[0]["refused"]
+    assert all(result["steps"] == 1 for result in results)
+
+
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Every case of this file in one spawn of two ranks."""
@@ -350,6 +371,7 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
             _checkpoint_after_added_group_worker, directory=str(tmp_path_factory.mktemp("groups"))
         ),
         "adagrad": _adagrad_worker,
+        "frozen differently": _frozen_differently_worker,
     }
     if importlib.util.find_spec("transformers") is not None:
         workers["buffers"] = _buffers_worker

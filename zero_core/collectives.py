@@ -278,22 +278,26 @@ def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label:
         return _handle(comm, work, CollectiveKind.BROADCAST, label)
 
 
-def true_on_any_rank(comm: CommContext, flags: list[bool], what: str) -> list[bool]:
+def true_on_any_rank(comm: CommContext, flags: list[bool], what: str, must_agree: dict[str, int] | None = None) -> list[bool]:
     """Per position: true on every rank if true on any rank.
 
-    Ranks that disagree on how many flags there are get the same error.
+    Ranks that disagree on how many flags there are, or on any value of
+    ``must_agree`` (integers below 2**52, checked in the same call), get the
+    same error.
     """
     n = len(flags)
-    # The count first, in a tensor of fixed size: all-reducing tensors of
+    checks = {f"{what} (how many)": n, **(must_agree or {})}
+    # The counts first, in a tensor of fixed size: all-reducing tensors of
     # different sizes is itself a mismatch no check could report.
-    count = torch.tensor([n, -n], dtype=torch.float32, device=comm.device)
-    all_reduce(comm, count, dist.ReduceOp.MAX, label=what).wait()
-    highest, lowest = count.tolist()[0], -count.tolist()[1]
-    if highest != lowest:
-        raise CollectiveFailed(
-            f"ZeRO: ranks disagree on {what} ({int(lowest)} entries on some ranks, {int(highest)} on others).\n"
-            f"{DIVERGENCE_ADVICE}"
-        )
+    values = list(checks.values())
+    agreed = torch.tensor(values + [-v for v in values], dtype=torch.float64, device=comm.device)
+    all_reduce(comm, agreed, dist.ReduceOp.MAX, label=what).wait()
+    reduced = agreed.tolist()
+    highest, lowest = reduced[: len(values)], [-v for v in reduced[len(values) :]]
+    differing = [name for name, hi, lo in zip(checks, highest, lowest) if hi != lo]
+    if differing:
+        detail = "; ".join(f"{name}: {int(lo)} on some ranks, {int(hi)} on others" for name, hi, lo in zip(checks, highest, lowest) if hi != lo)
+        raise CollectiveFailed(f"ZeRO: ranks disagree on {detail}.\n{DIVERGENCE_ADVICE}")
     tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
     all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
     return [v > 0 for v in tensor.tolist()]

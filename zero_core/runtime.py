@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+import zlib
 from collections import Counter
 from enum import Enum, auto
 from typing import Any
@@ -411,7 +412,13 @@ class StepRuntime:
         if not self.plan.params_sharded_at_rest or not any(r.unit_edges for r in records):
             return [loss], [None]
         records, reached = records_reached(loss, records)
-        anywhere = collectives.true_on_any_rank(self.root.comm, reached, "which unit outputs the loss uses")
+        # Riding along, before any reduce-scatter: ranks that froze different units would pair
+        # different units' reduce-scatters (a hang, or garbage for units of equal size).
+        trainable = zlib.crc32(repr([unit.index for unit in self.units if unit.trainable]).encode())
+        anywhere = collectives.true_on_any_rank(
+            self.root.comm, reached, "which unit outputs the loss uses",
+            must_agree={"which units have trainable parameters (every rank must freeze the same ones; a checksum)": trainable},
+        )
         self._next_backward = records
         edges, zeros = zero_roots(records, [a and not r for a, r in zip(anywhere, reached)])
         return [loss, *edges], [None, *zeros]
