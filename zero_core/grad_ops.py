@@ -107,12 +107,13 @@ def agree_on_step(
     different numbers of them are named here instead of mixing collectives
     of different steps.
     """
-    local_inf = check_finite and any(not torch.isfinite(shard).all() for shard in _shards(units))
     flags = [float(flag) for u in units for flag in u.slot_has_grad]
     values = list(counters.values())
-    tensor = torch.tensor(
-        [float(local_inf)] + flags + values + [-v for v in values], dtype=torch.float64, device=comm.device
-    )
+    tensor = torch.tensor([0.0] + flags + values + [-v for v in values], dtype=torch.float64, device=comm.device)
+    shards = _shards(units) if check_finite else []
+    if shards:
+        # On the device, into the all-reduced tensor: no host synchronisation per shard.
+        tensor[0] = torch.stack([~torch.isfinite(shard).all() for shard in shards]).any().to(tensor.dtype)
     collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label="the optimizer-step agreement").wait()
     reduced = tensor.tolist()
     count = len(values)
