@@ -278,6 +278,16 @@ def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label:
         return _handle(comm, work, CollectiveKind.BROADCAST, label)
 
 
+def differing_values(checks: dict[str, int], reduced: list[float]) -> list[str]:
+    """``reduced`` ends with ``checks``' values then their negations, all-reduced with MAX
+    (each value's highest and lowest over ranks): the values that differ between ranks,
+    each as "name: lowest on some ranks, highest on others"; empty when all agree."""
+    count = len(checks)
+    highest = reduced[len(reduced) - 2 * count : len(reduced) - count]
+    lowest = [-v for v in reduced[len(reduced) - count :]]
+    return [f"{name}: {int(lo)} on some ranks, {int(hi)} on others" for name, lo, hi in zip(checks, lowest, highest) if lo != hi]
+
+
 def true_on_any_rank(comm: CommContext, flags: list[bool], what: str, must_agree: dict[str, int] | None = None) -> list[bool]:
     """Per position: true on every rank if true on any rank.
 
@@ -292,12 +302,9 @@ def true_on_any_rank(comm: CommContext, flags: list[bool], what: str, must_agree
     values = list(checks.values())
     agreed = torch.tensor(values + [-v for v in values], dtype=torch.float64, device=comm.device)
     all_reduce(comm, agreed, dist.ReduceOp.MAX, label=what).wait()
-    reduced = agreed.tolist()
-    highest, lowest = reduced[: len(values)], [-v for v in reduced[len(values) :]]
-    differing = [name for name, hi, lo in zip(checks, highest, lowest) if hi != lo]
+    differing = differing_values(checks, agreed.tolist())
     if differing:
-        detail = "; ".join(f"{name}: {int(lo)} on some ranks, {int(hi)} on others" for name, hi, lo in zip(checks, highest, lowest) if hi != lo)
-        raise CollectiveFailed(f"ZeRO: ranks disagree on {detail}.\n{DIVERGENCE_ADVICE}")
+        raise CollectiveFailed(f"ZeRO: ranks disagree on {'; '.join(differing)}.\n{DIVERGENCE_ADVICE}")
     tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
     all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
     return [v > 0 for v in tensor.tolist()]

@@ -202,9 +202,14 @@ class ZeroEngine(CheckpointMethods):
         """Groups added after setup (progressive unfreezing) are compared across ranks at the step
         after the step agreement found equal group counts on every rank, so every rank decides alike."""
         if self.optimizer is not None and len(self._param_group_names) != self._groups_compared:
-            described = setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names)
-            setup_agreement.agree_on_setup(self.comm, described)
-            self._groups_compared = len(self._param_group_names)
+            self._compare_param_groups()
+
+    def _compare_param_groups(self) -> None:
+        """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
+        Every rank must call it together."""
+        assert self.optimizer is not None
+        setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names))
+        self._groups_compared = len(self._param_group_names)
 
     @property
     def stage(self) -> int:

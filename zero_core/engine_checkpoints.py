@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import setup_agreement
 from .checkpoint.agreement import RankAgreement
 from .checkpoint.errors import CheckpointError
 from .checkpoint.full_weights import load_full_weights
@@ -37,8 +36,7 @@ class CheckpointMethods:
         so a group added or refused on one rank only fails everywhere alike."""
         if operation is not None and self.optimizer is not None:
             RankAgreement(self.comm, operation).run("adopting param groups added since the last step", self._adopt_added_param_groups)
-            setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names))
-            self._groups_compared = len(self._param_group_names)
+            self._compare_param_groups()
         return ShardedModel(self.model, self.units, self.comm, self.optimizer, self._param_group_names)
 
     def sharded_model_state_dict(self: "ZeroEngine") -> dict[str, Any]:

@@ -116,14 +116,8 @@ def agree_on_step(
         tensor[0] = torch.stack([~torch.isfinite(shard).all() for shard in shards]).any().to(tensor.dtype)
     collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label="the optimizer-step agreement").wait()
     reduced = tensor.tolist()
-    count = len(values)
-    highest, lowest = reduced[len(reduced) - 2 * count : len(reduced) - count], [-v for v in reduced[len(reduced) - count :]]
-    if highest != lowest:
-        differing = ", ".join(
-            f"{name}: {int(lo)} on some ranks, {int(hi)} on others"
-            for name, lo, hi in zip(counters, lowest, highest)
-            if lo != hi
-        )
+    differing = ", ".join(collectives.differing_values(counters, reduced))
+    if differing:
         raise collectives.CollectiveFailed(
             f"ZeRO: ranks reached this optimizer step after different work ({differing}).\n"
             + collectives.DIVERGENCE_ADVICE

@@ -1,10 +1,11 @@
 """Loading a checkpoint directory into a sharded model, all or nothing, agreed on every rank.
 
 Steps, each agreed across ranks before the next: find the checkpoint (the
-path, or the copy an interrupted save left), verify it (manifest, every
-file's checksum, the save identity, the model's keys and shapes; the data
-files are split between ranks), then read this rank's pieces into new
-tensors. Nothing of the live model or optimizer is touched: the engine
+path, or the copy an interrupted save left), verify it (manifest,
+``.metadata`` and ``meta.pt`` against their checksums, every data file
+present with its size, the save identity), check the model's and the
+optimizer's keys and shapes, then read this rank's pieces into new tensors,
+each item's bytes checked against its digest as they are read. Nothing of the live model or optimizer is touched: the engine
 applies the returned :class:`LoadedCheckpoint` only once every rank has it.
 """
 
@@ -37,7 +38,7 @@ class VerifiedCheckpoint(NamedTuple):
 
 
 def open_checkpoint(agreement: RankAgreement, path: str | os.PathLike) -> VerifiedCheckpoint:
-    """Find and verify the checkpoint at ``path``; every rank checks its share of the data files."""
+    """Find and verify the checkpoint at ``path`` (data bytes are checked later, as they are read)."""
     _, places = agreement.run("finding the checkpoint", lambda: str(locate_checkpoint(path)), share=True)
     if len(set(places)) > 1:
         raise CheckpointError(f"{agreement.operation}: the ranks found different directories ({places}); is the filesystem shared?")
