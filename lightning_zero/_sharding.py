@@ -90,23 +90,6 @@ def check_sync_batchnorm_device(device: torch.device) -> None:
         )
 
 
-def refuse_finetuning_callbacks(callbacks: list[Any]) -> None:
-    """Lightning's BaseFinetuning callbacks (BackboneFinetuning, ...) decide which parameters
-    are already in the optimizer with ``torch.equal`` on values; ZeRO's optimizer holds flat
-    shards, so that answer would differ between ranks. Refused before training (the
-    callbacks themselves refuse Lightning's DeepSpeed strategy)."""
-    from lightning.pytorch.callbacks import BaseFinetuning
-
-    names = [type(c).__name__ for c in callbacks if isinstance(c, BaseFinetuning)]
-    if names:
-        raise ValueError(
-            f"{', '.join(names)} (a BaseFinetuning callback) is not supported with ZeRO yet. Freeze and unfreeze "
-            "in your LightningModule instead, which works at every stage: requires_grad_(False/True) on the "
-            "backbone, and optimizer.add_param_group({'params': backbone.parameters(), 'lr': ...}) when it "
-            "first joins (in on_train_epoch_start, for example)."
-        )
-
-
 def refuse_late_sync_batchnorm(module: nn.Module) -> None:
     """sync_batchnorm asked for on a module an earlier fit sharded without it: converting
     now would replace sharded layers."""

@@ -33,12 +33,12 @@ from ._sharding import (
     as_zero_precision,
     build_engine,
     check_sync_batchnorm_device,
-    refuse_finetuning_callbacks,
     refuse_late_sync_batchnorm,
     register_zero_strategies,
     teardown_keeping_module,
     zero_settings,
 )
+from .finetuning import finetuning_callbacks, make_parameters_comparable, restore_param_groups
 from .precision import ZeroPrecision
 
 
@@ -109,7 +109,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         optimizer = None
-        refuse_finetuning_callbacks(trainer.callbacks)
+        make_parameters_comparable(finetuning_callbacks(trainer))
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync is not None:
                 # Trainer(sync_batchnorm=True), as DDP honours it; kept after fit (the
@@ -195,7 +195,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if is_sharded_checkpoint(path):
             with_optimizer = fitting and self.engine.optimizer is not None
-            checkpoint = self.engine.load_checkpoint(path, load_optimizer=with_optimizer)
+            checkpoint = self._load_sharded(path, with_optimizer)
             checkpoint["state_dict"] = {}  # already in place; Lightning's own restore has nothing to do
             if with_optimizer:
                 checkpoint["optimizer_states"] = [{}]
@@ -207,6 +207,22 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             checkpoint["optimizer_states"] = [{}]
         return checkpoint
+
+    def _load_sharded(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
+        assert self.engine is not None and self.lightning_module is not None
+        optimizer = self.engine.optimizer
+        callbacks = finetuning_callbacks(self.lightning_module.trainer)
+        if not (with_optimizer and callbacks and optimizer is not None):
+            return self.engine.load_checkpoint(path, load_optimizer=with_optimizer)
+        # The param groups the callbacks added before the save come back first, as under DDP.
+        extra = self.engine.read_checkpoint_extra(path)
+        groups_before = optimizer.param_groups
+        try:
+            restore_param_groups(self.lightning_module.trainer, self.lightning_module, extra)
+            return self.engine.load_checkpoint(path, load_optimizer=True)
+        except BaseException:
+            optimizer.param_groups = groups_before  # a failed load leaves the optimizer as it was
+            raise
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # load_checkpoint already put the weights into the shards

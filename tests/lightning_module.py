@@ -80,3 +80,19 @@ class ManualTinyLM(TinyLM):
         self.manual_backward(loss)
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
         optimizer.step()
+
+
+class BackboneTinyLM(TinyLM):
+    """For Lightning's BackboneFinetuning: the first block is the backbone (frozen by the
+    callback before the optimizer is made, which leaves it out); the optimizer keeps the
+    scheduler and the two groups' hyperparameters of TinyLM."""
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        return self.net.blocks[0]
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        groups = [dict(group, params=[p for p in group["params"] if p.requires_grad]) for group in param_groups(self.net, self.hparams.lr)]
+        optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -12,6 +12,8 @@ previous checkpoint loading bit-identically. Each spawn runs a whole grid.
 
 from __future__ import annotations
 
+import copy
+
 import errno
 import os
 import pickle
@@ -53,13 +55,10 @@ def _snapshot(engine: ZeroEngine) -> dict[str, Any]:
     """Everything a load may change: full weights, this rank's optimizer state and settings, the step counter."""
     optimizer = engine.optimizer
     assert optimizer is not None
-    state = [
-        {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in optimizer.state[p].items()}
-        for group in optimizer.param_groups
-        for p in group["params"]
-    ]
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    return {"weights": engine.full_state_dict(), "optimizer": state, "groups": groups, "steps": engine.steps_taken}
+    # torch's own state dict: this rank's master pieces' state and every group's settings.
+    state = copy.deepcopy(optimizer.state_dict())
+    assert state["state"], "the snapshot must hold optimizer state to compare"
+    return {"weights": engine.full_state_dict(), "optimizer": state, "steps": engine.steps_taken}
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -26,6 +26,9 @@ PARITY = dict(max_steps=4, accumulate=2, clip=0.5)
 # sees the same samples and the comparison does not depend on how Lightning
 # counts a resumed epoch.
 RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
+# Lightning's BackboneFinetuning unfreezes the first block (the shapes of the others)
+# at epoch 2 and adds it to the optimizer as a third param group.
+FINETUNING = dict(RESUMABLE, unfreeze_backbone_at=2)
 TWO_DEVICE_RUNS = [
     {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
     {"name": "zero1", "strategy": "zero1", **PARITY},
@@ -42,10 +45,15 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
     {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
-    {"name": "zero3-finetuning", "strategy": "zero3", "max_steps": 1, "finetuning_callback": True, "expect_error": True},
+    *({"name": f"zero{stage}-finetuning", "strategy": f"zero{stage}", **FINETUNING, "checkpoint_epochs": stage == 3} for stage in (1, 2, 3)),
 ]
 ONE_DEVICE_RUNS = [
     {"name": "resumed-zero1", "strategy": "zero1", **RESUMABLE, "batch_size": 8, "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt"},
+    # DDP reduces no gradient of a parameter frozen when it was built, so one process on
+    # the global batch is the reference for unfreezing (and its resume, for Lightning's own).
+    {"name": "one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "checkpoint_epochs": True},
+    {"name": "resumed-one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "ckpt_path": "one-process-finetuning/epoch=3-step=4.ckpt"},
+    {"name": "resumed-zero1-finetuning", "strategy": "zero1", **FINETUNING, "batch_size": 8, "ckpt_path": "zero3-finetuning/epoch=3-step=4.ckpt"},
 ]
 
 
@@ -176,7 +184,24 @@ def test_sync_batchnorm_is_refused_on_cpu_before_training(results: tuple) -> Non
     assert error is not None and "sync_batchnorm=True) needs GPUs" in error
 
 
-def test_finetuning_callbacks_are_refused_before_training(results: tuple) -> None:
-    error = results[1]["zero3-finetuning"]["error"]
-    assert error is not None and "UnfreezeFirstBlock (a BaseFinetuning callback) is not supported" in error
-    assert "add_param_group" in error  # and says what works instead
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_backbone_finetuning_trains_like_one_process_at_every_stage(results: tuple, stage: int) -> None:
+    _, runs = results
+    reference, ours = runs["one-process-finetuning"], runs[f"zero{stage}-finetuning"]
+    assert ours["global_step"] == 6 and len(ours["lrs"]) == 3  # the backbone's group was added
+    assert ours["lrs"] == pytest.approx(reference["lrs"])
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+    start = TinyLM(batchnorm=False).state_dict()  # the backbone did train: it moved away from its start
+    backbone = [key for key in start if key.startswith("net.blocks.0.")]
+    assert relative_difference({k: ours["weights"][k] for k in backbone}, {k: start[k] for k in backbone}) > 1e-3
+
+
+def test_backbone_finetuning_resumes_as_lightning_does_in_one_process(results: tuple) -> None:
+    """From a stage-3 checkpoint saved after the unfreeze, at one device and stage 1: the
+    callback's param groups come back before the optimizer state, as Lightning restores them."""
+    _, runs = results
+    reference, ours = runs["resumed-one-process-finetuning"], runs["resumed-zero1-finetuning"]
+    assert ours["global_step"] == 6 and len(ours["losses"]) == 2
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours["lrs"] == pytest.approx(reference["lrs"])
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5

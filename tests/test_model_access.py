@@ -103,6 +103,48 @@ def test_stage3_parameters_at_rest_are_described_or_refused_never_read_from_free
         assert result["block_call_error"] < 1e-6  # the unit's own module, called directly, works
 
 
+def _equal_worker(rank: int, world_size: int) -> dict:
+    """torch.equal between stage-3 parameters at rest: from metadata, or exactly inside
+    comparable_parameters() (what Lightning's BaseFinetuning asks), else refused."""
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False, blocks=4)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy(min_unit_numel=1)))
+    _train(engine, model, 1, rank)
+    up = [block.up.weight for block in model.blocks]
+    with engine.gathered_parameters(), torch.no_grad():  # block 1 = block 0 but one 0.0 as -0.0; blocks 2 and 3 alike with a NaN
+        up[0][0, 0] = 0.0
+        up[1].copy_(up[0])
+        up[1][0, 0] = -0.0
+        up[2].copy_(up[0])
+        up[2][1, 1] = float("nan")
+        up[3].copy_(up[2])
+    full = engine.full_state_dict()
+    pairs = [(0, 1), (0, 2), (2, 3), (2, 2), (0, 0), (1, 0)]
+    expected = [torch.equal(full[f"blocks.{i}.up.weight"], full[f"blocks.{j}.up.weight"]) for i, j in pairs]
+    outside = {
+        "other shape": torch.equal(up[0], model.blocks[0].down.weight),
+        "itself": torch.equal(up[0], up[0]),
+        "same shape": refusal(lambda: torch.equal(up[0], up[1]), ParameterAtRestError),
+    }
+    traffic_before = engine.comm_stats.snapshot()
+    with engine.comparable_parameters():
+        inside = [torch.equal(up[i], up[j]) for i, j in pairs] + [up[0].equal(up[1])]
+    gathers = engine.comm_stats.snapshot()["all_gather"].calls - traffic_before["all_gather"].calls
+    after = refusal(lambda: torch.equal(up[0], up[1]), ParameterAtRestError)
+    return {"expected": expected, "inside": inside, "outside": outside, "after": after, "gathers": gathers, "units": len(engine.units)}
+
+
+def test_torch_equal_between_resting_parameters_is_exact_inside_comparable_parameters(grid: list) -> None:
+    for result in by_rank(grid, "equal"):
+        # Under plain torch: -0.0 == 0.0, and NaN equals nothing, itself included.
+        assert result["expected"] == [True, False, False, False, True, True]
+        assert result["inside"] == result["expected"] + [True]
+        assert result["gathers"] == result["units"]  # one pass over the model, however many comparisons
+        assert result["outside"]["other shape"] is False and result["outside"]["itself"] is True
+        for refused in (result["outside"]["same shape"], result["after"]):
+            assert refused is not None and "comparable_parameters()" in refused
+
+
 # ------------------------------------------------------------- state dicts
 def _state_dict_worker(rank: int, world_size: int) -> list[dict]:
     results = []
@@ -271,7 +313,7 @@ def test_hugging_face_encoder_decoder_generate_on_the_sharded_model(grid: list) 
 @pytest.fixture(scope="module")
 def grid() -> list[dict]:
     """Every case of this file in one spawn of two ranks."""
-    workers = {"at rest": _at_rest_worker, "state dict": _state_dict_worker, "gan": _gan_worker}
+    workers = {"at rest": _at_rest_worker, "equal": _equal_worker, "state dict": _state_dict_worker, "gan": _gan_worker}
     if importlib.util.find_spec("transformers") is not None:
         workers["generate"] = _generate_worker
     return run_distributed(run_each, 2, workers, timeout=600)

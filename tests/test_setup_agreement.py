@@ -250,7 +250,7 @@ def test_a_save_compares_groups_added_since_the_last_step(grid: list) -> None:
     results = by_rank(grid, "save after adding")
     assert results[0] == results[1]
     assert "ranks disagree on optimizer param group 1 lr: 0.1 on rank 0; 0.2 on rank 1" in results[0]["differing"]
-    assert "did not shard" in results[0]["refused"] and "adopting param groups added since the last step, on rank 1" in results[0]["refused"]
+    assert "did not shard" in results[0]["refused"] and "reading the optimizer's param groups, on rank 1" in results[0]["refused"]
 
 
 def test_attach_optimizer_with_disagreeing_optimizers_is_refused_on_every_rank(grid: list) -> None:

@@ -39,7 +39,9 @@ from .engine_checkpoints import CheckpointMethods
 from .flat_unit import FlatUnit
 from .model_changes import RegisteredParameters
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
-from .optim import adopt_added_param_groups, canonical_names, check_optimizer_supported, rebuild_optimizer
+from .optim import canonical_names, check_optimizer_supported, reset_optimizer_state
+from .param_groups import OptimizerGroups
+from .parameter_digests import ParameterDigests
 from .precision import DynamicLossScaler
 from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
@@ -62,6 +64,13 @@ def engine_owning(module: nn.Module) -> "tuple[ZeroEngine, str] | None":
             if candidate is module:
                 return engine, name
     return None
+
+
+def _refuse_step_after_unshard(*_: Any) -> None:
+    raise RuntimeError(
+        "This optimizer was rebuilt over ZeRO shards, and engine.unshard() gave the model back: its state no "
+        "longer matches the model's parameters. Make a new optimizer over model.parameters()."
+    )
 
 
 def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -118,8 +127,7 @@ class ZeroEngine(CheckpointMethods):
             check_meta_initialisable(model, param_init_fn)
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
-        self._param_group_names: list[list[str]] = []
-        self._groups_compared = 0  # how many param groups ranks have compared (setup, then each step)
+        self._groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
         self.comm = CommContext.create(process_group, _model_device(model, device))
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
         # Before any other collective: ranks that built different models, configs
@@ -135,6 +143,9 @@ class ZeroEngine(CheckpointMethods):
             units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
         self._canonical_names = canonical_names(self.units)
+        self._digests = ParameterDigests(self.units)
+        for unit in self.units:
+            unit.guard.digests = self._digests
         cast_buffers(model, config.mixed_precision)
         broadcast_buffers(self.model, self.comm)
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
@@ -176,40 +187,42 @@ class ZeroEngine(CheckpointMethods):
         self._optimizer_agreed_at_setup = None
         for handle in self._optimizer_hooks:
             handle.remove()
-        self._param_group_names = rebuild_optimizer(optimizer, self.model, self.units)
-        self._groups_compared = len(self._param_group_names)
+        groups = OptimizerGroups(optimizer, self.units)  # refuses foreign or repeated tensors
+        groups.show_pieces()
+        reset_optimizer_state(optimizer)
+        groups.show_model_parameters()
+        self._groups = groups
         self.optimizer = optimizer
         self._optimizer_hooks = [
             optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()),
             optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()),
+            *groups.install_hooks(),
         ]
 
     # --------------------------------------------------------------- facts
     @property
     def param_group_names(self) -> list[list[str]]:
         """Each optimizer group's parameters by name (every rank alike): how checkpoints
-        refer to them. Groups added with ``optimizer.add_param_group`` since are adopted
-        first, so a save or load right after adding one sees it."""
-        self._adopt_added_param_groups()
-        return self._param_group_names
+        refer to them. Read from the groups as they are now, so a save or load right
+        after ``optimizer.add_param_group`` sees the new group."""
+        return self._read_param_groups()
 
-    def _adopt_added_param_groups(self) -> None:
-        if self.optimizer is not None:
-            added = adopt_added_param_groups(self.optimizer, self.units, self._param_group_names)
-            self._param_group_names += added
+    def _read_param_groups(self) -> list[list[str]]:
+        return self._groups.read() if self._groups is not None else []
 
-    def _agree_on_added_param_groups(self) -> None:
-        """Groups added after setup (progressive unfreezing) are compared across ranks at the step
-        after the step agreement found equal group counts on every rank, so every rank decides alike."""
-        if self.optimizer is not None and len(self._param_group_names) != self._groups_compared:
+    def _agree_on_changed_param_groups(self) -> None:
+        """Groups added or replaced since they were last compared (progressive unfreezing) are
+        compared across ranks, hyperparameters too, once the step agreement found the same group
+        names on every rank, so every rank decides alike."""
+        if self._groups is not None and self._groups.changed_since_compared:
             self._compare_param_groups()
 
     def _compare_param_groups(self) -> None:
         """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
         Every rank must call it together."""
-        assert self.optimizer is not None
-        setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._param_group_names))
-        self._groups_compared = len(self._param_group_names)
+        assert self.optimizer is not None and self._groups is not None
+        setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._groups.names))
+        self._groups.mark_compared()
 
     @property
     def stage(self) -> int:
@@ -370,11 +383,12 @@ class ZeroEngine(CheckpointMethods):
         self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
         self._step_calls += 1
-        # Groups added since the last step train from this one. A refused group is reported
+        # Groups added or replaced since the last step train from this one. A refused group is reported
         # after the step agreement, so a rank that alone added one does not leave the others waiting.
+        assert self._groups is not None
         refused_group = None
         try:
-            self._adopt_added_param_groups()
+            self._groups.read()
         except ValueError as error:
             refused_group = error
         if self.loss_scaler is not None:
@@ -384,13 +398,14 @@ class ZeroEngine(CheckpointMethods):
             "backwards": self.runtime.backwards,
             "optimizer steps": self._step_calls,
             "units reduced, as a sum of unit numbers (ranks froze different parameters?)": self.runtime.reduces.issued_fingerprint,
-            "optimizer param groups (add_param_group on some ranks only?)": len(self._param_group_names),
+            "optimizer param groups (add_param_group on some ranks only?)": len(self._groups.names),
+            "optimizer param groups, as a checksum of their parameter names": self._groups.fingerprint,
             "refused add_param_group calls": int(refused_group is not None),
         }
         agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None)
         if refused_group is not None:
             raise refused_group
-        self._agree_on_added_param_groups()
+        self._agree_on_changed_param_groups()
         if self.loss_scaler is not None:
             self.loss_scaler.update(agreement.found_inf)
             if agreement.found_inf:
@@ -398,9 +413,11 @@ class ZeroEngine(CheckpointMethods):
                 for unit in self.units:
                     unit.attach_master_grads([False] * len(unit.slot_has_grad))
                 self._skip_refresh = True
-                return
-        for unit, flags in zip(self.units, agreement.slot_flags):
-            unit.attach_master_grads(flags)
+        if not self._skip_refresh:
+            for unit, flags in zip(self.units, agreement.slot_flags):
+                unit.attach_master_grads(flags)
+        # Last, once nothing can raise: the optimizer's own step updates this rank's pieces.
+        self._groups.show_pieces()
 
     def refresh_parameters(self) -> None:
         """Bring the compute copies (full parameters in stages 1/2) up to date with the master shards."""
@@ -409,6 +426,8 @@ class ZeroEngine(CheckpointMethods):
             handle.wait()
 
     def _after_optimizer_step(self) -> None:
+        assert self._groups is not None
+        self._groups.show_model_parameters()
         if not self._skip_refresh:
             self.refresh_parameters()
             self.steps_taken += 1
@@ -428,6 +447,12 @@ class ZeroEngine(CheckpointMethods):
         """
         return full_params.gathered_parameters(self, module, writeback)
 
+    def comparable_parameters(self) -> "contextlib.AbstractContextManager[None]":
+        """Inside, ``torch.equal`` between two stage-3 parameters at rest is answered exactly
+        (the first such comparison gathers the model once, unit by unit); outside it is
+        refused. Every rank must enter together and make the same comparisons."""
+        return self._digests.comparable()
+
     def full_state_dict(self, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict with full fp32 parameters, gathered one unit at a time.
 
@@ -440,10 +465,14 @@ class ZeroEngine(CheckpointMethods):
     def unshard(self) -> None:
         """Give the model back as an ordinary module: full fp32 parameters, no hooks.
 
-        The optimizer keeps pointing at the shards and is of no further use.
+        The optimizer's state belongs to the shards: its ``step()`` raises from
+        now on (stepping the model's parameters with fresh moments would
+        silently train differently); make a new optimizer.
         """
         full_params.unshard(self)
         _ENGINES.pop(self.model, None)
+        if self.optimizer is not None:
+            self.optimizer.register_step_pre_hook(_refuse_step_after_unshard)
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:

@@ -20,7 +20,7 @@ import torch
 from .checkpoint.agreement import RankAgreement
 from .checkpoint.errors import CheckpointError
 from .checkpoint.full_weights import load_full_weights
-from .checkpoint.loading import load_checkpoint
+from .checkpoint.loading import load_checkpoint, open_checkpoint
 from .checkpoint.records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
 from .checkpoint.saving import save_checkpoint, sharded_state
 from .optim import install_optimizer_state
@@ -31,13 +31,14 @@ if TYPE_CHECKING:
 
 class CheckpointMethods:
     def _sharded_view(self: "ZeroEngine", operation: str | None = None) -> ShardedModel:
-        """What the checkpoint code sees. With ``operation`` (every rank is in it together), param
-        groups added since the last step are adopted and compared first, agreed on every rank,
-        so a group added or refused on one rank only fails everywhere alike."""
+        """What the checkpoint code sees. With ``operation`` (every rank is in it together), the
+        param groups are read and compared first, agreed on every rank, so a group added,
+        replaced or refused on one rank only fails everywhere alike."""
         if operation is not None and self.optimizer is not None:
-            RankAgreement(self.comm, operation).run("adopting param groups added since the last step", self._adopt_added_param_groups)
+            RankAgreement(self.comm, operation).run("reading the optimizer's param groups", self._read_param_groups)
             self._compare_param_groups()
-        return ShardedModel(self.model, self.units, self.comm, self.optimizer, self._param_group_names)
+        names = self._groups.names if self._groups is not None else []  # as last read
+        return ShardedModel(self.model, self.units, self.comm, self.optimizer, names)
 
     def sharded_model_state_dict(self: "ZeroEngine") -> dict[str, Any]:
         """``model.state_dict()``'s keys, parameters as DCP-checkpointable views of this rank's fp32 shard
@@ -74,6 +75,12 @@ class CheckpointMethods:
         record = EngineRecord(self.stage, self.world_size, self.steps_taken, scaler)
         return save_checkpoint(self._sharded_view(f"saving checkpoint {path}"), path, dict(extra or {}), record,
                                include_model=include_model, include_optimizer=include_optimizer and self.optimizer is not None)
+
+    def read_checkpoint_extra(self: "ZeroEngine", path: str | os.PathLike) -> dict[str, Any]:
+        """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every
+        rank, without loading anything. Every rank calls it; a bad checkpoint raises the same
+        ``CheckpointError`` everywhere."""
+        return open_checkpoint(RankAgreement(self.comm, f"reading the extra state of checkpoint {path}"), path).extra
 
     def load_checkpoint(
         self: "ZeroEngine",

@@ -14,6 +14,8 @@ parameter's class is switched to a guard subclass of its own class whose
   every rank holds the full source), which is how ``load_state_dict``
   loads a sharded model;
 - hands ``detach()`` the full value while ``state_dict()`` exports it;
+- answers ``torch.equal`` from metadata, or exactly from digests inside
+  ``engine.comparable_parameters()`` (``parameter_digests.py``);
 - refuses everything else with :class:`ParameterAtRestError`, naming the
   ways to get full values.
 
@@ -32,6 +34,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .flat_unit import FlatUnit
+    from .parameter_digests import ParameterDigests
 
 
 class ParameterAtRestError(RuntimeError):
@@ -103,6 +106,7 @@ class ParameterGuard:
     def __init__(self, unit: "FlatUnit"):
         self.unit = unit
         self.exported: dict[int, torch.Tensor] | None = None  # slot index -> full value, during state_dict()
+        self.digests: "ParameterDigests | None" = None  # set by the engine: exact torch.equal where ranks run alike
 
     def __call__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -126,11 +130,25 @@ class ParameterGuard:
         if func is torch.Tensor.detach and self.exported is not None and param is args[0]:
             return self.exported[self.unit.slot_of(param)]
         if func in (torch.equal, torch.Tensor.equal) and len(args) == 2:
-            if args[0] is args[1]:
-                return True
-            if args[0].shape != args[1].shape:
-                return False
+            return self._equal(param, *args)
         raise self.error(param, f"cannot be read by {_describe(func)}")
+
+    def _equal(self, param: nn.Parameter, a: Any, b: Any) -> bool:
+        """``torch.equal``: from metadata where it decides, else from the digests of a
+        ``comparable_parameters()`` stretch (exact, NaN included), else refused."""
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape != b.shape:
+            return False
+        digests = self.digests
+        if digests is not None and digests.active and digests.knows(a) and digests.knows(b):
+            return digests.equal(a, b)
+        if a is b:
+            return True  # as torch.equal answers unless the parameter holds NaN
+        raise self.error(
+            param,
+            "cannot be compared by torch.equal with another tensor of its shape outside "
+            "`with engine.comparable_parameters():` (every rank enters together; Lightning's strategy "
+            "opens it around BaseFinetuning callbacks' epoch hook)",
+        )
 
     def owns(self, value: Any) -> bool:
         return isinstance(value, nn.Parameter) and type(value) in self.unit.guard_classes.values()

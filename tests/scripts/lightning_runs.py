@@ -19,11 +19,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.callbacks import BaseFinetuning, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # noqa: E402
 
 import lightning_zero  # noqa: E402, F401  (registers the strategies)
 from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
-from tests.lightning_module import ManualTinyLM, TinyLM  # noqa: E402
+from tests.lightning_module import BackboneTinyLM, ManualTinyLM, TinyLM  # noqa: E402
 from tests.models import Block  # noqa: E402
 
 
@@ -40,25 +40,16 @@ def full_weights(trainer: pl.Trainer, module: TinyLM) -> dict[str, torch.Tensor]
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
-class UnfreezeFirstBlock(BaseFinetuning):
-    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
-        self.freeze(pl_module.net.blocks[0])
-
-    def finetune_function(self, pl_module: pl.LightningModule, epoch: int, optimizer: torch.optim.Optimizer) -> None:
-        if epoch == 1:
-            self.unfreeze_and_add_param_group(pl_module.net.blocks[0], optimizer)
-
-
 def run(spec: dict, out: Path, devices: int) -> None:
-    module_class = ManualTinyLM if spec.get("manual") else TinyLM
+    module_class = ManualTinyLM if spec.get("manual") else BackboneTinyLM if spec.get("unfreeze_backbone_at") else TinyLM
     module = module_class(
         batchnorm=spec.get("batchnorm", True),
         batch_size=spec.get("batch_size", 4),
         dataset_size=spec.get("dataset_size", 96),
     )
     callbacks = []
-    if spec.get("finetuning_callback"):
-        callbacks.append(UnfreezeFirstBlock())
+    if spec.get("unfreeze_backbone_at"):
+        callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=spec["unfreeze_backbone_at"]))
     if spec.get("checkpoint_epochs"):
         callbacks.append(ModelCheckpoint(dirpath=out / spec["name"], every_n_epochs=1, save_top_k=-1, save_last=True))
     if spec.get("top_k"):
@@ -78,7 +69,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
         val_check_interval=spec.get("val_check_interval"),
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=bool(callbacks),
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        default_root_dir=out,
         enable_progress_bar=False,
         enable_model_summary=spec.get("summary", False),
         num_sanity_val_steps=0,
@@ -96,6 +88,7 @@ def run(spec: dict, out: Path, devices: int) -> None:
         return
     trainer.fit(module, ckpt_path=str(out / ckpt_path) if ckpt_path else None)
     result = {"losses": module.losses, "weights": full_weights(trainer, module), "global_step": trainer.global_step}
+    result["lrs"] = [group["lr"] for group in trainer.optimizers[0].param_groups]
     if spec.get("summary"):
         from lightning.pytorch.utilities.model_summary import ModelSummary
 
