@@ -49,6 +49,15 @@ class Contestant:
         self.optimizer_step()
         return loss
 
+    def phases(self, ids: torch.Tensor, losses: list[float]) -> list[Callable[[], None]]:
+        """``step`` as forward, backward and optimizer step, to time each (the loss goes to ``losses``)."""
+        held: list[torch.Tensor] = []
+        return [
+            lambda: held.append(self.loss_of(ids)),
+            lambda: (self.backward(held[0]), losses.append(held.pop().item())),
+            self.optimizer_step,
+        ]
+
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)

@@ -32,7 +32,10 @@ from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # no
 SIZES = {
     "small": (GPTConfig(vocab_size=2048, seq_len=64, width=256, depth=4, heads=4), 8),
     "medium": (GPTConfig(vocab_size=8192, seq_len=128, width=512, depth=8, heads=8), 4),
+    # 168M parameters: where the per-step costs that grow with the model show.
+    "large": (GPTConfig(vocab_size=16384, seq_len=128, width=1024, depth=12, heads=16), 2),
 }
+PHASES = ("forward", "backward", "optimizer step")
 
 
 def live_tensor_bytes() -> int:
@@ -94,20 +97,24 @@ def main() -> None:
             Path(args.out).write_text(json.dumps(result, indent=1))
         return
 
-    losses, times = [], []
+    losses, times, phase_times = [], [], []
     for step in range(args.warmup + args.steps):
         ids = synthetic_batch(config, batch_size, step, rank).to(device)
         if contestant.comm_counter is not None:
             contestant.comm_counter.clear()
         dist.barrier()
-        start = time.perf_counter()
-        losses.append(contestant.step(ids))
-        if on_gpu:
-            torch.cuda.synchronize()
-        elapsed = torch.tensor([time.perf_counter() - start], device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+        marks = [time.perf_counter()]
+        for phase in contestant.phases(ids, losses):
+            phase()
+            if on_gpu:
+                torch.cuda.synchronize()
+            marks.append(time.perf_counter())
+        # A step (and each phase) takes as long as its slowest rank.
+        elapsed = torch.tensor([marks[-1] - marks[0]] + [b - a for a, b in zip(marks, marks[1:])], device=device, dtype=torch.float64)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= args.warmup:
-            times.append(float(elapsed))
+            times.append(float(elapsed[0]))
+            phase_times.append(elapsed[1:].tolist())
     traffic = {}
     if contestant.engine is not None:
         traffic = {kind: {"calls": c.calls, "bytes": c.bytes} for kind, c in contestant.engine.last_step_traffic.items()}
@@ -120,7 +127,8 @@ def main() -> None:
     peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     peak_rss = gather_ints(peak)  # on a GPU: peak allocated device memory
     result.update(
-        median_step_s=statistics.median(times), step_times_s=times, first_loss=losses[0], last_loss=losses[-1],
+        median_step_s=statistics.median(times), step_times_s=times,
+        phase_median_s={name: statistics.median(t[i] for t in phase_times) for i, name in enumerate(PHASES)}, first_loss=losses[0], last_loss=losses[-1],
         model_state_bytes=state_bytes, breakdown=breakdown, peak_rss_bytes=peak_rss, traffic=traffic,
     )
     if rank == 0:

@@ -91,6 +91,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model only, fewer steps")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--largest-only", action="store_true", help="only the largest-model search, added to an existing all.json")
+    parser.add_argument("--sizes", nargs="+", choices=("small", "medium", "large"), default=None,
+                        help="model sizes to run at world size 2 (default: all three; --quick: small)")
+    parser.add_argument("--merge", action="store_true",
+                        help="replace only these sizes' records in an existing all.json (no scaling or largest-model runs)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: on a GPU machine, NCCL, world size 1 (the only size the lent machine has)")
     args = parser.parse_args()
@@ -105,12 +109,20 @@ def main() -> None:
         write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
         return
     steps = 3 if args.quick else 5
-    sizes = ["small"] if args.quick else ["small", "medium"]
+    sizes = args.sizes or (["small"] if args.quick else ["small", "medium", "large"])
     records = []
     main_world = 1 if DEVICE == "cuda" else 2
     for size in sizes:
         for contestant in CONTESTANTS:
             records.append(run(contestant, size, main_world, out_dir, steps))
+    if args.merge and DEVICE != "cuda":
+        data = json.loads((out_dir / "all.json").read_text())
+        kept = [r for r in data["records"] if not (r.get("size") in sizes and r.get("world_size") == main_world)]
+        data["records"] = kept + records
+        data.setdefault("machine_by_size", {}).update({size: machine() for size in sizes})
+        (out_dir / "all.json").write_text(json.dumps(data, indent=1))
+        write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
+        return
     if DEVICE == "cuda":
         (out_dir / "all-cuda.json").write_text(json.dumps({"machine": machine(), "records": records}, indent=1))
         print(f"wrote {out_dir / 'all-cuda.json'} (GPU runs are reported as raw records)")

@@ -7,7 +7,7 @@ itself is the engine's root module, so checkpoint keys are the module's own.
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -38,7 +38,7 @@ from ._sharding import (
     teardown_keeping_module,
     zero_settings,
 )
-from .finetuning import finetuning_callbacks, make_parameters_comparable, restore_param_groups
+from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
 
 
@@ -195,34 +195,39 @@ class ZeroStrategy(DDPStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if is_sharded_checkpoint(path):
             with_optimizer = fitting and self.engine.optimizer is not None
-            checkpoint = self._load_sharded(path, with_optimizer)
+            checkpoint = self._restoring_finetuning_groups(
+                with_optimizer,
+                lambda: self.engine.read_checkpoint_extra(path).get("callbacks") or {},
+                lambda: self.engine.load_checkpoint(path, load_optimizer=with_optimizer),
+            )
             checkpoint["state_dict"] = {}  # already in place; Lightning's own restore has nothing to do
             if with_optimizer:
                 checkpoint["optimizer_states"] = [{}]
             return checkpoint
         # A consolidated file: its weights, read piecewise (agreed on every rank); optimizer state starts fresh.
-        self.engine.load_full_state_dict(path, strict=self.lightning_module.strict_loading)
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        file = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        checkpoint = self._restoring_finetuning_groups(
+            fitting,
+            lambda: file.get("callbacks") or {},
+            lambda: (self.engine.load_full_state_dict(path, strict=self.lightning_module.strict_loading), file)[1],
+        )
         checkpoint["state_dict"] = {}
         if fitting:
             checkpoint["optimizer_states"] = [{}]
         return checkpoint
 
-    def _load_sharded(self, path: Path, with_optimizer: bool) -> dict[str, Any]:
+    def _restoring_finetuning_groups(
+        self, fitting: bool, saved_callbacks: Callable[[], dict[str, Any]], load: Callable[[], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """``load()``; when fitting with BaseFinetuning callbacks, the param groups they had added
+        come back first, as the checkpoint's optimizer state (or a fresh one) expects."""
         assert self.engine is not None and self.lightning_module is not None
-        optimizer = self.engine.optimizer
-        callbacks = finetuning_callbacks(self.lightning_module.trainer)
-        if not (with_optimizer and callbacks and optimizer is not None):
-            return self.engine.load_checkpoint(path, load_optimizer=with_optimizer)
-        # The param groups the callbacks added before the save come back first, as under DDP.
-        extra = self.engine.read_checkpoint_extra(path)
-        groups_before = optimizer.param_groups
-        try:
-            restore_param_groups(self.lightning_module.trainer, self.lightning_module, extra)
-            return self.engine.load_checkpoint(path, load_optimizer=True)
-        except BaseException:
-            optimizer.param_groups = groups_before  # a failed load leaves the optimizer as it was
-            raise
+        trainer, optimizer = self.lightning_module.trainer, self.engine.optimizer
+        if not (fitting and optimizer is not None and finetuning_callbacks(trainer)):
+            return load()
+        with param_groups_restored(trainer, self.lightning_module, optimizer, saved_callbacks()) as restored:
+            checkpoint = load()
+        return without_callback_states(checkpoint, restored)
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         pass  # load_checkpoint already put the weights into the shards

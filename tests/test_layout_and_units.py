@@ -92,9 +92,16 @@ def test_a_model_is_sharded_once_and_unshard_gives_it_back() -> None:
     ids = batch(0, 0)
     lm_loss(model(ids), ids).backward()  # an ordinary module again: no hooks, full parameters
     assert model.blocks[0].up.weight.grad is not None
+    optimizer = engine.optimizer
     try:
-        engine.optimizer.step()
+        optimizer.step()
     except RuntimeError as error:
         assert "Make a new optimizer" in str(error)
     else:
         raise AssertionError("the sharded optimizer must refuse to step the unsharded model")
+    assert optimizer.state_dict()["param_groups"]  # still readable
+    # Never stepped, it may shard the model again, and then it steps.
+    again = ZeroEngine(model, optimizer, ZeroConfig(stage=1))
+    lm_loss(model(ids), ids).backward()
+    again.step()
+    assert again.steps_taken == 1

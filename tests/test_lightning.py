@@ -54,6 +54,7 @@ ONE_DEVICE_RUNS = [
     {"name": "one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "checkpoint_epochs": True},
     {"name": "resumed-one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "ckpt_path": "one-process-finetuning/epoch=3-step=4.ckpt"},
     {"name": "resumed-zero1-finetuning", "strategy": "zero1", **FINETUNING, "batch_size": 8, "ckpt_path": "zero3-finetuning/epoch=3-step=4.ckpt"},
+    {"name": "consolidated-zero3-finetuning", "strategy": "zero3", **FINETUNING, "batch_size": 8, "ckpt_path": "finetuning-consolidated.ckpt"},
 ]
 
 
@@ -70,6 +71,7 @@ def _launch(runs: list[dict], out: Path, devices: int) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("lightning")
     _launch(TWO_DEVICE_RUNS, out, 2)
+    consolidate_checkpoint(out / "zero3-finetuning" / "epoch=3-step=4.ckpt", out / "finetuning-consolidated.ckpt", "lightning")
     _launch(ONE_DEVICE_RUNS, out, 1)
     loaded = {run["name"]: torch.load(out / f"{run['name']}.pt", weights_only=False) for run in TWO_DEVICE_RUNS + ONE_DEVICE_RUNS}
     return out, loaded
@@ -205,3 +207,18 @@ def test_backbone_finetuning_resumes_as_lightning_does_in_one_process(results: t
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["lrs"] == pytest.approx(reference["lrs"])
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+    assert ours["restarting"] == reference["restarting"] == [False]  # the next fit starts afresh
+
+
+def test_backbone_finetuning_resumes_from_a_consolidated_file_with_its_group(results: tuple) -> None:
+    """Consolidated files give weights only here (the optimizer starts fresh, so the head's
+    rates restart), but the callback's backbone group comes back with its own rate, as in one
+    process. Lightning re-creates the group on resume, not ``requires_grad``, so in one process
+    too the backbone stays frozen after any resume: equal to the values it resumed with."""
+    out, runs = results
+    ours, one_process = runs["consolidated-zero3-finetuning"], runs["resumed-one-process-finetuning"]
+    assert ours["global_step"] == 6 and len(ours["lrs"]) == 3 and ours["restarting"] == [False]
+    assert ours["lrs"][2] == pytest.approx(one_process["lrs"][2])
+    resumed_from = torch.load(out / "finetuning-consolidated.ckpt", weights_only=True)["state_dict"]
+    backbone = [key for key in resumed_from if key.startswith("net.blocks.0.")]
+    assert relative_difference({k: ours["weights"][k] for k in backbone}, {k: resumed_from[k] for k in backbone}) == 0.0

@@ -129,6 +129,9 @@ def _equal_worker(rank: int, world_size: int) -> dict:
     traffic_before = engine.comm_stats.snapshot()
     with engine.comparable_parameters():
         inside = [torch.equal(up[i], up[j]) for i, j in pairs] + [up[0].equal(up[1])]
+        with engine.gathered_parameters(), torch.no_grad():  # values change inside the stretch (every rank alike)
+            up[1].add_(1.0)
+        inside.append(torch.equal(up[0], up[1]))  # no longer equal: the digests are taken again
     gathers = engine.comm_stats.snapshot()["all_gather"].calls - traffic_before["all_gather"].calls
     after = refusal(lambda: torch.equal(up[0], up[1]), ParameterAtRestError)
     return {"expected": expected, "inside": inside, "outside": outside, "after": after, "gathers": gathers, "units": len(engine.units)}
@@ -138,8 +141,9 @@ def test_torch_equal_between_resting_parameters_is_exact_inside_comparable_param
     for result in by_rank(grid, "equal"):
         # Under plain torch: -0.0 == 0.0, and NaN equals nothing, itself included.
         assert result["expected"] == [True, False, False, False, True, True]
-        assert result["inside"] == result["expected"] + [True]
-        assert result["gathers"] == result["units"]  # one pass over the model, however many comparisons
+        assert result["inside"] == result["expected"] + [True, False]
+        # One pass over the model for all comparisons, one more after the change, one for gathered_parameters.
+        assert result["gathers"] == 3 * result["units"]
         assert result["outside"]["other shape"] is False and result["outside"]["itself"] is True
         for refused in (result["outside"]["same shape"], result["after"]):
             assert refused is not None and "comparable_parameters()" in refused

@@ -323,8 +323,14 @@ def _adagrad_worker(rank: int, world_size: int) -> list[float]:
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
         reference = copy.deepcopy(model)
-        engine = ZeroEngine(model, torch.optim.Adagrad(model.parameters(), lr=0.05), ZeroConfig(stage=stage))
-        reference_optimizer = torch.optim.Adagrad(reference.parameters(), lr=0.05)
+        # A group's own initial_accumulator_value, which torch's constructor ignores (it uses its argument).
+        def adagrad(module: nn.Module) -> torch.optim.Optimizer:
+            groups = [{"params": list(module.blocks.parameters()), "initial_accumulator_value": 5.0},
+                      {"params": [p for n, p in module.named_parameters() if not n.startswith("blocks.")]}]
+            return torch.optim.Adagrad(groups, lr=0.05, initial_accumulator_value=0.1)
+
+        engine = ZeroEngine(model, adagrad(model), ZeroConfig(stage=stage))
+        reference_optimizer = adagrad(reference)
         for step in range(3):
             engine.backward(_loss(model, step, rank))
             engine.step()
@@ -384,17 +390,24 @@ def _group_view_worker(rank: int, world_size: int) -> list[dict]:
         saved = optimizer.state_dict()  # this rank's pieces' state
         optimizer.load_state_dict(copy.deepcopy(saved))
         after_state_dict = lists_model_parameters()
+        closure = refusal(lambda: optimizer.step(lambda: _loss(model, 1, rank)), ValueError)
+        misfit = refusal(lambda: optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}), ValueError)
+        after_misfit = lists_model_parameters()
         failing = optimizer.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("a hook failed")))
         engine.backward(_loss(model, 1, rank))
         failed = refusal(engine.step, RuntimeError)
         failing.remove()
         engine.zero_grad()
+        with torch.no_grad():
+            model(batch(0, rank))  # the next forward puts the model's parameters back
+        after_forward = lists_model_parameters()
         engine.backward(_loss(model, 2, rank))
         engine.step()  # puts the model's parameters back first, and trains
         results.append({
             "stage": stage, "built": built, "after step": after_step, "in step": seen_by_step, "names": names,
             "state entries": len(saved["state"]), "after state_dict": after_state_dict, "failed": failed,
-            "after failed step": lists_model_parameters(), "steps": engine.steps_taken,
+            "after failed step": lists_model_parameters(), "steps": engine.steps_taken, "misfit": misfit,
+            "after misfit": after_misfit, "after forward": after_forward, "closure": closure,
         })
     return results
 
@@ -407,6 +420,9 @@ def test_param_groups_list_the_model_parameters_between_steps(grid: list) -> Non
             assert result["names"][0][0] == "blocks.0.ln.weight"
             assert result["state entries"] > 0
             assert "a hook failed" in result["failed"] and result["after failed step"] and result["steps"] == 2, result
+            assert result["after forward"], result
+            assert "optimizer.step(closure) is not supported" in result["closure"], result
+            assert "does not fit this rank's shards" in result["misfit"] and result["after misfit"], result
 
 
 @pytest.fixture(scope="module")

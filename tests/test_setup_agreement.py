@@ -235,6 +235,30 @@ def test_agreeing_ranks_build_and_train_after_a_refused_build(grid: list) -> Non
         assert result == {"refused": True, "left_unsharded": True, "steps": 1}
 
 
+def _edited_on_one_rank(rank: int, world_size: int) -> dict[str, object]:
+    """A hyperparameter edited, or the groups replaced with the same parameters at another lr,
+    on one rank only: named on every rank at the next step, never trained apart."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, optimizer, ZeroConfig(stage=2))
+
+    def step() -> None:
+        engine.backward(model(torch.ones(2, 4)).sum())
+        engine.step()
+
+    step()
+    if rank == 1:
+        optimizer.param_groups[0]["lr"] = 0.5
+    edited = refusal(step, ValueError)
+    optimizer.param_groups[0]["lr"] = 0.1
+    engine.zero_grad()
+    if rank == 1:
+        optimizer.param_groups = [dict(optimizer.param_groups[0], lr=0.25)]
+    replaced = refusal(step, ValueError)
+    return {"edited": edited, "replaced": replaced}
+
+
 def test_legitimate_differences_are_not_refused_and_added_groups_are_compared(grid: list) -> None:
     results = by_rank(grid, "legitimate")
     assert all(result["built"] for result in results)
@@ -244,6 +268,13 @@ def test_legitimate_differences_are_not_refused_and_added_groups_are_compared(gr
     assert one[0]["added"] == one[1]["added"]
     assert "optimizer param groups (add_param_group on some ranks only?): 1 on some ranks, 2 on others" in one[0]["added"]
     assert one[0]["refused"] == one[1]["refused"] and "refused add_param_group calls: 0 on some ranks, 1 on others" in one[0]["refused"]
+
+
+def test_hyperparameters_edited_on_one_rank_are_named_at_the_next_step(grid: list) -> None:
+    results = by_rank(grid, "edited on one rank")
+    assert results[0] == results[1]
+    assert "ranks disagree on optimizer param group 0 lr: 0.1 on rank 0; 0.5 on rank 1" in results[0]["edited"]
+    assert "ranks disagree on optimizer param group 0 lr: 0.1 on rank 0; 0.25 on rank 1" in results[0]["replaced"]
 
 
 def test_a_save_compares_groups_added_since_the_last_step(grid: list) -> None:
@@ -269,5 +300,6 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     workers["attach"] = _attach
     workers["legitimate"] = _legitimately_different
     workers["added on one rank"] = _added_on_one_rank
+    workers["edited on one rank"] = _edited_on_one_rank
     workers["save after adding"] = functools.partial(_save_after_adding_groups, directory=str(tmp_path_factory.mktemp("saves")))
     return run_distributed(run_each, 2, workers, timeout=180, pg_timeout=30)

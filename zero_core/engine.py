@@ -50,6 +50,9 @@ from .units import plan_units
 
 # Which engine has sharded a model, so a model is never sharded twice.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
+# Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
+# state_dict() working) until an engine attaches them again.
+_RETIRED_OPTIMIZERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]]" = weakref.WeakKeyDictionary()
 
 
 def engine_of(model: nn.Module) -> "ZeroEngine | None":
@@ -181,6 +184,8 @@ class ZeroEngine(CheckpointMethods):
         train an engine built without one, or with a fresh optimizer.
         """
         check_optimizer_supported(optimizer)
+        for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again
+            handle.remove()
         if optimizer is not self._optimizer_agreed_at_setup:
             described = setup_agreement.describe_optimizer(optimizer, self._canonical_names)
             setup_agreement.agree_on_setup(self.comm, described)
@@ -194,7 +199,7 @@ class ZeroEngine(CheckpointMethods):
         self._groups = groups
         self.optimizer = optimizer
         self._optimizer_hooks = [
-            optimizer.register_step_pre_hook(lambda *_: self._before_optimizer_step()),
+            optimizer.register_step_pre_hook(lambda _, args, kwargs: self._before_optimizer_step(args, kwargs)),
             optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()),
             *groups.install_hooks(),
         ]
@@ -210,11 +215,12 @@ class ZeroEngine(CheckpointMethods):
     def _read_param_groups(self) -> list[list[str]]:
         return self._groups.read() if self._groups is not None else []
 
-    def _agree_on_changed_param_groups(self) -> None:
-        """Groups added or replaced since they were last compared (progressive unfreezing) are
-        compared across ranks, hyperparameters too, once the step agreement found the same group
-        names on every rank, so every rank decides alike."""
-        if self._groups is not None and self._groups.changed_since_compared:
+    def _agree_on_changed_param_groups(self, settings_differ: bool) -> None:
+        """Groups added or replaced since they were last compared (progressive unfreezing), or
+        hyperparameters that differ between ranks (the step agreement's checksum), are compared
+        across ranks field by field: the same ValueError on every rank names the difference.
+        Every rank decides alike: the step agreement found the same group names everywhere."""
+        if self._groups is not None and (settings_differ or self._groups.changed_since_compared):
             self._compare_param_groups()
 
     def _compare_param_groups(self) -> None:
@@ -268,6 +274,8 @@ class ZeroEngine(CheckpointMethods):
 
     # ------------------------------------------------------------- forward
     def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._groups is not None:
+            self._groups.show_model_parameters()  # an optimizer.step() that raised midway left the pieces in
         if self.config.broadcast_buffers and self._sync_buffers_next_forward:
             broadcast_buffers(self.model, self.comm)
         return args, kwargs
@@ -378,7 +386,16 @@ class ZeroEngine(CheckpointMethods):
             raise RuntimeError("This engine was built without an optimizer; pass one to attach_optimizer().")
         self.optimizer.step()
 
-    def _before_optimizer_step(self) -> None:
+    def _before_optimizer_step(self, args: tuple = (), kwargs: dict | None = None) -> None:
+        # torch hands step pre-hooks the step's own arguments, the optimizer first.
+        closure = (kwargs or {}).get("closure", args[1] if len(args) > 1 else None)
+        if closure is not None:
+            # The step's agreement and reductions run before the optimizer's own step, which
+            # would then call the closure's forward and backward too late for this update.
+            raise ValueError(
+                "optimizer.step(closure) is not supported under ZeRO: run the closure first "
+                "(loss = closure(), which calls engine.backward), then optimizer.step()."
+            )
         # A forward whose backward never ran (a skipped batch) ends here.
         self.runtime.settle(drop_pending_forward=True)
         self._skip_refresh = False
@@ -402,10 +419,12 @@ class ZeroEngine(CheckpointMethods):
             "optimizer param groups, as a checksum of their parameter names": self._groups.fingerprint,
             "refused add_param_group calls": int(refused_group is not None),
         }
-        agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None)
+        # Hyperparameters only report a difference; the comparison below then names it.
+        settings = {"optimizer hyperparameters": self._groups.settings_fingerprint}
+        agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings)
         if refused_group is not None:
             raise refused_group
-        self._agree_on_changed_param_groups()
+        self._agree_on_changed_param_groups(settings_differ=agreement.checks_differ)
         if self.loss_scaler is not None:
             self.loss_scaler.update(agreement.found_inf)
             if agreement.found_inf:
@@ -471,8 +490,11 @@ class ZeroEngine(CheckpointMethods):
         """
         full_params.unshard(self)
         _ENGINES.pop(self.model, None)
-        if self.optimizer is not None:
-            self.optimizer.register_step_pre_hook(_refuse_step_after_unshard)
+        if self.optimizer is not None and self._groups is not None:
+            _RETIRED_OPTIMIZERS[self.optimizer] = [
+                self.optimizer.register_step_pre_hook(_refuse_step_after_unshard),
+                *self._groups.install_hooks(),  # state_dict() still reads the shards' state
+            ]
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:

@@ -93,10 +93,11 @@ def clip_grad_value(units: list[FlatUnit], clip_value: float) -> None:
 class StepAgreement(NamedTuple):
     found_inf: bool  # some rank has a non-finite gradient: every rank skips the step
     slot_flags: list[list[bool]]  # per unit, per parameter: did any rank produce a gradient
+    checks_differ: bool  # some value of ``checks`` differs between ranks (the caller explains it)
 
 
 def agree_on_step(
-    units: list[FlatUnit], comm: CommContext, counters: dict[str, int], check_finite: bool
+    units: list[FlatUnit], comm: CommContext, counters: dict[str, int], check_finite: bool, checks: dict[str, int] | None = None
 ) -> StepAgreement:
     """What every rank needs to agree on before the optimizer step, in one all-reduce.
 
@@ -105,9 +106,13 @@ def agree_on_step(
     ``counters`` (forwards, backwards, steps so far) ride along as +x and -x
     under MAX, giving the highest and lowest over ranks: ranks that ran
     different numbers of them are named here instead of mixing collectives
-    of different steps.
+    of different steps. ``checks`` ride along the same way but only report
+    whether they differ, for the caller to explain in detail.
     """
+    checks = checks or {}
     flags = [float(flag) for u in units for flag in u.slot_has_grad]
+    check_values = list(checks.values())
+    flags += check_values + [-v for v in check_values]
     values = list(counters.values())
     tensor = torch.tensor([0.0] + flags + values + [-v for v in values], dtype=torch.float64, device=comm.device)
     shards = _shards(units) if check_finite else []
@@ -127,4 +132,6 @@ def agree_on_step(
         n = len(unit.slot_has_grad)
         agreed.append([bool(x) for x in reduced[offset : offset + n]])
         offset += n
-    return StepAgreement(bool(reduced[0]), agreed)
+    n = len(check_values)
+    checks_differ = bool(collectives.differing_values(checks, reduced[offset : offset + 2 * n])) if n else False
+    return StepAgreement(bool(reduced[0]), agreed, checks_differ)

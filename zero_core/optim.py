@@ -76,7 +76,8 @@ def _state_at_construction(optimizer: torch.optim.Optimizer) -> None:
             for param in group["params"]:
                 state = optimizer.state[param]
                 state["step"] = torch.tensor(0.0)
-                state["sum"] = torch.full_like(param, group["initial_accumulator_value"])
+                # The constructor's value, not the group's: torch ignores a per-group initial_accumulator_value.
+                state["sum"] = torch.full_like(param, optimizer.defaults["initial_accumulator_value"])
 
 
 def reset_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

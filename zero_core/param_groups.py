@@ -24,6 +24,7 @@ from torch import nn
 
 from .flat_unit import FlatUnit
 from .optim import canonical_names
+from .setup_agreement import describe_value
 
 
 class GroupsHold(Enum):
@@ -99,6 +100,13 @@ class OptimizerGroups:
         return zlib.crc32(repr(self.names).encode())
 
     @property
+    def settings_fingerprint(self) -> int:
+        """Likewise for every group's hyperparameters (a scheduler or an edit on some ranks only)."""
+        settings = [[(key, describe_value(value)) for key, value in sorted(group.items()) if key != "params"]
+                    for group in self.optimizer.param_groups]
+        return zlib.crc32(repr(settings).encode())
+
+    @property
     def changed_since_compared(self) -> bool:
         return self.names != self.names_compared
 
@@ -134,8 +142,13 @@ class OptimizerGroups:
         """``optimizer.state_dict()`` / ``load_state_dict()`` work on the pieces, which key
         ``optimizer.state`` (a dict of this rank's shard only, as before)."""
 
-        def to_pieces(optimizer: torch.optim.Optimizer, state_dict: dict | None = None) -> None:
+        def to_pieces(optimizer: torch.optim.Optimizer) -> None:
             self.read()
+            self.show_pieces()
+
+        def to_pieces_for_loading(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+            self.read()
+            self._check_fits(state_dict)  # what torch would refuse midway, refused before switching
             self.show_pieces()
 
         def to_model_parameters(optimizer: torch.optim.Optimizer, state_dict: dict | None = None) -> None:
@@ -144,9 +157,19 @@ class OptimizerGroups:
         return [
             self.optimizer.register_state_dict_pre_hook(to_pieces),
             self.optimizer.register_state_dict_post_hook(to_model_parameters),
-            self.optimizer.register_load_state_dict_pre_hook(to_pieces),
+            self.optimizer.register_load_state_dict_pre_hook(to_pieces_for_loading),
             self.optimizer.register_load_state_dict_post_hook(to_model_parameters),
         ]
+
+    def _check_fits(self, state_dict: dict) -> None:
+        saved = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
+        pieces = [sum(len(self._pieces_of[name]) for name in names) for names in self.names]
+        if not isinstance(saved, list) or [len(group.get("params", ())) for group in saved] != pieces:
+            raise ValueError(
+                "optimizer.load_state_dict() got a state dict that does not fit this rank's shards (one from another "
+                "rank, world size or model?). Under ZeRO, optimizer.state_dict() holds one rank's share only; "
+                "checkpoint with the engine's save_checkpoint/load_checkpoint (or the Lightning/Accelerate APIs)."
+            )
 
 
 def _same_tensors(listed: list, expected: list[nn.Parameter]) -> bool:

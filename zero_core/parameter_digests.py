@@ -7,8 +7,9 @@ rank enters it together; Lightning's strategy wraps ``BaseFinetuning``'s
 epoch hook in it, whose ``filter_on_optimizer`` compares parameters this
 way). Inside, the first comparison that metadata cannot settle gathers the
 model once, unit by unit as ``full_state_dict`` does, and keeps one SHA-256 per
-parameter; every comparison is then answered from those. Outside, such a
-comparison is refused (``param_guard.py``).
+parameter; comparisons are then answered from those until the values change
+(every rank changes them alike, so every rank gathers again alike). Outside,
+such a comparison is refused (``param_guard.py``).
 
 Exact: ``torch.equal`` compares values, and equal bytes are equal values
 except for two cases handled here: ``-0.0 == 0.0`` (normalised by adding
@@ -32,6 +33,7 @@ class ParameterDigests:
         self._ids = {id(p) for unit in units for p in unit.params}
         self.active = False
         self._digests: dict[int, bytes | None] | None = None  # id(param) -> digest; None: holds NaN
+        self._computed_at: list[int] = []  # each master shard's version counter when they were computed
 
     @contextlib.contextmanager
     def comparable(self) -> Iterator[None]:
@@ -49,8 +51,11 @@ class ParameterDigests:
         return isinstance(tensor, torch.nn.Parameter) and id(tensor) in self._ids
 
     def equal(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> bool:
-        if self._digests is None:
-            self._digests = self._compute()
+        # Any write to the values (a step, a load, gathered_parameters' write-back) bumps a master
+        # shard's version counter, which its views share: digests from before it are stale.
+        versions = [unit.master_shard._version for unit in self.units]
+        if self._digests is None or versions != self._computed_at:
+            self._digests, self._computed_at = self._compute(), versions
         digest_a, digest_b = self._digests[id(a)], self._digests[id(b)]
         return digest_a is not None and digest_a == digest_b
 

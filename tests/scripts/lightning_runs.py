@@ -89,6 +89,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
     trainer.fit(module, ckpt_path=str(out / ckpt_path) if ckpt_path else None)
     result = {"losses": module.losses, "weights": full_weights(trainer, module), "global_step": trainer.global_step}
     result["lrs"] = [group["lr"] for group in trainer.optimizers[0].param_groups]
+    # A resumed BaseFinetuning callback ends its restart in on_fit_start; one left restarting would redo it in the next fit.
+    result["restarting"] = [c._restarting for c in callbacks if isinstance(c, BackboneFinetuning)]
     if spec.get("summary"):
         from lightning.pytorch.utilities.model_summary import ModelSummary
 
