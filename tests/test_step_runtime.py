@@ -21,6 +21,7 @@ from zero_core import CollectiveKind
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss
 from .runtime_workers import make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
+from .workers import relative_difference
 
 STAGES = (1, 2, 3)
 
@@ -225,11 +226,48 @@ def _data_dependent(stage: int) -> dict:
     return {"errors": errors, "reduce_calls": reduce_calls, "units": len(pair.engine.units)}
 
 
+def _after_the_step(stage: int) -> dict:
+    """Stages 1/2 issue the post-step all-gather and let each unit's next forward wait for it;
+    whatever touches a parameter before (a read, a step with no forward, a load) waits first."""
+    pair = make_pair(stage)
+    rank = torch.distributed.get_rank()
+
+    def step(index: int) -> None:
+        ids = batch(index, rank)
+        lm_loss(pair.ddp(ids), ids).backward()
+        reference_step(pair)
+        train_step(pair.engine, pair.model, ids, _lm)
+
+    def compute_error() -> float:  # the model's own parameters, not the master shards
+        ours = {name: p.detach().clone() for name, p in pair.model.named_parameters()}
+        return relative_difference(ours, {name: p.detach() for name, p in pair.reference.named_parameters()})
+
+    step(0)
+    deferred = [unit.refreshing for unit in pair.engine.units]
+    read_error = compute_error()  # each parameter's first touch waits for its unit
+    waited = [unit.refreshing for unit in pair.engine.units]
+    step(1)
+    ids = batch(2, rank)
+    forward_error = abs(lm_loss(pair.model(ids), ids).item() - lm_loss(pair.reference(ids), ids).item())
+    after_forward = [unit.refreshing for unit in pair.engine.units]
+    pair.engine.zero_grad()
+    step(3)
+    pair.engine.step()  # no forward since the last step: its all-gathers are waited for first
+    double_step_error = compute_error()
+    step(4)
+    loaded = {name: torch.full_like(p, 0.5) for name, p in pair.reference.state_dict().items()}
+    pair.engine.load_full_state_dict(loaded)  # over all-gathers still in flight
+    load_error = max((p.detach() - 0.5).abs().max().item() for p in pair.model.parameters())
+    return {"deferred": deferred, "read": read_error, "waited": waited, "forward": forward_error,
+            "after forward": after_forward, "double step": double_step_error, "load": load_error}
+
+
 def _grid(rank: int, world_size: int) -> dict:
     return {
         "exceptions": [_exceptions(*case) for case in EXCEPTION_CASES],
         "order": [_execution_order(*case) for case in ORDER_CASES],
         "data": [_data_dependent(stage) for stage in STAGES],
+        "after the step": [_after_the_step(stage) for stage in (1, 2)],
     }
 
 
@@ -263,3 +301,13 @@ def test_collectives_do_not_depend_on_which_units_got_gradients(results: list[di
         result = per_rank["data"][STAGES.index(stage)]
         assert max(result["errors"]) <= 1e-5, result["errors"]
         assert result["reduce_calls"] == [result["units"]] * 3
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_after_the_step_wait_for_their_all_gather_when_touched(results: list[dict], stage: int) -> None:
+    for per_rank in results:
+        result = per_rank["after the step"][stage - 1]
+        assert all(result["deferred"]), result  # the step returned before its all-gathers finished
+        assert result["read"] <= 1e-6 and not any(result["waited"]), result
+        assert result["forward"] <= 1e-5 and not any(result["after forward"]), result
+        assert result["double step"] <= 1e-6 and result["load"] == 0.0, result

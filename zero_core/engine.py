@@ -398,6 +398,7 @@ class ZeroEngine(CheckpointMethods):
             )
         # A forward whose backward never ran (a skipped batch) ends here.
         self.runtime.settle(drop_pending_forward=True)
+        self._finish_refresh()  # a step with no forward since the last: its all-gathers still read the shards
         self._skip_refresh = False
         self._step_calls += 1
         # Groups added or replaced since the last step train from this one. A refused group is reported
@@ -440,15 +441,26 @@ class ZeroEngine(CheckpointMethods):
 
     def refresh_parameters(self) -> None:
         """Bring the compute copies (full parameters in stages 1/2) up to date with the master shards."""
-        handles = [unit.start_refresh() for unit in self.units]
-        for handle in handles:
-            handle.wait()
+        for unit in self.units:
+            unit.start_refresh()
+        self._finish_refresh()
+
+    def _finish_refresh(self) -> None:
+        """Stages 1/2: wait for the post-step all-gathers still writing the parameters. Every
+        path that writes master shards or parameters (or swaps their data) calls it first; a
+        forward waits per unit, and any other touch of a parameter through its guard."""
+        for unit in self.units:
+            if unit.refreshing:
+                unit.wait_gathered()
 
     def _after_optimizer_step(self) -> None:
         assert self._groups is not None
         self._groups.show_model_parameters()
         if not self._skip_refresh:
-            self.refresh_parameters()
+            # Issued, not waited for: each unit's next forward waits for its own all-gather,
+            # so the later ones run while the first units compute.
+            for unit in self.units:
+                unit.start_refresh()
             self.steps_taken += 1
         for unit in self.units:
             unit.reset_grads()

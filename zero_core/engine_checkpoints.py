@@ -141,6 +141,7 @@ class CheckpointMethods:
 
     def _install_weights(self: "ZeroEngine", weights: LoadedWeights) -> None:
         """Put weights every rank loaded in place; gradients of the old weights are dropped."""
+        self._finish_refresh()
         self.zero_grad()
         for unit, shard in zip(self.units, weights.master_shards):
             unit.master_shard.copy_(shard)

@@ -41,7 +41,10 @@ from .units import UnitPlan
 
 class UnitState(Enum):
     SHARDED = auto()  # stage 3 at rest: gathered_params has no storage
-    GATHERING = auto()  # all-gather issued into gathered_params, not yet waited on
+    # All-gather issued into gathered_params, not yet waited on: a stage-3 prefetch, or the
+    # stages-1/2 refresh after a step, which the unit's next forward (or any other touch of
+    # a parameter, through the guard) waits for.
+    GATHERING = auto()
     GATHERED = auto()  # gathered_params holds valid full parameters
 
 
@@ -159,9 +162,16 @@ class FlatUnit:
     # ---------------------------------------------------- parameters at rest
     def set_guard(self, on: bool) -> None:
         """Stage 3: parameters without storage refuse reads (on) or are ordinary again (off)."""
-        on = on and self._guarding
+        self._switch_classes(on and self._guarding)
+
+    def _switch_classes(self, guarded: bool) -> None:
         for param, own_class in zip(self.params, self._param_classes):
-            param.__class__ = self.guard_classes[own_class] if on else own_class
+            param.__class__ = self.guard_classes[own_class] if guarded else own_class
+
+    @property
+    def refreshing(self) -> bool:
+        """Stages 1/2: the post-step all-gather may still be writing the parameters."""
+        return self.state is UnitState.GATHERING and not self.stage_plan.params_sharded_at_rest
 
     def stop_guarding(self) -> None:
         """The parameters are ordinary tensors of their own for good (``unshard``)."""
@@ -179,6 +189,8 @@ class FlatUnit:
         slot = self.layout.slots[self.slot_of(param)]
         if not isinstance(full_value, torch.Tensor) or full_value.shape != slot.shape:
             return False
+        if self.refreshing:
+            self.wait_gathered()  # its all-gather still reads the shard this writes
         piece = self._own_pieces.get(slot.index)
         if piece is None:
             return True  # no part of it lies in this rank's shard
@@ -335,13 +347,22 @@ class FlatUnit:
             grad = self._shard_view(self.sharded_grads, master.piece)
             master.param.grad = grad if grad.dtype == torch.float32 else grad.float()
 
-    def start_refresh(self) -> Handle:
-        """After the step: bring the compute copy up to date with the master shard."""
+    def start_refresh(self) -> None:
+        """After the step: bring the compute copy up to date with the master shard.
+
+        Stages 1/2: GATHERED -> GATHERING. The all-gather of the full parameters
+        runs while the model does other work; ``wait_gathered`` (the unit's next
+        forward, or the guard on any other touch of a parameter) waits for it.
+        """
+        if self.refreshing:
+            self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
         if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
             self.compute_shard.copy_(self.master_shard)
         if self.stage_plan.params_sharded_at_rest:
-            return Handle()
-        return all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
+            return
+        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
+        self.state = UnitState.GATHERING
+        self._switch_classes(True)
 
     # ------------------------------------------------------- full parameters
     def gather_full_master(self) -> torch.Tensor:

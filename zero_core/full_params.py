@@ -28,6 +28,7 @@ def _units_of(engine: "ZeroEngine", module: nn.Module | None) -> list[FlatUnit]:
 def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writeback: bool) -> Iterator[None]:
     units = _units_of(engine, module)
     engine.runtime.settle()
+    engine._finish_refresh()  # the parameters' data is swapped below: no all-gather may still write it
     fulls = [unit.gather_full_master() for unit in units]
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     for unit, full in zip(units, fulls):
@@ -74,6 +75,7 @@ def full_state_dict(engine: "ZeroEngine", *, to_cpu: bool, rank0_only: bool) -> 
 def unshard(engine: "ZeroEngine") -> None:
     """Every parameter becomes an ordinary fp32 tensor of its own again; hooks are removed."""
     engine.runtime.settle()
+    engine._finish_refresh()
     engine.remove_hooks()
     for unit in engine.units:
         unit.stop_guarding()

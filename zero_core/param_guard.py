@@ -1,4 +1,6 @@
 """Stage-3 parameters at rest: every read is either answered correctly or refused clearly.
+(Stages 1/2 use the same guard between a step and the next forward, while the
+post-step all-gather may still write the values: any touch waits for it.)
 
 At rest a unit's full parameters have no storage (flat_unit.py): each
 parameter is a full-shape view of a storage shrunk to 0 bytes, and a kernel
@@ -112,6 +114,11 @@ class ParameterGuard:
         kwargs = kwargs or {}
         if func in _METADATA:
             return self._plain(func, args, kwargs)
+        if self.unit.refreshing:
+            # Stages 1/2 between a step and the unit's next forward: wait for the values,
+            # which gives the parameters their own class back, then run as usual.
+            self.unit.wait_gathered()
+            return func(*args, **kwargs)
         param = next((a for a in args if self.owns(a)), None)
         if param is None:  # a resting parameter inside a container argument (torch.cat([...]), say)
             param = next((a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if self.owns(a)), None)

@@ -543,7 +543,10 @@ class StepRuntime:
     # ----------------------------------------------------- gather/release
     def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int]) -> None:
         """Gather ``unit``, prefetch ``predicted``; release any other unit not in ``keep``."""
-        if self.summoned or not self.plan.params_sharded_at_rest:
+        if self.summoned:
+            return
+        if not self.plan.params_sharded_at_rest:
+            unit.wait_gathered()  # stages 1/2: the post-step all-gather, if it is still running
             return
         wanted = keep | {unit.index} | set(predicted)
         for other in self.units:
