@@ -20,9 +20,10 @@ LEARNING_RATE = 1e-3
 CONTESTANTS = (
     "ddp", "ddp_zero_optimizer", "fsdp2", "fsdp2_no_reshard",
     "deepspeed1", "deepspeed2", "deepspeed3", "zero1", "zero2", "zero3",
+    "zero1_overlap", "zero2_overlap",  # ZeroConfig(overlap_param_refresh=True)
 )
 STAGE_OF = {"ddp": 0, "ddp_zero_optimizer": 1, "fsdp2": 3, "fsdp2_no_reshard": 3, "deepspeed1": 1,
-            "deepspeed2": 2, "deepspeed3": 3, "zero1": 1, "zero2": 2, "zero3": 3}
+            "deepspeed2": 2, "deepspeed3": 3, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_overlap": 1, "zero2_overlap": 2}
 
 
 class Unavailable(RuntimeError):
@@ -102,8 +103,9 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
                           lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
     if name.startswith("deepspeed"):
         return _deepspeed(int(name[-1]), model, loss_fn)
-    stage = int(name[-1])
-    engine = ZeroEngine(model, _adamw(model.parameters()), ZeroConfig(stage=stage, wrap_policy=WrapPolicy((block,))))
+    stage = STAGE_OF[name]
+    config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=name.endswith("_overlap"))
+    engine = ZeroEngine(model, _adamw(model.parameters()), config)
     return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)
 
 

@@ -150,6 +150,10 @@ def _targets(records: list[dict], size: str) -> list[str]:
         against = ", ".join(f"{name} {rows[name]['median_step_s'] / ours['median_step_s']:.2f}x our time" for name in others)
         if stage == 3 and "fsdp2" in rows:
             against += f"; peak RSS {max(ours['peak_rss_bytes']) / MIB:.0f} MiB vs fsdp2's {max(rows['fsdp2']['peak_rss_bytes']) / MIB:.0f} MiB"
+        overlap = rows.get(f"zero{stage}_overlap")
+        if overlap is not None:
+            against = (against + "; " if against else "") + (
+                f"with overlap_param_refresh {overlap['median_step_s'] / rows['ddp']['median_step_s']:.2f}x DDP")
         memory = max(ours["model_state_bytes"]) / _formula(ours)
         lines.append(f"- Stage {stage}: {ratio:.2f}x DDP (target <= {TARGETS[stage]}x: {verdict}); memory {memory:.3f}x the formula (target within 5%)"
                      + (f"; {against}" if against else "") + ".")

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -17,11 +19,12 @@ import torch
 from torch import nn
 
 from zero_core import CollectiveKind
+from zero_core.model_changes import ModelChangedError
 
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss
 from .runtime_workers import make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
-from .workers import relative_difference
+from .workers import config_for, refusal, relative_difference
 
 STAGES = (1, 2, 3)
 
@@ -229,7 +232,8 @@ def _data_dependent(stage: int) -> dict:
 def _after_the_step(stage: int) -> dict:
     """Stages 1/2 issue the post-step all-gather and let each unit's next forward wait for it;
     whatever touches a parameter before (a read, a step with no forward, a load) waits first."""
-    pair = make_pair(stage)
+    config = dataclasses.replace(config_for(stage), overlap_param_refresh=True)
+    pair = make_pair(stage, config=config)
     rank = torch.distributed.get_rank()
 
     def step(index: int) -> None:
@@ -257,8 +261,18 @@ def _after_the_step(stage: int) -> dict:
     step(4)
     loaded = {name: torch.full_like(p, 0.5) for name, p in pair.reference.state_dict().items()}
     pair.engine.load_full_state_dict(loaded)  # over all-gathers still in flight
+    pair.reference.load_state_dict(loaded)
     load_error = max((p.detach() - 0.5).abs().max().item() for p in pair.model.parameters())
-    return {"deferred": deferred, "read": read_error, "waited": waited, "forward": forward_error,
+    step(5)
+    copied = copy.deepcopy(pair.model.blocks[0])  # a deep copy waits too, and is an ordinary module
+    copy_error = relative_difference(copied.state_dict(), pair.reference.blocks[0].state_dict())
+    ids = batch(6, rank)
+    pair.engine.backward(lm_loss(pair.model(ids), ids))
+    weight = pair.model.blocks[0].mix.weight
+    weight.data = torch.zeros_like(weight)  # replaced before the step: found at the next forward, all-gather or not
+    pair.engine.step()
+    swapped = refusal(lambda: pair.model(batch(7, rank)), ModelChangedError)
+    return {"copy": copy_error, "swapped": swapped, "deferred": deferred, "read": read_error, "waited": waited, "forward": forward_error,
             "after forward": after_forward, "double step": double_step_error, "load": load_error}
 
 
@@ -311,3 +325,5 @@ def test_parameters_after_the_step_wait_for_their_all_gather_when_touched(result
         assert result["read"] <= 1e-6 and not any(result["waited"]), result
         assert result["forward"] <= 1e-5 and not any(result["after forward"]), result
         assert result["double step"] <= 1e-6 and result["load"] == 0.0, result
+        assert result["copy"] <= 1e-6, result
+        assert result["swapped"] is not None and "was replaced after sharding" in result["swapped"], result

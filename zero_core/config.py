@@ -113,6 +113,12 @@ class ZeroConfig:
         (stage 3); 0 turns prefetch off.
     broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
         before each training forward, as DDP does by default.
+    overlap_param_refresh: stages 1/2: return from the optimizer step before
+        the all-gather of the updated parameters finishes; each unit's next
+        forward (or any touch of a parameter object) waits for its own. Faster,
+        but a plain tensor view of a parameter kept from before the step (a
+        cached ``p.detach()``/``p.data``, a kept ``state_dict()``) may show old
+        values until then. Off: the step waits, as DDP's values are current.
     """
 
     stage: int = 3
@@ -121,6 +127,7 @@ class ZeroConfig:
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     wrap_policy: WrapPolicy = field(default_factory=WrapPolicy)
     broadcast_buffers: bool = True
+    overlap_param_refresh: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -136,6 +143,8 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
+        if not isinstance(self.overlap_param_refresh, bool):
+            raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
 
     @property
     def plan(self) -> StagePlan:

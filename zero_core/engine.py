@@ -457,10 +457,12 @@ class ZeroEngine(CheckpointMethods):
         assert self._groups is not None
         self._groups.show_model_parameters()
         if not self._skip_refresh:
-            # Issued, not waited for: each unit's next forward waits for its own all-gather,
-            # so the later ones run while the first units compute.
+            # With overlap_param_refresh, issued and not waited for: each unit's next forward
+            # waits for its own all-gather, so the later ones run while the first units compute.
             for unit in self.units:
                 unit.start_refresh()
+            if not self.config.overlap_param_refresh:
+                self._finish_refresh()
             self.steps_taken += 1
         for unit in self.units:
             unit.reset_grads()

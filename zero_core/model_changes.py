@@ -77,8 +77,9 @@ class RegisteredParameters:
         with torch._C.DisableTorchFunctionSubclass():
             for unit, entries in self.by_unit:
                 dtype = unit.precision.compute_dtype
-                # Where each parameter's data must start; at rest (stage 3) the guard keeps data from changing.
-                base = unit.gathered_params.data_ptr() if unit.state is UnitState.GATHERED else None
+                # Where each parameter's data must start; at rest (stage 3) the guard keeps data from
+                # changing. The buffer exists while gathering too (a prefetch, a stages-1/2 refresh).
+                base = unit.gathered_params.data_ptr() if unit.state is not UnitState.SHARDED else None
                 for entry, offset in entries:
                     param = entry.param
                     if (

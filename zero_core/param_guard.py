@@ -188,4 +188,15 @@ class ParameterGuard:
 
 def guard_class(param_class: type[nn.Parameter], guard: ParameterGuard) -> type[nn.Parameter]:
     """The at-rest class of parameters of ``param_class`` in the guarded unit."""
-    return type(param_class.__name__, (param_class,), {"__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k))})
+
+    def deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
+        # Parameter.__deepcopy__ makes type(self) of the copy: waiting first gives the
+        # parameter its own class back (stages 1/2); at rest (stage 3) reading it is refused.
+        if guard.unit.refreshing:
+            guard.unit.wait_gathered()
+        return param_class.__deepcopy__(self, memo)
+
+    return type(param_class.__name__, (param_class,), {
+        "__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k)),
+        "__deepcopy__": deepcopy,
+    })
