@@ -442,7 +442,7 @@ class ZeroEngine(CheckpointMethods):
     def refresh_parameters(self) -> None:
         """Bring the compute copies (full parameters in stages 1/2) up to date with the master shards."""
         for unit in self.units:
-            unit.start_refresh()
+            unit.start_refresh(guard=False)
         self._finish_refresh()
 
     def _finish_refresh(self) -> None:
@@ -459,9 +459,10 @@ class ZeroEngine(CheckpointMethods):
         if not self._skip_refresh:
             # With overlap_param_refresh, issued and not waited for: each unit's next forward
             # waits for its own all-gather, so the later ones run while the first units compute.
+            overlap = self.config.overlap_param_refresh
             for unit in self.units:
-                unit.start_refresh()
-            if not self.config.overlap_param_refresh:
+                unit.start_refresh(guard=overlap)
+            if not overlap:
                 self._finish_refresh()
             self.steps_taken += 1
         for unit in self.units:

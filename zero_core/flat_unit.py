@@ -89,6 +89,7 @@ class FlatUnit:
         self._slot_of_param = {id(p): i for i, p in enumerate(self.params)}
         self.guard_classes = {cls: guard_class(cls, self.guard) for cls in set(self._param_classes)}
         self._guarding = stage_plan.params_sharded_at_rest
+        self._classes_guarded = False  # the parameters have their own classes now
         self.master_pieces = [
             # Every parameter, frozen ones too: unfreezing one later trains it from its shard.
             MasterPiece(piece, nn.Parameter(self._shard_view(self.master_shard, piece)))
@@ -165,8 +166,11 @@ class FlatUnit:
         self._switch_classes(on and self._guarding)
 
     def _switch_classes(self, guarded: bool) -> None:
+        if guarded == self._classes_guarded:
+            return  # nothing to switch: no loop over the parameters on the hot path
         for param, own_class in zip(self.params, self._param_classes):
             param.__class__ = self.guard_classes[own_class] if guarded else own_class
+        self._classes_guarded = guarded
 
     @property
     def refreshing(self) -> bool:
@@ -347,12 +351,13 @@ class FlatUnit:
             grad = self._shard_view(self.sharded_grads, master.piece)
             master.param.grad = grad if grad.dtype == torch.float32 else grad.float()
 
-    def start_refresh(self) -> None:
+    def start_refresh(self, guard: bool) -> None:
         """After the step: bring the compute copy up to date with the master shard.
 
-        Stages 1/2: GATHERED -> GATHERING. The all-gather of the full parameters
-        runs while the model does other work; ``wait_gathered`` (the unit's next
-        forward, or the guard on any other touch of a parameter) waits for it.
+        Stages 1/2: GATHERED -> GATHERING; ``wait_gathered`` waits for the
+        all-gather of the full parameters. With ``guard`` (overlap_param_refresh)
+        the parameters get their guard class meanwhile, so any touch of one
+        before the unit's next forward waits for it first.
         """
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
@@ -362,7 +367,8 @@ class FlatUnit:
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = UnitState.GATHERING
-        self._switch_classes(True)
+        if guard:
+            self._switch_classes(True)
 
     # ------------------------------------------------------- full parameters
     def gather_full_master(self) -> torch.Tensor:
