@@ -2,6 +2,8 @@
 
     accelerate-zero launch [--zero_config_file zero.yaml] [--zero_sharding_stage N]
         [--zero_prefetch N] [--zero_bucket_size_mb MB] [--zero_wrap_classes A,B]
+        [--zero_broadcast_buffers B] [--zero_overlap_param_refresh B] [--zero_shard_group_size N]
+        [--zero_persistence_threshold N]
         <every accelerate launch argument> script.py [script args]
 
 The ZeRO settings are checked first (an unknown key or a bad value stops
@@ -18,14 +20,17 @@ import argparse
 import os
 import sys
 
-from .plugin import ENV_PREFIX, ZeroPlugin, parse_bool, read_yaml
+from .plugin import ENV_PREFIX, ZeroPlugin, parse_bool, parse_prefetch, read_yaml
 
 _FLAGS = {
     "--zero_sharding_stage": ("stage", int),
-    "--zero_prefetch": ("prefetch", int),
+    "--zero_prefetch": ("prefetch", parse_prefetch),
     "--zero_bucket_size_mb": ("bucket_size_mb", float),
     "--zero_wrap_classes": ("wrap_classes", str),
     "--zero_broadcast_buffers": ("broadcast_buffers", parse_bool),
+    "--zero_overlap_param_refresh": ("overlap_param_refresh", parse_bool),
+    "--zero_shard_group_size": ("shard_group_size", int),
+    "--zero_persistence_threshold": ("persistence_threshold", int),
 }
 
 

@@ -43,20 +43,39 @@ def _parse_classes(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
     return tuple(str(name).strip() for name in names if str(name).strip())
 
 
-_PARSERS = {"stage": int, "bucket_size_mb": float, "prefetch": int, "broadcast_buffers": parse_bool, "wrap_classes": _parse_classes}
+def _parse_optional_int(value: str) -> int | None:
+    return None if value.strip().lower() in ("", "none") else int(value)
+
+
+def parse_prefetch(value: str) -> int | str:
+    """A depth, or "auto" (chosen from measured times)."""
+    return "auto" if value.strip().lower() == "auto" else int(value)
+
+
+_PARSERS = {
+    "stage": int, "bucket_size_mb": float, "prefetch": parse_prefetch, "broadcast_buffers": parse_bool, "wrap_classes": _parse_classes,
+    "overlap_param_refresh": parse_bool, "shard_group_size": _parse_optional_int, "persistence_threshold": int,
+}
 
 
 @dataclass(frozen=True)
 class ZeroPlugin:
     """stage: 1, 2 or 3. wrap_classes: names of the module classes that become
     units (transformer blocks), e.g. ``("GPTBlock",)``; default: by size.
-    bucket_size_mb, prefetch, broadcast_buffers: as in ``zero_core.ZeroConfig``."""
+    bucket_size_mb, prefetch (a depth, or "auto"), broadcast_buffers, overlap_param_refresh,
+    persistence_threshold: as in ``zero_core.ZeroConfig``.
+    shard_group_size: hybrid sharding: shard inside groups of this many processes (usually
+    the processes per machine, with ``--num_machines``) and replicate across them;
+    default: every process."""
 
     stage: int | None = None
     bucket_size_mb: float | None = None
-    prefetch: int | None = None
+    prefetch: int | str | None = None
     broadcast_buffers: bool | None = None
     wrap_classes: tuple[str, ...] | None = None
+    overlap_param_refresh: bool | None = None
+    shard_group_size: int | None = None
+    persistence_threshold: int | None = None
 
     def __post_init__(self) -> None:
         defaults = ZeroConfig()
@@ -102,6 +121,9 @@ class ZeroPlugin:
             bucket_size_mb=self.bucket_size_mb,
             prefetch=self.prefetch,
             broadcast_buffers=self.broadcast_buffers,
+            overlap_param_refresh=self.overlap_param_refresh,
+            shard_group_size=self.shard_group_size,
+            persistence_threshold=self.persistence_threshold,
             mixed_precision=mixed_precision,
             wrap_policy=self._wrap_policy(model),
         )

@@ -33,15 +33,26 @@ def as_wrap_policy(policy: WrapPolicyLike) -> WrapPolicy:
 
 
 def zero_settings(
-    stage: int, wrap_policy: WrapPolicyLike, bucket_size_mb: float, prefetch: int, broadcast_buffers: bool
+    stage: int,
+    wrap_policy: WrapPolicyLike,
+    bucket_size_mb: float,
+    prefetch: int | str,
+    broadcast_buffers: bool,
+    overlap_param_refresh: bool,
+    shard_group_size: int | None,
+    persistence_threshold: int,
 ) -> ZeroConfig:
-    """Validated when the strategy is built, before Lightning launches any process."""
+    """The Trainer's and Fabric's strategy arguments as the core's config, validated when the
+    strategy is built, before Lightning launches any process."""
     return ZeroConfig(
         stage=stage,
         wrap_policy=as_wrap_policy(wrap_policy),
         bucket_size_mb=bucket_size_mb,
         prefetch=prefetch,
         broadcast_buffers=broadcast_buffers,
+        overlap_param_refresh=overlap_param_refresh,
+        shard_group_size=shard_group_size,
+        persistence_threshold=persistence_threshold,
     )
 
 

@@ -65,8 +65,11 @@ class ZeroFabricStrategy(DDPStrategy):
         *,
         wrap_policy: WrapPolicyLike = None,
         bucket_size_mb: float = 25.0,
-        prefetch: int = 1,
+        prefetch: int | str = 1,
         broadcast_buffers: bool = True,
+        overlap_param_refresh: bool = False,
+        shard_group_size: int | None = None,
+        persistence_threshold: int = 0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -76,7 +79,10 @@ class ZeroFabricStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
-        self.zero_config = zero_settings(stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers)
+        self.zero_config = zero_settings(
+            stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers, overlap_param_refresh, shard_group_size,
+            persistence_threshold,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -50,7 +50,11 @@ class ZeroStrategy(DDPStrategy):
         stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
         wrap_policy: which submodules become units: a block class, a tuple of
             classes, or a ``zero_core.WrapPolicy`` (default: by size).
-        bucket_size_mb, prefetch, broadcast_buffers: as in ``zero_core.ZeroConfig``.
+        bucket_size_mb, prefetch (a depth, or "auto"), broadcast_buffers,
+            overlap_param_refresh, persistence_threshold: as in ``zero_core.ZeroConfig``.
+        shard_group_size: hybrid sharding: shard inside groups of this many
+            ranks (usually ``devices``, one group per node) and replicate
+            across them (``Trainer(num_nodes=...)``); default: every rank.
     The precision comes from ``Trainer(precision=...)``: "32-true",
     "bf16-mixed", "bf16-true" or "16-mixed".
     """
@@ -63,8 +67,11 @@ class ZeroStrategy(DDPStrategy):
         *,
         wrap_policy: WrapPolicyLike = None,
         bucket_size_mb: float = 25.0,
-        prefetch: int = 1,
+        prefetch: int | str = 1,
         broadcast_buffers: bool = True,
+        overlap_param_refresh: bool = False,
+        shard_group_size: int | None = None,
+        persistence_threshold: int = 0,
         accelerator: "pl.accelerators.Accelerator | None" = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -75,7 +82,10 @@ class ZeroStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         # Validate now, before Lightning launches any process.
-        self.zero_config = zero_settings(stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers)
+        self.zero_config = zero_settings(
+            stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers, overlap_param_refresh, shard_group_size,
+            persistence_threshold,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

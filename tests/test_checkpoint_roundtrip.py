@@ -5,7 +5,8 @@ so training does not depend on the world size beyond rounding. Checked:
 loading is bitwise exact (a checkpoint re-saved right after loading holds
 the same full parameters and optimizer state), resuming at the same world
 size continues bitwise like an uninterrupted run, and at another world size
-or stage within fp32 rounding.
+or stage within fp32 rounding. Hybrid sharding (shard groups of 2 at 4
+ranks) saves checkpoints that load flat at 2 or 3 ranks, and back.
 """
 
 from __future__ import annotations
@@ -32,10 +33,20 @@ def global_batch(step: int, rank: int, world_size: int) -> torch.Tensor:
     return everything[rank * share : (rank + 1) * share]
 
 
-def _engine(stage: int) -> tuple[TinyTransformer, ZeroEngine]:
+# A stage, and the shard group size of hybrid sharding (None: flat, every rank shards).
+Setup = tuple[int, "int | None"]
+
+
+def _name(world_size: int, setup: Setup) -> str:
+    stage, group = setup
+    return f"{world_size}-{stage}" + (f"-hybrid{group}" if group else "")
+
+
+def _engine(setup: Setup) -> tuple[TinyTransformer, ZeroEngine]:
+    stage, group = setup
     torch.manual_seed(0)
     model = TinyTransformer().eval()  # BatchNorm on running statistics: independent of the split
-    return model, ZeroEngine(model, make_optimizer("adamw", model), config_for(stage))
+    return model, ZeroEngine(model, make_optimizer("adamw", model), config_for(stage, shard_group_size=group))
 
 
 def _train(model: TinyTransformer, engine: ZeroEngine, steps: range) -> list[float]:
@@ -53,28 +64,29 @@ def _train(model: TinyTransformer, engine: ZeroEngine, steps: range) -> list[flo
     return losses
 
 
-def _save_job(rank: int, world_size: int, stages: list[int], directory: str) -> dict[int, dict]:
-    """For each stage: train, save, keep training (the uninterrupted reference)."""
+def _save_job(rank: int, world_size: int, setups: list[Setup], directory: str) -> dict[Setup, dict]:
+    """For each setup: train, save, keep training (the uninterrupted reference)."""
     results = {}
-    for stage in stages:
-        model, engine = _engine(stage)
+    for setup in setups:
+        model, engine = _engine(setup)
         _train(model, engine, range(SAVE_AT))
-        engine.save_checkpoint(Path(directory) / f"saved-{world_size}-{stage}", extra={"note": "hello", "step": SAVE_AT})
+        engine.save_checkpoint(Path(directory) / f"saved-{_name(world_size, setup)}", extra={"note": "hello", "step": SAVE_AT})
         losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
-        results[stage] = {"losses": losses, "final": engine.full_state_dict()}
+        results[setup] = {"losses": losses, "final": engine.full_state_dict()}
         engine.unshard()
     return results
 
 
-def _resume_job(rank: int, world_size: int, cases: list[tuple[int, int, int]], directory: str) -> dict[tuple, dict]:
-    """For each (saved world size, saved stage, stage): load, re-save, train on."""
+def _resume_job(rank: int, world_size: int, cases: list[tuple[int, Setup, Setup]], directory: str) -> dict[tuple, dict]:
+    """For each (saved world size, saved setup, setup): load, re-save, train on."""
     results = {}
-    for save_world, save_stage, stage in cases:
-        model, engine = _engine(stage)
-        extra = engine.load_checkpoint(Path(directory) / f"saved-{save_world}-{save_stage}")
-        engine.save_checkpoint(Path(directory) / f"reloaded-{save_world}-{save_stage}-{world_size}-{stage}")
+    for save_world, save_setup, setup in cases:
+        model, engine = _engine(setup)
+        saved = _name(save_world, save_setup)
+        extra = engine.load_checkpoint(Path(directory) / f"saved-{saved}")
+        engine.save_checkpoint(Path(directory) / f"reloaded-{saved}-to-{_name(world_size, setup)}")
         losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
-        results[(save_world, save_stage, stage)] = {
+        results[(save_world, save_setup, setup)] = {
             "losses": losses, "final": engine.full_state_dict(), "extra": extra, "steps": engine.steps_taken
         }
         engine.unshard()
@@ -92,7 +104,10 @@ def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
     return {prefix[:-1]: tree}
 
 
-CASES = [(4, 3, 4, 3), (4, 3, 2, 3), (4, 2, 3, 2), (4, 1, 1, 1), (2, 3, 2, 1), (2, 1, 2, 3), (2, 2, 3, 3)]
+FLAT = [(4, 3, 4, 3), (4, 3, 2, 3), (4, 2, 3, 2), (4, 1, 1, 1), (2, 3, 2, 1), (2, 1, 2, 3), (2, 2, 3, 3)]
+CASES = [(sw, (ss, None), lw, (ls, None)) for sw, ss, lw, ls in FLAT]
+# Hybrid sharding (2 groups of 2) to flat at 2 and 3 ranks, flat back to hybrid, hybrid to hybrid.
+CASES += [(4, (3, 2), 2, (3, None)), (4, (2, 2), 3, (1, None)), (2, (3, None), 4, (2, 2)), (4, (3, 2), 4, (1, 2))]
 
 
 @pytest.fixture(scope="module")
@@ -101,8 +116,8 @@ def roundtrips(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, di
     directory = tmp_path_factory.mktemp("roundtrip")
     saved = {}
     for world in sorted({c[0] for c in CASES}):
-        stages = sorted({c[1] for c in CASES if c[0] == world})
-        saved[world] = run_distributed(_save_job, world, stages, str(directory))[0]
+        setups = sorted({c[1] for c in CASES if c[0] == world}, key=str)
+        saved[world] = run_distributed(_save_job, world, setups, str(directory))[0]
     resumed = {}
     for world in sorted({c[2] for c in CASES}):
         cases = [(c[0], c[1], c[3]) for c in CASES if c[2] == world]
@@ -110,13 +125,17 @@ def roundtrips(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, di
     return directory, saved, resumed
 
 
-@pytest.mark.parametrize("save_world, save_stage, load_world, load_stage", CASES)
+@pytest.mark.parametrize(
+    "save_world, save_setup, load_world, load_setup", CASES,
+    ids=[f"{_name(sw, ss)}-to-{_name(lw, ls)}" for sw, ss, lw, ls in CASES],
+)
 def test_resume_at_any_world_size_and_stage(
-    roundtrips: tuple, save_world: int, save_stage: int, load_world: int, load_stage: int
+    roundtrips: tuple, save_world: int, save_setup: Setup, load_world: int, load_setup: Setup
 ) -> None:
     directory, saved, resumed = roundtrips
-    original = _flatten(load_full_checkpoint(directory / f"saved-{save_world}-{save_stage}"))
-    reloaded = _flatten(load_full_checkpoint(directory / f"reloaded-{save_world}-{save_stage}-{load_world}-{load_stage}"))
+    saved_name = _name(save_world, save_setup)
+    original = _flatten(load_full_checkpoint(directory / f"saved-{saved_name}"))
+    reloaded = _flatten(load_full_checkpoint(directory / f"reloaded-{saved_name}-to-{_name(load_world, load_setup)}"))
     assert original.keys() == reloaded.keys()
     assert any(k.startswith("optimizer_0.state.") and k.endswith("exp_avg_sq") for k in original)
     for key, value in original.items():
@@ -125,11 +144,11 @@ def test_resume_at_any_world_size_and_stage(
         else:
             assert value == reloaded[key], key
 
-    reference = saved[save_world][save_stage]
-    ours = resumed[load_world][(save_world, save_stage, load_stage)]
+    reference = saved[save_world][save_setup]
+    ours = resumed[load_world][(save_world, save_setup, load_setup)]
     assert ours["extra"] == {"note": "hello", "step": SAVE_AT}
     assert ours["steps"] == TOTAL_STEPS
-    if save_world == load_world:
+    if (save_world, save_setup[1]) == (load_world, load_setup[1]):  # the same reductions, in the same order
         assert ours["losses"] == reference["losses"]
         tolerance = 0.0
     else:

@@ -41,12 +41,20 @@ def rank0_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return module.state_dict()
 
 
-def config_for(stage: int, prefetch: int = 1, precision: MixedPrecision | None = None) -> ZeroConfig:
+def config_for(
+    stage: int,
+    prefetch: int = 1,
+    precision: MixedPrecision | None = None,
+    shard_group_size: int | None = None,
+    persistence_threshold: int = 0,
+) -> ZeroConfig:
     return ZeroConfig(
         stage=stage,
         prefetch=prefetch,
         wrap_policy=WrapPolicy(module_classes=(Block,)),
         mixed_precision=precision or MixedPrecision(),
+        shard_group_size=shard_group_size,
+        persistence_threshold=persistence_threshold,
     )
 
 
@@ -58,21 +66,28 @@ def train_against_ddp(
     micro_batches: int = 1,
     clip: float | None = None,
     prefetch: int = 1,
+    shard_group_size: int | None = None,
+    sync_every_micro_batch: bool = False,
+    persistence_threshold: int = 0,
 ) -> dict[str, Any]:
-    """Train the same model under DDP and under ZeRO on this rank's data, step by step."""
+    """Train the same model under DDP and under ZeRO on this rank's data, step by step.
+
+    ``sync_every_micro_batch``: every micro-batch's backward reduces (no ``no_sync``)."""
     torch.manual_seed(0)
     reference = TinyTransformer()
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
     reference_optimizer = make_optimizer(optimizer_name, reference)
-    engine = ZeroEngine(model, make_optimizer(optimizer_name, model), config_for(stage, prefetch))
+    engine = ZeroEngine(model, make_optimizer(optimizer_name, model), config_for(
+        stage, prefetch, shard_group_size=shard_group_size, persistence_threshold=persistence_threshold
+    ))
     rank = torch.distributed.get_rank()
     losses, reference_losses, param_errors, norms = [], [], [], []
     for step in range(steps):
         branch = uses_branch(step)
         for micro in range(micro_batches):
             ids = batch(step * micro_batches + micro, rank)
-            last = micro == micro_batches - 1
+            last = sync_every_micro_batch or micro == micro_batches - 1
             with ddp.no_sync() if not last else _nullcontext():
                 ref_loss = lm_loss(ddp(ids, use_branch=branch), ids) / micro_batches
                 ref_loss.backward()
@@ -138,46 +153,56 @@ def precision_grid(rank: int, world_size: int) -> dict[str, list[float]]:
     }
 
 
+class GptRun:
+    """The examples' small GPT (3 blocks as units) under a ZeroEngine, trained with AdamW on
+    this rank's synthetic batches: the model the memory and traffic formulas are checked on."""
+
+    def __init__(self, stage: int, **config: Any):
+        import os
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+        import gpt
+
+        self.gpt = gpt
+        torch.manual_seed(0)
+        self.config = gpt.GPTConfig(vocab_size=128, seq_len=16, width=32, depth=3, heads=2)
+        self.model = gpt.GPT(self.config)
+        wrap = WrapPolicy(module_classes=(gpt.GPTBlock,))
+        self.engine = ZeroEngine(
+            self.model, torch.optim.AdamW(self.model.parameters(), lr=1e-3), ZeroConfig(stage=stage, wrap_policy=wrap, **config)
+        )
+        self.rank = torch.distributed.get_rank()
+
+    def backward(self, step: int) -> None:
+        ids = self.gpt.synthetic_batch(self.config, 4, step, self.rank)
+        self.engine.backward(self.gpt.next_token_loss(self.model(ids), ids))
+
+    def train_step(self, step: int) -> None:
+        self.backward(step)
+        self.engine.step()
+
+    def sizes(self) -> dict[str, int]:
+        engine = self.engine
+        return {
+            "numel": engine.num_parameters,
+            "padded_numel": sum(u.layout.padded_numel for u in engine.units),
+            "units": len(engine.units),
+            "param_tensors": len(list(self.model.parameters())),
+        }
+
+
 def measure_state_and_traffic(stage: int, compute_dtype: torch.dtype) -> dict[str, Any]:
     """Bytes held after a step plus the next backward, and bytes moved by one step."""
-    import sys
-    import os
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-    from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch
-
-    torch.manual_seed(0)
-    config = GPTConfig(vocab_size=128, seq_len=16, width=32, depth=3, heads=2)
-    model = GPT(config)
-    engine = ZeroEngine(
-        model,
-        torch.optim.AdamW(model.parameters(), lr=1e-3),
-        ZeroConfig(
-            stage=stage,
-            wrap_policy=WrapPolicy(module_classes=(GPTBlock,)),
-            mixed_precision=MixedPrecision(compute_dtype=compute_dtype),
-        ),
-    )
-    rank = torch.distributed.get_rank()
-
-    def train_step(step: int) -> None:
-        ids = synthetic_batch(config, 4, step, rank)
-        engine.backward(next_token_loss(model(ids), ids))
-        engine.step()
-
-    train_step(0)
-    train_step(1)
-    traffic = engine.last_step_traffic
-    at_rest_bytes = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    ids = synthetic_batch(config, 4, 2, rank)
-    engine.backward(next_token_loss(model(ids), ids))
-    report = engine.memory_report()
+    run = GptRun(stage, mixed_precision=MixedPrecision(compute_dtype=compute_dtype))
+    run.train_step(0)
+    run.train_step(1)
+    traffic = run.engine.last_step_traffic
+    at_rest_bytes = sum(p.untyped_storage().nbytes() for p in run.model.parameters())
+    run.backward(2)
     return {
-        "report": report,
-        "numel": engine.num_parameters,
-        "padded_numel": sum(u.layout.padded_numel for u in engine.units),
-        "units": len(engine.units),
-        "param_tensors": len(list(model.parameters())),
+        "report": run.engine.memory_report(),
+        **run.sizes(),
         "all_gather_bytes": traffic["all_gather"].bytes,
         "reduce_scatter_bytes": traffic["reduce_scatter"].bytes,
         "params_bytes_at_rest": at_rest_bytes,

@@ -8,7 +8,16 @@ communication skipped.
 
 Byte counts are the logical payload the ZeRO formulas speak of: the full
 (gathered) size of an all-gather, the full (input) size of a reduce-scatter,
-the tensor size of an all-reduce or broadcast.
+the tensor size of an all-reduce or broadcast. They are kept per kind and per
+:class:`Span` (which ranks took part), so hybrid sharding reports what
+crossed the slow links between shard groups apart from what stayed inside one.
+
+Hybrid sharding (``ZeroConfig.shard_group_size``): model states are sharded
+inside groups of consecutive ranks (a node, as torchrun numbers them) and
+replicated across groups. Parameter all-gathers and gradient reduce-scatters
+run inside the shard group, the gradient shards are then all-reduced across
+groups (between the ranks holding the same shard), and agreements, buffer
+broadcasts and checkpoints span every rank.
 """
 
 from __future__ import annotations
@@ -35,6 +44,14 @@ class CollectiveKind(str, Enum):
     BROADCAST = "broadcast"
 
 
+class Span(str, Enum):
+    """Which ranks a collective runs between."""
+
+    WORLD = "every rank"
+    SHARD_GROUP = "inside the shard group"  # the ranks that together hold one copy of the model state
+    ACROSS_GROUPS = "across shard groups"  # the ranks holding the same shard, one per group
+
+
 @dataclass
 class CollectiveCount:
     calls: int = 0
@@ -49,16 +66,24 @@ class CommStats:
     counts: dict[CollectiveKind, CollectiveCount] = field(
         default_factory=lambda: {kind: CollectiveCount() for kind in CollectiveKind}
     )
+    # The same calls again, by the ranks they ran between (hybrid sharding's link classes).
+    spans: dict[Span, CollectiveCount] = field(default_factory=lambda: {span: CollectiveCount() for span in Span})
 
-    def record(self, kind: CollectiveKind, tensor: torch.Tensor) -> None:
-        count = self.counts[kind]
-        count.calls += 1
-        count.numel += tensor.numel()
-        count.bytes += tensor.numel() * tensor.element_size()
+    def record(self, kind: CollectiveKind, tensor: torch.Tensor, span: Span = Span.SHARD_GROUP) -> None:
+        for count in (self.counts[kind], self.spans[span]):
+            count.calls += 1
+            count.numel += tensor.numel()
+            count.bytes += tensor.numel() * tensor.element_size()
 
     def reset(self) -> None:
         for kind in CollectiveKind:
             self.counts[kind] = CollectiveCount()
+        for span in Span:
+            self.spans[span] = CollectiveCount()
+
+    def span_snapshot(self) -> dict[str, CollectiveCount]:
+        """Calls, elements and bytes per :class:`Span` (keyed by its name, e.g. ``"ACROSS_GROUPS"``)."""
+        return {span.name: CollectiveCount(**vars(c)) for span, c in self.spans.items()}
 
     def snapshot(self) -> dict[str, CollectiveCount]:
         return {kind.value: CollectiveCount(**vars(c)) for kind, c in self.counts.items()}
@@ -115,7 +140,12 @@ class CollectiveLabel(NamedTuple):
 
 @dataclass
 class CommContext:
-    """Where collectives run: the group, this rank's place in it, the stream."""
+    """Where collectives run: the group, this rank's place in it, the stream.
+
+    ``group``/``rank``/``world_size`` are every rank training together;
+    ``shard_*`` the ranks this rank shards model states with (all of them,
+    unless hybrid sharding split them into groups, see :meth:`split`).
+    """
 
     group: dist.ProcessGroup | None
     rank: int
@@ -128,9 +158,15 @@ class CommContext:
     reduce_scatter_stream: torch.cuda.Stream | None = None
     # Set by the engine: the phase and step that failure messages name.
     position: Callable[[], Position] = _nowhere
+    shard_group: dist.ProcessGroup | None = None
+    shard_rank: int = 0
+    shard_size: int = 1
+    replicate_group: dist.ProcessGroup | None = None  # the ranks holding this rank's shard, one per group
+    replicas: int = 1  # how many shard groups hold a copy of the model state
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
+        """Every rank of ``group`` (default: the world) in one shard group; :meth:`split` divides it."""
         backend = "gloo"
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -140,7 +176,44 @@ class CommContext:
         streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
         if device.type == "cuda":
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return cls(group, rank, world_size, device, CommStats(), backend, *streams)
+        return cls(group, rank, world_size, device, CommStats(), backend, *streams,
+                   shard_group=group, shard_rank=rank, shard_size=world_size)
+
+    def split(self, shard_group_size: int) -> None:
+        """Hybrid sharding: shard inside groups of ``shard_group_size`` consecutive ranks
+        (a node, as torchrun numbers ranks), replicate across them. Every rank calls it
+        with the same size (the setup agreement compared it); each creates every
+        subgroup, in the same order, as ``torch.distributed.new_group`` requires."""
+        size = shard_group_size
+        if size == self.world_size:
+            return
+        if size > self.world_size or self.world_size % size:
+            raise ValueError(
+                f"ZeroConfig.shard_group_size={size} must divide the number of ranks ({self.world_size}): "
+                "use the number of devices per node, or leave it unset to shard across every rank."
+            )
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
+        me = ranks[self.rank]
+        backend = dist.get_backend(self.group)
+        for first in range(0, self.world_size, size):
+            members = ranks[first : first + size]
+            created = dist.new_group(members, backend=backend)
+            if me in members:
+                self.shard_group, self.shard_rank = created, members.index(me)
+        for offset in range(size):
+            members = ranks[offset::size]
+            created = dist.new_group(members, backend=backend)
+            if me in members:
+                self.replicate_group = created
+        self.shard_size, self.replicas = size, self.world_size // size
+
+    def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
+        """The process group and its size that ``span`` names, from this rank."""
+        if span is Span.SHARD_GROUP:
+            return self.shard_group, self.shard_size
+        if span is Span.ACROSS_GROUPS:
+            return self.replicate_group, self.replicas
+        return self.group, self.world_size
 
     @property
     def prefers_list_collectives(self) -> bool:
@@ -208,69 +281,75 @@ def _launch(
     return Handle(work, stream, label, comm.rank)
 
 
-def all_gather(comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Tensor, label: str = "parameters") -> Handle:
-    """Fill ``gathered_out`` (world_size * shard numel) with every rank's shard."""
-    comm.stats.record(CollectiveKind.ALL_GATHER, gathered_out)
+def all_gather(
+    comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Tensor, label: str = "parameters",
+    span: Span = Span.SHARD_GROUP,
+) -> Handle:
+    """Fill ``gathered_out`` (group size * shard numel) with every rank's shard, in group rank order."""
+    comm.stats.record(CollectiveKind.ALL_GATHER, gathered_out, span)
+    group, size = comm.span(span)
     with record_function("zero::all_gather"):
         if gathered_out.numel() == 0:
             return Handle()
-        if comm.world_size == 1:
+        if size == 1:
             if gathered_out.data_ptr() != shard_in.data_ptr():
                 gathered_out.copy_(shard_in)
             return Handle()
         if comm.prefers_list_collectives:
             # Views of the flat output: gloo writes each rank's shard in place.
-            work = dist.all_gather(list(gathered_out.chunk(comm.world_size)), shard_in, group=comm.group, async_op=True)
+            work = dist.all_gather(list(gathered_out.chunk(size)), shard_in, group=group, async_op=True)
             return _handle(comm, work, CollectiveKind.ALL_GATHER, label)
         return _launch(
             comm,
             comm.all_gather_stream,
             (gathered_out, shard_in),
-            lambda: _all_gather_single(gathered_out, shard_in, group=comm.group, async_op=True),
+            lambda: _all_gather_single(gathered_out, shard_in, group=group, async_op=True),
             _label(comm, CollectiveKind.ALL_GATHER, label),
         )
 
 
 def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor, label: str = "gradients") -> Handle:
-    """Sum ``full_in`` over ranks and leave this rank's slice in ``shard_out``.
+    """Sum ``full_in`` over the shard group and leave this rank's slice in ``shard_out``.
 
     ``shard_out`` may be this rank's slice of ``full_in`` itself.
     """
-    comm.stats.record(CollectiveKind.REDUCE_SCATTER, full_in)
+    comm.stats.record(CollectiveKind.REDUCE_SCATTER, full_in, Span.SHARD_GROUP)
     with record_function("zero::reduce_scatter"):
         if full_in.numel() == 0:
             return Handle()
-        if comm.world_size == 1:
+        if comm.shard_size == 1:
             if shard_out.data_ptr() != full_in.data_ptr():
                 shard_out.copy_(full_in)
             return Handle()
         if comm.prefers_list_collectives:
-            chunks = list(full_in.chunk(comm.world_size))
-            work = dist.reduce_scatter(shard_out, chunks, group=comm.group, async_op=True)
+            chunks = list(full_in.chunk(comm.shard_size))
+            work = dist.reduce_scatter(shard_out, chunks, group=comm.shard_group, async_op=True)
             return _handle(comm, work, CollectiveKind.REDUCE_SCATTER, label)
         return _launch(
             comm,
             comm.reduce_scatter_stream,
             (shard_out, full_in),
-            lambda: _reduce_scatter_single(shard_out, full_in, group=comm.group, async_op=True),
+            lambda: _reduce_scatter_single(shard_out, full_in, group=comm.shard_group, async_op=True),
             _label(comm, CollectiveKind.REDUCE_SCATTER, label),
         )
 
 
 def all_reduce(
-    comm: CommContext, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, label: str = "step flags"
+    comm: CommContext, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, label: str = "step flags",
+    span: Span = Span.WORLD,
 ) -> Handle:
-    comm.stats.record(CollectiveKind.ALL_REDUCE, tensor)
+    comm.stats.record(CollectiveKind.ALL_REDUCE, tensor, span)
+    group, size = comm.span(span)
     with record_function("zero::all_reduce"):
-        if comm.world_size == 1:
+        if size == 1:
             return Handle()
-        work = dist.all_reduce(tensor, op=op, group=comm.group, async_op=True)
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         return _handle(comm, work, CollectiveKind.ALL_REDUCE, label)
 
 
 def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label: str = "buffers") -> Handle:
-    """Broadcast from ``src_rank`` of the group (a group rank, not a global one)."""
-    comm.stats.record(CollectiveKind.BROADCAST, tensor)
+    """Broadcast to every rank from ``src_rank`` of the group (a group rank, not a global one)."""
+    comm.stats.record(CollectiveKind.BROADCAST, tensor, Span.WORLD)
     with record_function("zero::broadcast"):
         if comm.world_size == 1:
             return Handle()

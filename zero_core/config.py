@@ -110,7 +110,11 @@ class ZeroConfig:
     bucket_size_mb: target size of a unit (and so of one reduce-scatter) when
         the wrap policy chooses units by size.
     prefetch: how many units are gathered ahead of the one computing
-        (stage 3); 0 turns prefetch off.
+        (stage 3); 0 turns prefetch off. ``"auto"``: chosen from the gather
+        and compute times measured in the first steps (prefetch_tuning.py),
+        within ``prefetch_cap_mb`` of units gathered ahead.
+    prefetch_cap_mb: with ``prefetch="auto"``, the most memory (MiB) the
+        units gathered ahead may take.
     broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
         before each training forward, as DDP does by default.
     overlap_param_refresh: stages 1/2: return from the optimizer step before
@@ -119,15 +123,33 @@ class ZeroConfig:
         but a plain tensor view of a parameter kept from before the step (a
         cached ``p.detach()``/``p.data``, a kept ``state_dict()``) may show old
         values until then. Off: the step waits, as DDP's values are current.
+    shard_group_size: hybrid sharding (FSDP's HYBRID_SHARD, DeepSpeed's MiCS):
+        shard model states inside groups of this many consecutive ranks (the
+        devices of one node, as torchrun numbers them) and replicate them
+        across groups. Parameters are all-gathered and gradients
+        reduce-scattered inside a group; only the gradient shards are
+        all-reduced across groups. Memory per rank follows the formulas with
+        this size in place of the world size. None: one group of every rank.
+    persistence_threshold: stage 3: units with fewer parameters than this
+        stay gathered between steps (DeepSpeed's
+        ``stage3_param_persistence_threshold``): no all-gathers in forward or
+        backward for them, their gradients still reduce-scattered, their
+        parameters all-gathered once after each step, as in stage 2. Memory:
+        ``16Ψ_L/N + 4Ψ_S + 12Ψ_S/N`` for traffic ``3Ψ_L + 2Ψ_S`` (fp32, Adam;
+        L: the large units, S: the small ones). 0 (default): every unit is
+        sharded.
     """
 
     stage: int = 3
     bucket_size_mb: float = 25.0
-    prefetch: int = 1
+    prefetch: int | str = 1
+    prefetch_cap_mb: float = 256.0
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
     wrap_policy: WrapPolicy = field(default_factory=WrapPolicy)
     broadcast_buffers: bool = True
     overlap_param_refresh: bool = False
+    shard_group_size: int | None = None
+    persistence_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -137,18 +159,42 @@ class ZeroConfig:
             )
         if not self.bucket_size_mb > 0:
             raise ValueError("ZeroConfig.bucket_size_mb must be > 0 (the default is 25).")
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError("ZeroConfig.prefetch must be an integer >= 0 (0 turns prefetch off).")
+        if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0):
+            raise ValueError(
+                f"ZeroConfig.prefetch={self.prefetch!r} is invalid: use an integer >= 0 (0 turns prefetch off) "
+                "or \"auto\" (chosen from measured times)."
+            )
+        if not self.prefetch_cap_mb > 0:
+            raise ValueError("ZeroConfig.prefetch_cap_mb must be > 0 (the default is 256).")
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
         if not isinstance(self.overlap_param_refresh, bool):
             raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
+        threshold = self.persistence_threshold
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(
+                f"ZeroConfig.persistence_threshold={threshold!r} is invalid: use a number of parameters >= 0 "
+                "(stage-3 units smaller than it stay gathered; 0 keeps every unit sharded)."
+            )
+        size = self.shard_group_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(
+                f"ZeroConfig.shard_group_size={size!r} is invalid: use a positive number of ranks that divides "
+                "the world size (usually the devices per node), or None to shard across every rank."
+            )
 
     @property
     def plan(self) -> StagePlan:
         return StagePlan.for_stage(self.stage)
+
+    def unit_plan(self, numel: int) -> StagePlan:
+        """What the stage means for a unit of ``numel`` parameters: a stage-3 unit below
+        ``persistence_threshold`` keeps its full parameters, which is stage 2's plan."""
+        if self.stage == 3 and numel < self.persistence_threshold:
+            return StagePlan.for_stage(2)
+        return self.plan
 
     @property
     def bucket_numel(self) -> int:

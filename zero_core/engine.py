@@ -43,6 +43,7 @@ from .optim import canonical_names, check_optimizer_supported, reset_optimizer_s
 from .param_groups import OptimizerGroups
 from .parameter_digests import ParameterDigests
 from .precision import DynamicLossScaler
+from .prefetch_tuning import AutoPrefetch, PrefetchReport
 from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
 from .units import plan_units
@@ -136,6 +137,8 @@ class ZeroEngine(CheckpointMethods):
         # Before any other collective: ranks that built different models, configs
         # or optimizers would hang, abort in the backend or train wrong values.
         setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_setup(model, plans, config, optimizer))
+        if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
+            self.comm.split(config.shard_group_size)
         self._optimizer_agreed_at_setup = optimizer  # attach_optimizer need not ask again
         units: dict[int, FlatUnit] = {}
         # Children first: a parameter owned by an ancestor (shared between
@@ -143,7 +146,8 @@ class ZeroEngine(CheckpointMethods):
         for plan in reversed(plans):
             if on_meta:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
-            units[plan.index] = FlatUnit(plan, config.plan, config.mixed_precision, self.comm)
+            numel = sum(p.numel() for p in plan.params)
+            units[plan.index] = FlatUnit(plan, config.unit_plan(numel), config.mixed_precision, self.comm)
         self.units = [units[i] for i in range(len(plans))]
         self._canonical_names = canonical_names(self.units)
         self._digests = ParameterDigests(self.units)
@@ -153,7 +157,13 @@ class ZeroEngine(CheckpointMethods):
         broadcast_buffers(self.model, self.comm)
         self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         self._grads_unscaled = False
-        self.runtime = StepRuntime(self.units, config.plan, config.prefetch)
+        self.auto_prefetch: AutoPrefetch | None = None
+        if config.prefetch == "auto":
+            sharded = [u for u in self.units if u.stage_plan.params_sharded_at_rest]
+            unit_bytes = [u.layout.padded_numel * u.gathered_params.element_size() for u in sharded]
+            self.auto_prefetch = AutoPrefetch(unit_bytes, int(config.prefetch_cap_mb * 2**20))
+        self.runtime = StepRuntime(self.units, config.plan, 0 if self.auto_prefetch else config.prefetch)
+        self.runtime.auto_prefetch = self.auto_prefetch
         self.runtime.requires_scaled_backward = self.loss_scaler is not None
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
         self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units, self.runtime).check)
@@ -175,6 +185,8 @@ class ZeroEngine(CheckpointMethods):
         self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
         self._traffic_at_last_step = self.comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
+        self._span_traffic_at_last_step = self.comm.stats.span_snapshot()
+        self.last_step_traffic_by_span = CommStats.difference(self._span_traffic_at_last_step, self._span_traffic_at_last_step)
         _ENGINES[model] = self
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -242,6 +254,21 @@ class ZeroEngine(CheckpointMethods):
     def world_size(self) -> int:
         return self.comm.world_size
 
+    def prefetch_report(self) -> PrefetchReport | None:
+        """With ``prefetch="auto"``: the measured gather and compute times and the chosen depth."""
+        return self.auto_prefetch.report() if self.auto_prefetch is not None else None
+
+    @property
+    def persistent_units(self) -> list[str]:
+        """Stage 3: the units kept gathered between steps (``persistence_threshold``), by module path."""
+        plan = self.config.plan
+        return [unit.name for unit in self.units if unit.stage_plan != plan]
+
+    @property
+    def shard_group_size(self) -> int:
+        """How many ranks share one copy of the model state (the world size unless hybrid sharding)."""
+        return self.comm.shard_size
+
     @property
     def num_parameters(self) -> int:
         """Unique parameters of the model (its true size, also in stage 3)."""
@@ -256,7 +283,9 @@ class ZeroEngine(CheckpointMethods):
         """Collective calls, elements and bytes since creation (or ``comm_stats.reset()``).
 
         ``last_step_traffic`` holds the same per kind for the last optimizer
-        step alone (everything since the step before it).
+        step alone (everything since the step before it), and
+        ``last_step_traffic_by_span`` per :class:`~zero_core.collectives.Span`
+        (inside the shard group, across shard groups, every rank).
         """
         return self.comm.stats
 
@@ -426,6 +455,10 @@ class ZeroEngine(CheckpointMethods):
         if refused_group is not None:
             raise refused_group
         self._agree_on_changed_param_groups(settings_differ=agreement.checks_differ)
+        if self.auto_prefetch is not None:
+            depth = self.auto_prefetch.on_optimizer_step(self.comm)
+            if depth is not None:
+                self.runtime.prefetch = depth
         if self.loss_scaler is not None:
             self.loss_scaler.update(agreement.found_inf)
             if agreement.found_inf:
@@ -471,6 +504,9 @@ class ZeroEngine(CheckpointMethods):
         now = self.comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(now, self._traffic_at_last_step)
         self._traffic_at_last_step = now
+        now = self.comm.stats.span_snapshot()
+        self.last_step_traffic_by_span = CommStats.difference(now, self._span_traffic_at_last_step)
+        self._span_traffic_at_last_step = now
 
     # ----------------------------------------------------- full parameters
     def gathered_parameters(self, module: nn.Module | None = None, writeback: bool = True) -> "contextlib.AbstractContextManager[None]":

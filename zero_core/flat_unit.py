@@ -1,6 +1,7 @@
 """One unit's tensors and the transitions between its states.
 
-Tensors of a unit (P = padded numel, S = P / world_size):
+Tensors of a unit (P = padded numel, S = P / shard group size, which is the
+world size unless hybrid sharding splits the ranks into groups):
 
 - ``gathered_params`` (P, compute dtype): the full flat parameters. Every
   module parameter of the unit is a view of it, set once at construction.
@@ -32,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .collectives import CommContext, Handle, all_gather, broadcast, reduce_scatter
+from .collectives import CommContext, Handle, Span, all_gather, all_reduce, broadcast, reduce_scatter
 from .config import MixedPrecision, StagePlan
 from .layout import FlatLayout, ParamSlot, ShardPiece
 from .param_guard import ParameterGuard, guard_class
@@ -70,7 +71,7 @@ class FlatUnit:
         self.params: list[nn.Parameter] = plan.params
         self.layout = FlatLayout.build(
             [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)],
-            comm.world_size,
+            comm.shard_size,
         )
         self.state = UnitState.GATHERED
         self._gather_handle: Handle | None = None
@@ -80,7 +81,7 @@ class FlatUnit:
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward: set[int] = set()
         self._flatten_parameters()
-        self._own_pieces = {piece.slot.index: piece for piece in self.layout.pieces(comm.rank)}
+        self._own_pieces = {piece.slot.index: piece for piece in self.layout.pieces(comm.shard_rank)}
         # Where each parameter's data starts in the gathered buffer (model_changes.py checks it).
         self.slot_byte_offsets = [s.flat_offset * self.gathered_params.element_size() for s in self.layout.slots]
         # Stage 3 at rest: parameters take a guard class (param_guard.py) instead of their own.
@@ -93,7 +94,7 @@ class FlatUnit:
         self.master_pieces = [
             # Every parameter, frozen ones too: unfreezing one later trains it from its shard.
             MasterPiece(piece, nn.Parameter(self._shard_view(self.master_shard, piece)))
-            for piece in self.layout.pieces(comm.rank)
+            for piece in self.layout.pieces(comm.shard_rank)
         ]
         if not stage_plan.grads_sharded:
             self.full_grads = torch.zeros(self.layout.padded_numel, dtype=precision.reduce_dtype, device=comm.device)
@@ -112,7 +113,7 @@ class FlatUnit:
         for slot, param in zip(layout.slots, self.params):
             self._slot_view(padded_full, slot).copy_(param.detach())
         broadcast(comm, padded_full, label=self.label).wait()
-        lo, hi = layout.shard_range(comm.rank)
+        lo, hi = layout.shard_range(comm.shard_rank)
         compute_dtype = self.precision.compute_dtype
         self.gathered_params = padded_full.to(compute_dtype)
         if self.stage_plan.params_sharded_at_rest:
@@ -255,8 +256,8 @@ class FlatUnit:
         elif self.stage_plan.grads_sharded:
             self._zero_unfilled()
         if self.precision.reduce_dtype != torch.float32:
-            self.full_grads.div_(self.comm.world_size)  # low precision: average before summing
-        lo, hi = self.layout.shard_range(self.comm.rank)
+            self.full_grads.div_(self.comm.world_size)  # low precision: average (over every rank) before summing
+        lo, hi = self.layout.shard_range(self.comm.shard_rank)
         full_in = self.full_grads
         sharded_out = torch.empty_like(full_in[lo:hi]) if self.stage_plan.grads_sharded else full_in[lo:hi]
         handle = reduce_scatter(self.comm, sharded_out, full_in, label=self.label)
@@ -266,6 +267,9 @@ class FlatUnit:
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         pending.handle.wait()
+        if self.comm.replicas > 1:
+            # Hybrid sharding: the shard group summed its ranks; the groups holding this shard sum theirs.
+            all_reduce(self.comm, pending.sharded_out, label=self.label, span=Span.ACROSS_GROUPS).wait()
         if self.precision.reduce_dtype == torch.float32:
             pending.sharded_out.div_(self.comm.world_size)
         if self.stage_plan.grads_sharded:
@@ -281,16 +285,17 @@ class FlatUnit:
         """Stage 1, a second synchronised backward before the step: reopen the reduced slice.
 
         After a reduce, this rank's slice of ``full_grads`` holds the average
-        and the other slices stale local sums. Putting the sum back in the own
-        slice and zeroing the rest makes the next reduce add exactly the new
-        gradients to it.
+        and the other slices stale local sums. Putting back the share of the sum
+        this rank's reduce adds (all of it; under hybrid sharding one group's
+        share, as every group holding the shard adds its own) and zeroing the
+        rest makes the next reduce add exactly the new gradients to it.
         """
         if self.stage_plan.grads_sharded or self.sharded_grads is None:
             return
-        lo, hi = self.layout.shard_range(self.comm.rank)
+        lo, hi = self.layout.shard_range(self.comm.shard_rank)
         self.full_grads[:lo].zero_()
         self.full_grads[hi:].zero_()
-        self.full_grads[lo:hi].mul_(self.comm.world_size)
+        self.full_grads[lo:hi].mul_(self.comm.shard_size)
         self.sharded_grads = None
 
     def commit_backward(self) -> None:
@@ -379,7 +384,7 @@ class FlatUnit:
 
     def load_full_master(self, full: torch.Tensor) -> None:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
-        lo, hi = self.layout.shard_range(self.comm.rank)
+        lo, hi = self.layout.shard_range(self.comm.shard_rank)
         self.master_shard.copy_(full[lo:hi])
         if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
             self.compute_shard.copy_(self.master_shard)

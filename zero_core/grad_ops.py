@@ -3,7 +3,9 @@ overflow checks, and the agreement on which parameters have gradients.
 
 Each works on this rank's ``sharded_grads`` and combines across ranks with
 one small all-reduce, giving exactly what the same operation on the full,
-unsharded gradients would.
+unsharded gradients would. Norms combine inside the shard group (under
+hybrid sharding the other groups hold the same shards); agreements span
+every rank.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
-from .collectives import CommContext
+from .collectives import CommContext, Span
 from .flat_unit import FlatUnit
 
 
@@ -34,12 +36,12 @@ def clip_grad_norm(units: list[FlatUnit], comm: CommContext, max_norm: float, no
     if norm_type == float("inf"):
         for shard in shards:
             local = torch.maximum(local, shard.detach().abs().max().float().reshape(1))
-        collectives.all_reduce(comm, local, dist.ReduceOp.MAX).wait()
+        collectives.all_reduce(comm, local, dist.ReduceOp.MAX, label="gradient norm", span=Span.SHARD_GROUP).wait()
         total_norm = local[0]
     else:
         for shard in shards:
             local += shard.detach().float().abs().pow(norm_type).sum()
-        collectives.all_reduce(comm, local).wait()
+        collectives.all_reduce(comm, local, label="gradient norm", span=Span.SHARD_GROUP).wait()
         total_norm = local[0].pow(1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for shard in shards:
@@ -51,7 +53,8 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
     """Each trainable parameter's gradient norm over the full model (times ``factor``),
     keyed by its canonical name; parameters no rank has a gradient for are left
     out, as Lightning's ``grad_norm`` leaves out ``grad is None``. Per-parameter
-    partial sums of this rank's pieces and has-gradient flags, one all-reduce.
+    partial sums of this rank's pieces and has-gradient flags, one all-reduce (two under
+    hybrid sharding).
     Reads the shards only."""
     slots = [(unit, slot) for unit in units for slot, param in zip(unit.layout.slots, unit.params) if param.requires_grad]
     position = {(unit.index, slot.index): i for i, (unit, slot) in enumerate(slots)}
@@ -71,8 +74,15 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
             if (unit.index, slot.index) in position and unit.slot_has_grad[slot.index]:
                 partial[count + position[(unit.index, slot.index)]] = 1.0
     # Both halves combine under MAX for the inf-norm and under SUM otherwise (flags only test > 0).
+    # The norms combine inside the shard group (other groups hold the same shards); whether a
+    # gradient exists, over every rank: under hybrid sharding a parameter one group never used
+    # still has another group's gradient in its shard.
     op = dist.ReduceOp.MAX if norm_type == float("inf") else dist.ReduceOp.SUM
-    collectives.all_reduce(comm, partial, op, label="gradient norms").wait()
+    if comm.replicas == 1:
+        collectives.all_reduce(comm, partial, op, label="gradient norms", span=Span.SHARD_GROUP).wait()
+    else:
+        collectives.all_reduce(comm, partial[:count], op, label="gradient norms", span=Span.SHARD_GROUP).wait()
+        collectives.all_reduce(comm, partial[count:], dist.ReduceOp.MAX, label="gradient norms").wait()
     norms = partial[:count] if norm_type == float("inf") else partial[:count].pow(1.0 / norm_type)
     return {slot.fqns[0]: norms[i] * factor for i, (_, slot) in enumerate(slots) if partial[count + i] > 0}
 

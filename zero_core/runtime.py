@@ -31,6 +31,7 @@ reduce-scatters every trainable unit exactly once, in reverse unit order
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 import zlib
 from collections import Counter
@@ -47,6 +48,7 @@ from .config import StagePlan
 from .execution_order import ExecutionOrder
 from .flat_unit import FlatUnit, UnitState
 from .forward_records import ForwardRecord, ForwardRecords, records_reached, zero_roots
+from .prefetch_tuning import AutoPrefetch
 from .reduce_schedule import ReduceSchedule
 
 
@@ -110,6 +112,7 @@ class StepRuntime:
         self.root = units[0]
         self.plan = plan
         self.prefetch = prefetch
+        self.auto_prefetch: AutoPrefetch | None = None  # prefetch="auto": times gathers and forwards
         self.order = ExecutionOrder()
         self.reduces = ReduceSchedule(units)
         self.state = TrainingState.IDLE
@@ -290,6 +293,8 @@ class StepRuntime:
                 check()
             self.hook_trainable_params()
             self.state = TrainingState.FORWARD
+            if self.auto_prefetch is not None:
+                self.auto_prefetch.forward_started()
             self._recording = ForwardRecord() if torch.is_grad_enabled() else None
             if unit is self.root:
                 for transform in self.before_root_forward:
@@ -441,6 +446,8 @@ class StepRuntime:
         for other in self.units:  # prefetched units the forward did not use
             self._release(other)
         self.order.forward.end()
+        if self.auto_prefetch is not None:
+            self.auto_prefetch.forward_ended()
         if self._recording is not None:
             self.forwards += 1
         self._recording = None
@@ -552,7 +559,12 @@ class StepRuntime:
         for other in self.units:
             if other.index not in wanted and other.state is not UnitState.SHARDED:
                 other.release()  # prefetched for an order that did not happen
-        unit.wait_gathered()
+        if self.auto_prefetch is not None and self.auto_prefetch.measuring:
+            started = time.perf_counter()
+            unit.wait_gathered()
+            self.auto_prefetch.gather_timed(time.perf_counter() - started)
+        else:
+            unit.wait_gathered()
         for index in predicted:
             self.units[index].start_gather()
         live = sum(u.state is not UnitState.SHARDED for u in self.units)

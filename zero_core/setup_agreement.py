@@ -188,7 +188,7 @@ def agree_on_setup(comm: CommContext, fields: list[Field]) -> None:
     """Raise the same ValueError on every rank unless every rank described the same setup."""
     local = torch.tensor(_digest(fields), dtype=torch.int64, device=comm.device)
     gathered = torch.empty(comm.world_size * _DIGEST_WORDS, dtype=torch.int64, device=comm.device)
-    collectives.all_gather(comm, gathered, local, label="setup digest").wait()
+    collectives.all_gather(comm, gathered, local, label="setup digest", span=collectives.Span.WORLD).wait()
     if bool((gathered.view(comm.world_size, _DIGEST_WORDS) == local).all()):
         return
     described = collectives.all_gather_objects(comm, fields, label="setup description")

@@ -3,7 +3,8 @@
     python tests/scripts/lightning_runs.py RUNS.json OUT_DIR DEVICES
 
 Launched as a plain script: Lightning's own launcher starts the other
-processes. Rank 0 writes OUT_DIR/<name>.pt per run: logged losses, final
+processes (for ``num_nodes`` > 1, once per node with ``NODE_RANK``,
+``MASTER_ADDR`` and ``MASTER_PORT`` set). Rank 0 writes OUT_DIR/<name>.pt per run: logged losses, final
 full weights, and whatever the run checked.
 """
 
@@ -27,9 +28,9 @@ from tests.lightning_module import BackboneTinyLM, ManualTinyLM, TinyLM  # noqa:
 from tests.models import Block  # noqa: E402
 
 
-def make_strategy(name: str):  # type: ignore[no-untyped-def]
+def make_strategy(name: str, shard_group_size: int | None = None):  # type: ignore[no-untyped-def]
     if name.startswith("zero"):
-        return ZeroStrategy(stage=int(name[-1]), wrap_policy=Block)
+        return ZeroStrategy(stage=int(name[-1]), wrap_policy=Block, shard_group_size=shard_group_size)
     return name
 
 
@@ -58,7 +59,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
-        strategy=make_strategy(spec["strategy"]),
+        num_nodes=spec.get("num_nodes", 1),
+        strategy=make_strategy(spec["strategy"], spec.get("shard_group_size")),
         precision=spec.get("precision"),
         plugins=plugins,
         max_steps=spec["max_steps"],
@@ -89,6 +91,9 @@ def run(spec: dict, out: Path, devices: int) -> None:
     trainer.fit(module, ckpt_path=str(out / ckpt_path) if ckpt_path else None)
     result = {"losses": module.losses, "weights": full_weights(trainer, module), "global_step": trainer.global_step}
     result["lrs"] = [group["lr"] for group in trainer.optimizers[0].param_groups]
+    result["world_size"] = trainer.world_size
+    if isinstance(trainer.strategy, ZeroStrategy):
+        result["shard_group_size"] = trainer.strategy.engine.shard_group_size
     # A resumed BaseFinetuning callback ends its restart in on_fit_start; one left restarting would redo it in the next fit.
     result["restarting"] = [c._restarting for c in callbacks if isinstance(c, BackboneFinetuning)]
     if spec.get("summary"):

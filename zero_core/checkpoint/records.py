@@ -43,7 +43,8 @@ class ShardedModel:
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        """This rank's place in its shard group: which pieces of each unit it holds."""
+        return self.comm.shard_rank
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,259 @@
+"""Flat vs hybrid sharding at cluster scale, projected from bytes per link class measured here.
+
+    python benchmarks/projection.py [--params 7e9] [--tokens-per-device 16384]
+
+1. Measures: 4 gloo processes on this machine train the small GPT for two
+   steps at each stage, flat (one shard group of 4) and hybrid (2 groups of
+   2), and read ``engine.last_step_traffic_by_span``: the bytes each rank
+   sent per step inside its shard group and across groups, as multiples of
+   the padded parameter count Ψ (fp32). These coefficients are what the
+   projection multiplies; they equal the formulas (stage 3: 3Ψ inside,
+   Ψ/k across; the tests assert the same).
+2. Projects one optimizer step of a ``--params`` model on ``nodes`` x 8
+   devices: compute ``6 Ψ T / F`` (T tokens per device, F the device's
+   sustained FLOP rate), and each collective as a ring, ``(p-1) α + (p-1)/p
+   · bytes / β`` with the link it crosses: flat sharding spans every
+   device, so across nodes its rings run at the network's per-device rate;
+   hybrid keeps all-gathers and reduce-scatters on the node's links and
+   sends only the gradient shards (an all-reduce over the nodes) across.
+   Parameters move in bf16, gradients in fp32 (``MixedPrecision(bf16)``),
+   one collective per unit (``--units``).
+3. Writes ``benchmarks/PROJECTION.md`` and ``benchmarks/projection.png``:
+   communication time, its share of the step (none of it overlapped, the
+   upper bound; fully overlapped the step is max(compute, communication)),
+   and the break-even batch, the tokens per device at which compute time
+   equals communication time, so communication can hide behind compute.
+
+Stated, not measured: the link rates and latencies and the device FLOP
+rate (defaults: 900 GB/s and 3 µs inside a node, 400 Gb/s = 50 GB/s per
+device and 10 µs between nodes, 400 TFLOP/s sustained bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "examples"))
+
+DEVICES_PER_NODE = 8
+NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+# ------------------------------------------------------------------ measuring
+def _measure_rank(rank: int, world_size: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
+    from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch
+
+    from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = []
+    for stage in (1, 2, 3):
+        for group in (None, 2):
+            torch.manual_seed(0)
+            config = GPTConfig(vocab_size=256, seq_len=32, width=64, depth=4, heads=4)
+            model = GPT(config)
+            engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(
+                stage=stage, wrap_policy=WrapPolicy(module_classes=(GPTBlock,)), shard_group_size=group))
+            for step in range(2):
+                ids = synthetic_batch(config, 4, step, rank)
+                engine.backward(next_token_loss(model(ids), ids))
+                engine.step()
+            padded = sum(u.layout.padded_numel for u in engine.units)
+            traffic = {span: count.bytes / (4 * padded) for span, count in engine.last_step_traffic_by_span.items()}
+            results.append({"stage": stage, "shard_group_size": engine.shard_group_size, "per_param": traffic,
+                            "units": len(engine.units)})
+            engine.unshard()
+    if rank == 0:
+        queue.put(results)
+    dist.destroy_process_group()
+
+
+def measure() -> list[dict]:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    processes = [context.Process(target=_measure_rank, args=(rank, 4, port, queue)) for rank in range(4)]
+    for process in processes:
+        process.start()
+    results = queue.get()
+    for process in processes:
+        process.join(timeout=60)
+    return results
+
+
+# ----------------------------------------------------------------- projecting
+@dataclass(frozen=True)
+class Hardware:
+    intra_bytes_per_s: float
+    intra_latency_s: float
+    inter_bytes_per_s: float  # per device (one NIC per device)
+    inter_latency_s: float
+    flops: float  # sustained per device
+
+
+def ring_seconds(payload_bytes: float, ranks: int, bandwidth: float, latency: float, all_reduce: bool = False) -> float:
+    """An all-gather / reduce-scatter (or, ``all_reduce``, both) of ``payload_bytes`` over a ring of ``ranks``."""
+    if ranks <= 1:
+        return 0.0
+    rounds = 2 if all_reduce else 1
+    return rounds * ((ranks - 1) * latency + (ranks - 1) / ranks * payload_bytes / bandwidth)
+
+
+@dataclass(frozen=True)
+class Projection:
+    nodes: int
+    compute_s: float
+    flat_comm_s: float
+    hybrid_comm_s: float
+    flat_break_even_tokens: float
+    hybrid_break_even_tokens: float
+
+
+def project(params: float, tokens: float, units: int, nodes: int, hw: Hardware, inside: float, across: float) -> Projection:
+    """Stage 3, bf16 parameters, fp32 gradients. ``inside``/``across``: measured elements moved per
+    parameter per step inside a shard group and across groups (3 and 1/k)."""
+    devices = nodes * DEVICES_PER_NODE
+    # Of the 3Ψ moved inside: 2Ψ of parameter all-gathers (bf16), Ψ of gradient reduce-scatters (fp32).
+    gather_bytes, reduce_bytes = (inside - 1) * params * 2, params * 4
+    flat_link = (hw.inter_bytes_per_s, hw.inter_latency_s) if nodes > 1 else (hw.intra_bytes_per_s, hw.intra_latency_s)
+    per_unit = lambda total: total / units  # noqa: E731 - one collective per unit
+    flat = units * (2 * ring_seconds(per_unit(gather_bytes) / 2, devices, *flat_link)
+                    + ring_seconds(per_unit(reduce_bytes), devices, *flat_link))
+    intra = (hw.intra_bytes_per_s, hw.intra_latency_s)
+    hybrid = units * (2 * ring_seconds(per_unit(gather_bytes) / 2, DEVICES_PER_NODE, *intra)
+                      + ring_seconds(per_unit(reduce_bytes), DEVICES_PER_NODE, *intra))
+    # Across nodes: each device's gradient shard (across x Ψ elements, fp32), all-reduced over the nodes.
+    hybrid += units * ring_seconds(per_unit(across * params * 4), nodes, hw.inter_bytes_per_s, hw.inter_latency_s,
+                                   all_reduce=True)
+    compute = 6 * params * tokens / hw.flops
+    per_token = 6 * params / hw.flops
+    return Projection(nodes, compute, flat, hybrid, flat / per_token, hybrid / per_token)
+
+
+def _table(rows: list[Projection]) -> list[str]:
+    lines = [
+        "| nodes x 8 | compute (s) | flat comm (s) | flat comm share | hybrid comm (s) | hybrid comm share | "
+        "break-even tokens/device, flat | hybrid |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        share = lambda comm: comm / (comm + r.compute_s)  # noqa: E731 - nothing overlapped: the upper bound
+        lines.append(
+            f"| {r.nodes} | {r.compute_s:.3f} | {r.flat_comm_s:.3f} | {share(r.flat_comm_s):.0%} | {r.hybrid_comm_s:.3f} | "
+            f"{share(r.hybrid_comm_s):.0%} | {r.flat_break_even_tokens:,.0f} | {r.hybrid_break_even_tokens:,.0f} |"
+        )
+    return lines
+
+
+def _plot(rows: list[Projection], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    nodes = [r.nodes for r in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(nodes, [r.flat_comm_s for r in rows], "o-", label="flat ZeRO-3: communication")
+    left.plot(nodes, [r.hybrid_comm_s for r in rows], "s-", label="hybrid (node groups): communication")
+    left.plot(nodes, [r.compute_s for r in rows], "k--", label="compute")
+    left.set(xscale="log", yscale="log", xlabel="nodes (x 8 devices)", ylabel="seconds per step", title="Per step")
+    left.legend(fontsize=8)
+    right.plot(nodes, [r.flat_break_even_tokens for r in rows], "o-", label="flat")
+    right.plot(nodes, [r.hybrid_break_even_tokens for r in rows], "s-", label="hybrid")
+    right.set(xscale="log", yscale="log", xlabel="nodes (x 8 devices)", ylabel="tokens per device",
+              title="Break-even batch (compute = communication)")
+    right.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--params", type=float, default=7e9)
+    parser.add_argument("--tokens-per-device", type=float, default=16384)
+    parser.add_argument("--units", type=int, default=32, help="collectives per kind per step (one per block)")
+    parser.add_argument("--intra-gbytes", type=float, default=900.0)
+    parser.add_argument("--intra-latency-us", type=float, default=3.0)
+    parser.add_argument("--inter-gbits", type=float, default=400.0)
+    parser.add_argument("--inter-latency-us", type=float, default=10.0)
+    parser.add_argument("--tflops", type=float, default=400.0)
+    parser.add_argument("--out", default=str(HERE / "PROJECTION.md"))
+    args = parser.parse_args()
+    hw = Hardware(args.intra_gbytes * 1e9, args.intra_latency_us * 1e-6, args.inter_gbits / 8 * 1e9,
+                  args.inter_latency_us * 1e-6, args.tflops * 1e12)
+
+    measured = measure()
+    stage3 = {r["shard_group_size"]: r["per_param"] for r in measured if r["stage"] == 3}
+    hybrid = stage3[2]
+    inside = hybrid["SHARD_GROUP"]
+    # Measured with groups of 2: Ψ/k per rank. With a node of 8 as the group, each device's shard is Ψ/8.
+    across = hybrid["ACROSS_GROUPS"] * 2 / DEVICES_PER_NODE
+    rows = [project(args.params, args.tokens_per_device, args.units, n, hw, inside, across) for n in NODE_COUNTS]
+
+    lines = [
+        "# Flat vs hybrid sharding at cluster scale (projected)",
+        "",
+        f"Generated by `python benchmarks/projection.py` ({' '.join(sys.argv[1:]) or 'defaults'}).",
+        "",
+        "## Measured here: elements moved per parameter per step, per rank (4 gloo ranks; hybrid = 2 groups of 2)",
+        "",
+        "| stage | layout | inside the shard group | across shard groups | every rank | formula (inside / across) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in measured:
+        k = r["shard_group_size"]
+        inside_formula = 3 if r["stage"] == 3 else 2
+        across_formula = f"1/{k}" if k < 4 else "0"
+        layout = "flat (4)" if k == 4 else f"hybrid ({k} x {4 // k})"
+        per = r["per_param"]
+        lines.append(f"| {r['stage']} | {layout} | {per['SHARD_GROUP']:.3f} | {per['ACROSS_GROUPS']:.3f} | "
+                     f"{per['WORLD']:.4f} | {inside_formula} / {across_formula} |")
+    lines += [
+        "",
+        "(Ψ counts the padded flat parameters; \"every rank\" is the step agreement and buffers. Flat sharding's "
+        "3Ψ crosses every link, the slowest included; hybrid sharding's crosses only the links inside a group.)",
+        "",
+        f"## Projected: ZeRO-3, {args.params:.3g} parameters, {args.tokens_per_device:,.0f} tokens per device per step",
+        "",
+        f"Stated hardware: inside a node {args.intra_gbytes:g} GB/s and {args.intra_latency_us:g} µs per hop; between "
+        f"nodes {args.inter_gbits:g} Gb/s per device and {args.inter_latency_us:g} µs per hop; {args.tflops:g} TFLOP/s "
+        f"sustained per device; {DEVICES_PER_NODE} devices per node, shard groups of one node; {args.units} units.",
+        "",
+        *_table(rows),
+        "",
+        "Communication share assumes nothing overlaps (the upper bound); with full overlap the step takes "
+        "max(compute, communication), which is compute wherever the batch is above break-even. Flat sharding's "
+        "rings cross the network as soon as there are two nodes, so its communication jumps there and its "
+        "break-even batch with it; hybrid sharding pays the network only for the gradient shards (Ψ/8 fp32 per "
+        "device), so its cost grows slowly with the node count (ring latency and the (n-1)/n factor).",
+    ]
+    if _plot(rows, Path(args.out).with_name("projection.png")):
+        lines += ["", "![projection](projection.png)"]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(json.dumps({"measured": measured}, indent=1)[:2000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""``ZeroConfig(prefetch="auto")``: the stage-3 prefetch depth is chosen from the
+gather and compute times measured in the first steps, agreed across ranks,
+kept within the memory cap, and changes no result: training is bitwise the
+same as with a fixed depth."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from zero_core import ZeroConfig
+from zero_core.collectives import CommContext
+from zero_core.prefetch_tuning import MEASURED_STEPS, AutoPrefetch, PrefetchTuning
+
+from .distributed import by_rank, run_distributed, run_each
+from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import config_for
+
+STEPS = 6
+
+
+def _train(prefetch: int | str, cap_mb: float = 256.0, forced_choice: int | None = None) -> dict[str, Any]:
+    from dataclasses import replace
+
+    from zero_core import ZeroEngine
+
+    torch.manual_seed(0)
+    model = TinyTransformer(blocks=4)
+    config = replace(config_for(3), prefetch=prefetch, prefetch_cap_mb=cap_mb)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    if forced_choice is not None:  # as if this rank had measured other times
+        engine.auto_prefetch.local_choice = lambda: forced_choice
+    rank = torch.distributed.get_rank()
+    losses, peaks, depths = [], [], []
+    for step in range(STEPS):
+        engine.reset_peak_live_units()
+        ids = batch(step, rank)
+        loss = lm_loss(model(ids), ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        peaks.append(engine.peak_live_units)
+        depths.append(engine.runtime.prefetch)
+    return {"losses": losses, "final": engine.full_state_dict(), "peaks": peaks, "depths": depths,
+            "report": engine.prefetch_report()}
+
+
+def _runs(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "fixed": _train(1),
+        "auto": _train("auto"),
+        "capped": _train("auto", cap_mb=1e-6),
+        "disagreeing": _train("auto", forced_choice=1 + 2 * rank),  # rank 0 wants 1, rank 1 wants 3
+    }
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[dict[str, Any]]:
+    return run_distributed(run_each, 2, {"runs": _runs})
+
+
+def test_auto_prefetch_trains_exactly_like_a_fixed_depth(grid: list) -> None:
+    for results in by_rank(grid, "runs"):
+        fixed, auto = results["fixed"], results["auto"]
+        assert auto["losses"] == fixed["losses"]
+        assert all(torch.equal(auto["final"][k], fixed["final"][k]) for k in fixed["final"])
+
+
+def test_the_depth_is_measured_then_chosen_alike_on_every_rank(grid: list) -> None:
+    reports = [results["auto"]["report"] for results in by_rank(grid, "runs")]
+    for results, report in zip(by_rank(grid, "runs"), reports):
+        assert report.state is PrefetchTuning.CHOSEN
+        assert report.gathers > 0 and report.gather_seconds > 0 and report.compute_seconds > 0
+        assert 0 <= report.depth <= report.cap_units == 4  # 5 units: at most the other 4 ahead
+        # Off while warming up and measuring (root + the running block), then the chosen depth.
+        depths = results["auto"]["depths"]
+        assert depths[: 1 + MEASURED_STEPS] == [0] * MEASURED_STEPS + [report.depth]
+        assert all(depth == report.depth for depth in depths[MEASURED_STEPS:])
+        assert max(results["auto"]["peaks"][: 1 + MEASURED_STEPS]) <= 2
+        assert max(results["auto"]["peaks"]) <= 2 + report.depth
+    assert len({report.depth for report in reports}) == 1
+
+
+def test_ranks_that_measured_differently_take_the_largest_depth(grid: list) -> None:
+    for results in by_rank(grid, "runs"):
+        assert results["disagreeing"]["report"].depth == 3
+        assert results["disagreeing"]["losses"] == results["fixed"]["losses"]
+
+
+def test_the_memory_cap_bounds_the_depth(grid: list) -> None:
+    for results in by_rank(grid, "runs"):
+        report = results["capped"]["report"]
+        assert report.cap_units == 0 and report.depth == 0
+        assert max(results["capped"]["peaks"]) <= 2
+
+
+def test_the_depth_hides_the_measured_gather() -> None:
+    """k* = ceil(T_gather / T_compute), at most the cap; no gather time: no prefetch."""
+    comm = CommContext.create(None, torch.device("cpu"))
+    for gather, forward, cap_bytes, expected in [(0.3, 0.4, 10**9, 3), (0.3, 0.5, 10**9, 2), (0.0, 1.0, 10**9, 0),
+                                                  (0.9, 1.0, 10**9, 4), (0.3, 0.4, 250, 2)]:
+        tuner = AutoPrefetch([100, 100, 100, 100, 100], cap_bytes)
+        for _ in range(MEASURED_STEPS):  # the warm-up step, then all measured steps but the last
+            assert tuner.on_optimizer_step(comm) is None
+            tuner._forward_time, tuner._gather_time = forward, gather  # as measured
+        assert tuner.on_optimizer_step(comm) == expected, (gather, forward, cap_bytes)
+        if gather and forward > gather:
+            assert expected == min(tuner.cap_units, math.ceil(gather / (forward - gather)))
+
+
+def test_bad_prefetch_values_are_refused() -> None:
+    for value in ("fast", -1, 1.5, True):
+        with pytest.raises(ValueError, match="prefetch"):
+            ZeroConfig(prefetch=value)
+    with pytest.raises(ValueError, match="prefetch_cap_mb"):
+        ZeroConfig(prefetch="auto", prefetch_cap_mb=0)

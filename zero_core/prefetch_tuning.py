@@ -1,0 +1,117 @@
+"""``ZeroConfig(prefetch="auto")``: the stage-3 prefetch depth chosen from measured times.
+
+The first optimizer step warms up (first-time allocations distort its
+times). During the next ``MEASURED_STEPS`` steps prefetch is off, so every
+unit's all-gather is exposed: each forward's wall time splits into time
+spent waiting for gathers and time spent computing. The depth that hides a
+gather behind the compute of the units ahead is
+
+    k* = ceil(T_gather / T_compute)   (per unit, so the totals' ratio)
+
+capped so that the units gathered ahead fit in ``prefetch_cap_mb`` (and
+never more than the other units). Prefetch depth changes only when gathers
+are issued, never their values or order across ranks, but every rank must
+issue them alike: the depth is agreed (the largest any rank measured) in one
+small all-reduce at the optimizer step that ends the measurement, which
+every rank reaches together (the step agreement just compared step counts).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+from .collectives import CommContext
+
+MEASURED_STEPS = 2
+
+
+class PrefetchTuning(Enum):
+    WARMING_UP = auto()  # the first optimizer step: prefetch off, nothing timed
+    MEASURING = auto()  # prefetch off, gathers and forwards timed
+    CHOSEN = auto()  # the agreed depth is in use
+
+
+@dataclass(frozen=True)
+class PrefetchReport:
+    """What ``prefetch="auto"`` measured (this rank) and chose (every rank alike)."""
+
+    state: PrefetchTuning
+    depth: int | None  # None until chosen
+    gather_seconds: float  # mean exposed all-gather time per unit, with prefetch off
+    compute_seconds: float  # mean forward compute time per unit (the forward minus its gathers)
+    gathers: int  # unit gathers measured
+    cap_units: int  # the most units the memory cap allows ahead
+
+
+class AutoPrefetch:
+    def __init__(self, unit_bytes: list[int], cap_bytes: int):
+        largest = max(unit_bytes, default=0)
+        by_memory = cap_bytes // largest if largest else 0
+        self.cap_units = max(0, min(len(unit_bytes) - 1, by_memory))
+        self.state = PrefetchTuning.WARMING_UP
+        self.depth: int | None = None
+        self._steps_seen = 0
+        self._gather_time = 0.0
+        self._forward_time = 0.0
+        self._gathers = 0
+        self._forward_started: float | None = None
+
+    @property
+    def measuring(self) -> bool:
+        return self.state is PrefetchTuning.MEASURING
+
+    def current_depth(self) -> int:
+        return self.depth if self.state is PrefetchTuning.CHOSEN else 0
+
+    # ---------------------------------------------------------- measuring
+    def forward_started(self) -> None:
+        if self.measuring:
+            self._forward_started = time.perf_counter()
+
+    def forward_ended(self) -> None:
+        if self.measuring and self._forward_started is not None:
+            self._forward_time += time.perf_counter() - self._forward_started
+        self._forward_started = None
+
+    def gather_timed(self, seconds: float) -> None:
+        """One unit's exposed gather inside a timed forward."""
+        if self.measuring and self._forward_started is not None:
+            self._gather_time += seconds
+            self._gathers += 1
+
+    # ----------------------------------------------------------- choosing
+    def local_choice(self) -> int:
+        compute = self._forward_time - self._gather_time
+        if self._gather_time <= 0.0:
+            return 0
+        if compute <= 0.0:
+            return self.cap_units
+        return min(self.cap_units, math.ceil(self._gather_time / compute))
+
+    def on_optimizer_step(self, comm: CommContext) -> int | None:
+        """Called at every optimizer step by every rank together; the agreed depth once chosen."""
+        self._steps_seen += 1
+        if self.state is PrefetchTuning.WARMING_UP:
+            self.state = PrefetchTuning.MEASURING
+            return None
+        if self.state is PrefetchTuning.MEASURING and self._steps_seen > MEASURED_STEPS:
+            agreed = torch.tensor([float(self.local_choice())], dtype=torch.float64, device=comm.device)
+            collectives.all_reduce(comm, agreed, dist.ReduceOp.MAX, label="the prefetch depth").wait()
+            self.depth = int(agreed.item())
+            self.state = PrefetchTuning.CHOSEN
+            return self.depth
+        return None
+
+    def report(self) -> PrefetchReport:
+        gathers = max(self._gathers, 1)
+        compute = max(self._forward_time - self._gather_time, 0.0)
+        return PrefetchReport(
+            self.state, self.depth, self._gather_time / gathers, compute / gathers, self._gathers, self.cap_units
+        )
