@@ -27,6 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contestants import STAGE_OF, Unavailable, build  # noqa: E402
+from profile_breakdown import profile_step  # noqa: E402
 from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
 
 SIZES = {
@@ -121,6 +122,9 @@ def main() -> None:
     elif contestant.comm_counter:
         traffic = {"all_reduce": {"calls": contestant.comm_counter["all_reduce_calls"], "bytes": contestant.comm_counter["all_reduce_bytes"]}}
 
+    # One more step under the torch profiler (after the timed ones: its overhead must not count).
+    dist.barrier()
+    profiled = profile_step(contestant.phases(synthetic_batch(config, batch_size, 998, rank).to(device), []))
     contestant.backward_only(synthetic_batch(config, batch_size, 999, rank).to(device))  # gradients alive: the steady-state peak
     state_bytes = gather_ints(live_tensor_bytes() - baseline)
     breakdown = vars(contestant.engine.memory_report()) if contestant.engine is not None else None
@@ -129,7 +133,7 @@ def main() -> None:
     result.update(
         median_step_s=statistics.median(times), step_times_s=times,
         phase_median_s={name: statistics.median(t[i] for t in phase_times) for i, name in enumerate(PHASES)}, first_loss=losses[0], last_loss=losses[-1],
-        model_state_bytes=state_bytes, breakdown=breakdown, peak_rss_bytes=peak_rss, traffic=traffic,
+        model_state_bytes=state_bytes, breakdown=breakdown, peak_rss_bytes=peak_rss, traffic=traffic, profile=profiled,
     )
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))

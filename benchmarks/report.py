@@ -76,6 +76,32 @@ def _phase_table(records: list[dict], size: str) -> list[str]:
     return lines
 
 
+def _profile_table(records: list[dict], size: str) -> list[str]:
+    """The torch profiler's breakdown of one extra step (rank 0), as shares applied to the median step."""
+    from profile_breakdown import CATEGORIES
+
+    rows = [r for r in _ok(records, size, 2) if "profile" in r]
+    if not rows:
+        return [f"(no profiles for the {size} model)"]
+    lines = [
+        "One extra step per contestant under the torch profiler (rank 0). Each event's self time goes to one "
+        "category: compute (aten ops), copies (`copy_`, `cat`, `to`, `clone`), communication (issuing and waiting "
+        "for collectives: ours `zero::*` and `zero::wait`, FSDP2's `FSDP::all_gather`/`post_backward_reduce`, "
+        "`c10d` ops), hooks (the frameworks' named hook ranges, `zero::pre_forward`, `FSDP::pre_forward`, ...), "
+        "and other (what no event covers: Python, and waits inside C++ such as DDP's all-reduce at the end of "
+        "backward). The profiler slows each op, so the table applies the profiled shares to the unprofiled median step.",
+        "",
+        "| contestant | step (s) | " + " | ".join(f"{c} (s)" for c in CATEGORIES) + " | largest self times |",
+        "|---|---|" + "---|" * len(CATEGORIES) + "---|",
+    ]
+    for r in rows:
+        shares, step = r["profile"]["shares"], r["median_step_s"]
+        top = ", ".join(f"`{name}` {seconds:.2f}" for name, seconds in r["profile"]["top_self"][:4])
+        lines.append(f"| {r['contestant']} | {step:.3f} | " + " | ".join(f"{shares[c] * step:.3f}" for c in CATEGORIES)
+                     + f" | {top} |")
+    return lines
+
+
 def _traffic_table(records: list[dict], size: str) -> list[str]:
     lines = [
         "| contestant | collective | calls / step | MiB / step | / parameter bytes | formula |",
@@ -231,6 +257,7 @@ def write_report(source: Path, target: Path, plot_dir: Path) -> None:
         note = [f"Run on its own on {rerun['date']} (torch {rerun['versions']['torch']}); ratios compare rows of this table.", ""] if rerun else []
         lines += ["", f"## Step time, memory and losses: {size} model", "", *note, *_speed_table(records, size)]
     lines += ["", f"## Where the step goes: {main_size} model", "", *_phase_table(records, main_size)]
+    lines += ["", f"## Profile of a step: {main_size} model", "", *_profile_table(records, main_size)]
     lines += ["", f"## Communication per step: {main_size} model", "", *_traffic_table(records, main_size)]
     lines += ["", "## Largest trainable model", "", *_largest_model(records, main_size), *_largest_search(data.get("largest", []))]
     lines += ["", "## Scaling (small model; 4 processes oversubscribe the 2 cores)", "", *_scaling(records)]

@@ -101,7 +101,7 @@ def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path
     [
         ("stages: 3\n", "unknown key(s) ['stages']"),
         ("stage: 4\n", "ZeroConfig.stage=4 is invalid"),
-        ("prefetch: -2\n", "prefetch must be an integer >= 0"),
+        ("prefetch: -2\n", "use an integer >= 0 (0 turns prefetch off)"),
         ("- 3\n", "expected a mapping of ZeRO settings"),
     ],
 )

@@ -128,7 +128,14 @@ def _refusals(rank: int, world_size: int) -> dict[str, Any]:
         model = TinyTransformer()
         ZeroEngine(model, make_optimizer("sgd", model), config_for(3, shard_group_size=group))
 
+    pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 shard over it
+
+    def build_on_pair() -> None:
+        model = TinyTransformer()
+        ZeroEngine(model, make_optimizer("sgd", model), config_for(3, shard_group_size=1), process_group=pair)
+
     return {
+        "subgroup": refusal(build_on_pair, ValueError) if rank < 2 else "not built",
         "not_dividing": refusal(lambda: build(3), ValueError),
         "ranks_disagree": refusal(lambda: build(GROUP if rank < 2 else None), ValueError),
         "config": refusal(lambda: ZeroConfig(shard_group_size=0), ValueError),
@@ -206,3 +213,4 @@ def test_bad_shard_group_sizes_are_refused_alike_on_every_rank(grid: list) -> No
     assert "shard_group_size=3 must divide the number of ranks (4)" in results[0]["not_dividing"]
     assert "config.shard_group_size" in results[0]["ranks_disagree"]
     assert "shard_group_size=0 is invalid" in results[0]["config"]
+    assert results[0]["subgroup"] == results[1]["subgroup"] and "without process_group=" in results[0]["subgroup"]

@@ -138,6 +138,11 @@ class CollectiveLabel(NamedTuple):
         return f"{self.kind.value} of {self.what} (rank {rank}, {phase}, optimizer step {step})"
 
 
+# (the world's process group, shard group size) -> (this rank's shard group, its replicate group).
+# Keyed by the world group object itself: a world destroyed and initialised again is another key.
+_SUBGROUPS: dict[tuple[object, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
 @dataclass
 class CommContext:
     """Where collectives run: the group, this rank's place in it, the stream.
@@ -182,8 +187,7 @@ class CommContext:
     def split(self, shard_group_size: int) -> None:
         """Hybrid sharding: shard inside groups of ``shard_group_size`` consecutive ranks
         (a node, as torchrun numbers ranks), replicate across them. Every rank calls it
-        with the same size (the setup agreement compared it); each creates every
-        subgroup, in the same order, as ``torch.distributed.new_group`` requires."""
+        with the same size (the setup agreement compared it)."""
         size = shard_group_size
         if size == self.world_size:
             return
@@ -192,20 +196,24 @@ class CommContext:
                 f"ZeroConfig.shard_group_size={size} must divide the number of ranks ({self.world_size}): "
                 "use the number of devices per node, or leave it unset to shard across every rank."
             )
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.world_size))
-        me = ranks[self.rank]
-        backend = dist.get_backend(self.group)
-        for first in range(0, self.world_size, size):
-            members = ranks[first : first + size]
-            created = dist.new_group(members, backend=backend)
-            if me in members:
-                self.shard_group, self.shard_rank = created, members.index(me)
-        for offset in range(size):
-            members = ranks[offset::size]
-            created = dist.new_group(members, backend=backend)
-            if me in members:
-                self.replicate_group = created
-        self.shard_size, self.replicas = size, self.world_size // size
+        if self.world_size != dist.get_world_size():
+            # new_group needs every rank of the world, and ranks outside this group never get here.
+            raise ValueError(
+                "ZeroConfig.shard_group_size needs the engine to span every rank: build it without "
+                "process_group= (hybrid sharding makes its own groups inside the world)."
+            )
+        key = (dist.group.WORLD, size)
+        if key not in _SUBGROUPS:
+            # Every rank creates every subgroup, in the same order, as new_group requires; engines
+            # built again with the same size reuse them (groups are never freed before the world).
+            backend = dist.get_backend()
+            shard_groups = [dist.new_group(list(range(first, first + size)), backend=backend)
+                            for first in range(0, self.world_size, size)]
+            replicate_groups = [dist.new_group(list(range(offset, self.world_size, size)), backend=backend)
+                                for offset in range(size)]
+            _SUBGROUPS[key] = (shard_groups[self.rank // size], replicate_groups[self.rank % size])
+        self.shard_group, self.replicate_group = _SUBGROUPS[key]
+        self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
 
     def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
         """The process group and its size that ``span`` names, from this rank."""
@@ -246,7 +254,8 @@ class Handle:
         if self._work is not None:
             work, self._work = self._work, None
             try:
-                work.wait()
+                with record_function("zero::wait"):  # exposed communication, in profiler traces
+                    work.wait()
             except (RuntimeError, dist.DistError) as error:
                 what = self._label.describe(self._rank) if self._label else "a collective"
                 raise CollectiveFailed(
