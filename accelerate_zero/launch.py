@@ -1,7 +1,7 @@
 """``accelerate-zero launch``: ``accelerate launch`` with ZeRO settings.
 
     accelerate-zero launch [--zero_config_file zero.yaml] [--zero_sharding_stage N]
-        [--zero_prefetch N] [--zero_bucket_size_mb MB] [--zero_wrap_classes A,B]
+        [--zero_prefetch N|auto] [--zero_prefetch_cap_mb MB] [--zero_bucket_size_mb MB] [--zero_wrap_classes A,B]
         [--zero_broadcast_buffers B] [--zero_overlap_param_refresh B] [--zero_shard_group_size N]
         [--zero_persistence_threshold N]
         <every accelerate launch argument> script.py [script args]
@@ -25,6 +25,7 @@ from .plugin import ENV_PREFIX, ZeroPlugin, parse_bool, parse_prefetch, read_yam
 _FLAGS = {
     "--zero_sharding_stage": ("stage", int),
     "--zero_prefetch": ("prefetch", parse_prefetch),
+    "--zero_prefetch_cap_mb": ("prefetch_cap_mb", float),
     "--zero_bucket_size_mb": ("bucket_size_mb", float),
     "--zero_wrap_classes": ("wrap_classes", str),
     "--zero_broadcast_buffers": ("broadcast_buffers", parse_bool),

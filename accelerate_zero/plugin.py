@@ -53,7 +53,7 @@ def parse_prefetch(value: str) -> int | str:
 
 
 _PARSERS = {
-    "stage": int, "bucket_size_mb": float, "prefetch": parse_prefetch, "broadcast_buffers": parse_bool, "wrap_classes": _parse_classes,
+    "stage": int, "bucket_size_mb": float, "prefetch": parse_prefetch, "prefetch_cap_mb": float, "broadcast_buffers": parse_bool, "wrap_classes": _parse_classes,
     "overlap_param_refresh": parse_bool, "shard_group_size": _parse_optional_int, "persistence_threshold": int,
 }
 
@@ -62,7 +62,7 @@ _PARSERS = {
 class ZeroPlugin:
     """stage: 1, 2 or 3. wrap_classes: names of the module classes that become
     units (transformer blocks), e.g. ``("GPTBlock",)``; default: by size.
-    bucket_size_mb, prefetch (a depth, or "auto"), broadcast_buffers, overlap_param_refresh,
+    bucket_size_mb, prefetch (a depth, or "auto"), prefetch_cap_mb, broadcast_buffers, overlap_param_refresh,
     persistence_threshold: as in ``zero_core.ZeroConfig``.
     shard_group_size: hybrid sharding: shard inside groups of this many processes (usually
     the processes per machine, with ``--num_machines``) and replicate across them;
@@ -71,6 +71,7 @@ class ZeroPlugin:
     stage: int | None = None
     bucket_size_mb: float | None = None
     prefetch: int | str | None = None
+    prefetch_cap_mb: float | None = None
     broadcast_buffers: bool | None = None
     wrap_classes: tuple[str, ...] | None = None
     overlap_param_refresh: bool | None = None
@@ -120,6 +121,7 @@ class ZeroPlugin:
             stage=self.stage,
             bucket_size_mb=self.bucket_size_mb,
             prefetch=self.prefetch,
+            prefetch_cap_mb=self.prefetch_cap_mb,
             broadcast_buffers=self.broadcast_buffers,
             overlap_param_refresh=self.overlap_param_refresh,
             shard_group_size=self.shard_group_size,

@@ -66,6 +66,7 @@ class ZeroFabricStrategy(DDPStrategy):
         wrap_policy: WrapPolicyLike = None,
         bucket_size_mb: float = 25.0,
         prefetch: int | str = 1,
+        prefetch_cap_mb: float = 256.0,
         broadcast_buffers: bool = True,
         overlap_param_refresh: bool = False,
         shard_group_size: int | None = None,
@@ -80,8 +81,8 @@ class ZeroFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.zero_config = zero_settings(
-            stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers, overlap_param_refresh, shard_group_size,
-            persistence_threshold,
+            stage, wrap_policy, bucket_size_mb, prefetch, prefetch_cap_mb, broadcast_buffers, overlap_param_refresh,
+            shard_group_size, persistence_threshold,
         )
         super().__init__(
             accelerator=accelerator,

@@ -50,7 +50,7 @@ class ZeroStrategy(DDPStrategy):
         stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
         wrap_policy: which submodules become units: a block class, a tuple of
             classes, or a ``zero_core.WrapPolicy`` (default: by size).
-        bucket_size_mb, prefetch (a depth, or "auto"), broadcast_buffers,
+        bucket_size_mb, prefetch (a depth, or "auto"), prefetch_cap_mb, broadcast_buffers,
             overlap_param_refresh, persistence_threshold: as in ``zero_core.ZeroConfig``.
         shard_group_size: hybrid sharding: shard inside groups of this many
             ranks (usually ``devices``, one group per node) and replicate
@@ -68,6 +68,7 @@ class ZeroStrategy(DDPStrategy):
         wrap_policy: WrapPolicyLike = None,
         bucket_size_mb: float = 25.0,
         prefetch: int | str = 1,
+        prefetch_cap_mb: float = 256.0,
         broadcast_buffers: bool = True,
         overlap_param_refresh: bool = False,
         shard_group_size: int | None = None,
@@ -83,8 +84,8 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         # Validate now, before Lightning launches any process.
         self.zero_config = zero_settings(
-            stage, wrap_policy, bucket_size_mb, prefetch, broadcast_buffers, overlap_param_refresh, shard_group_size,
-            persistence_threshold,
+            stage, wrap_policy, bucket_size_mb, prefetch, prefetch_cap_mb, broadcast_buffers, overlap_param_refresh,
+            shard_group_size, persistence_threshold,
         )
         super().__init__(
             accelerator=accelerator,

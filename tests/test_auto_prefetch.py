@@ -6,6 +6,7 @@ same as with a fixed depth."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -22,7 +23,17 @@ from .workers import config_for
 STEPS = 6
 
 
-def _train(prefetch: int | str, cap_mb: float = 256.0, forced_choice: int | None = None) -> dict[str, Any]:
+class _Raised(Exception):
+    pass
+
+
+def _raise(*_: Any) -> None:
+    raise _Raised("a forward that fails midway")
+
+
+def _train(
+    prefetch: int | str, cap_mb: float = 256.0, forced_choice: int | None = None, raise_at: int | None = None
+) -> dict[str, Any]:
     from dataclasses import replace
 
     from zero_core import ZeroEngine
@@ -37,6 +48,13 @@ def _train(prefetch: int | str, cap_mb: float = 256.0, forced_choice: int | None
     losses, peaks, depths = [], [], []
     for step in range(STEPS):
         engine.reset_peak_live_units()
+        if step == raise_at:  # a forward that raises midway, caught on every rank: the batch is skipped
+            handle = model.blocks[2].register_forward_hook(_raise)
+            try:
+                model(batch(step, rank))
+            except _Raised:
+                pass
+            handle.remove()
         ids = batch(step, rank)
         loss = lm_loss(model(ids), ids)
         engine.backward(loss)
@@ -54,6 +72,7 @@ def _runs(rank: int, world_size: int) -> dict[str, Any]:
         "auto": _train("auto"),
         "capped": _train("auto", cap_mb=1e-6),
         "disagreeing": _train("auto", forced_choice=1 + 2 * rank),  # rank 0 wants 1, rank 1 wants 3
+        "raising": _train("auto", raise_at=1),  # while measuring
     }
 
 
@@ -90,6 +109,14 @@ def test_ranks_that_measured_differently_take_the_largest_depth(grid: list) -> N
         assert results["disagreeing"]["losses"] == results["fixed"]["losses"]
 
 
+def test_a_forward_that_raises_while_measuring_counts_for_nothing(grid: list) -> None:
+    for results in by_rank(grid, "runs"):
+        clean, raising = results["auto"]["report"], results["raising"]["report"]
+        assert raising.gathers == clean.gathers  # the failed forward's gathers are not counted
+        assert raising.state is PrefetchTuning.CHOSEN
+        assert results["raising"]["losses"] == results["fixed"]["losses"]
+
+
 def test_the_memory_cap_bounds_the_depth(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         report = results["capped"]["report"]
@@ -111,9 +138,31 @@ def test_the_depth_hides_the_measured_gather() -> None:
             assert expected == min(tuner.cap_units, math.ceil(gather / (forward - gather)))
 
 
+def test_only_forwards_that_complete_are_timed() -> None:
+    comm = CommContext.create(None, torch.device("cpu"))
+    tuner = AutoPrefetch([100] * 5, float("inf"))
+    assert tuner.cap_units == 4  # no cap: every other unit
+    tuner.forward_started()
+    tuner.wait_timed(lambda: time.sleep(0.01))  # warming up: not timed
+    tuner.forward_ended()
+    tuner.on_optimizer_step(comm)
+    tuner.forward_started()
+    tuner.wait_timed(lambda: time.sleep(0.01))
+    tuner.forward_abandoned()  # raised
+    tuner.wait_timed(lambda: time.sleep(0.01))  # a backward's gather, outside any forward
+    assert tuner.report().gathers == 0
+    tuner.forward_started()
+    tuner.wait_timed(lambda: time.sleep(0.01))
+    time.sleep(0.005)
+    tuner.forward_ended()
+    report = tuner.report()
+    assert report.gathers == 1 and report.gather_seconds >= 0.01 and report.compute_seconds >= 0.005
+
+
 def test_bad_prefetch_values_are_refused() -> None:
     for value in ("fast", -1, 1.5, True):
         with pytest.raises(ValueError, match="prefetch"):
             ZeroConfig(prefetch=value)
-    with pytest.raises(ValueError, match="prefetch_cap_mb"):
-        ZeroConfig(prefetch="auto", prefetch_cap_mb=0)
+    for cap in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="prefetch_cap_mb"):
+            ZeroConfig(prefetch="auto", prefetch_cap_mb=cap)

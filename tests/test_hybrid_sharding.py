@@ -88,13 +88,23 @@ def _accounting(rank: int, world_size: int) -> list[dict[str, Any]]:
         with SentCollectives(GROUP) as sent:
             run.train_step(1)
         run.backward(2)
-        results.append({
+        result = {
             "sent": sent.bytes,
             "reported": {span: count.bytes for span, count in run.engine.last_step_traffic_by_span.items()},
             "report": run.engine.memory_report(),
             **run.sizes(),
             "shard_group_size": run.engine.shard_group_size,
-        })
+        }
+        run.engine.zero_grad()
+        # Three micro-batches under no_sync, then a synchronising one: the groups still exchange
+        # the gradient shards once per step (stages 2/3 reduce inside the group every micro-batch).
+        with SentCollectives(GROUP) as accumulated:
+            for micro in range(3):
+                with run.engine.no_sync():
+                    run.backward(3 + micro)
+            run.train_step(6)
+        result["accumulated_sent"] = accumulated.bytes
+        results.append(result)
         run.engine.unshard()
     return results
 
@@ -179,6 +189,11 @@ def test_bytes_per_link_class_match_the_formulas(grid: list, stage: int) -> None
         assert sent["ACROSS_GROUPS"] == padded // GROUP * 4
         assert 0 < sent["WORLD"] < 0.01 * sent["SHARD_GROUP"], "only agreements and buffers cross every link"
         assert sent == reported, f"rank {rank}: the traffic report differs from what was sent"
+        accumulated = result["accumulated_sent"]
+        assert accumulated["ACROSS_GROUPS"] == padded // GROUP * 4, "gradient shards cross groups once per step"
+        reduces = 1 if stage == 1 else 4  # stage 1 skips communication under no_sync
+        gathers = 4 * 2 if stage == 3 else 1  # stage 3: forward and backward of each micro-batch; else after the step
+        assert accumulated["SHARD_GROUP"] == (reduces + gathers) * padded * 4
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))

@@ -13,6 +13,10 @@ from typing import Any
 
 import pytest
 
+import torch
+
+from zero_core import MixedPrecision
+
 from .distributed import by_rank, run_distributed, run_each
 from .workers import GptRun, relative_difference, train_against_ddp
 
@@ -54,6 +58,16 @@ def _accounting(rank: int, world_size: int, directory: str) -> dict[str, Any]:
         "resting": resting,
         "report": report,
     }
+    # model.state_dict() exports every unit alike: fp32 CPU snapshots of the master values,
+    # also under bf16 compute, where the persistent units' own parameters are bf16.
+    bf16 = GptRun(3, persistence_threshold=GPT_THRESHOLD, mixed_precision=MixedPrecision(compute_dtype=torch.bfloat16))
+    bf16.train_step(0)
+    exported = bf16.model.state_dict()
+    full = bf16.engine.full_state_dict()
+    result["state_dict_kinds"] = sorted({(str(v.dtype), v.device.type) for v in exported.values() if v.is_floating_point()})
+    result["state_dict_equal"] = exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
+    bf16.train_step(1)
+    result["state_dict_kept"] = all(torch.equal(exported[k], full[k]) for k in full)  # a snapshot, not live views
     # Which units persist is no part of a checkpoint: saved with, loaded without, and back.
     engine.save_checkpoint(Path(directory) / "persistent")
     state = engine.full_state_dict()
@@ -106,6 +120,12 @@ def test_memory_holds_the_small_units_in_full(grid: list) -> None:
         resting = result["resting"]
         assert all(nbytes > 0 for name, nbytes in resting.items() if name.startswith(("embed", "position", "ln_final"))), resting
         assert all(nbytes == 0 for name, nbytes in resting.items() if name.startswith("blocks."))
+
+
+def test_state_dict_exports_persistent_units_like_sharded_ones(grid: list) -> None:
+    for result in by_rank(grid, "accounting"):
+        assert result["state_dict_kinds"] == [("torch.float32", "cpu")]
+        assert result["state_dict_equal"] and result["state_dict_kept"]
 
 
 def test_checkpoints_do_not_depend_on_which_units_persist(grid: list) -> None:

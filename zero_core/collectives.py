@@ -23,6 +23,7 @@ broadcasts and checkpoints span every rank.
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -138,9 +139,20 @@ class CollectiveLabel(NamedTuple):
         return f"{self.kind.value} of {self.what} (rank {rank}, {phase}, optimizer step {step})"
 
 
-# (the world's process group, shard group size) -> (this rank's shard group, its replicate group).
-# Keyed by the world group object itself: a world destroyed and initialised again is another key.
-_SUBGROUPS: dict[tuple[object, int], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# (the world's process group, shard group size, timeout) -> (this rank's shard group, its replicate
+# group). Keyed by the world group object itself: a world destroyed and initialised again is another key.
+_SUBGROUPS: dict[tuple[object, int, object], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _world_timeout(device: torch.device) -> datetime.timedelta | None:
+    """The timeout the world was initialised with (``init_process_group(timeout=...)``, Lightning's
+    and Accelerate's timeout settings), for hybrid sharding's subgroups: ``new_group`` would give
+    them the backend's default instead (30 minutes on gloo), so a rank that stopped would be
+    waited for that long. torch has no public getter; None (the default) if this one moved."""
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
 
 
 @dataclass
@@ -202,15 +214,17 @@ class CommContext:
                 "ZeroConfig.shard_group_size needs the engine to span every rank: build it without "
                 "process_group= (hybrid sharding makes its own groups inside the world)."
             )
-        key = (dist.group.WORLD, size)
+        world = dist.group.WORLD
+        for stale in [key for key in _SUBGROUPS if key[0] is not world]:
+            del _SUBGROUPS[stale]  # of a world destroyed since: its groups are gone with it
+        timeout = _world_timeout(self.device)
+        key = (world, size, timeout)
         if key not in _SUBGROUPS:
             # Every rank creates every subgroup, in the same order, as new_group requires; engines
             # built again with the same size reuse them (groups are never freed before the world).
-            backend = dist.get_backend()
-            shard_groups = [dist.new_group(list(range(first, first + size)), backend=backend)
-                            for first in range(0, self.world_size, size)]
-            replicate_groups = [dist.new_group(list(range(offset, self.world_size, size)), backend=backend)
-                                for offset in range(size)]
+            create = lambda ranks: dist.new_group(ranks, backend=dist.get_backend(), timeout=timeout)  # noqa: E731
+            shard_groups = [create(list(range(first, first + size))) for first in range(0, self.world_size, size)]
+            replicate_groups = [create(list(range(offset, self.world_size, size))) for offset in range(size)]
             _SUBGROUPS[key] = (shard_groups[self.rank // size], replicate_groups[self.rank % size])
         self.shard_group, self.replicate_group = _SUBGROUPS[key]
         self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size

@@ -164,8 +164,10 @@ class ZeroConfig:
                 f"ZeroConfig.prefetch={self.prefetch!r} is invalid: use an integer >= 0 (0 turns prefetch off) "
                 "or \"auto\" (chosen from measured times)."
             )
-        if not self.prefetch_cap_mb > 0:
-            raise ValueError("ZeroConfig.prefetch_cap_mb must be > 0 (the default is 256).")
+        if not 0 < self.prefetch_cap_mb <= float("inf") or isinstance(self.prefetch_cap_mb, bool):
+            raise ValueError(
+                "ZeroConfig.prefetch_cap_mb must be > 0 (the default is 256; float('inf') for no cap)."
+            )
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
         if not isinstance(self.wrap_policy, WrapPolicy):

@@ -161,7 +161,9 @@ class ZeroEngine(CheckpointMethods):
         if config.prefetch == "auto":
             sharded = [u for u in self.units if u.stage_plan.params_sharded_at_rest]
             unit_bytes = [u.layout.padded_numel * u.gathered_params.element_size() for u in sharded]
-            self.auto_prefetch = AutoPrefetch(unit_bytes, int(config.prefetch_cap_mb * 2**20))
+            on_cuda = self.comm.device.type == "cuda"
+            synchronize = (lambda: torch.cuda.synchronize(self.comm.device)) if on_cuda else (lambda: None)
+            self.auto_prefetch = AutoPrefetch(unit_bytes, config.prefetch_cap_mb * 2**20, synchronize)
         self.runtime = StepRuntime(self.units, config.plan, 0 if self.auto_prefetch else config.prefetch)
         self.runtime.auto_prefetch = self.auto_prefetch
         self.runtime.requires_scaled_backward = self.loss_scaler is not None
@@ -359,6 +361,13 @@ class ZeroEngine(CheckpointMethods):
         self.runtime.require_grad_sync = enabled
 
     # ----------------------------------------------------------- gradients
+    def _settle_gradients(self) -> None:
+        """Before the accumulated gradients are read or changed: clean up after a pass that raised,
+        and (hybrid sharding) all-reduce across groups what was reduced only inside each group
+        since the last synchronising backward. Every rank calls it at the same points."""
+        self.runtime.settle()
+        self.runtime.reduce_across_groups()
+
     def _unscale_grads_once(self) -> None:
         if self.loss_scaler is None or self._grads_unscaled:
             return
@@ -367,7 +376,7 @@ class ZeroEngine(CheckpointMethods):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
-        self.runtime.settle()
+        self._settle_gradients()
         self._unscale_grads_once()
         return grad_ops.clip_grad_norm(self.units, self.comm, max_norm, float(norm_type))
 
@@ -380,7 +389,7 @@ class ZeroEngine(CheckpointMethods):
         unscaled under fp16, without touching the gradients). ``param.grad``
         does not hold them (see the README): every rank must call this.
         """
-        self.runtime.settle()
+        self._settle_gradients()
         scaled = self.loss_scaler is not None and not self._grads_unscaled
         factor = 1.0 / self.loss_scaler.scale if scaled else 1.0
         norm_type = float(norm_type)
@@ -397,7 +406,7 @@ class ZeroEngine(CheckpointMethods):
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
-        self.runtime.settle()
+        self._settle_gradients()
         self._unscale_grads_once()
         grad_ops.clip_grad_value(self.units, clip_value)
 
@@ -427,6 +436,7 @@ class ZeroEngine(CheckpointMethods):
             )
         # A forward whose backward never ran (a skipped batch) ends here.
         self.runtime.settle(drop_pending_forward=True)
+        self.runtime.reduce_across_groups()  # micro-batches since the last synchronising backward, if any
         self._finish_refresh()  # a step with no forward since the last: its all-gathers still read the shards
         self._skip_refresh = False
         self._step_calls += 1
@@ -555,6 +565,7 @@ class ZeroEngine(CheckpointMethods):
         grads = counter.count(
             [u.full_grads for u in self.units]
             + [u.sharded_grads for u in self.units]
+            + [u.group_grads for u in self.units]
             + [p.grad for p in self.model.parameters()]
             + [m.param.grad for u in self.units for m in u.master_pieces]
         )

@@ -23,6 +23,11 @@ world size unless hybrid sharding splits the ranks into groups):
   (``discard_backward``). Without accumulation it simply becomes
   ``sharded_grads``; with accumulation it is one extra shard while a
   backward runs.
+- ``group_grads`` (S, reduce dtype; hybrid sharding only): gradients reduced
+  inside the shard group and not yet across groups. Micro-batches add to it;
+  the end of a synchronising backward (or the step) all-reduces it across
+  groups once and adds it to ``sharded_grads`` (``start_reduce_across_groups``),
+  so the slow link carries Ψ/k per optimizer step, not per micro-batch.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class FlatUnit:
         self.full_grads: torch.Tensor | None = None
         self.sharded_grads: torch.Tensor | None = None
         self.backward_shard: torch.Tensor | None = None
+        self.group_grads: torch.Tensor | None = None
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward: set[int] = set()
         self._flatten_parameters()
@@ -267,13 +273,12 @@ class FlatUnit:
 
     def finish_reduce(self, pending: PendingReduce) -> None:
         pending.handle.wait()
-        if self.comm.replicas > 1:
-            # Hybrid sharding: the shard group summed its ranks; the groups holding this shard sum theirs.
-            all_reduce(self.comm, pending.sharded_out, label=self.label, span=Span.ACROSS_GROUPS).wait()
         if self.precision.reduce_dtype == torch.float32:
             pending.sharded_out.div_(self.comm.world_size)
         if self.stage_plan.grads_sharded:
             self.backward_shard = pending.sharded_out
+        elif self.comm.replicas > 1:
+            self.group_grads = pending.sharded_out  # this rank's slice of full_grads, reduced in its group
         else:
             self.sharded_grads = pending.sharded_out  # this rank's slice of full_grads, reduced in place
             # The model's .grad views now mix this reduced slice with other ranks'
@@ -292,6 +297,7 @@ class FlatUnit:
         """
         if self.stage_plan.grads_sharded or self.sharded_grads is None:
             return
+        assert self.group_grads is None, "a synchronising backward reduces across groups before the next"
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
         self.full_grads[:lo].zero_()
         self.full_grads[hi:].zero_()
@@ -304,11 +310,28 @@ class FlatUnit:
             self.slot_has_grad[slot_index] = True
         self._filled_this_backward.clear()
         if self.backward_shard is not None:
-            if self.sharded_grads is None:
-                self.sharded_grads = self.backward_shard
+            # Hybrid sharding: reduced inside the group only, until the next reduce across groups.
+            into = "group_grads" if self.comm.replicas > 1 else "sharded_grads"
+            if getattr(self, into) is None:
+                setattr(self, into, self.backward_shard)
             else:
-                self.sharded_grads.add_(self.backward_shard)
+                getattr(self, into).add_(self.backward_shard)
             self.backward_shard = None
+
+    def start_reduce_across_groups(self) -> Handle | None:
+        """Hybrid sharding: all-reduce ``group_grads`` with the other groups' ranks holding this
+        shard; ``finish_reduce_across_groups`` adds the result to ``sharded_grads``."""
+        if self.group_grads is None:
+            return None
+        return all_reduce(self.comm, self.group_grads, label=self.label, span=Span.ACROSS_GROUPS)
+
+    def finish_reduce_across_groups(self, handle: Handle) -> None:
+        handle.wait()
+        reduced, self.group_grads = self.group_grads, None
+        if self.sharded_grads is None or self.sharded_grads is reduced:  # stage 1: the slice, reduced in place
+            self.sharded_grads = reduced
+        else:
+            self.sharded_grads.add_(reduced)
 
     def discard_backward(self) -> bool:
         """The backward raised: drop what it produced. True if earlier gradients went too.
@@ -332,6 +355,7 @@ class FlatUnit:
         """After the optimizer step: gradients are consumed."""
         self.sharded_grads = None
         self.backward_shard = None
+        self.group_grads = None
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward.clear()
         for piece in self.master_pieces:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -51,17 +52,29 @@ class PrefetchReport:
 
 
 class AutoPrefetch:
-    def __init__(self, unit_bytes: list[int], cap_bytes: int):
+    """``synchronize``: waits for the device's queued work (CUDA), called around each timed
+    span while measuring, so that times are of the work and not of queuing it."""
+
+    def __init__(self, unit_bytes: list[int], cap_bytes: float, synchronize: Callable[[], None] = lambda: None):
         largest = max(unit_bytes, default=0)
-        by_memory = cap_bytes // largest if largest else 0
+        if not largest:
+            by_memory = 0
+        else:
+            by_memory = len(unit_bytes) if math.isinf(cap_bytes) else int(cap_bytes // largest)
         self.cap_units = max(0, min(len(unit_bytes) - 1, by_memory))
         self.state = PrefetchTuning.WARMING_UP
         self.depth: int | None = None
+        self._synchronize = synchronize
         self._steps_seen = 0
+        # Totals over the forwards that completed while measuring.
         self._gather_time = 0.0
         self._forward_time = 0.0
         self._gathers = 0
+        # The running forward's, added to the totals only if it completes: a forward that
+        # raises (and is abandoned) must not count its gathers without its time.
         self._forward_started: float | None = None
+        self._running_gather_time = 0.0
+        self._running_gathers = 0
 
     @property
     def measuring(self) -> bool:
@@ -72,19 +85,35 @@ class AutoPrefetch:
 
     # ---------------------------------------------------------- measuring
     def forward_started(self) -> None:
+        self._running_gather_time, self._running_gathers = 0.0, 0
+        self._forward_started = None
         if self.measuring:
+            self._synchronize()
             self._forward_started = time.perf_counter()
 
     def forward_ended(self) -> None:
         if self.measuring and self._forward_started is not None:
+            self._synchronize()
             self._forward_time += time.perf_counter() - self._forward_started
+            self._gather_time += self._running_gather_time
+            self._gathers += self._running_gathers
         self._forward_started = None
 
-    def gather_timed(self, seconds: float) -> None:
-        """One unit's exposed gather inside a timed forward."""
-        if self.measuring and self._forward_started is not None:
-            self._gather_time += seconds
-            self._gathers += 1
+    def forward_abandoned(self) -> None:
+        """The forward raised: none of it counts."""
+        self._forward_started = None
+
+    def wait_timed(self, wait: Callable[[], None]) -> None:
+        """``wait()`` (a unit's gather, prefetch off) inside a forward; timed while measuring."""
+        if not (self.measuring and self._forward_started is not None):
+            wait()
+            return
+        self._synchronize()
+        started = time.perf_counter()
+        wait()
+        self._synchronize()
+        self._running_gather_time += time.perf_counter() - started
+        self._running_gathers += 1
 
     # ----------------------------------------------------------- choosing
     def local_choice(self) -> int:

@@ -31,7 +31,6 @@ reduce-scatters every trainable unit exactly once, in reverse unit order
 from __future__ import annotations
 
 import functools
-import time
 import warnings
 import zlib
 from collections import Counter
@@ -269,6 +268,8 @@ class StepRuntime:
             self._unhooked_tokens.clear()
         for unit in self.units:
             self._release(unit)
+        if self.auto_prefetch is not None:
+            self.auto_prefetch.forward_abandoned()
         self.order.forward.discard()
         self.order.backward.discard()
         self._active = []
@@ -535,6 +536,14 @@ class StepRuntime:
     def _reducing(self) -> bool:
         return self.require_grad_sync or self.plan.reduce_inside_no_sync
 
+    def reduce_across_groups(self) -> None:
+        """Hybrid sharding: each unit's gradients reduced only inside its shard group so far,
+        all-reduced across groups (all issued, then all waited for); nothing otherwise."""
+        pending = [(unit, unit.start_reduce_across_groups()) for unit in self.units]
+        for unit, handle in pending:
+            if handle is not None:
+                unit.finish_reduce_across_groups(handle)
+
     def _begin_backward(self) -> None:
         if self.state is TrainingState.BACKWARD:
             return
@@ -563,6 +572,8 @@ class StepRuntime:
         for unit in self.units:
             unit.commit_backward()
             self._release(unit)
+        if self.require_grad_sync:
+            self.reduce_across_groups()  # hybrid sharding: once per synchronising backward, not per micro-batch
         self.order.backward.end()
         self.backwards += 1
         self._reset_backward()
@@ -580,10 +591,8 @@ class StepRuntime:
         for other in self.units:
             if other.index not in wanted and other.state is not UnitState.SHARDED:
                 other.release()  # prefetched for an order that did not happen
-        if self.auto_prefetch is not None and self.auto_prefetch.measuring:
-            started = time.perf_counter()
-            unit.wait_gathered()
-            self.auto_prefetch.gather_timed(time.perf_counter() - started)
+        if self.auto_prefetch is not None and self.state is TrainingState.FORWARD:
+            self.auto_prefetch.wait_timed(unit.wait_gathered)
         else:
             unit.wait_gathered()
         for index in predicted:

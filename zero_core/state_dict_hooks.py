@@ -4,7 +4,9 @@
   master shards, one at a time, into full CPU tensors, which the parameters'
   ``detach()`` hands to torch's own ``state_dict`` (param_guard.py). Every
   rank must call it, as with ``engine.full_state_dict()``, whose values it
-  returns. Stages 1 and 2 hold full parameters and need nothing.
+  returns. Stages 1 and 2 hold full parameters and need nothing; stage-3
+  units kept gathered (``persistence_threshold``) export alike, their entries
+  replaced with the gathered fp32 values after torch saved them.
   ``keep_vars=True`` returns the parameter objects themselves.
 - ``load_state_dict()`` (every stage): each parameter's new full value goes
   into this rank's master and compute shards before torch copies it into
@@ -66,7 +68,16 @@ class StateDictHooks:
         self._exports[id(module)] = units
 
     def _after_state_dict(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-        for unit in self._exports.pop(id(module), []):
+        units = self._exports.pop(id(module), [])
+        # Units kept gathered (persistence_threshold) have no guard to hand out the exported
+        # values: torch saved their live compute-dtype parameters, which are replaced here.
+        kept_gathered = {id(p): u for u in units if not u.stage_plan.params_sharded_at_rest for p in u.params}
+        if kept_gathered:
+            for name, param in module.named_parameters(remove_duplicate=False):
+                unit = kept_gathered.get(id(param))
+                if unit is not None and prefix + name in state_dict:
+                    state_dict[prefix + name] = unit.guard.exported[unit.slot_of(param)]
+        for unit in units:
             unit.guard.exported = None
 
     def clear_exports(self) -> None:
