@@ -85,10 +85,14 @@ def run_distributed(
             results[rank] = pickle.loads(payload)
         else:
             failures[rank] = payload
+    # Teardown (destroy_process_group, interpreter exit) of several ranks on a loaded 2-core
+    # machine can take seconds; a rank still alive after a minute is hung and killed.
+    exit_deadline = time.monotonic() + 60
     for process in processes:
-        process.join(timeout=5)
+        process.join(timeout=max(0.1, exit_deadline - time.monotonic()))
         if process.is_alive():
             process.kill()
+            process.join(timeout=5)
     if failures:
         first = min(failures)
         raise RuntimeError(f"rank {first} of {world_size} failed:\n{failures[first]}")

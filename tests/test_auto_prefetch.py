@@ -14,7 +14,7 @@ import torch
 
 from zero_core import ZeroConfig
 from zero_core.collectives import CommContext
-from zero_core.prefetch_tuning import MEASURED_STEPS, AutoPrefetch, PrefetchTuning
+from zero_core.prefetch_tuning import MEASURED_STEPS, UNTUNED_DEPTH, AutoPrefetch, PrefetchTuning
 
 from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
@@ -66,8 +66,24 @@ def _train(
             "report": engine.prefetch_report()}
 
 
+def _inference(rank: int) -> dict[str, Any]:
+    """An engine that never steps (inference) keeps the default depth."""
+    from dataclasses import replace
+
+    from zero_core import ZeroEngine
+
+    torch.manual_seed(0)
+    model = TinyTransformer(blocks=4)
+    engine = ZeroEngine(model, None, replace(config_for(3), prefetch="auto"))
+    with torch.no_grad():
+        for step in range(3):
+            model(batch(step, rank))
+    return {"depth": engine.runtime.prefetch, "peak": engine.peak_live_units, "state": engine.prefetch_report().state}
+
+
 def _runs(rank: int, world_size: int) -> dict[str, Any]:
     return {
+        "inference": _inference(rank),
         "fixed": _train(1),
         "auto": _train("auto"),
         "capped": _train("auto", cap_mb=1e-6),
@@ -94,12 +110,13 @@ def test_the_depth_is_measured_then_chosen_alike_on_every_rank(grid: list) -> No
         assert report.state is PrefetchTuning.CHOSEN
         assert report.gathers > 0 and report.gather_seconds > 0 and report.compute_seconds > 0
         assert 0 <= report.depth <= report.cap_units == 4  # 5 units: at most the other 4 ahead
-        # Off while warming up and measuring (root + the running block), then the chosen depth.
-        depths = results["auto"]["depths"]
+        # The default depth for the first step, off while measuring (root + the running block),
+        # then the chosen depth (each recorded after its step: the depth the next step uses).
+        depths, peaks = results["auto"]["depths"], results["auto"]["peaks"]
         assert depths[: 1 + MEASURED_STEPS] == [0] * MEASURED_STEPS + [report.depth]
         assert all(depth == report.depth for depth in depths[MEASURED_STEPS:])
-        assert max(results["auto"]["peaks"][: 1 + MEASURED_STEPS]) <= 2
-        assert max(results["auto"]["peaks"]) <= 2 + report.depth
+        assert peaks[0] <= 2 + UNTUNED_DEPTH and max(peaks[1 : 1 + MEASURED_STEPS]) <= 2
+        assert max(peaks[1 + MEASURED_STEPS :]) <= 2 + report.depth
     assert len({report.depth for report in reports}) == 1
 
 
@@ -117,11 +134,18 @@ def test_a_forward_that_raises_while_measuring_counts_for_nothing(grid: list) ->
         assert results["raising"]["losses"] == results["fixed"]["losses"]
 
 
+def test_an_engine_that_never_steps_prefetches_at_the_default_depth(grid: list) -> None:
+    for results in by_rank(grid, "runs"):
+        inference = results["inference"]
+        assert inference["state"] is PrefetchTuning.WARMING_UP
+        assert inference["depth"] == UNTUNED_DEPTH and inference["peak"] == 2 + UNTUNED_DEPTH
+
+
 def test_the_memory_cap_bounds_the_depth(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         report = results["capped"]["report"]
         assert report.cap_units == 0 and report.depth == 0
-        assert max(results["capped"]["peaks"]) <= 2
+        assert max(results["capped"]["peaks"][1:]) <= 2
 
 
 def test_the_depth_hides_the_measured_gather() -> None:
@@ -130,7 +154,8 @@ def test_the_depth_hides_the_measured_gather() -> None:
     for gather, forward, cap_bytes, expected in [(0.3, 0.4, 10**9, 3), (0.3, 0.5, 10**9, 2), (0.0, 1.0, 10**9, 0),
                                                   (0.9, 1.0, 10**9, 4), (0.3, 0.4, 250, 2)]:
         tuner = AutoPrefetch([100, 100, 100, 100, 100], cap_bytes)
-        for _ in range(MEASURED_STEPS):  # the warm-up step, then all measured steps but the last
+        assert tuner.on_optimizer_step(comm) == 0  # warmed up: prefetch off while measuring
+        for _ in range(MEASURED_STEPS - 1):
             assert tuner.on_optimizer_step(comm) is None
             tuner._forward_time, tuner._gather_time = forward, gather  # as measured
         assert tuner.on_optimizer_step(comm) == expected, (gather, forward, cap_bytes)

@@ -43,7 +43,7 @@ from .optim import canonical_names, check_optimizer_supported, reset_optimizer_s
 from .param_groups import OptimizerGroups
 from .parameter_digests import ParameterDigests
 from .precision import DynamicLossScaler
-from .prefetch_tuning import AutoPrefetch, PrefetchReport
+from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
 from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
 from .units import plan_units
@@ -164,7 +164,7 @@ class ZeroEngine(CheckpointMethods):
             on_cuda = self.comm.device.type == "cuda"
             synchronize = (lambda: torch.cuda.synchronize(self.comm.device)) if on_cuda else (lambda: None)
             self.auto_prefetch = AutoPrefetch(unit_bytes, config.prefetch_cap_mb * 2**20, synchronize)
-        self.runtime = StepRuntime(self.units, config.plan, 0 if self.auto_prefetch else config.prefetch)
+        self.runtime = StepRuntime(self.units, config.plan, UNTUNED_DEPTH if self.auto_prefetch else config.prefetch)
         self.runtime.auto_prefetch = self.auto_prefetch
         self.runtime.requires_scaled_backward = self.loss_scaler is not None
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)

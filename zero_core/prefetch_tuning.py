@@ -1,7 +1,8 @@
 """``ZeroConfig(prefetch="auto")``: the stage-3 prefetch depth chosen from measured times.
 
 The first optimizer step warms up (first-time allocations distort its
-times). During the next ``MEASURED_STEPS`` steps prefetch is off, so every
+times) with the default depth, which also serves an engine that never
+steps (inference). During the next ``MEASURED_STEPS`` steps prefetch is off, so every
 unit's all-gather is exposed: each forward's wall time splits into time
 spent waiting for gathers and time spent computing. The depth that hides a
 gather behind the compute of the units ahead is
@@ -31,10 +32,11 @@ from . import collectives
 from .collectives import CommContext
 
 MEASURED_STEPS = 2
+UNTUNED_DEPTH = 1  # ZeroConfig's default prefetch, until a depth is chosen (and if none ever is)
 
 
 class PrefetchTuning(Enum):
-    WARMING_UP = auto()  # the first optimizer step: prefetch off, nothing timed
+    WARMING_UP = auto()  # until the first optimizer step: the default depth, nothing timed
     MEASURING = auto()  # prefetch off, gathers and forwards timed
     CHOSEN = auto()  # the agreed depth is in use
 
@@ -80,8 +82,6 @@ class AutoPrefetch:
     def measuring(self) -> bool:
         return self.state is PrefetchTuning.MEASURING
 
-    def current_depth(self) -> int:
-        return self.depth if self.state is PrefetchTuning.CHOSEN else 0
 
     # ---------------------------------------------------------- measuring
     def forward_started(self) -> None:
@@ -125,11 +125,12 @@ class AutoPrefetch:
         return min(self.cap_units, math.ceil(self._gather_time / compute))
 
     def on_optimizer_step(self, comm: CommContext) -> int | None:
-        """Called at every optimizer step by every rank together; the agreed depth once chosen."""
+        """Called at every optimizer step by every rank together: the depth to use from now on
+        when it changes (0 while measuring, then the agreed one), else None."""
         self._steps_seen += 1
         if self.state is PrefetchTuning.WARMING_UP:
             self.state = PrefetchTuning.MEASURING
-            return None
+            return 0
         if self.state is PrefetchTuning.MEASURING and self._steps_seen > MEASURED_STEPS:
             agreed = torch.tensor([float(self.local_choice())], dtype=torch.float64, device=comm.device)
             collectives.all_reduce(comm, agreed, dist.ReduceOp.MAX, label="the prefetch depth").wait()
