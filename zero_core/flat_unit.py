@@ -61,6 +61,11 @@ class MasterPiece(NamedTuple):
     param: nn.Parameter
 
 
+def _sum_into(total: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    """``total + more``, in ``total``'s storage when there is one."""
+    return more if total is None else total.add_(more)
+
+
 class PendingReduce(NamedTuple):
     unit: "FlatUnit"
     sharded_out: torch.Tensor
@@ -310,12 +315,11 @@ class FlatUnit:
             self.slot_has_grad[slot_index] = True
         self._filled_this_backward.clear()
         if self.backward_shard is not None:
-            # Hybrid sharding: reduced inside the group only, until the next reduce across groups.
-            into = "group_grads" if self.comm.replicas > 1 else "sharded_grads"
-            if getattr(self, into) is None:
-                setattr(self, into, self.backward_shard)
+            if self.comm.replicas > 1:
+                # Hybrid sharding: reduced inside the group only, until the next reduce across groups.
+                self.group_grads = _sum_into(self.group_grads, self.backward_shard)
             else:
-                getattr(self, into).add_(self.backward_shard)
+                self.sharded_grads = _sum_into(self.sharded_grads, self.backward_shard)
             self.backward_shard = None
 
     def start_reduce_across_groups(self) -> Handle | None:
@@ -328,10 +332,9 @@ class FlatUnit:
     def finish_reduce_across_groups(self, handle: Handle) -> None:
         handle.wait()
         reduced, self.group_grads = self.group_grads, None
-        if self.sharded_grads is None or self.sharded_grads is reduced:  # stage 1: the slice, reduced in place
-            self.sharded_grads = reduced
-        else:
-            self.sharded_grads.add_(reduced)
+        if self.sharded_grads is reduced:
+            return  # stage 1: this rank's slice of full_grads, reduced in place
+        self.sharded_grads = _sum_into(self.sharded_grads, reduced)
 
     def discard_backward(self) -> bool:
         """The backward raised: drop what it produced. True if earlier gradients went too.
