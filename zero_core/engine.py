@@ -502,7 +502,10 @@ class ZeroEngine(CheckpointMethods):
         if not self._skip_refresh:
             # With overlap_param_refresh, issued and not waited for: each unit's next forward
             # waits for its own all-gather, so the later ones run while the first units compute.
-            overlap = self.config.overlap_param_refresh
+            # Not while a torch profiler records: a collective issued under it and waited for
+            # after it stopped crashes the process (torch 2.13, gloo; a profiler schedule stops
+            # at a step boundary, exactly where these would still be in flight).
+            overlap = self.config.overlap_param_refresh and not torch.autograd._profiler_enabled()
             for unit in self.units:
                 unit.start_refresh(guard=overlap)
             if not overlap:
