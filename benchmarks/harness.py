@@ -122,14 +122,15 @@ def main() -> None:
     elif contestant.comm_counter:
         traffic = {"all_reduce": {"calls": contestant.comm_counter["all_reduce_calls"], "bytes": contestant.comm_counter["all_reduce_bytes"]}}
 
+    # The peak of the timed steps: the profiler's own buffers must not count in it.
+    peak_before_profile = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     # One more step under the torch profiler (after the timed ones: its overhead must not count).
     dist.barrier()
     profiled = profile_step(contestant.phases(synthetic_batch(config, batch_size, 998, rank).to(device), []))
     contestant.backward_only(synthetic_batch(config, batch_size, 999, rank).to(device))  # gradients alive: the steady-state peak
     state_bytes = gather_ints(live_tensor_bytes() - baseline)
     breakdown = vars(contestant.engine.memory_report()) if contestant.engine is not None else None
-    peak = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    peak_rss = gather_ints(peak)  # on a GPU: peak allocated device memory
+    peak_rss = gather_ints(peak_before_profile)  # on a GPU: peak allocated device memory
     result.update(
         median_step_s=statistics.median(times), step_times_s=times,
         phase_median_s={name: statistics.median(t[i] for t in phase_times) for i, name in enumerate(PHASES)}, first_loss=losses[0], last_loss=losses[-1],
