@@ -159,11 +159,7 @@ class ZeroEngine(CheckpointMethods):
         self._grads_unscaled = False
         self.auto_prefetch: AutoPrefetch | None = None
         if config.prefetch == "auto":
-            sharded = [u for u in self.units if u.stage_plan.params_sharded_at_rest]
-            unit_bytes = [u.layout.padded_numel * u.gathered_params.element_size() for u in sharded]
-            on_cuda = self.comm.device.type == "cuda"
-            synchronize = (lambda: torch.cuda.synchronize(self.comm.device)) if on_cuda else (lambda: None)
-            self.auto_prefetch = AutoPrefetch(unit_bytes, config.prefetch_cap_mb * 2**20, synchronize)
+            self.auto_prefetch = AutoPrefetch.for_units(self.units, config.prefetch_cap_mb, self.comm.device)
         self.runtime = StepRuntime(self.units, config.plan, UNTUNED_DEPTH if self.auto_prefetch else config.prefetch)
         self.runtime.auto_prefetch = self.auto_prefetch
         self.runtime.requires_scaled_backward = self.loss_scaler is not None
@@ -361,11 +357,11 @@ class ZeroEngine(CheckpointMethods):
         self.runtime.require_grad_sync = enabled
 
     # ----------------------------------------------------------- gradients
-    def _settle_gradients(self) -> None:
+    def _settle_gradients(self, *, drop_pending_forward: bool = False) -> None:
         """Before the accumulated gradients are read or changed: clean up after a pass that raised,
         and (hybrid sharding) all-reduce across groups what was reduced only inside each group
         since the last synchronising backward. Every rank calls it at the same points."""
-        self.runtime.settle()
+        self.runtime.settle(drop_pending_forward=drop_pending_forward)
         self.runtime.reduce_across_groups()
 
     def _unscale_grads_once(self) -> None:
@@ -435,8 +431,7 @@ class ZeroEngine(CheckpointMethods):
                 "(loss = closure(), which calls engine.backward), then optimizer.step()."
             )
         # A forward whose backward never ran (a skipped batch) ends here.
-        self.runtime.settle(drop_pending_forward=True)
-        self.runtime.reduce_across_groups()  # micro-batches since the last synchronising backward, if any
+        self._settle_gradients(drop_pending_forward=True)
         self._finish_refresh()  # a step with no forward since the last: its all-gathers still read the shards
         self._skip_refresh = False
         self._step_calls += 1

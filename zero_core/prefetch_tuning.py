@@ -24,12 +24,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from . import collectives
 from .collectives import CommContext
+
+if TYPE_CHECKING:
+    from .flat_unit import FlatUnit
 
 MEASURED_STEPS = 2
 UNTUNED_DEPTH = 1  # ZeroConfig's default prefetch, until a depth is chosen (and if none ever is)
@@ -77,6 +81,14 @@ class AutoPrefetch:
         self._forward_started: float | None = None
         self._running_gather_time = 0.0
         self._running_gathers = 0
+
+    @classmethod
+    def for_units(cls, units: list["FlatUnit"], cap_mb: float, device: torch.device) -> "AutoPrefetch":
+        """Over the units sharded at rest (the only ones gathered), synchronizing CUDA while timing."""
+        sharded = [u for u in units if u.stage_plan.params_sharded_at_rest]
+        unit_bytes = [u.layout.padded_numel * u.gathered_params.element_size() for u in sharded]
+        synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+        return cls(unit_bytes, cap_mb * 2**20, synchronize)
 
     @property
     def measuring(self) -> bool:
