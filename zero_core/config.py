@@ -14,6 +14,11 @@ from torch import nn
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _is_count(value: object, minimum: int) -> bool:
+    """An integer (not a bool, which Python counts as one) of at least ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 @dataclass(frozen=True)
 class MixedPrecision:
     """Which dtypes parameters are computed and gradients reduced in.
@@ -159,7 +164,7 @@ class ZeroConfig:
             )
         if not self.bucket_size_mb > 0:
             raise ValueError("ZeroConfig.bucket_size_mb must be > 0 (the default is 25).")
-        if self.prefetch != "auto" and (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0):
+        if self.prefetch != "auto" and not _is_count(self.prefetch, minimum=0):
             raise ValueError(
                 f"ZeroConfig.prefetch={self.prefetch!r} is invalid: use an integer >= 0 (0 turns prefetch off) "
                 "or \"auto\" (chosen from measured times)."
@@ -174,16 +179,14 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
         if not isinstance(self.overlap_param_refresh, bool):
             raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
-        threshold = self.persistence_threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        if not _is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
-                f"ZeroConfig.persistence_threshold={threshold!r} is invalid: use a number of parameters >= 0 "
+                f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: use a number of parameters >= 0 "
                 "(stage-3 units smaller than it stay gathered; 0 keeps every unit sharded)."
             )
-        size = self.shard_group_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        if self.shard_group_size is not None and not _is_count(self.shard_group_size, minimum=1):
             raise ValueError(
-                f"ZeroConfig.shard_group_size={size!r} is invalid: use a positive number of ranks that divides "
+                f"ZeroConfig.shard_group_size={self.shard_group_size!r} is invalid: use a positive number of ranks that divides "
                 "the world size (usually the devices per node), or None to shard across every rank."
             )
 
