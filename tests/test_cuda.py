@@ -1,14 +1,19 @@
 """CUDA paths: collectives on their own streams, ordered with events.
 
-Skipped without a GPU. With two or more GPUs the ranks use NCCL; with one,
-two gloo ranks share it. A missing stream dependency shows up as stages
-disagreeing (they agree to rounding on the CPU).
+Skipped without a GPU. NCCL runs whenever there is a GPU per rank: at world
+size 1 the collectives are copies, still issued on the side streams and
+ordered with events, so the stream path runs on a single GPU. Two ranks on
+one GPU use gloo (its CUDA collectives stage through the host, no side
+streams). A missing stream dependency shows up as stages disagreeing with
+each other and with plain training (they agree to rounding on the CPU).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+import torch.distributed as dist
 
 from zero_core import MixedPrecision, ZeroEngine
 
@@ -19,18 +24,39 @@ from .workers import config_for
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
+def _plain_losses(device: torch.device, rank: int, world_size: int) -> list[float]:
+    """The same training without ZeRO: every rank's micro-batch, gradients averaged by hand."""
+    torch.manual_seed(0)
+    model = TinyTransformer().to(device)
+    optimizer = make_optimizer("adamw", model)
+    run = []
+    for step in range(6):
+        optimizer.zero_grad()
+        for other in range(world_size):
+            ids = batch(step % 2, other).to(device)
+            loss = lm_loss(model(ids), ids)
+            (loss / world_size).backward()
+            if other == rank:
+                run.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    return run
+
+
 def _gpu_losses(rank: int, world_size: int) -> dict[str, list[float]]:
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    losses = {}
+    losses = {"plain": _plain_losses(device, rank, world_size)}
     for stage in (1, 2, 3):
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             model = TinyTransformer().to(device)
             config = config_for(stage, precision=MixedPrecision(compute_dtype=dtype))
             engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-            assert engine.comm.all_gather_stream is not None
+            side_streams = dist.get_backend() == "nccl"
+            assert (engine.comm.all_gather_stream is not None) == side_streams
+            assert (engine.comm.reduce_scatter_stream is not None) == side_streams
             run = []
             for step in range(6):
                 ids = batch(step % 2, rank).to(device)
@@ -45,7 +71,7 @@ def _gpu_losses(rank: int, world_size: int) -> dict[str, list[float]]:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_cuda_stages_agree_and_train(world_size: int) -> None:
-    backend = "nccl" if torch.cuda.device_count() >= world_size > 1 else "gloo"
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
     for losses in run_distributed(_gpu_losses, world_size, backend=backend):
         for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
             stage1 = losses[f"1-{dtype}"]
@@ -53,6 +79,8 @@ def test_cuda_stages_agree_and_train(world_size: int) -> None:
             for stage in (2, 3):
                 for a, b in zip(losses[f"{stage}-{dtype}"], stage1):
                     assert a == pytest.approx(b, rel=tolerance)
+        for stage in (1, 2, 3):  # fp32: the same numbers as training without ZeRO
+            assert losses[f"{stage}-{torch.float32}"] == pytest.approx(losses["plain"], rel=1e-5)
 
 
 def _gpu_model_access(rank: int, world_size: int) -> dict:

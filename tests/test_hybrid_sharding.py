@@ -72,6 +72,7 @@ class SentCollectives:
         self._wrap("reduce_scatter", lambda output, inputs, *_: nbytes(inputs))
         self._wrap("all_reduce", lambda tensor, *_: nbytes([tensor]))
         self._wrap("broadcast", lambda tensor, *_: nbytes([tensor]))
+        self._wrap("reduce", lambda tensor, *_: nbytes([tensor]))  # gloo's reduce-scatter: one reduce per slice
         return self
 
     def __exit__(self, *exc: object) -> None:

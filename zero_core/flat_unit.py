@@ -40,6 +40,7 @@ from torch import nn
 
 from .collectives import CommContext, Handle, Span, all_gather, all_reduce, broadcast, reduce_scatter
 from .config import MixedPrecision, StagePlan
+from .host_memory import advise_huge_pages
 from .layout import FlatLayout, ParamSlot, ShardPiece
 from .param_guard import ParameterGuard, guard_class
 from .units import UnitPlan
@@ -151,6 +152,7 @@ class FlatUnit:
         if self.state is not UnitState.SHARDED:
             return
         self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
+        advise_huge_pages(self.gathered_params)
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = UnitState.GATHERING
 
@@ -235,7 +237,7 @@ class FlatUnit:
         """Post-accumulate-grad hook body: move ``param.grad`` into ``full_grads``."""
         slot = self.layout.slots[slot_index]
         if self.full_grads is None:
-            self.full_grads = torch.empty(self.layout.padded_numel, dtype=self.precision.reduce_dtype, device=self.comm.device)
+            self.full_grads = self._new_full_grads()
         view = self._slot_view(self.full_grads, slot)
         grad = param.grad
         if grad is not None and grad.data_ptr() != view.data_ptr():
@@ -246,6 +248,11 @@ class FlatUnit:
             keep_view = not self.stage_plan.grads_sharded and view.dtype == param.dtype
             param.grad = view if keep_view else None
         self._filled_this_backward.add(slot_index)
+
+    def _new_full_grads(self) -> torch.Tensor:
+        """Stages 2/3 allocate this for every backward: fault it in as huge pages."""
+        full = torch.empty(self.layout.padded_numel, dtype=self.precision.reduce_dtype, device=self.comm.device)
+        return advise_huge_pages(full)
 
     def _zero_unfilled(self) -> None:
         """Stages 2/3: zero the slots no gradient reached this backward, and the padding."""
@@ -263,7 +270,7 @@ class FlatUnit:
         if not self.trainable:
             return None
         if self.full_grads is None:
-            self.full_grads = torch.zeros(self.layout.padded_numel, dtype=self.precision.reduce_dtype, device=self.comm.device)
+            self.full_grads = self._new_full_grads().zero_()
         elif self.stage_plan.grads_sharded:
             self._zero_unfilled()
         if self.precision.reduce_dtype != torch.float32:
