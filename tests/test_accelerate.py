@@ -51,17 +51,19 @@ def _checked(result: subprocess.CompletedProcess) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("accelerate")
     _checked(_launch(out, "ddp", *PARITY))
-    for stage in (1, 2, 3):
+    # Stages 1 and 3: the plugin hands the stage to the core untouched, and stage 2 sits
+    # between them (its parity with DDP is checked in the core and Lightning tests).
+    for stage in (1, 3):
         _checked(_launch(out, f"zero{stage}", *PARITY, zero={"stage": stage, "wrap_classes": "[Block]"}))
     _checked(_launch(out, "saved", *RESUMABLE, zero={"stage": 3, "wrap_classes": "[Block]"}))
     _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
     _checked(_launch(out, "resumed-1", *RESUMABLE, "--batch-size", "8", "--resume", str(out / "saved-state"),
                      zero={"stage": 1}, processes=1))
-    names = ["ddp", "zero1", "zero2", "zero3", "saved", "resumed-2", "resumed-1"]
+    names = ["ddp", "zero1", "zero3", "saved", "resumed-2", "resumed-1"]
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
 def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     _, results = runs
     reference, ours = results["ddp"], results[f"zero{stage}"]

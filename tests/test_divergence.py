@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from zero_core import CollectiveFailed, ZeroEngine
@@ -116,3 +117,26 @@ def test_rank_that_stops_early_does_not_leave_the_other_hanging() -> None:
     assert outcomes[0]["error"] is not None
     _assert_names_the_rule(outcomes[0]["error"])
     assert outcomes[0]["seconds"] <= PG_TIMEOUT + SLACK
+
+
+def test_a_failed_call_of_a_collective_waits_for_its_other_calls() -> None:
+    """Gloo's rooted all-gather and reduce-scatter are one call per rank: when one fails, the
+    others must have ended before the error reaches code that frees their buffers."""
+    from zero_core.collectives import Handle
+
+    class Work:
+        def __init__(self, fails: bool):
+            self.fails, self.waited = fails, False
+
+        def wait(self) -> None:
+            self.waited = True
+            if self.fails:
+                raise RuntimeError("Timed out waiting 5000ms for recv operation")
+
+    works = [Work(fails=True), Work(fails=False), Work(fails=True)]
+    copied = []
+    handle = Handle(works, after_wait=lambda: copied.append(True))
+    with pytest.raises(CollectiveFailed, match="Timed out waiting"):
+        handle.wait()
+    assert [work.waited for work in works] == [True, True, True]
+    assert copied == []  # the output is incomplete: nothing copied out of it

@@ -102,10 +102,10 @@ def test_accelerate_num_machines_two_matches_one_process(tmp_path: Path) -> None
          accelerate_script, str(tmp_path), "hybrid", "--batch-size", "2", *args]
         for node in range(NODES)
     ]
-    _run_nodes(commands, [env] * NODES, tmp_path)
-    one = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--num_processes", "1",
-           accelerate_script, str(tmp_path), "one", "--batch-size", "8", *args]
-    _run_nodes([one], [env], tmp_path)
+    # The reference runs beside the two machines: one plain process, as `accelerate launch
+    # --num_processes 1` would start it.
+    one = [sys.executable, accelerate_script, str(tmp_path), "one", "--batch-size", "8", *args]
+    _run_nodes([*commands, one], [env] * (NODES + 1), tmp_path)
     reference = torch.load(tmp_path / "one.pt", weights_only=False)
     ours = torch.load(tmp_path / "hybrid.pt", weights_only=False)
     assert ours["accelerator"] == "ZeroAccelerator" and ours["num_processes"] == NODES * PER_NODE

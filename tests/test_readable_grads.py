@@ -20,11 +20,13 @@ from .models import TinyTransformer, batch, lm_loss, make_optimizer
 
 def _grads_worker(rank: int, world_size: int) -> list[dict]:
     results = []
-    for stage in (1, 2, 3):
+    # The last: stage 1 under hybrid sharding (groups of one rank, replicated across ranks).
+    for stage, shard_group_size in ((1, None), (2, None), (3, None), (1, 1)):
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
         reference = copy.deepcopy(model)
-        engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage))
+        config = ZeroConfig(stage=stage, shard_group_size=shard_group_size)
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
         local = {}
         if stage == 1:  # inside no_sync, stage 1 keeps full local gradients, as DDP does
             with engine.no_sync():

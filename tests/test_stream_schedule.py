@@ -47,11 +47,12 @@ class FakeStream:
         self.name, self.log = name, log
 
     def wait_stream(self, other: "FakeStream") -> None:
-        self.log.stream_waits.append((self.name, other.name))
+        self.log.sequence.append(("wait_stream", self.name, other.name))
 
     def record_event(self) -> FakeEvent:
         event = FakeEvent(self.name)
         self.log.events.append(event)
+        self.log.sequence.append(("record", self.name, self.log.current))
         return event
 
     def wait_event(self, event: FakeEvent) -> None:
@@ -61,14 +62,41 @@ class FakeStream:
 
 class ScheduleLog:
     def __init__(self) -> None:
-        self.stream_waits: list[tuple[str, str]] = []
+        self.sequence: list[tuple[str, str, Any]] = []  # what each stream was asked to do, in order
         self.events: list[FakeEvent] = []
-        self.launches: list[tuple[str, str, bool]] = []  # (collective, stream it ran in, async_op)
         self.dropped_unwaited = 0
         self.current = "compute"
 
     def unwaited(self, stream: str) -> int:
         return sum(1 for event in self.events if event.stream == stream and not event.waited)
+
+    def launches(self) -> set[tuple[str, str, bool]]:
+        """(collective, stream it was enqueued in, async_op)."""
+        return {(name, stream, async_op) for kind, name, (stream, async_op) in self._entries("launch")}
+
+    def _entries(self, kind: str) -> list[tuple[str, str, Any]]:
+        return [entry for entry in self.sequence if entry[0] == kind]
+
+    def violations(self) -> list[str]:
+        """Per side stream: wait for the compute stream, enqueue the collective, record the event
+        that covers it, inside that stream. Anything else is a race on a GPU."""
+        state: dict[str, str] = {}
+        found = []
+        for kind, stream, detail in self.sequence:
+            if kind == "wait_stream":
+                if state.get(stream) == "launched":
+                    found.append(f"a collective on {stream} has no event after it")
+                state[stream] = "waited"
+            elif kind == "launch":
+                stream, _ = detail[0], detail[1]
+                if state.get(stream) != "waited":
+                    found.append(f"a collective on {stream} was enqueued before {stream} waited for the compute stream")
+                state[stream] = "launched"
+            elif kind == "record":
+                if stream == "compute" or detail != stream or state.get(stream) != "launched":
+                    found.append(f"an event on {stream} (recorded while {detail} was current) covers no collective")
+                state[stream] = "recorded"
+        return found
 
 
 @contextlib.contextmanager
@@ -88,7 +116,7 @@ def fake_cuda_streams(engine: ZeroEngine):
 
     def logged(name: str, collective: Any) -> Any:
         def launch(*args: Any, async_op: bool = False, **kwargs: Any) -> Any:
-            log.launches.append((name, log.current, async_op))
+            log.sequence.append(("launch", name, (log.current, async_op)))
             return collective(*args, async_op=async_op, **kwargs)
 
         return launch
@@ -150,8 +178,8 @@ def _train(stage: int, streams: bool, overlap: bool = False, prefetch: int = 1) 
             result.update(
                 unwaited_at_end={name: log.unwaited(name) for name in ("all_gather", "reduce_scatter")},
                 events=len(log.events),
-                launches=sorted(set(log.launches)),
-                stream_waits=sorted(set(log.stream_waits)),
+                launches=sorted(log.launches()),
+                violations=log.violations(),
                 dropped_unwaited=log.dropped_unwaited,
             )
     return result
@@ -187,16 +215,18 @@ def test_side_stream_schedule_orders_every_result(grid: dict[str, Any], ranks: s
         plain, streams = results[case]["plain"], results[case]["streams"]
         # The same training either way: the schedule changes where work is enqueued, not what.
         assert streams["losses"] == pytest.approx(plain["losses"], rel=1e-6)
-        # One rank, stage 1: gathers and reduces are in place, nothing to enqueue. Otherwise
-        # even one rank's copies take the side streams.
+        # One rank, stage 1: gathers and reduces are in place, nothing to enqueue. Otherwise even
+        # one rank's collectives take the side streams (NCCL runs one-rank communicators).
         assert (streams["events"] > 0) == (ranks == "two ranks" or stage > 1)
-        if ranks == "two ranks":
-            # Every collective ran synchronously inside its own stream ...
-            assert {name for name, _, _ in streams["launches"]} == {"all_gather", "reduce_scatter"}
-            for name, stream, async_op in streams["launches"]:
-                assert (stream, async_op) == (name, False)
-            # ... after that stream waited for what the compute stream wrote.
-            assert {("all_gather", "compute"), ("reduce_scatter", "compute")} <= set(streams["stream_waits"])
+        # Every collective was enqueued synchronously inside its own stream, after that stream
+        # waited for the compute stream, and an event recorded right after it in that stream
+        # is what the compute stream waits for.
+        for name, stream, async_op in streams["launches"]:
+            assert (stream, async_op) == (name, False)
+        launched = {name for name, _, _ in streams["launches"]}
+        assert launched == ({"reduce_scatter"} if ranks == "one rank" and stage == 2 else
+                            set() if ranks == "one rank" and stage == 1 else {"all_gather", "reduce_scatter"})
+        assert streams["violations"] == []
         # The compute stream waited for every result before reading it: gradients before the
         # step, parameters before their forward (stage 3: only the prefetched units are still
         # in flight after a forward; stages 1/2 without overlap: refreshed before step() returns).

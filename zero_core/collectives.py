@@ -281,46 +281,57 @@ class Handle:
         after_wait: Callable[[], None] | None = None,
         done: torch.cuda.Event | None = None,
         keep_alive: tuple[torch.Tensor, ...] = (),
+        issuer: torch.cuda.Stream | None = None,
     ):
         self._works = work if isinstance(work, list) else [] if work is None else [work]
         self._label = label
         self._rank = rank
         self._after_wait = after_wait  # e.g. copy the reduced slice out, once it is complete
         self._done = done
-        # The side stream's tensors, referenced until the compute stream is ordered after the
-        # collective: freed earlier, the caching allocator could hand their memory to new
-        # compute-stream tensors while the collective still reads or writes it.
+        # The stream that was current when the collective was issued: its tensors were
+        # allocated there, so it must be ordered after the collective before they are freed.
+        self._issuer = issuer
+        # The side stream's tensors, referenced until that ordering is in place: freed earlier,
+        # the caching allocator could hand their memory to new tensors while the collective
+        # still reads or writes it.
         self._keep_alive = keep_alive
 
     def wait(self) -> None:
         if self._works:
             works, self._works = self._works, []
-            try:
-                with record_function("zero::wait"):  # exposed communication, in profiler traces
-                    for work in works:
+            failure: Exception | None = None
+            with record_function("zero::wait"):  # exposed communication, in profiler traces
+                for work in works:
+                    try:
                         work.wait()
-            except (RuntimeError, dist.DistError) as error:
+                    except (RuntimeError, dist.DistError) as error:
+                        # Wait for the other calls all the same (each ends within the
+                        # timeout): none may still write into buffers the caller frees next.
+                        failure = failure or error
+            if failure is not None:
                 self._after_wait = None  # the output is incomplete: leave it untouched
                 what = self._label.describe(self._rank) if self._label else "a collective"
                 raise CollectiveFailed(
-                    f"ZeRO: {what} did not complete: {error}\n{DIVERGENCE_ADVICE}"
-                ) from error
-        self._order_after_side_stream()
+                    f"ZeRO: {what} did not complete: {failure}\n{DIVERGENCE_ADVICE}"
+                ) from failure
+        if self._done is not None:
+            # Later kernels on the caller's stream see the collective's output.
+            torch.cuda.current_stream(self._issuer.device).wait_event(self._done)
+            self._order_issuer_after_side_stream()
         if self._after_wait is not None:
             after_wait, self._after_wait = self._after_wait, None
             after_wait()
 
-    def _order_after_side_stream(self) -> None:
+    def _order_issuer_after_side_stream(self) -> None:
         if self._done is not None:
-            # Later kernels on the caller's stream see the collective's output.
-            torch.cuda.current_stream(self._keep_alive[0].device).wait_event(self._done)
+            self._issuer.wait_event(self._done)  # a no-op repeat when the caller's stream is the issuer
             self._done, self._keep_alive = None, ()
 
     def __del__(self) -> None:
         # A handle dropped unwaited (a failure path) must still not let its tensors' memory
         # be reused under a running collective.
         try:
-            self._order_after_side_stream()
+            self._order_issuer_after_side_stream()
         except Exception:  # interpreter shutdown: nothing left to protect
             pass
 
@@ -346,11 +357,12 @@ def _on_side_stream(
     ``record_stream``), and an event recorded after it is what ``wait()`` orders the
     compute stream behind. All-gathers and reduce-scatters have a stream each, so a
     prefetch never queues behind a reduce-scatter."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    issuer = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(issuer)
     with torch.cuda.stream(stream):
         launch()
         done = stream.record_event()
-    return Handle(None, _label(comm, kind, what), comm.rank, done=done, keep_alive=tensors)
+    return Handle(None, _label(comm, kind, what), comm.rank, done=done, keep_alive=tensors, issuer=issuer)
 
 
 def all_gather(
@@ -365,13 +377,11 @@ def all_gather(
         if gathered_out.numel() == 0 or (size == 1 and in_place):
             return Handle()
         if comm.all_gather_stream is not None:
-            # World size 1 takes the stream too: its copy is ordered like a collective.
-            launch = (
-                (lambda: gathered_out.copy_(shard_in)) if size == 1
-                else (lambda: _all_gather_single(gathered_out, shard_in, group=group, async_op=False))
-            )
+            # World size 1 too: NCCL runs one-rank collectives, so one GPU exercises this path.
             return _on_side_stream(
-                comm, comm.all_gather_stream, (gathered_out, shard_in), launch, CollectiveKind.ALL_GATHER, label
+                comm, comm.all_gather_stream, (gathered_out, shard_in),
+                lambda: _all_gather_single(gathered_out, shard_in, group=group, async_op=False),
+                CollectiveKind.ALL_GATHER, label,
             )
         if size == 1:
             gathered_out.copy_(shard_in)
@@ -402,13 +412,11 @@ def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Te
         if full_in.numel() == 0 or (size == 1 and in_place):
             return Handle()
         if comm.reduce_scatter_stream is not None:
-            # World size 1 takes the stream too: its copy is ordered like a collective.
-            launch = (
-                (lambda: shard_out.copy_(full_in)) if size == 1
-                else (lambda: _reduce_scatter_single(shard_out, full_in, group=comm.shard_group, async_op=False))
-            )
+            # World size 1 too: NCCL runs one-rank collectives, so one GPU exercises this path.
             return _on_side_stream(
-                comm, comm.reduce_scatter_stream, (shard_out, full_in), launch, CollectiveKind.REDUCE_SCATTER, label
+                comm, comm.reduce_scatter_stream, (shard_out, full_in),
+                lambda: _reduce_scatter_single(shard_out, full_in, group=comm.shard_group, async_op=False),
+                CollectiveKind.REDUCE_SCATTER, label,
             )
         if size == 1:
             shard_out.copy_(full_in)

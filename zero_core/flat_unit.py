@@ -289,14 +289,15 @@ class FlatUnit:
             pending.sharded_out.div_(self.comm.world_size)
         if self.stage_plan.grads_sharded:
             self.backward_shard = pending.sharded_out
-        elif self.comm.replicas > 1:
+            return
+        if self.comm.replicas > 1:
             self.group_grads = pending.sharded_out  # this rank's slice of full_grads, reduced in its group
         else:
             self.sharded_grads = pending.sharded_out  # this rank's slice of full_grads, reduced in place
-            # The model's .grad views now mix this reduced slice with other ranks'
-            # unreduced local sums: absent is better than wrong (re-attached after the step).
-            for param in self.params:
-                param.grad = None
+        # The model's .grad views now mix this reduced slice with what the reduce left in
+        # the others (partial sums): absent is better than wrong (re-attached after the step).
+        for param in self.params:
+            param.grad = None
 
     def prepare_backward(self) -> None:
         """Stage 1, a second synchronised backward before the step: reopen the reduced slice.

@@ -12,12 +12,21 @@ is what torch does for every allocation under ``THP_MEM_ALLOC_ENABLE=1``;
 here it is done for these buffers only, and changes nothing else about the
 process. Where the kernel has transparent huge pages off, or the call is
 not available (not Linux), the advice is a no-op.
+
+The advice pays only on a fresh mapping of the buffer's own. A block inside
+the heap was touched before and is reused without faults, and advising it
+would split the heap's mapping and leave the advice behind on memory that
+other tensors get later. So nothing is advised when the allocator may place
+large blocks in the heap (glibc's ``MALLOC_MMAP_THRESHOLD_`` or
+``MALLOC_MMAP_MAX_`` set, or another allocator preloaded), nor any buffer
+that lies below the program break (the main heap).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 import torch
@@ -29,19 +38,27 @@ _MADV_HUGEPAGE = 14  # linux/mman.h
 _HUGE_PAGE = 2 << 20
 
 
-def _load_madvise():
+def _load_libc_calls():
+    """(madvise, sbrk), or None where the advice would not pay or not be safe."""
     if not sys.platform.startswith("linux"):
         return None
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "MALLOC_MMAP_MAX_" in os.environ:
+        return None  # large blocks may come from the heap
+    if any(name in os.environ.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")):
+        return None  # another allocator: its blocks are not ours to advise
     try:
-        madvise = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise, sbrk = libc.madvise, libc.sbrk
     except (OSError, AttributeError):
         return None
     madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     madvise.restype = ctypes.c_int
-    return madvise
+    sbrk.argtypes = (ctypes.c_ssize_t,)
+    sbrk.restype = ctypes.c_void_p
+    return madvise, sbrk
 
 
-_madvise = _load_madvise()
+_LIBC_CALLS = _load_libc_calls()
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,15 +67,18 @@ def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     Only the 2 MiB-aligned middle of the storage is advised: a huge page never
     reaches memory outside the buffer. Returns ``tensor``.
     """
-    if _madvise is None or tensor.device.type != "cpu":
+    if _LIBC_CALLS is None or tensor.device.type != "cpu":
         return tensor
     storage = tensor.untyped_storage()
     if storage.nbytes() < MIN_ADVISED_BYTES:
         return tensor
+    madvise, sbrk = _LIBC_CALLS
     start = storage.data_ptr()
+    if start < (sbrk(0) or 0):
+        return tensor  # inside the main heap: not a mapping of its own
     first = -(-start // _HUGE_PAGE) * _HUGE_PAGE
     last = (start + storage.nbytes()) // _HUGE_PAGE * _HUGE_PAGE
     if last > first:
-        _madvise(first, last - first, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
+        madvise(first, last - first, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
     return tensor
 
