@@ -406,10 +406,12 @@ def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Te
     """
     comm.stats.record(CollectiveKind.REDUCE_SCATTER, full_in, Span.SHARD_GROUP)
     with record_function("zero::reduce_scatter"):
+        if full_in.numel() == 0:
+            return Handle()
         size = comm.shard_size
         own = full_in.chunk(size)[comm.shard_rank]
         in_place = own.data_ptr() == shard_out.data_ptr()
-        if full_in.numel() == 0 or (size == 1 and in_place):
+        if size == 1 and in_place:
             return Handle()
         if comm.reduce_scatter_stream is not None:
             # World size 1 too: NCCL runs one-rank collectives, so one GPU exercises this path.
