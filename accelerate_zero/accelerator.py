@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
-from torch.optim import Optimizer
-
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
+from torch import nn
+from torch.optim import Optimizer
 
 from zero_core import CheckpointError, ZeroEngine
 from zero_core.sharding import shard_module, single_optimizer
@@ -43,7 +42,8 @@ class ZeroAccelerator(Accelerator):
         requested = (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
         if requested not in MIXED_PRECISION_POLICIES:
             raise ValueError(
-                f"mixed_precision={requested!r} is not supported with ZeRO; use one of {sorted(MIXED_PRECISION_POLICIES)}."
+                f"mixed_precision={requested!r} is not supported with ZeRO; "
+                f"use one of {sorted(MIXED_PRECISION_POLICIES)}."
             )
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
         # Accelerate must not add autocast or a GradScaler on top: the engine owns precision.
@@ -75,7 +75,9 @@ class ZeroAccelerator(Accelerator):
             self._require_engine().attach_optimizer(optimizer)
         return super().prepare(*args, device_placement=device_placement)
 
-    def prepare_model(self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False) -> nn.Module:
+    def prepare_model(
+        self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> nn.Module:
         # Sharded in prepare(): no DDP wrapper, no autocast, no device move.
         if all(model is not known for known in self._models):
             self._models.append(model)
@@ -96,7 +98,9 @@ class ZeroAccelerator(Accelerator):
         if given != {id(p) for p in self._require_engine().model.parameters()}:
             raise ValueError(f"{what} under ZeRO clips the whole model at once; pass model.parameters().")
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
+    ) -> torch.Tensor:
         """The norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
         self._check_whole_model(parameters, "clip_grad_norm_")
         return self._require_engine().clip_grad_norm_(max_norm, norm_type)
@@ -153,7 +157,9 @@ class ZeroAccelerator(Accelerator):
             handle.remove()
             config.total_limit = limit
         # Accelerate writes its files per process: every process learns whether all succeeded.
-        failures = [f for f in gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"]) if f]
+        failures = [
+            f for f in gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"]) if f
+        ]
         if failures:
             if config.automatic_checkpoint_naming and created and self.is_main_process:
                 shutil.rmtree(created[0], ignore_errors=True)  # a new folder of its own: nothing else in it

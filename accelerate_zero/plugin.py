@@ -53,8 +53,15 @@ def parse_prefetch(value: str) -> int | str:
 
 
 _PARSERS = {
-    "stage": int, "bucket_size_mb": float, "prefetch": parse_prefetch, "prefetch_cap_mb": float, "broadcast_buffers": parse_bool, "wrap_classes": _parse_classes,
-    "overlap_param_refresh": parse_bool, "shard_group_size": _parse_optional_int, "persistence_threshold": int,
+    "stage": int,
+    "bucket_size_mb": float,
+    "prefetch": parse_prefetch,
+    "prefetch_cap_mb": float,
+    "broadcast_buffers": parse_bool,
+    "wrap_classes": _parse_classes,
+    "overlap_param_refresh": parse_bool,
+    "shard_group_size": _parse_optional_int,
+    "persistence_threshold": int,
 }
 
 
@@ -136,7 +143,9 @@ class ZeroPlugin:
         by_name = {type(m).__name__: type(m) for m in model.modules()}
         missing = [name for name in self.wrap_classes if name not in by_name]
         if missing:
-            raise ValueError(f"wrap_classes: the model has no module class named {missing}; it has {sorted(by_name)[:20]}.")
+            raise ValueError(
+                f"wrap_classes: the model has no module class named {missing}; it has {sorted(by_name)[:20]}."
+            )
         return WrapPolicy(module_classes=tuple(by_name[name] for name in self.wrap_classes))
 
 

@@ -18,12 +18,33 @@ from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
 
 LEARNING_RATE = 1e-3
 CONTESTANTS = (
-    "ddp", "ddp_zero_optimizer", "fsdp2", "fsdp2_no_reshard",
-    "deepspeed1", "deepspeed2", "deepspeed3", "zero1", "zero2", "zero3",
-    "zero1_overlap", "zero2_overlap",  # ZeroConfig(overlap_param_refresh=True)
+    "ddp",
+    "ddp_zero_optimizer",
+    "fsdp2",
+    "fsdp2_no_reshard",
+    "deepspeed1",
+    "deepspeed2",
+    "deepspeed3",
+    "zero1",
+    "zero2",
+    "zero3",
+    "zero1_overlap",
+    "zero2_overlap",  # ZeroConfig(overlap_param_refresh=True)
 )
-STAGE_OF = {"ddp": 0, "ddp_zero_optimizer": 1, "fsdp2": 3, "fsdp2_no_reshard": 3, "deepspeed1": 1,
-            "deepspeed2": 2, "deepspeed3": 3, "zero1": 1, "zero2": 2, "zero3": 3, "zero1_overlap": 1, "zero2_overlap": 2}
+STAGE_OF = {
+    "ddp": 0,
+    "ddp_zero_optimizer": 1,
+    "fsdp2": 3,
+    "fsdp2_no_reshard": 3,
+    "deepspeed1": 1,
+    "deepspeed2": 2,
+    "deepspeed3": 3,
+    "zero1": 1,
+    "zero2": 2,
+    "zero3": 3,
+    "zero1_overlap": 1,
+    "zero2_overlap": 2,
+}
 
 
 class Unavailable(RuntimeError):
@@ -87,9 +108,17 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
-            optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE, weight_decay=0.0)
-        return Contestant(name, ddp, lambda ids: loss_fn(ddp(ids), ids), lambda loss: loss.backward(),
-                          lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)), comm_counter=counter)
+            optimizer = ZeroRedundancyOptimizer(
+                ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=LEARNING_RATE, weight_decay=0.0
+            )
+        return Contestant(
+            name,
+            ddp,
+            lambda ids: loss_fn(ddp(ids), ids),
+            lambda loss: loss.backward(),
+            lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)),
+            comm_counter=counter,
+        )
     if name.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
 
@@ -99,8 +128,13 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
                 fully_shard(module, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
         optimizer = _adamw(model.parameters())
-        return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), lambda loss: loss.backward(),
-                          lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)))
+        return Contestant(
+            name,
+            model,
+            lambda ids: loss_fn(model(ids), ids),
+            lambda loss: loss.backward(),
+            lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)),
+        )
     if name.startswith("deepspeed"):
         return _deepspeed(int(name[-1]), model, loss_fn)
     stage = STAGE_OF[name]

@@ -27,8 +27,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contestants import STAGE_OF, Unavailable, build  # noqa: E402
-from profile_breakdown import profile_step  # noqa: E402
 from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
+from profile_breakdown import profile_step  # noqa: E402
 
 SIZES = {
     "small": (GPTConfig(vocab_size=2048, seq_len=64, width=256, depth=4, heads=4), 8),
@@ -87,9 +87,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(config).to(device)
     numel = sum(p.numel() for p in model.parameters())
-    baseline = live_tensor_bytes() - sum(t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers()))
-    result: dict = {"contestant": args.contestant, "size": args.size, "depth": config.depth, "world_size": world_size, "device": args.device,
-                    "numel": numel, "stage": STAGE_OF[args.contestant]}
+    baseline = live_tensor_bytes() - sum(
+        t.untyped_storage().nbytes() for t in list(model.parameters()) + list(model.buffers())
+    )
+    result: dict = {
+        "contestant": args.contestant,
+        "size": args.size,
+        "depth": config.depth,
+        "world_size": world_size,
+        "device": args.device,
+        "numel": numel,
+        "stage": STAGE_OF[args.contestant],
+    }
     try:
         contestant = build(args.contestant, model, GPTBlock, next_token_loss)
     except Unavailable as error:
@@ -111,30 +120,50 @@ def main() -> None:
                 torch.cuda.synchronize()
             marks.append(time.perf_counter())
         # A step (and each phase) takes as long as its slowest rank.
-        elapsed = torch.tensor([marks[-1] - marks[0]] + [b - a for a, b in zip(marks, marks[1:])], device=device, dtype=torch.float64)
+        elapsed = torch.tensor(
+            [marks[-1] - marks[0]] + [b - a for a, b in zip(marks, marks[1:])], device=device, dtype=torch.float64
+        )
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= args.warmup:
             times.append(float(elapsed[0]))
             phase_times.append(elapsed[1:].tolist())
     traffic = {}
     if contestant.engine is not None:
-        traffic = {kind: {"calls": c.calls, "bytes": c.bytes} for kind, c in contestant.engine.last_step_traffic.items()}
+        traffic = {
+            kind: {"calls": c.calls, "bytes": c.bytes} for kind, c in contestant.engine.last_step_traffic.items()
+        }
     elif contestant.comm_counter:
-        traffic = {"all_reduce": {"calls": contestant.comm_counter["all_reduce_calls"], "bytes": contestant.comm_counter["all_reduce_bytes"]}}
+        traffic = {
+            "all_reduce": {
+                "calls": contestant.comm_counter["all_reduce_calls"],
+                "bytes": contestant.comm_counter["all_reduce_bytes"],
+            }
+        }
 
     # The peak of the timed steps: the profiler's own buffers must not count in it.
-    peak_before_profile = torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_before_profile = (
+        torch.cuda.max_memory_allocated() if on_gpu else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     # One more step under the torch profiler (after the timed ones: its overhead must not count).
     dist.barrier()
     profiled = profile_step(contestant.phases(synthetic_batch(config, batch_size, 998, rank).to(device), []))
-    contestant.backward_only(synthetic_batch(config, batch_size, 999, rank).to(device))  # gradients alive: the steady-state peak
+    contestant.backward_only(
+        synthetic_batch(config, batch_size, 999, rank).to(device)
+    )  # gradients alive: the steady-state peak
     state_bytes = gather_ints(live_tensor_bytes() - baseline)
     breakdown = vars(contestant.engine.memory_report()) if contestant.engine is not None else None
     peak_rss = gather_ints(peak_before_profile)  # on a GPU: peak allocated device memory
     result.update(
-        median_step_s=statistics.median(times), step_times_s=times,
-        phase_median_s={name: statistics.median(t[i] for t in phase_times) for i, name in enumerate(PHASES)}, first_loss=losses[0], last_loss=losses[-1],
-        model_state_bytes=state_bytes, breakdown=breakdown, peak_rss_bytes=peak_rss, traffic=traffic, profile=profiled,
+        median_step_s=statistics.median(times),
+        step_times_s=times,
+        phase_median_s={name: statistics.median(t[i] for t in phase_times) for i, name in enumerate(PHASES)},
+        first_loss=losses[0],
+        last_loss=losses[-1],
+        model_state_bytes=state_bytes,
+        breakdown=breakdown,
+        peak_rss_bytes=peak_rss,
+        traffic=traffic,
+        profile=profiled,
     )
     if rank == 0:
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -20,14 +20,35 @@ CATEGORIES = ("compute", "copies", "communication", "hooks", "other")
 
 # Tensor copies: moving bytes, not computing (flattening, casting, gathering into place).
 COPY_OPS = {
-    "aten::copy_", "aten::cat", "aten::_to_copy", "aten::clone", "aten::_foreach_copy_",
-    "aten::split_with_sizes_copy", "aten::_chunk_cat", "aten::index_copy_", "aten::contiguous",
+    "aten::copy_",
+    "aten::cat",
+    "aten::_to_copy",
+    "aten::clone",
+    "aten::_foreach_copy_",
+    "aten::split_with_sizes_copy",
+    "aten::_chunk_cat",
+    "aten::index_copy_",
+    "aten::contiguous",
 }
 # Issuing or waiting for a collective (the self time of these ranges is the wait or the call itself).
 COMMUNICATION_MARKS = (
-    "zero::all_gather", "zero::reduce_scatter", "zero::all_reduce", "zero::broadcast", "zero::wait",
-    "FSDP::all_gather (", "FSDP::all_gather", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait",
-    "c10d::", "gloo", "nccl", "allreduce", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+    "zero::all_gather",
+    "zero::reduce_scatter",
+    "zero::all_reduce",
+    "zero::broadcast",
+    "zero::wait",
+    "FSDP::all_gather (",
+    "FSDP::all_gather",
+    "FSDP::post_backward_reduce",
+    "FSDP::post_backward_rs_wait",
+    "c10d::",
+    "gloo",
+    "nccl",
+    "allreduce",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
 )
 HOOK_MARKS = ("zero::", "FSDP::", "DeepSpeed", "deepspeed")
 

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -66,16 +65,25 @@ def _measure_rank(rank: int, world_size: int, port: int, queue) -> None:  # type
             torch.manual_seed(0)
             config = GPTConfig(vocab_size=256, seq_len=32, width=64, depth=4, heads=4)
             model = GPT(config)
-            engine = ZeroEngine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), ZeroConfig(
-                stage=stage, wrap_policy=WrapPolicy(module_classes=(GPTBlock,)), shard_group_size=group))
+            engine = ZeroEngine(
+                model,
+                torch.optim.AdamW(model.parameters(), lr=1e-3),
+                ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(GPTBlock,)), shard_group_size=group),
+            )
             for step in range(2):
                 ids = synthetic_batch(config, 4, step, rank)
                 engine.backward(next_token_loss(model(ids), ids))
                 engine.step()
             padded = sum(u.layout.padded_numel for u in engine.units)
             traffic = {span: count.bytes / (4 * padded) for span, count in engine.last_step_traffic_by_span.items()}
-            results.append({"stage": stage, "shard_group_size": engine.shard_group_size, "per_param": traffic,
-                            "units": len(engine.units)})
+            results.append(
+                {
+                    "stage": stage,
+                    "shard_group_size": engine.shard_group_size,
+                    "per_param": traffic,
+                    "units": len(engine.units),
+                }
+            )
             engine.unshard()
     if rank == 0:
         queue.put(results)
@@ -127,7 +135,9 @@ class Projection:
     hybrid_break_even_tokens: float
 
 
-def project(params: float, tokens: float, units: int, nodes: int, hw: Hardware, inside: float, across: float) -> Projection:
+def project(
+    params: float, tokens: float, units: int, nodes: int, hw: Hardware, inside: float, across: float
+) -> Projection:
     """Stage 3, bf16 parameters, fp32 gradients. ``inside``/``across``: measured elements moved per
     parameter per step inside a shard group and across groups (3 and 1/k)."""
     devices = nodes * DEVICES_PER_NODE
@@ -135,14 +145,19 @@ def project(params: float, tokens: float, units: int, nodes: int, hw: Hardware, 
     gather_bytes, reduce_bytes = (inside - 1) * params * 2, params * 4
     flat_link = (hw.inter_bytes_per_s, hw.inter_latency_s) if nodes > 1 else (hw.intra_bytes_per_s, hw.intra_latency_s)
     per_unit = lambda total: total / units  # noqa: E731 - one collective per unit
-    flat = units * (2 * ring_seconds(per_unit(gather_bytes) / 2, devices, *flat_link)
-                    + ring_seconds(per_unit(reduce_bytes), devices, *flat_link))
+    flat = units * (
+        2 * ring_seconds(per_unit(gather_bytes) / 2, devices, *flat_link)
+        + ring_seconds(per_unit(reduce_bytes), devices, *flat_link)
+    )
     intra = (hw.intra_bytes_per_s, hw.intra_latency_s)
-    hybrid = units * (2 * ring_seconds(per_unit(gather_bytes) / 2, DEVICES_PER_NODE, *intra)
-                      + ring_seconds(per_unit(reduce_bytes), DEVICES_PER_NODE, *intra))
+    hybrid = units * (
+        2 * ring_seconds(per_unit(gather_bytes) / 2, DEVICES_PER_NODE, *intra)
+        + ring_seconds(per_unit(reduce_bytes), DEVICES_PER_NODE, *intra)
+    )
     # Across nodes: each device's gradient shard (across x Ψ elements, fp32), all-reduced over the nodes.
-    hybrid += units * ring_seconds(per_unit(across * params * 4), nodes, hw.inter_bytes_per_s, hw.inter_latency_s,
-                                   all_reduce=True)
+    hybrid += units * ring_seconds(
+        per_unit(across * params * 4), nodes, hw.inter_bytes_per_s, hw.inter_latency_s, all_reduce=True
+    )
     compute = 6 * params * tokens / hw.flops
     per_token = 6 * params / hw.flops
     return Projection(nodes, compute, flat, hybrid, flat / per_token, hybrid / per_token)
@@ -157,7 +172,8 @@ def _table(rows: list[Projection]) -> list[str]:
     for r in rows:
         share = lambda comm: comm / (comm + r.compute_s)  # noqa: E731 - nothing overlapped: the upper bound
         lines.append(
-            f"| {r.nodes} | {r.compute_s:.3f} | {r.flat_comm_s:.3f} | {share(r.flat_comm_s):.0%} | {r.hybrid_comm_s:.3f} | "
+            f"| {r.nodes} | {r.compute_s:.3f} | {r.flat_comm_s:.3f} | {share(r.flat_comm_s):.0%} | "
+            f"{r.hybrid_comm_s:.3f} | "
             f"{share(r.hybrid_comm_s):.0%} | {r.flat_break_even_tokens:,.0f} | {r.hybrid_break_even_tokens:,.0f} |"
         )
     return lines
@@ -180,8 +196,13 @@ def _plot(rows: list[Projection], path: Path) -> bool:
     left.legend(fontsize=8)
     right.plot(nodes, [r.flat_break_even_tokens for r in rows], "o-", label="flat")
     right.plot(nodes, [r.hybrid_break_even_tokens for r in rows], "s-", label="hybrid")
-    right.set(xscale="log", yscale="log", xlabel="nodes (x 8 devices)", ylabel="tokens per device",
-              title="Break-even batch (compute = communication)")
+    right.set(
+        xscale="log",
+        yscale="log",
+        xlabel="nodes (x 8 devices)",
+        ylabel="tokens per device",
+        title="Break-even batch (compute = communication)",
+    )
     right.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -200,8 +221,13 @@ def main() -> None:
     parser.add_argument("--tflops", type=float, default=400.0)
     parser.add_argument("--out", default=str(HERE / "PROJECTION.md"))
     args = parser.parse_args()
-    hw = Hardware(args.intra_gbytes * 1e9, args.intra_latency_us * 1e-6, args.inter_gbits / 8 * 1e9,
-                  args.inter_latency_us * 1e-6, args.tflops * 1e12)
+    hw = Hardware(
+        args.intra_gbytes * 1e9,
+        args.intra_latency_us * 1e-6,
+        args.inter_gbits / 8 * 1e9,
+        args.inter_latency_us * 1e-6,
+        args.tflops * 1e12,
+    )
 
     measured = measure()
     stage3 = {r["shard_group_size"]: r["per_param"] for r in measured if r["stage"] == 3}
@@ -227,11 +253,13 @@ def main() -> None:
         across_formula = f"1/{k}" if k < 4 else "0"
         layout = "flat (4)" if k == 4 else f"hybrid ({k} x {4 // k})"
         per = r["per_param"]
-        lines.append(f"| {r['stage']} | {layout} | {per['SHARD_GROUP']:.3f} | {per['ACROSS_GROUPS']:.3f} | "
-                     f"{per['WORLD']:.4f} | {inside_formula} / {across_formula} |")
+        lines.append(
+            f"| {r['stage']} | {layout} | {per['SHARD_GROUP']:.3f} | {per['ACROSS_GROUPS']:.3f} | "
+            f"{per['WORLD']:.4f} | {inside_formula} / {across_formula} |"
+        )
     lines += [
         "",
-        "(Ψ counts the padded flat parameters; \"every rank\" is the step agreement and buffers. Flat sharding's "
+        '(Ψ counts the padded flat parameters; "every rank" is the step agreement and buffers. Flat sharding\'s '
         "3Ψ crosses every link, the slowest included; hybrid sharding's crosses only the links inside a group.)",
         "",
         f"## Projected: ZeRO-3, {args.params:.3g} parameters, {args.tokens_per_device:,.0f} tokens per device per step",

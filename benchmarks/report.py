@@ -16,7 +16,9 @@ TARGETS = {1: 0.85, 2: 0.90, 3: 1.10}
 
 
 def _formula(record: dict) -> int:
-    return expected_model_state_bytes(record["stage"], record["numel"], record["world_size"], MixedPrecision(), ADAM_BYTES).model_state_bytes
+    return expected_model_state_bytes(
+        record["stage"], record["numel"], record["world_size"], MixedPrecision(), ADAM_BYTES
+    ).model_state_bytes
 
 
 def _ok(records: list[dict], size: str, world_size: int) -> list[dict]:
@@ -66,13 +68,18 @@ def _phase_table(records: list[dict], size: str) -> list[str]:
     ]
     for r in rows:
         p = r["phase_median_s"]
-        lines.append(f"| {r['contestant']} | {p['forward']:.3f} | {p['backward']:.3f} | {p['optimizer step']:.3f} | "
-                     f"{r['median_step_s']:.3f} | {r['median_step_s'] / ddp['median_step_s']:.2f}x |")
+        lines.append(
+            f"| {r['contestant']} | {p['forward']:.3f} | {p['backward']:.3f} | {p['optimizer step']:.3f} | "
+            f"{r['median_step_s']:.3f} | {r['median_step_s'] / ddp['median_step_s']:.2f}x |"
+        )
     half = ddp["median_step_s"] - ddp["phase_median_s"]["optimizer step"] / 2
-    lines += ["", f"DDP's step less half its optimizer step (what stages 1/2 save by updating half the parameters, all else "
-              f"as DDP): {half:.3f} s = {half / ddp['median_step_s']:.2f}x DDP. A stage's optimizer step above half of DDP's "
-              "is mostly its post-step all-gather, waited for inside the step; a backward below DDP's is DDP's all-reduce "
-              "that our reduce-scatters hide better."]
+    lines += [
+        "",
+        f"DDP's step less half its optimizer step (what stages 1/2 save by updating half the parameters, all else "
+        f"as DDP): {half:.3f} s = {half / ddp['median_step_s']:.2f}x DDP. A stage's optimizer step above half of DDP's "
+        "is mostly its post-step all-gather, waited for inside the step; a backward below DDP's is DDP's all-reduce "
+        "that our reduce-scatters hide better.",
+    ]
     return lines
 
 
@@ -97,8 +104,11 @@ def _profile_table(records: list[dict], size: str) -> list[str]:
     for r in rows:
         shares, step = r["profile"]["shares"], r["median_step_s"]
         top = ", ".join(f"`{name}` {seconds:.2f}" for name, seconds in r["profile"]["top_self"][:4])
-        lines.append(f"| {r['contestant']} | {step:.3f} | " + " | ".join(f"{shares[c] * step:.3f}" for c in CATEGORIES)
-                     + f" | {top} |")
+        lines.append(
+            f"| {r['contestant']} | {step:.3f} | "
+            + " | ".join(f"{shares[c] * step:.3f}" for c in CATEGORIES)
+            + f" | {top} |"
+        )
     return lines
 
 
@@ -111,10 +121,14 @@ def _traffic_table(records: list[dict], size: str) -> list[str]:
         if not r.get("traffic"):
             continue
         param_bytes = 4 * r["numel"]
-        formula = {0: "all-reduce 2Ψ (counted once: Ψ)", 1: "RS Ψ + AG Ψ", 2: "RS Ψ + AG Ψ", 3: "AG 2Ψ + RS Ψ"}[r["stage"]]
+        formula = {0: "all-reduce 2Ψ (counted once: Ψ)", 1: "RS Ψ + AG Ψ", 2: "RS Ψ + AG Ψ", 3: "AG 2Ψ + RS Ψ"}[
+            r["stage"]
+        ]
         for kind, count in r["traffic"].items():
             if count["calls"] and kind in ("all_gather", "reduce_scatter", "all_reduce") and count["bytes"] > 1024:
-                lines.append(f"| {r['contestant']} | {kind} | {count['calls']} | {count['bytes'] / MIB:.1f} | {count['bytes'] / param_bytes:.2f} | {formula} |")
+                lines.append(
+                    f"| {r['contestant']} | {kind} | {count['calls']} | {count['bytes'] / MIB:.1f} | {count['bytes'] / param_bytes:.2f} | {formula} |"
+                )
     return lines
 
 
@@ -128,7 +142,9 @@ def _largest_model(records: list[dict], size: str) -> list[str]:
     for r in _ok(records, size, 2):
         formula = _formula(r) / r["numel"]
         measured = max(r["model_state_bytes"]) / r["numel"]
-        lines.append(f"| {r['contestant']} | {r['stage']} | {formula:.2f} | {measured:.2f} | {BUDGET / formula / 1e6:.1f} | {BUDGET / measured / 1e6:.1f} |")
+        lines.append(
+            f"| {r['contestant']} | {r['stage']} | {formula:.2f} | {measured:.2f} | {BUDGET / formula / 1e6:.1f} | {BUDGET / measured / 1e6:.1f} |"
+        )
     return lines
 
 
@@ -152,12 +168,17 @@ def _largest_search(largest: list[dict]) -> list[str]:
 
 
 def _scaling(records: list[dict]) -> list[str]:
-    lines = ["| contestant | world size | median step (s) | model states / rank (MiB) | formula (MiB) |", "|---|---|---|---|---|"]
+    lines = [
+        "| contestant | world size | median step (s) | model states / rank (MiB) | formula (MiB) |",
+        "|---|---|---|---|---|",
+    ]
     for contestant in ("ddp", "zero1", "zero2", "zero3"):
         for world_size in (1, 2, 4):
             for r in _ok(records, "small", world_size):
                 if r["contestant"] == contestant:
-                    lines.append(f"| {contestant} | {world_size} | {r['median_step_s']:.3f} | {max(r['model_state_bytes']) / MIB:.1f} | {_formula(r) / MIB:.1f} |")
+                    lines.append(
+                        f"| {contestant} | {world_size} | {r['median_step_s']:.3f} | {max(r['model_state_bytes']) / MIB:.1f} | {_formula(r) / MIB:.1f} |"
+                    )
     return lines
 
 
@@ -172,17 +193,27 @@ def _targets(records: list[dict], size: str) -> list[str]:
             continue
         ratio = ours["median_step_s"] / rows["ddp"]["median_step_s"]
         verdict = "met" if ratio <= TARGETS[stage] else f"missed by {ratio / TARGETS[stage] - 1:.0%}"
-        others = [name for name in (f"deepspeed{stage}", "fsdp2" if stage == 3 else "", "ddp_zero_optimizer" if stage == 1 else "") if name in rows]
-        against = ", ".join(f"{name} {rows[name]['median_step_s'] / ours['median_step_s']:.2f}x our time" for name in others)
+        others = [
+            name
+            for name in (f"deepspeed{stage}", "fsdp2" if stage == 3 else "", "ddp_zero_optimizer" if stage == 1 else "")
+            if name in rows
+        ]
+        against = ", ".join(
+            f"{name} {rows[name]['median_step_s'] / ours['median_step_s']:.2f}x our time" for name in others
+        )
         if stage == 3 and "fsdp2" in rows:
             against += f"; peak RSS {max(ours['peak_rss_bytes']) / MIB:.0f} MiB vs fsdp2's {max(rows['fsdp2']['peak_rss_bytes']) / MIB:.0f} MiB"
         overlap = rows.get(f"zero{stage}_overlap")
         if overlap is not None:
             against = (against + "; " if against else "") + (
-                f"with overlap_param_refresh {overlap['median_step_s'] / rows['ddp']['median_step_s']:.2f}x DDP")
+                f"with overlap_param_refresh {overlap['median_step_s'] / rows['ddp']['median_step_s']:.2f}x DDP"
+            )
         memory = max(ours["model_state_bytes"]) / _formula(ours)
-        lines.append(f"- Stage {stage}: {ratio:.2f}x DDP (target <= {TARGETS[stage]}x: {verdict}); memory {memory:.3f}x the formula (target within 5%)"
-                     + (f"; {against}" if against else "") + ".")
+        lines.append(
+            f"- Stage {stage}: {ratio:.2f}x DDP (target <= {TARGETS[stage]}x: {verdict}); memory {memory:.3f}x the formula (target within 5%)"
+            + (f"; {against}" if against else "")
+            + "."
+        )
     return lines
 
 
@@ -215,8 +246,17 @@ def _plots(records: list[dict], size: str, directory: Path) -> list[str]:
     figure, axis = plt.subplots(figsize=(8, 4))
     bottoms = [0.0] * len(ours)
     # An all-reduce is a reduce-scatter plus an all-gather: 2x its payload in the formulas' accounting.
-    for kind, weight, label in (("all_reduce", 2, "all_reduce (x2: RS + AG)"), ("reduce_scatter", 1, "reduce_scatter"), ("all_gather", 1, "all_gather")):
-        values = [weight * r["traffic"].get(kind, {}).get("bytes", 0) / (4 * r["numel"]) if r["traffic"].get(kind, {}).get("bytes", 0) > 1024 else 0 for r in ours]
+    for kind, weight, label in (
+        ("all_reduce", 2, "all_reduce (x2: RS + AG)"),
+        ("reduce_scatter", 1, "reduce_scatter"),
+        ("all_gather", 1, "all_gather"),
+    ):
+        values = [
+            weight * r["traffic"].get(kind, {}).get("bytes", 0) / (4 * r["numel"])
+            if r["traffic"].get(kind, {}).get("bytes", 0) > 1024
+            else 0
+            for r in ours
+        ]
         axis.bar([r["contestant"] for r in ours], values, bottom=bottoms, label=label)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     axis.set_ylabel("bytes moved per step / parameter bytes")
@@ -254,12 +294,25 @@ def write_report(source: Path, target: Path, plot_dir: Path) -> None:
     ]
     for size in sizes:
         rerun = data.get("machine_by_size", {}).get(size)  # rerun alone with --merge: its own date and versions
-        note = [f"Run on its own on {rerun['date']} (torch {rerun['versions']['torch']}); ratios compare rows of this table.", ""] if rerun else []
+        note = (
+            [
+                f"Run on its own on {rerun['date']} (torch {rerun['versions']['torch']}); ratios compare rows of this table.",
+                "",
+            ]
+            if rerun
+            else []
+        )
         lines += ["", f"## Step time, memory and losses: {size} model", "", *note, *_speed_table(records, size)]
     lines += ["", f"## Where the step goes: {main_size} model", "", *_phase_table(records, main_size)]
     lines += ["", f"## Profile of a step: {main_size} model", "", *_profile_table(records, main_size)]
     lines += ["", f"## Communication per step: {main_size} model", "", *_traffic_table(records, main_size)]
-    lines += ["", "## Largest trainable model", "", *_largest_model(records, main_size), *_largest_search(data.get("largest", []))]
+    lines += [
+        "",
+        "## Largest trainable model",
+        "",
+        *_largest_model(records, main_size),
+        *_largest_search(data.get("largest", [])),
+    ]
     lines += ["", "## Scaling (small model; 4 processes oversubscribe the 2 cores)", "", *_scaling(records)]
     lines += ["", "## Plots", "", *_plots(records, main_size, plot_dir)]
     notes = Path(__file__).with_name("NOTES.md")

@@ -36,9 +36,24 @@ DEVICE = "cpu"  # set from --device
 def run(contestant: str, size: str, world_size: int, out_dir: Path, steps: int, depth: int | None = None) -> dict:
     name = f"{size}-{contestant}-w{world_size}" + (f"-d{depth}" if depth else "")
     out = out_dir / f"{name}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world_size),
-               str(HERE / "harness.py"), "--contestant", contestant, "--size", size, "--steps", str(steps), "--out", str(out),
-               "--device", DEVICE]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(world_size),
+        str(HERE / "harness.py"),
+        "--contestant",
+        contestant,
+        "--size",
+        size,
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--device",
+        DEVICE,
+    ]
     if depth:
         command += ["--depth", str(depth)]
     env = {**os.environ, "DS_ACCELERATOR": "cuda" if DEVICE == "cuda" else "cpu", "PYTHONWARNINGS": "ignore"}
@@ -68,13 +83,28 @@ def largest_model(contestant: str, stage_bytes_per_param: float, out_dir: Path) 
         depth = neighbour
     fitting = [d for d, r in fits.items() if max(r["model_state_bytes"]) <= BUDGET_BYTES]
     best = fits[max(fitting)] if fitting else None
-    return {"contestant": contestant, "budget_bytes": BUDGET_BYTES, "probes": {d: max(r["model_state_bytes"]) for d, r in fits.items()},
-            "depth": best["depth"] if best else None, "numel": best["numel"] if best else None}
+    return {
+        "contestant": contestant,
+        "budget_bytes": BUDGET_BYTES,
+        "probes": {d: max(r["model_state_bytes"]) for d, r in fits.items()},
+        "depth": best["depth"] if best else None,
+        "numel": best["numel"] if best else None,
+    }
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else platform.processor()
+    cpu = (
+        next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        )
+        if Path("/proc/cpuinfo").exists()
+        else platform.processor()
+    )
     versions = {"torch": torch.__version__, "python": platform.python_version()}
     for package in ("deepspeed", "lightning-zero"):
         try:
@@ -90,13 +120,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small model only, fewer steps")
     parser.add_argument("--out", default=str(HERE / "results"))
-    parser.add_argument("--largest-only", action="store_true", help="only the largest-model search, added to an existing all.json")
-    parser.add_argument("--sizes", nargs="+", choices=("small", "medium", "large"), default=None,
-                        help="model sizes to run at world size 2 (default: all three; --quick: small)")
-    parser.add_argument("--merge", action="store_true",
-                        help="replace only these sizes' records in an existing all.json (no scaling or largest-model runs)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: on a GPU machine, NCCL, world size 1 (the only size the lent machine has)")
+    parser.add_argument(
+        "--largest-only", action="store_true", help="only the largest-model search, added to an existing all.json"
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        choices=("small", "medium", "large"),
+        default=None,
+        help="model sizes to run at world size 2 (default: all three; --quick: small)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only these sizes' records in an existing all.json (no scaling or largest-model runs)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: on a GPU machine, NCCL, world size 1 (the only size the lent machine has)",
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -104,7 +148,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.largest_only:
         data = json.loads((out_dir / "all.json").read_text())
-        data["largest"] = [largest_model(c, b, out_dir) for c, b in (("ddp", 16), ("zero1", 12), ("zero2", 10), ("zero3", 8))]
+        data["largest"] = [
+            largest_model(c, b, out_dir) for c, b in (("ddp", 16), ("zero1", 12), ("zero2", 10), ("zero3", 8))
+        ]
         (out_dir / "all.json").write_text(json.dumps(data, indent=1))
         write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
         return

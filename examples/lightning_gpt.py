@@ -13,11 +13,10 @@ import argparse
 import os
 import sys
 
+import lightning.pytorch as pl
 import torch
 import torchmetrics
 from torch.utils.data import DataLoader, Dataset
-
-import lightning.pytorch as pl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
@@ -101,7 +100,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // args.devices))
     pl.seed_everything(0)
-    strategy = ZeroStrategy(stage=int(args.strategy[-1]), wrap_policy=GPTBlock) if args.strategy.startswith("zero") else args.strategy
+    strategy = (
+        ZeroStrategy(stage=int(args.strategy[-1]), wrap_policy=GPTBlock)
+        if args.strategy.startswith("zero")
+        else args.strategy
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -118,7 +121,10 @@ def main() -> None:
     )
     trainer.fit(LitGPT())
     if trainer.global_rank == 0:
-        print(f"final train_loss {trainer.callback_metrics['train_loss']:.4f}, val_perplexity {trainer.callback_metrics['val_perplexity']:.2f}")
+        print(
+            f"final train_loss {trainer.callback_metrics['train_loss']:.4f}, "
+            f"val_perplexity {trainer.callback_metrics['val_perplexity']:.2f}"
+        )
 
 
 if __name__ == "__main__":

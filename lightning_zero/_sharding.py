@@ -61,7 +61,11 @@ def zero_settings(
 def register_zero_strategies(strategy_class: type, registry: Any) -> None:
     for stage in (1, 2, 3):
         registry.register(
-            f"zero{stage}", strategy_class, description=f"ZeRO stage {stage} (lightning-zero)", stage=stage, override=True
+            f"zero{stage}",
+            strategy_class,
+            description=f"ZeRO stage {stage} (lightning-zero)",
+            stage=stage,
+            override=True,
         )
 
 
@@ -74,7 +78,11 @@ def as_zero_precision(plugin: Any, precision_class: type[PrecisionT]) -> Precisi
 
 
 def build_engine(
-    module: nn.Module, optimizer: Optimizer | None, config: ZeroConfig, precision: ZeroPrecisionSettings, device: torch.device
+    module: nn.Module,
+    optimizer: Optimizer | None,
+    config: ZeroConfig,
+    precision: ZeroPrecisionSettings,
+    device: torch.device,
 ) -> ZeroEngine:
     """Shard ``module`` in the precision's dtypes and hand the engine to the precision plugin."""
     engine = shard_module(module, optimizer, replace(config, mixed_precision=precision.policy), device)

@@ -14,17 +14,15 @@ from pathlib import Path
 from typing import Any, Callable, Generator, Literal
 
 import torch
-from torch import nn
-from torch.optim import Optimizer
-
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import nn
+from torch.optim import Optimizer
 
 from zero_core import ZeroEngine
-
 from zero_core.sharding import single_optimizer
 
 from ._sharding import (
@@ -81,8 +79,15 @@ class ZeroFabricStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
     ) -> None:
         self.zero_config = zero_settings(
-            stage, wrap_policy, bucket_size_mb, prefetch, prefetch_cap_mb, broadcast_buffers, overlap_param_refresh,
-            shard_group_size, persistence_threshold,
+            stage,
+            wrap_policy,
+            bucket_size_mb,
+            prefetch,
+            prefetch_cap_mb,
+            broadcast_buffers,
+            overlap_param_refresh,
+            shard_group_size,
+            persistence_threshold,
         )
         super().__init__(
             accelerator=accelerator,
@@ -140,13 +145,19 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # ------------------------------------------------------------ gradients
     def clip_gradients_norm(
-        self, module: nn.Module, optimizer: Optimizer, max_norm: float | int, norm_type: float | int = 2.0,
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
         assert self.engine is not None
         norm = self.engine.clip_grad_norm_(float(max_norm), float(norm_type))
         if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(f"The total norm of the gradients is {norm}; pass error_if_nonfinite=False to clip anyway.")
+            raise RuntimeError(
+                f"The total norm of the gradients is {norm}; pass error_if_nonfinite=False to clip anyway."
+            )
         return norm
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
@@ -155,7 +166,10 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # ---------------------------------------------------------- checkpoints
     def save_checkpoint(
-        self, path: Any, state: dict[str, Any], storage_options: Any | None = None,
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         if storage_options is not None or filter is not None:
@@ -163,12 +177,19 @@ class ZeroFabricStrategy(DDPStrategy):
         assert self.engine is not None
         path = Path(self.broadcast(str(path)))
         # Stateful objects (schedulers, ...) as their state dicts, as Fabric's other strategies store them.
-        extra = {k: v.state_dict() if _is_stateful(v) else v for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
+        extra = {
+            k: v.state_dict() if _is_stateful(v) else v
+            for k, v in state.items()
+            if not isinstance(v, (nn.Module, Optimizer))
+        }
         has_optimizer = any(isinstance(v, Optimizer) for v in state.values())
         self.engine.save_checkpoint(path, extra, include_optimizer=has_optimizer)
 
     def load_checkpoint(
-        self, path: Any, state: nn.Module | Optimizer | dict[str, Any] | None = None, strict: bool = True,
+        self,
+        path: Any,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         assert self.engine is not None
@@ -200,4 +221,8 @@ class ZeroFabricStrategy(DDPStrategy):
 
 def _is_stateful(value: Any) -> bool:
     """Fabric's notion of a stateful object: it has ``state_dict`` and ``load_state_dict``."""
-    return not isinstance(value, type) and callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+    return (
+        not isinstance(value, type)
+        and callable(getattr(value, "state_dict", None))
+        and callable(getattr(value, "load_state_dict", None))
+    )

@@ -7,12 +7,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-import torch
-from torch.optim import Optimizer
-
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.optim import Optimizer
 
 from zero_core import MixedPrecision, ZeroEngine
 

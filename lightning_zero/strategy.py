@@ -13,16 +13,15 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-from torch.optim import Optimizer
-
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
 
 from zero_core import ZeroEngine, engine_of
 from zero_core.checkpoint import is_sharded_checkpoint, remove_checkpoint
@@ -84,8 +83,15 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         # Validate now, before Lightning launches any process.
         self.zero_config = zero_settings(
-            stage, wrap_policy, bucket_size_mb, prefetch, prefetch_cap_mb, broadcast_buffers, overlap_param_refresh,
-            shard_group_size, persistence_threshold,
+            stage,
+            wrap_policy,
+            bucket_size_mb,
+            prefetch,
+            prefetch_cap_mb,
+            broadcast_buffers,
+            overlap_param_refresh,
+            shard_group_size,
+            persistence_threshold,
         )
         super().__init__(
             accelerator=accelerator,
@@ -132,7 +138,9 @@ class ZeroStrategy(DDPStrategy):
                     self.model = self._layer_sync.apply(self.lightning_module)
             self.setup_optimizers(trainer)
             optimizer = single_optimizer(self.optimizers)
-        self.engine = build_engine(self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device)
+        self.engine = build_engine(
+            self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device
+        )
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:
@@ -188,7 +196,9 @@ class ZeroStrategy(DDPStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
-            raise TypeError("ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it writes DCP directories.")
+            raise TypeError(
+                "ZeroStrategy.save_checkpoint(storage_options=...) is not supported: it writes DCP directories."
+            )
         assert self.engine is not None
         path = Path(self.broadcast(str(filepath)))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}

@@ -25,7 +25,9 @@ def resign(directory: Path) -> None:
     except Exception:  # noqa: BLE001 - a hostile .metadata: whole-file digests only
         pass
     names = set(manifest.files) | {p.name for p in directory.iterdir() if p.name.endswith(".distcp")}
-    files = {name: digest_data_file(directory / name, ranges.get(name, [])) for name in names if (directory / name).exists()}
+    files = {
+        name: digest_data_file(directory / name, ranges.get(name, [])) for name in names if (directory / name).exists()
+    }
     write_manifest(directory, Manifest(manifest.save_id, files))
 
 
@@ -61,9 +63,12 @@ def tmpfs(mount_point: Path, size_bytes: int) -> Iterator[bool]:
     """A real small filesystem at ``mount_point`` (yields False where mounting is not allowed)."""
     mount_point.mkdir(parents=True, exist_ok=True)
     size_kib = max(64, size_bytes // 1024)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount_point)], capture_output=True
-    ).returncode == 0
+    mounted = (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount_point)], capture_output=True
+        ).returncode
+        == 0
+    )
     try:
         yield mounted
     finally:

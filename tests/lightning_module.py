@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
-
-import lightning.pytorch as pl
 
 from .models import SEQ, VOCAB, TinyTransformer, lm_loss, param_groups, uses_branch
 
@@ -92,7 +91,10 @@ class BackboneTinyLM(TinyLM):
         return self.net.blocks[0]
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        groups = [dict(group, params=[p for p in group["params"] if p.requires_grad]) for group in param_groups(self.net, self.hparams.lr)]
+        groups = [
+            dict(group, params=[p for p in group["params"] if p.requires_grad])
+            for group in param_groups(self.net, self.hparams.lr)
+        ]
         optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

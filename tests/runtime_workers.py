@@ -64,7 +64,9 @@ def traffic_of(engine: ZeroEngine, run: Callable[[], Any]) -> tuple[Any, dict[st
     return result, CommStats.difference(engine.comm_stats.snapshot(), before)
 
 
-def train_step(engine: ZeroEngine, model: nn.Module, ids: torch.Tensor, loss_fn: Callable[..., torch.Tensor]) -> torch.Tensor:
+def train_step(
+    engine: ZeroEngine, model: nn.Module, ids: torch.Tensor, loss_fn: Callable[..., torch.Tensor]
+) -> torch.Tensor:
     """Forward, backward and optimizer step; returns the loss."""
     loss = loss_fn(model, ids)
     engine.backward(loss)

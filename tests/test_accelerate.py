@@ -27,7 +27,9 @@ PARITY = ["--accumulate", "2", "--clip", "0.5"]
 RESUMABLE = ["--batchnorm", "0", "--steps", "6", "--save-at", "3", "--scheduler", "0"]
 
 
-def _launch(out: Path, name: str, *script_args: str, zero: dict | None = None, processes: int = 2) -> subprocess.CompletedProcess:
+def _launch(
+    out: Path, name: str, *script_args: str, zero: dict | None = None, processes: int = 2
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
         del env[key]
@@ -39,7 +41,10 @@ def _launch(out: Path, name: str, *script_args: str, zero: dict | None = None, p
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     return subprocess.run(
         [*launcher, *distribution, SCRIPT, str(out), name, *script_args],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -57,8 +62,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         _checked(_launch(out, f"zero{stage}", *PARITY, zero={"stage": stage, "wrap_classes": "[Block]"}))
     _checked(_launch(out, "saved", *RESUMABLE, zero={"stage": 3, "wrap_classes": "[Block]"}))
     _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
-    _checked(_launch(out, "resumed-1", *RESUMABLE, "--batch-size", "8", "--resume", str(out / "saved-state"),
-                     zero={"stage": 1}, processes=1))
+    _checked(
+        _launch(
+            out,
+            "resumed-1",
+            *RESUMABLE,
+            "--batch-size",
+            "8",
+            "--resume",
+            str(out / "saved-state"),
+            zero={"stage": 1},
+            processes=1,
+        )
+    )
     names = ["ddp", "zero1", "zero3", "saved", "resumed-2", "resumed-1"]
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
@@ -89,7 +105,8 @@ def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path
     expected = results["resumed-2"]["loaded"]  # get_state_dict right after load_state
     subprocess.run(
         [*ACCELERATE, "merge-weights", str(out / "saved-state" / "pytorch_model_zero_0"), str(tmp_path / "merged")],
-        check=True, capture_output=True,
+        check=True,
+        capture_output=True,
     )
     merged = load_file(tmp_path / "merged" / "model.safetensors")
     assert set(merged) == set(expected)
@@ -112,8 +129,20 @@ def test_bad_zero_config_fails_before_launch(tmp_path: Path, config: str, messag
     file.write_text(config)
     started = time.monotonic()
     result = subprocess.run(
-        [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(file), "--num_processes", "2", SCRIPT, str(tmp_path), "x"],
-        capture_output=True, text=True, timeout=60,
+        [
+            *ACCELERATE_ZERO,
+            "launch",
+            "--zero_config_file",
+            str(file),
+            "--num_processes",
+            "2",
+            SCRIPT,
+            str(tmp_path),
+            "x",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 2
     assert message in result.stderr
@@ -132,18 +161,32 @@ def test_plugin_reads_the_environment_and_explicit_arguments_win(monkeypatch: py
 
 def test_accelerate_adapter_does_not_import_lightning() -> None:
     code = "import sys, accelerate_zero; print(any(m.startswith('lightning') for m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
-def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from accelerate_zero.launch import plugin_from_arguments
 
     monkeypatch.setenv("ACCELERATE_ZERO_PREFETCH", "7")  # left over from an earlier launch
     config = tmp_path / "zero.yaml"
     config.write_text("stage: 2\n")
     plugin, launch_args = plugin_from_arguments(
-        ["--zero_config_file", str(config), "--zero_broadcast_buffers", "false", "--num_processes", "2",
-         "train.py", "--zero_prefetch", "3"]
+        [
+            "--zero_config_file",
+            str(config),
+            "--zero_broadcast_buffers",
+            "false",
+            "--num_processes",
+            "2",
+            "train.py",
+            "--zero_prefetch",
+            "3",
+        ]
     )
     assert (plugin.stage, plugin.prefetch, plugin.broadcast_buffers) == (2, 1, False)
     assert launch_args.training_script == "train.py"
@@ -156,15 +199,20 @@ def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_r
     folder whose model save failed after its optimizer save is refused by load_state, changing nothing."""
     script = Path(__file__).parent / "scripts" / "accelerate_failures.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)], env={**os.environ, "ACCELERATE_USE_CPU": "1"},
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, str(script), str(tmp_path)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     _checked(result)
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["failed save"].startswith("No space left on device"), report
     assert report["folders after a failed save"] == ["checkpoint_0"]
     assert report["latest loads the first save"]
-    assert report["accelerate's files fail"].startswith("save_state failed: OSError: [Errno 28] No space left on device")
+    assert report["accelerate's files fail"].startswith(
+        "save_state failed: OSError: [Errno 28] No space left on device"
+    )
     assert report["folders after accelerate's files failed"] == ["checkpoint_0"]
     assert report["folders after a good save"] == ["checkpoint_1"]
     assert "come from different saves" in report["mixed pair"], report

@@ -22,7 +22,15 @@ from zero_core import CollectiveKind, MixedPrecision, WrapPolicy, ZeroConfig
 
 from .distributed import run_distributed
 from .models import Block, batch, lm_loss
-from .runtime_workers import ReduceProbe, make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
+from .runtime_workers import (
+    ReduceProbe,
+    make_pair,
+    padded_numel,
+    parameter_error,
+    reference_step,
+    traffic_of,
+    train_step,
+)
 
 FORMS = [
     "none",
@@ -83,7 +91,9 @@ def _train(stage: int, form: str, steps: int = 3) -> dict:
             pair.engine.reset_peak_live_units()
             probe.start_step()
             loss, traffic = traffic_of(pair.engine, lambda: train_step(pair.engine, pair.model, ids, _lm))
-            errors.append(max(abs(loss.item() - reference_loss.item()) / abs(reference_loss.item()), parameter_error(pair)))
+            errors.append(
+                max(abs(loss.item() - reference_loss.item()) / abs(reference_loss.item()), parameter_error(pair))
+            )
             gathered.append(traffic[CollectiveKind.ALL_GATHER.value].bytes)
             reduced.append(traffic[CollectiveKind.REDUCE_SCATTER.value].calls)
             peaks.append(pair.engine.peak_live_units)
@@ -132,8 +142,13 @@ def _hf_llama(stage: int, checkpointing: str) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     config = LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
     )
 
     def factory() -> torch.nn.Module:
@@ -144,9 +159,14 @@ def _hf_llama(stage: int, checkpointing: str) -> dict:
             model.gradient_checkpointing_enable({"use_reentrant": checkpointing == "reentrant"})
         model.train()
 
-    zero = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(LlamaDecoderLayer,)), mixed_precision=MixedPrecision())
+    zero = ZeroConfig(
+        stage=stage, wrap_policy=WrapPolicy(module_classes=(LlamaDecoderLayer,)), mixed_precision=MixedPrecision()
+    )
     pair = make_pair(
-        stage, model_factory=factory, prepare=prepare, config=zero,
+        stage,
+        model_factory=factory,
+        prepare=prepare,
+        config=zero,
         optimizer_factory=lambda module: torch.optim.AdamW(module.parameters(), lr=1e-2),
     )
     rank = torch.distributed.get_rank()

@@ -62,8 +62,13 @@ def _train(
         losses.append(loss.item())
         peaks.append(engine.peak_live_units)
         depths.append(engine.runtime.prefetch)
-    return {"losses": losses, "final": engine.full_state_dict(), "peaks": peaks, "depths": depths,
-            "report": engine.prefetch_report()}
+    return {
+        "losses": losses,
+        "final": engine.full_state_dict(),
+        "peaks": peaks,
+        "depths": depths,
+        "report": engine.prefetch_report(),
+    }
 
 
 def _inference(rank: int) -> dict[str, Any]:
@@ -151,8 +156,13 @@ def test_the_memory_cap_bounds_the_depth(grid: list) -> None:
 def test_the_depth_hides_the_measured_gather() -> None:
     """k* = ceil(T_gather / T_compute), at most the cap; no gather time: no prefetch."""
     comm = CommContext.create(None, torch.device("cpu"))
-    for gather, forward, cap_bytes, expected in [(0.3, 0.4, 10**9, 3), (0.3, 0.5, 10**9, 2), (0.0, 1.0, 10**9, 0),
-                                                  (0.9, 1.0, 10**9, 4), (0.3, 0.4, 250, 2)]:
+    for gather, forward, cap_bytes, expected in [
+        (0.3, 0.4, 10**9, 3),
+        (0.3, 0.5, 10**9, 2),
+        (0.0, 1.0, 10**9, 0),
+        (0.9, 1.0, 10**9, 4),
+        (0.3, 0.4, 250, 2),
+    ]:
         tuner = AutoPrefetch([100, 100, 100, 100, 100], cap_bytes)
         assert tuner.on_optimizer_step(comm) == 0  # warmed up: prefetch off while measuring
         for _ in range(MEASURED_STEPS - 1):

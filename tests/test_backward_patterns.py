@@ -155,8 +155,13 @@ def _run(stage: int, pattern: str) -> float:
 
 
 PATTERNS = [
-    "two-forwards-sum", "disjoint-losses", "retain-graph-twice", "root-output-per-rank", "failed-forward-between",
-    "output-object-accumulated", "losses-kept-on-one-rank",
+    "two-forwards-sum",
+    "disjoint-losses",
+    "retain-graph-twice",
+    "root-output-per-rank",
+    "failed-forward-between",
+    "output-object-accumulated",
+    "losses-kept-on-one-rank",
 ]
 CASES = [(stage, pattern) for pattern in PATTERNS for stage in STAGES]
 

@@ -20,7 +20,7 @@ from zero_core import ZeroEngine
 from zero_core.checkpoint import load_full_checkpoint
 
 from .distributed import run_distributed
-from .models import VOCAB, SEQ, TinyTransformer, lm_loss, make_optimizer
+from .models import SEQ, VOCAB, TinyTransformer, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 
 GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3, 4
@@ -70,7 +70,9 @@ def _save_job(rank: int, world_size: int, setups: list[Setup], directory: str) -
     for setup in setups:
         model, engine = _engine(setup)
         _train(model, engine, range(SAVE_AT))
-        engine.save_checkpoint(Path(directory) / f"saved-{_name(world_size, setup)}", extra={"note": "hello", "step": SAVE_AT})
+        engine.save_checkpoint(
+            Path(directory) / f"saved-{_name(world_size, setup)}", extra={"note": "hello", "step": SAVE_AT}
+        )
         losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
         results[setup] = {"losses": losses, "final": engine.full_state_dict()}
         engine.unshard()
@@ -87,7 +89,10 @@ def _resume_job(rank: int, world_size: int, cases: list[tuple[int, Setup, Setup]
         engine.save_checkpoint(Path(directory) / f"reloaded-{saved}-to-{_name(world_size, setup)}")
         losses = _train(model, engine, range(SAVE_AT, TOTAL_STEPS))
         results[(save_world, save_setup, setup)] = {
-            "losses": losses, "final": engine.full_state_dict(), "extra": extra, "steps": engine.steps_taken
+            "losses": losses,
+            "final": engine.full_state_dict(),
+            "extra": extra,
+            "steps": engine.steps_taken,
         }
         engine.unshard()
     return results
@@ -126,7 +131,8 @@ def roundtrips(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, di
 
 
 @pytest.mark.parametrize(
-    "save_world, save_setup, load_world, load_setup", CASES,
+    "save_world, save_setup, load_world, load_setup",
+    CASES,
     ids=[f"{_name(sw, ss)}-to-{_name(lw, ls)}" for sw, ss, lw, ls in CASES],
 )
 def test_resume_at_any_world_size_and_stage(

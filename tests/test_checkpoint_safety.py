@@ -13,7 +13,6 @@ previous checkpoint loading bit-identically. Each spawn runs a whole grid.
 from __future__ import annotations
 
 import copy
-
 import errno
 import os
 import pickle
@@ -35,7 +34,6 @@ from . import checkpoint_files as files
 from .distributed import by_rank, run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for
-
 
 
 def _engine() -> tuple[TinyTransformer, ZeroEngine]:
@@ -110,6 +108,7 @@ def _corruptions(good: Path, other: Path, sentinel: Path) -> dict[str, tuple[Any
         def both(d: Path) -> None:
             action(d)
             files.resign(d)
+
         return both
 
     def shard_name(d: Path) -> str:
@@ -134,33 +133,62 @@ def _corruptions(good: Path, other: Path, sentinel: Path) -> dict[str, tuple[Any
     return {
         "flipped bytes in a shard": (
             lambda d: files.flip_bytes(files.largest_shard(d), files.largest_shard(d).stat().st_size // 2),
-            "it is corrupt, or it comes from another save"),
+            "it is corrupt, or it comes from another save",
+        ),
         "a shard from another save": (
-            lambda d: shutil.copy(other / shard_name(d), d / shard_name(d)), "does not match its checksum"),
+            lambda d: shutil.copy(other / shard_name(d), d / shard_name(d)),
+            "does not match its checksum",
+        ),
         "truncated shard": (
-            lambda d: os.truncate(files.largest_shard(d), files.largest_shard(d).stat().st_size // 2), "is truncated"),
-        "deleted shard": (lambda d: files.largest_shard(d).unlink(), ".distcp is missing; the checkpoint is incomplete"),
+            lambda d: os.truncate(files.largest_shard(d), files.largest_shard(d).stat().st_size // 2),
+            "is truncated",
+        ),
+        "deleted shard": (
+            lambda d: files.largest_shard(d).unlink(),
+            ".distcp is missing; the checkpoint is incomplete",
+        ),
         "meta.pt deleted": (lambda d: (d / "meta.pt").unlink(), "meta.pt is missing"),
         "meta.pt emptied": (lambda d: (d / "meta.pt").write_bytes(b""), "meta.pt is truncated (0 bytes"),
-        "meta.pt emptied, manifest re-signed": (resigned(lambda d: (d / "meta.pt").write_bytes(b"")), "meta.pt is empty"),
-        "meta.pt garbage, manifest re-signed": (resigned(lambda d: (d / "meta.pt").write_bytes(b"PK\x03\x04garbage")), "meta.pt is corrupt"),
+        "meta.pt emptied, manifest re-signed": (
+            resigned(lambda d: (d / "meta.pt").write_bytes(b"")),
+            "meta.pt is empty",
+        ),
+        "meta.pt garbage, manifest re-signed": (
+            resigned(lambda d: (d / "meta.pt").write_bytes(b"PK\x03\x04garbage")),
+            "meta.pt is corrupt",
+        ),
         "meta.pt runs code, manifest re-signed": (
             resigned(lambda d: torch.save({**_meta(d), "hook": _RunsCode(sentinel)}, d / "meta.pt")),
-            "meta.pt holds objects that only arbitrary code could rebuild"),
-        "meta.pt from another save, manifest re-signed": (resigned(meta_from_other), "comes from another save than the rest"),
+            "meta.pt holds objects that only arbitrary code could rebuild",
+        ),
+        "meta.pt from another save, manifest re-signed": (
+            resigned(meta_from_other),
+            "comes from another save than the rest",
+        ),
         "meta.pt without our record, manifest re-signed": (resigned(meta_without_record), "it has no 'zero' entry"),
         "manifest deleted": (lambda d: (d / "zero-manifest.json").unlink(), "zero-manifest.json is missing"),
-        "manifest damaged": (lambda d: files.flip_bytes(d / "zero-manifest.json", 40, 1), "zero-manifest.json is corrupt"),
+        "manifest damaged": (
+            lambda d: files.flip_bytes(d / "zero-manifest.json", 40, 1),
+            "zero-manifest.json is corrupt",
+        ),
         ".metadata runs code, manifest re-signed": (
-            resigned(lambda d: (d / ".metadata").write_bytes(pickle.dumps(_RunsCode(sentinel)))), "refusing to load posix.system"),
+            resigned(lambda d: (d / ".metadata").write_bytes(pickle.dumps(_RunsCode(sentinel)))),
+            "refusing to load posix.system",
+        ),
         ".metadata points outside the directory, manifest re-signed": (
-            resigned(escape), "names a data file '../escape.distcp' that is not part of this checkpoint"),
+            resigned(escape),
+            "names a data file '../escape.distcp' that is not part of this checkpoint",
+        ),
         "a shard breaks half-way through reading, manifest re-signed": (
-            resigned(broken_zip_late_in_shard), "failed while reading the shards"),
+            resigned(broken_zip_late_in_shard),
+            "failed while reading the shards",
+        ),
     }
 
 
-def _try_loads(rank: int, world_size: int, good: str, cases: list[tuple[str, str]], recoveries: list[tuple[str, str]]) -> dict[str, Any]:
+def _try_loads(
+    rank: int, world_size: int, good: str, cases: list[tuple[str, str]], recoveries: list[tuple[str, str]]
+) -> dict[str, Any]:
     model, engine = _engine()
     _train(model, engine, range(2))  # live state differs from every checkpoint
     out: dict[str, Any] = {}
@@ -316,6 +344,7 @@ def _fault_permission_rank0(rank: int) -> list[tuple[object, str, Any]]:
 def _fault_second_rename_rank0(rank: int) -> list[tuple[object, str, Any]]:
     if rank != 0:
         return []
+
     def failing(source, destination):  # type: ignore[no-untyped-def]
         if str(source).endswith(".partial"):  # the partial taking the path's place, after the path moved aside
             raise _oserror(errno.EIO, destination)
@@ -344,12 +373,19 @@ SAVE_FAULTS = {
     "permission denied on rank 0": (_fault_permission_rank0, None, "Permission denied: "),
     "second rename fails on rank 0": (_fault_second_rename_rank0, None, "Input/output error: "),
     "checksumming fails on rank 1": (_fault_checksum_rank1, None, "No such file or directory: "),
-    "extra state needs arbitrary code": (None, {"obj": _Unsafe()}, "holds objects that loading with weights_only=True refuses"),
+    "extra state needs arbitrary code": (
+        None,
+        {"obj": _Unsafe()},
+        "holds objects that loading with weights_only=True refuses",
+    ),
 }
 
 
 def _save_with_fault(engine: ZeroEngine, target: str, fault: Any, extra: Any) -> str:
-    patches = [(owner, name, _patched(owner, name, replacement)) for owner, name, replacement in (fault(engine.rank) if fault else [])]
+    patches = [
+        (owner, name, _patched(owner, name, replacement))
+        for owner, name, replacement in (fault(engine.rank) if fault else [])
+    ]
     try:
         engine.save_checkpoint(target, extra=extra)
         return "saved"
@@ -388,9 +424,11 @@ def _stop_during_save(engine: ZeroEngine, target: str) -> tuple[str, float]:
     torch.distributed.all_gather_object(pids, os.getpid())
     original = saving.digest_data_file
     if engine.rank == 1:
+
         def stop_then_digest(file, ranges, sync=False):  # type: ignore[no-untyped-def]
             os.kill(os.getpid(), signal.SIGSTOP)
             return original(file, ranges, sync=sync)
+
         saving.digest_data_file = stop_then_digest
     started = time.monotonic()
     try:
@@ -414,7 +452,9 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
     root, baselines = saved
     good = root / "good"
     work = tmp_path_factory.mktemp("saves")
-    targets = {name: str(files.copy_checkpoint(good, work / f"target{index}")) for index, name in enumerate(SAVE_FAULTS)}
+    targets = {
+        name: str(files.copy_checkpoint(good, work / f"target{index}")) for index, name in enumerate(SAVE_FAULTS)
+    }
     real_targets: dict[str, str] = {}
     size = files.directory_bytes(good)
     with files.tmpfs(work / "full", int(size * 1.5)) as full_mounted, files.tmpfs(work / "ro", 4 * size) as ro_mounted:
@@ -430,9 +470,18 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
         results = run_distributed(
             _try_saves, 2, targets, real_targets, str(plain), str(work / "stopped"), timeout=240, pg_timeout=PG_TIMEOUT
         )
-        leftovers = {name: sorted(p.name for p in Path(t).parent.iterdir() if p.name.startswith(".")) for name, t in {**targets, **real_targets}.items()}
+        leftovers = {
+            name: sorted(p.name for p in Path(t).parent.iterdir() if p.name.startswith("."))
+            for name, t in {**targets, **real_targets}.items()
+        }
         plain_contents = sorted(p.name for p in plain.iterdir())
-    return {"results": results, "baselines": baselines, "leftovers": leftovers, "real": sorted(real_targets), "plain": plain_contents}
+    return {
+        "results": results,
+        "baselines": baselines,
+        "leftovers": leftovers,
+        "real": sorted(real_targets),
+        "plain": plain_contents,
+    }
 
 
 def test_a_failed_save_fails_alike_on_every_rank_root_cause_first(saves: dict) -> None:
@@ -457,7 +506,10 @@ def test_real_full_and_read_only_filesystems(saves: dict) -> None:
     if not saves["real"]:
         pytest.skip("mounting a small tmpfs needs root and mount permission")
     results = saves["results"]
-    causes = {"a really full filesystem": "No space left on device", "a really read-only filesystem": "Read-only file system"}
+    causes = {
+        "a really full filesystem": "No space left on device",
+        "a really read-only filesystem": "Read-only file system",
+    }
     for name in saves["real"]:
         assert results[0][name] == results[1][name] and results[0][name].startswith(causes[name]), results[0][name]
 
@@ -477,7 +529,6 @@ def test_a_stopped_rank_ends_the_save_on_the_others_with_the_step_named(saves: d
     assert "gave up waiting for the other ranks while checksumming the shards" in message, message
     assert waited < PG_TIMEOUT * 4, waited
     assert other_message != "saved", "the stopped rank's save returned normally"
-
 
 
 # ------------------------------------------------------------------ fp16: loss scale and step counter

@@ -10,14 +10,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from zero_core import ZeroEngine
 from zero_core.checkpoint import consolidate_checkpoint
 
 from .distributed import run_distributed
-
-ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # console-script shims may not be on PATH
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
-from zero_core import ZeroEngine
+
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # console-script shims may not be on PATH
 
 
 def _train_and_save(rank: int, world_size: int, directory: str) -> dict[str, torch.Tensor]:
@@ -51,8 +51,16 @@ def test_our_tool_writes_safetensors_and_lightning_files(saved: tuple, tmp_path:
     consolidate_checkpoint(directory / "full", tmp_path / "model.safetensors")
     _assert_same_weights(load_file(tmp_path / "model.safetensors"), expected)
     result = subprocess.run(
-        [sys.executable, "-m", "zero_core.checkpoint.consolidate", str(directory / "full"), str(tmp_path / "model.ckpt")],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "zero_core.checkpoint.consolidate",
+            str(directory / "full"),
+            str(tmp_path / "model.ckpt"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "wrote" in result.stdout
     checkpoint = torch.load(tmp_path / "model.ckpt", weights_only=True)
@@ -65,8 +73,17 @@ def test_lightning_consolidation_tool_reads_our_checkpoints(saved: tuple, tmp_pa
     directory, expected = saved
     output = tmp_path / "lightning.ckpt"
     subprocess.run(
-        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(directory / "full"), "--output_file", str(output)],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "lightning.pytorch.utilities.consolidate_checkpoint",
+            str(directory / "full"),
+            "--output_file",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     checkpoint = torch.load(output, weights_only=False)
     _assert_same_weights(checkpoint["state_dict"], expected)
@@ -79,7 +96,9 @@ def test_accelerate_merge_weights_reads_our_model_checkpoints(saved: tuple, tmp_
     directory, expected = saved
     subprocess.run(
         [*ACCELERATE, "merge-weights", str(directory / "weights"), str(tmp_path / "merged")],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     _assert_same_weights(load_file(tmp_path / "merged" / "model.safetensors"), expected)
 

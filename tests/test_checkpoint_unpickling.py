@@ -68,16 +68,24 @@ def _payloads(sentinel: Path) -> dict[str, bytes]:
         "INST opcode": f"(S'{touch}'\nios\nsystem\n.".encode(),
         "OBJ opcode": f"(cos\nsystem\nS'{touch}'\no.".encode(),
         "STACK_GLOBAL": _stack_global("os", "system", touch),
-        "dotted path through an allowed module": _stack_global("torch.distributed.checkpoint.filesystem", "os.system", touch),
-        "dotted path through DCP's metadata module": _stack_global("torch.distributed.checkpoint.metadata", "os.system", touch),
+        "dotted path through an allowed module": _stack_global(
+            "torch.distributed.checkpoint.filesystem", "os.system", touch
+        ),
+        "dotted path through DCP's metadata module": _stack_global(
+            "torch.distributed.checkpoint.metadata", "os.system", touch
+        ),
         "dotted path through torch": _stack_global("torch", "os.system", touch),
         "dotted path through pathlib": _stack_global("pathlib", "os.system", touch),
         "builtins.eval": _stack_global("builtins", "eval", python),
     }
     for protocol in (0, 2, 4, 5):
-        payloads[f"__reduce__ os.system, protocol {protocol}"] = pickle.dumps(_Gadget(os.system, touch), protocol=protocol)
+        payloads[f"__reduce__ os.system, protocol {protocol}"] = pickle.dumps(
+            _Gadget(os.system, touch), protocol=protocol
+        )
     payloads["__reduce__ builtins.exec"] = pickle.dumps(_Gadget(builtins.exec, python), protocol=2)
-    payloads["__reduce__ subprocess.Popen"] = pickle.dumps(_Gadget(subprocess.Popen, ["touch", str(sentinel)]), protocol=4)
+    payloads["__reduce__ subprocess.Popen"] = pickle.dumps(
+        _Gadget(subprocess.Popen, ["touch", str(sentinel)]), protocol=4
+    )
     return payloads
 
 
@@ -94,8 +102,11 @@ def _inert_payloads(sentinel: Path) -> dict[str, bytes]:
 def _extensions() -> Iterator[dict[str, int]]:
     """Shell-running functions registered as extension codes 1, 2 and 4 bytes wide (EXT1/EXT2/EXT4),
     as a victim's copyreg registry might hold them, so the unpickler resolves them through find_class."""
-    registered = {"EXT1": ("posix", "system", 0xF0), "EXT2": ("os", "system", 0xF0F0),
-                  "EXT4": ("subprocess", "getoutput", 0x0F0F0F0)}
+    registered = {
+        "EXT1": ("posix", "system", 0xF0),
+        "EXT2": ("os", "system", 0xF0F0),
+        "EXT4": ("subprocess", "getoutput", 0x0F0F0F0),
+    }
     for module, name, code in registered.values():
         copyreg.add_extension(module, name, code)
     try:
@@ -173,8 +184,11 @@ def test_the_payloads_run_code_under_plain_pickle(tmp_path: Path) -> None:
 
 
 def test_metadata_unpickler_refuses_dotted_names_of_allowed_modules() -> None:
-    for module, name in (("torch.distributed.checkpoint.filesystem", "os.system"), ("torch", "os.system"),
-                         ("torch.distributed.checkpoint.metadata", "Metadata.__init__")):
+    for module, name in (
+        ("torch.distributed.checkpoint.filesystem", "os.system"),
+        ("torch", "os.system"),
+        ("torch.distributed.checkpoint.metadata", "Metadata.__init__"),
+    ):
         with pytest.raises(pickle.UnpicklingError, match="refusing to load"):
             MetadataUnpickler(io.BytesIO(_stack_global(module, name, "true"))).load()
 
@@ -182,8 +196,10 @@ def test_metadata_unpickler_refuses_dotted_names_of_allowed_modules() -> None:
 def test_no_payload_runs_from_a_pickled_object_in_the_shards(checkpoint: Path, tmp_path: Path) -> None:
     """Param groups and other objects live pickled inside the .distcp files."""
     sentinel = tmp_path / "code-ran"
-    for name, gadget in {"os.system": _Gadget(os.system, f"touch {sentinel}"),
-                         "exec": _Gadget(builtins.exec, f"open({str(sentinel)!r}, 'w').close()")}.items():
+    for name, gadget in {
+        "os.system": _Gadget(os.system, f"touch {sentinel}"),
+        "exec": _Gadget(builtins.exec, f"open({str(sentinel)!r}, 'w').close()"),
+    }.items():
         target = files.copy_checkpoint(checkpoint, tmp_path / "target")
         for stale in target.glob("*.distcp"):
             stale.unlink()
@@ -196,10 +212,14 @@ def test_no_payload_runs_from_a_pickled_object_in_the_shards(checkpoint: Path, t
         assert not sentinel.exists(), name
 
 
-def test_consolidation_tool_refuses_and_exits_nonzero(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_consolidation_tool_refuses_and_exits_nonzero(
+    checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     sentinel = tmp_path / "code-ran"
     target = files.copy_checkpoint(checkpoint, tmp_path / "target")
-    (target / ".metadata").write_bytes(_stack_global("torch.distributed.checkpoint.filesystem", "os.system", f"touch {sentinel}"))
+    (target / ".metadata").write_bytes(
+        _stack_global("torch.distributed.checkpoint.filesystem", "os.system", f"touch {sentinel}")
+    )
     files.resign(target)
     assert consolidate_main([str(target), str(tmp_path / "out.safetensors")]) == 2
     assert "refusing to load torch.distributed.checkpoint.filesystem.os.system" in capsys.readouterr().err
@@ -260,7 +280,9 @@ def test_a_chunk_list_shared_by_many_entries_is_refused(checkpoint: Path, tmp_pa
         chunk = type(template.chunks[0])
         shared = [chunk(offsets=torch.Size([0, 0]), sizes=torch.Size([0, 0])) for _ in range(2000)]
         for index in range(2000):
-            metadata.state_dict_metadata[f"junk{index}"] = type(template)(template.properties, torch.Size([1, 1]), shared)
+            metadata.state_dict_metadata[f"junk{index}"] = type(template)(
+                template.properties, torch.Size([1, 1]), shared
+            )
         files.write_metadata(target, metadata)
 
     _assert_refused(checkpoint, tmp_path, share, "shares its chunk list|more chunks than stored items")
@@ -278,7 +300,9 @@ def test_a_compressed_record_is_refused_before_it_inflates(checkpoint: Path, tmp
             for record in source.infolist():
                 packed = "/data/" in record.filename
                 body = source.read(record) + (bytes(1 << 20) if packed else b"")
-                archive.writestr(record.filename, body, compress_type=zipfile.ZIP_DEFLATED if packed else zipfile.ZIP_STORED)
+                archive.writestr(
+                    record.filename, body, compress_type=zipfile.ZIP_DEFLATED if packed else zipfile.ZIP_STORED
+                )
         with open(target / info.relative_path, "ab") as stream:
             info.offset = stream.tell()
             stream.write(bomb.getvalue())

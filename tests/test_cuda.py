@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.distributed as dist
 
 from zero_core import MixedPrecision, ZeroEngine
@@ -109,7 +108,12 @@ def _gpu_model_access(rank: int, world_size: int) -> dict:
     return {
         "refused": refused,
         "mismatched": [
-            (k, str(state[k].dtype), str(full[k].dtype), (state[k].cpu().float() - full[k].cpu().float()).abs().max().item())
+            (
+                k,
+                str(state[k].dtype),
+                str(full[k].dtype),
+                (state[k].cpu().float() - full[k].cpu().float()).abs().max().item(),
+            )
             for k in full
             if not torch.equal(state[k].cpu(), full[k].cpu())
         ],

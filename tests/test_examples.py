@@ -13,8 +13,20 @@ LAUNCHES = 3
 
 def test_quick_start_job_trains_and_reports_memory() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLES / "train_zero3.py"), "--steps", "6"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            str(EXAMPLES / "train_zero3.py"),
+            "--steps",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert result.returncode == 0, result.stderr[-4000:]
     losses = [float(line.split("loss")[1]) for line in result.stdout.splitlines() if line.startswith("step")]
@@ -26,7 +38,9 @@ def test_quick_start_job_trains_and_reports_memory() -> None:
 def test_lightning_example_trains_with_zero3() -> None:
     result = subprocess.run(
         [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--max-steps", "20"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "final train_loss" in result.stdout and "val_perplexity" in result.stdout
@@ -37,7 +51,16 @@ def test_quick_start_job_exits_cleanly_every_time() -> None:
     """A finished job must not abort at exit (torchrun would report it failed): 3 launches,
     each exits 0 with nothing from std::terminate. (Every process the other tests spawn has
     its exit code checked too, in tests/distributed.py: hundreds of teardowns per run.)"""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLES / "train_zero3.py"), "--steps", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        str(EXAMPLES / "train_zero3.py"),
+        "--steps",
+        "1",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     failures = []
     for _ in range(LAUNCHES):

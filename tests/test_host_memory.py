@@ -47,6 +47,8 @@ def test_no_advice_where_large_blocks_may_come_from_the_heap() -> None:
     )
     root = Path(__file__).parent.parent
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "PYTHONPATH": str(root)}
-    result = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, cwd=root)
+    result = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120, cwd=root
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "False"

@@ -159,9 +159,12 @@ def grid() -> list[dict[str, Any]]:
     return run_distributed(run_each, WORLD, workers, timeout=600)
 
 
-@pytest.mark.parametrize("index", range(len(PARITY) + 2), ids=[
-    "-".join(f"{k}={v}" for k, v in case.items()) for case in PARITY
-] + ["stage=3-shard_group_size=1", "stage=3-persistent-blocks"])
+@pytest.mark.parametrize(
+    "index",
+    range(len(PARITY) + 2),
+    ids=["-".join(f"{k}={v}" for k, v in case.items()) for case in PARITY]
+    + ["stage=3-shard_group_size=1", "stage=3-persistent-blocks"],
+)
 def test_hybrid_sharding_trains_like_ddp(grid: list, index: int) -> None:
     for rank, results in enumerate(by_rank(grid, "parity")):
         result = results[index]

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero import ZeroStrategy
-from lightning.pytorch.strategies import StrategyRegistry
 from zero_core.checkpoint import consolidate_checkpoint
 
 from .lightning_module import TinyLM
@@ -33,8 +33,22 @@ TWO_DEVICE_RUNS = [
     {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
     {"name": "zero1", "strategy": "zero1", **PARITY},
     {"name": "zero2", "strategy": "zero2", **PARITY},
-    {"name": "zero3", "strategy": "zero3", **PARITY, "summary": True, "evaluate": True, "limit_val_batches": 2, "val_check_interval": 2},
-    {"name": "ddp-value", "strategy": "ddp_find_unused_parameters_true", "max_steps": 3, "clip": 0.01, "clip_algorithm": "value"},
+    {
+        "name": "zero3",
+        "strategy": "zero3",
+        **PARITY,
+        "summary": True,
+        "evaluate": True,
+        "limit_val_batches": 2,
+        "val_check_interval": 2,
+    },
+    {
+        "name": "ddp-value",
+        "strategy": "ddp_find_unused_parameters_true",
+        "max_steps": 3,
+        "clip": 0.01,
+        "clip_algorithm": "value",
+    },
     {"name": "zero2-value", "strategy": "zero2", "max_steps": 3, "clip": 0.01, "clip_algorithm": "value"},
     {"name": "ddp-manual", "strategy": "ddp_find_unused_parameters_true", "max_steps": 3, "manual": True},
     {"name": "zero2-manual", "strategy": "zero2", "max_steps": 3, "manual": True},
@@ -45,16 +59,43 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
     {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
-    *({"name": f"zero{stage}-finetuning", "strategy": f"zero{stage}", **FINETUNING, "checkpoint_epochs": stage == 3} for stage in (1, 2, 3)),
+    *(
+        {"name": f"zero{stage}-finetuning", "strategy": f"zero{stage}", **FINETUNING, "checkpoint_epochs": stage == 3}
+        for stage in (1, 2, 3)
+    ),
 ]
 ONE_DEVICE_RUNS = [
-    {"name": "resumed-zero1", "strategy": "zero1", **RESUMABLE, "batch_size": 8, "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt"},
+    {
+        "name": "resumed-zero1",
+        "strategy": "zero1",
+        **RESUMABLE,
+        "batch_size": 8,
+        "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt",
+    },
     # DDP reduces no gradient of a parameter frozen when it was built, so one process on
     # the global batch is the reference for unfreezing (and its resume, for Lightning's own).
     {"name": "one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "checkpoint_epochs": True},
-    {"name": "resumed-one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "ckpt_path": "one-process-finetuning/epoch=3-step=4.ckpt"},
-    {"name": "resumed-zero1-finetuning", "strategy": "zero1", **FINETUNING, "batch_size": 8, "ckpt_path": "zero3-finetuning/epoch=3-step=4.ckpt"},
-    {"name": "consolidated-zero3-finetuning", "strategy": "zero3", **FINETUNING, "batch_size": 8, "ckpt_path": "finetuning-consolidated.ckpt"},
+    {
+        "name": "resumed-one-process-finetuning",
+        "strategy": "auto",
+        **FINETUNING,
+        "batch_size": 8,
+        "ckpt_path": "one-process-finetuning/epoch=3-step=4.ckpt",
+    },
+    {
+        "name": "resumed-zero1-finetuning",
+        "strategy": "zero1",
+        **FINETUNING,
+        "batch_size": 8,
+        "ckpt_path": "zero3-finetuning/epoch=3-step=4.ckpt",
+    },
+    {
+        "name": "consolidated-zero3-finetuning",
+        "strategy": "zero3",
+        **FINETUNING,
+        "batch_size": 8,
+        "ckpt_path": "finetuning-consolidated.ckpt",
+    },
 ]
 
 
@@ -71,9 +112,14 @@ def _launch(runs: list[dict], out: Path, devices: int) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("lightning")
     _launch(TWO_DEVICE_RUNS, out, 2)
-    consolidate_checkpoint(out / "zero3-finetuning" / "epoch=3-step=4.ckpt", out / "finetuning-consolidated.ckpt", "lightning")
+    consolidate_checkpoint(
+        out / "zero3-finetuning" / "epoch=3-step=4.ckpt", out / "finetuning-consolidated.ckpt", "lightning"
+    )
     _launch(ONE_DEVICE_RUNS, out, 1)
-    loaded = {run["name"]: torch.load(out / f"{run['name']}.pt", weights_only=False) for run in TWO_DEVICE_RUNS + ONE_DEVICE_RUNS}
+    loaded = {
+        run["name"]: torch.load(out / f"{run['name']}.pt", weights_only=False)
+        for run in TWO_DEVICE_RUNS + ONE_DEVICE_RUNS
+    }
     return out, loaded
 
 
@@ -141,8 +187,16 @@ def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple,
     ours = consolidate_checkpoint(checkpoint, tmp_path / "ours.ckpt", "lightning")
     theirs = tmp_path / "lightning.ckpt"
     subprocess.run(
-        [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(checkpoint), "--output_file", str(theirs)],
-        check=True, capture_output=True,
+        [
+            sys.executable,
+            "-m",
+            "lightning.pytorch.utilities.consolidate_checkpoint",
+            str(checkpoint),
+            "--output_file",
+            str(theirs),
+        ],
+        check=True,
+        capture_output=True,
     )
     expected = runs["zero3-resumable"]["weights"]
     for file in (ours, theirs):

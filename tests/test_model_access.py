@@ -108,10 +108,15 @@ def _equal_worker(rank: int, world_size: int) -> dict:
     comparable_parameters() (what Lightning's BaseFinetuning asks), else refused."""
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=False, blocks=4)
-    engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy(min_unit_numel=1)))
+    engine = ZeroEngine(
+        model, make_optimizer("adamw", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy(min_unit_numel=1))
+    )
     _train(engine, model, 1, rank)
     up = [block.up.weight for block in model.blocks]
-    with engine.gathered_parameters(), torch.no_grad():  # block 1 = block 0 but one 0.0 as -0.0; blocks 2 and 3 alike with a NaN
+    with (
+        engine.gathered_parameters(),
+        torch.no_grad(),
+    ):  # block 1 = block 0 but one 0.0 as -0.0; blocks 2 and 3 alike with a NaN
         up[0][0, 0] = 0.0
         up[1].copy_(up[0])
         up[1][0, 0] = -0.0
@@ -134,7 +139,14 @@ def _equal_worker(rank: int, world_size: int) -> dict:
         inside.append(torch.equal(up[0], up[1]))  # no longer equal: the digests are taken again
     gathers = engine.comm_stats.snapshot()["all_gather"].calls - traffic_before["all_gather"].calls
     after = refusal(lambda: torch.equal(up[0], up[1]), ParameterAtRestError)
-    return {"expected": expected, "inside": inside, "outside": outside, "after": after, "gathers": gathers, "units": len(engine.units)}
+    return {
+        "expected": expected,
+        "inside": inside,
+        "outside": outside,
+        "after": after,
+        "gathers": gathers,
+        "units": len(engine.units),
+    }
 
 
 def test_torch_equal_between_resting_parameters_is_exact_inside_comparable_parameters(grid: list) -> None:
@@ -188,7 +200,9 @@ def _state_dict_worker(rank: int, world_size: int) -> list[dict]:
                 "trained_error": trained_error,
                 "fresh_equals_saved": _close(fresh.state_dict(), saved),
                 "block_keys": sorted(block_state),
-                "block_matches": _close(block_state, {k[len("blocks.1."):]: v for k, v in state.items() if k.startswith("blocks.1.")}),
+                "block_matches": _close(
+                    block_state, {k[len("blocks.1.") :]: v for k, v in state.items() if k.startswith("blocks.1.")}
+                ),
                 "after_load_is_initial": _close(after_load, initial),
                 "resumed_error": relative_difference(model.state_dict(), reference.state_dict()),
                 "assign_error": assign_error,

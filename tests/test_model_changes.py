@@ -43,6 +43,7 @@ def _reference_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: in
 def _changes_worker(rank: int, world_size: int) -> list[dict]:
     results = []
     for stage in STAGES:
+
         def fresh() -> tuple[nn.Module, ZeroEngine]:
             torch.manual_seed(0)
             model = TinyTransformer(batchnorm=False)
@@ -133,7 +134,9 @@ def test_toggling_requires_grad_and_adding_param_groups_train_like_ddp(grid: lis
 def _fp16_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = TinyTransformer()
-    config = ZeroConfig(stage=2, mixed_precision=MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10))
+    config = ZeroConfig(
+        stage=2, mixed_precision=MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
+    )
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
     plain = refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
     engine.backward(_loss(model, 0, rank))  # the engine's backward still works after the refusal
@@ -206,7 +209,9 @@ def _more_changes_worker(rank: int, world_size: int) -> list[dict]:
         clean = copy.deepcopy(model)
         precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
         engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision))
-        clean_engine = ZeroEngine(clean, make_optimizer("adamw", clean), ZeroConfig(stage=stage, mixed_precision=precision))
+        clean_engine = ZeroEngine(
+            clean, make_optimizer("adamw", clean), ZeroConfig(stage=stage, mixed_precision=precision)
+        )
         refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
         for each_model, each_engine in ((model, engine), (clean, clean_engine)):
             each_engine.backward(_loss(each_model, 1, rank))
@@ -292,7 +297,11 @@ def _checkpoint_after_added_group_worker(rank: int, world_size: int, directory: 
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
         skip = {id(p) for p in model.blocks[2].parameters()}
-        engine = ZeroEngine(model, torch.optim.AdamW([p for p in model.parameters() if id(p) not in skip], lr=1e-2), ZeroConfig(stage=stage))
+        engine = ZeroEngine(
+            model,
+            torch.optim.AdamW([p for p in model.parameters() if id(p) not in skip], lr=1e-2),
+            ZeroConfig(stage=stage),
+        )
         engine.backward(_loss(model, 0, rank))
         engine.step()
         engine.optimizer.add_param_group({"params": list(model.blocks[2].parameters()), "lr": 5e-3})
@@ -301,13 +310,23 @@ def _checkpoint_after_added_group_worker(rank: int, world_size: int, directory: 
         torch.manual_seed(1)
         resumed = TinyTransformer(batchnorm=False)
         skip = {id(p) for p in resumed.blocks[2].parameters()}
-        other = ZeroEngine(resumed, torch.optim.AdamW([p for p in resumed.parameters() if id(p) not in skip], lr=1e-2), ZeroConfig(stage=stage))
+        other = ZeroEngine(
+            resumed,
+            torch.optim.AdamW([p for p in resumed.parameters() if id(p) not in skip], lr=1e-2),
+            ZeroConfig(stage=stage),
+        )
         other.optimizer.add_param_group({"params": list(resumed.blocks[2].parameters()), "lr": 5e-3})
         other.load_checkpoint(path)
         for each_model, each_engine in ((model, engine), (resumed, other)):
             each_engine.backward(_loss(each_model, 1, rank))
             each_engine.step()
-        results.append({"stage": stage, "error": relative_difference(other.full_state_dict(), engine.full_state_dict()), "groups": len(other.param_group_names)})
+        results.append(
+            {
+                "stage": stage,
+                "error": relative_difference(other.full_state_dict(), engine.full_state_dict()),
+                "groups": len(other.param_group_names),
+            }
+        )
     return results
 
 
@@ -323,10 +342,13 @@ def _adagrad_worker(rank: int, world_size: int) -> list[float]:
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
         reference = copy.deepcopy(model)
+
         # A group's own initial_accumulator_value, which torch's constructor ignores (it uses its argument).
         def adagrad(module: nn.Module) -> torch.optim.Optimizer:
-            groups = [{"params": list(module.blocks.parameters()), "initial_accumulator_value": 5.0},
-                      {"params": [p for n, p in module.named_parameters() if not n.startswith("blocks.")]}]
+            groups = [
+                {"params": list(module.blocks.parameters()), "initial_accumulator_value": 5.0},
+                {"params": [p for n, p in module.named_parameters() if not n.startswith("blocks.")]},
+            ]
             return torch.optim.Adagrad(groups, lr=0.05, initial_accumulator_value=0.1)
 
         engine = ZeroEngine(model, adagrad(model), ZeroConfig(stage=stage))
@@ -349,7 +371,9 @@ def _frozen_differently_worker(rank: int, world_size: int) -> dict:
     (they would pair different units' collectives); once they agree again, training goes on."""
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=False)
-    engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(Block,))))
+    engine = ZeroEngine(
+        model, make_optimizer("adamw", model), ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(Block,)))
+    )
     model.blocks[0].requires_grad_(rank == 0)
     refused = refusal(lambda: engine.backward(_loss(model, 0, rank)), RuntimeError)
     model.blocks[0].requires_grad_(True)
@@ -361,7 +385,10 @@ def _frozen_differently_worker(rank: int, world_size: int) -> dict:
 def test_ranks_that_froze_different_units_are_named_before_the_backward(grid: list) -> None:
     results = by_rank(grid, "frozen differently")
     assert results[0]["refused"] == results[1]["refused"]
-    assert "which units have trainable parameters (every rank must freeze the same ones; a checksum)" in results[0]["refused"]
+    assert (
+        "which units have trainable parameters (every rank must freeze the same ones; a checksum)"
+        in results[0]["refused"]
+    )
     assert all(result["steps"] == 1 for result in results)
 
 
@@ -391,7 +418,9 @@ def _group_view_worker(rank: int, world_size: int) -> list[dict]:
         optimizer.load_state_dict(copy.deepcopy(saved))
         after_state_dict = lists_model_parameters()
         closure = refusal(lambda: optimizer.step(lambda: _loss(model, 1, rank)), ValueError)
-        misfit = refusal(lambda: optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}), ValueError)
+        misfit = refusal(
+            lambda: optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]}), ValueError
+        )
         after_misfit = lists_model_parameters()
         failing = optimizer.register_step_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("a hook failed")))
         engine.backward(_loss(model, 1, rank))
@@ -403,12 +432,24 @@ def _group_view_worker(rank: int, world_size: int) -> list[dict]:
         after_forward = lists_model_parameters()
         engine.backward(_loss(model, 2, rank))
         engine.step()  # puts the model's parameters back first, and trains
-        results.append({
-            "stage": stage, "built": built, "after step": after_step, "in step": seen_by_step, "names": names,
-            "state entries": len(saved["state"]), "after state_dict": after_state_dict, "failed": failed,
-            "after failed step": lists_model_parameters(), "steps": engine.steps_taken, "misfit": misfit,
-            "after misfit": after_misfit, "after forward": after_forward, "closure": closure,
-        })
+        results.append(
+            {
+                "stage": stage,
+                "built": built,
+                "after step": after_step,
+                "in step": seen_by_step,
+                "names": names,
+                "state entries": len(saved["state"]),
+                "after state_dict": after_state_dict,
+                "failed": failed,
+                "after failed step": lists_model_parameters(),
+                "steps": engine.steps_taken,
+                "misfit": misfit,
+                "after misfit": after_misfit,
+                "after forward": after_forward,
+                "closure": closure,
+            }
+        )
     return results
 
 

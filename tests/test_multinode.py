@@ -29,9 +29,13 @@ def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], out: Path,
     for node, (command, env) in enumerate(zip(commands, envs)):
         log = open(out / f"node{node}.log", "w")
         # ZeRO settings of Accelerate come from the launcher (or the test), never from this shell.
-        inherited = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_ZERO"))}
+        inherited = {
+            k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_ZERO"))
+        }
         environment = {**inherited, "PYTHONPATH": str(REPO), **env}
-        processes.append((subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log))
+        processes.append(
+            (subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT, cwd=REPO), log)
+        )
     failed = []
     for node, (process, log) in enumerate(processes):
         try:
@@ -51,9 +55,21 @@ def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], out: Path,
 def test_torchrun_two_nodes_one_shard_group_per_node(tmp_path: Path) -> None:
     port = _free_port()
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "zero-multinode",
-        str(SCRIPTS / "multinode_train.py"), str(tmp_path),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(NODES),
+        "--nproc-per-node",
+        str(PER_NODE),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"localhost:{port}",
+        "--rdzv-id",
+        "zero-multinode",
+        str(SCRIPTS / "multinode_train.py"),
+        str(tmp_path),
     ]
     _run_nodes([command] * NODES, [{}] * NODES, tmp_path)
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(NODES * PER_NODE)]
@@ -96,10 +112,31 @@ def test_accelerate_num_machines_two_matches_one_process(tmp_path: Path) -> None
     config.write_text(f"stage: 3\nwrap_classes: [Block]\nshard_group_size: {PER_NODE}\n")
     port = str(_free_port())
     commands = [
-        [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(config), "--multi_gpu",
-         "--num_machines", str(NODES), "--machine_rank", str(node), "--main_process_ip", "127.0.0.1",
-         "--main_process_port", port, "--num_processes", str(NODES * PER_NODE),
-         accelerate_script, str(tmp_path), "hybrid", "--batch-size", "2", *args]
+        [
+            sys.executable,
+            "-m",
+            "accelerate_zero.launch",
+            "launch",
+            "--zero_config_file",
+            str(config),
+            "--multi_gpu",
+            "--num_machines",
+            str(NODES),
+            "--machine_rank",
+            str(node),
+            "--main_process_ip",
+            "127.0.0.1",
+            "--main_process_port",
+            port,
+            "--num_processes",
+            str(NODES * PER_NODE),
+            accelerate_script,
+            str(tmp_path),
+            "hybrid",
+            "--batch-size",
+            "2",
+            *args,
+        ]
         for node in range(NODES)
     ]
     # The reference runs beside the two machines: one plain process, as `accelerate launch

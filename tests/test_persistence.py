@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import torch
 
 from zero_core import MixedPrecision
@@ -64,7 +63,9 @@ def _accounting(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     bf16.train_step(0)
     exported = bf16.model.state_dict()
     full = bf16.engine.full_state_dict()
-    result["state_dict_kinds"] = sorted({(str(v.dtype), v.device.type) for v in exported.values() if v.is_floating_point()})
+    result["state_dict_kinds"] = sorted(
+        {(str(v.dtype), v.device.type) for v in exported.values() if v.is_floating_point()}
+    )
     result["state_dict_equal"] = exported.keys() == full.keys() and all(torch.equal(exported[k], full[k]) for k in full)
     bf16.train_step(1)
     result["state_dict_kept"] = all(torch.equal(exported[k], full[k]) for k in full)  # a snapshot, not live views
@@ -118,7 +119,9 @@ def test_memory_holds_the_small_units_in_full(grid: list) -> None:
         assert abs(report.gradient_bytes - 4 * (large + small) // WORLD) <= slack
         assert abs(report.optimizer_state_bytes - 8 * (large + small) // WORLD) <= slack
         resting = result["resting"]
-        assert all(nbytes > 0 for name, nbytes in resting.items() if name.startswith(("embed", "position", "ln_final"))), resting
+        assert all(
+            nbytes > 0 for name, nbytes in resting.items() if name.startswith(("embed", "position", "ln_final"))
+        ), resting
         assert all(nbytes == 0 for name, nbytes in resting.items() if name.startswith("blocks."))
 
 

@@ -88,7 +88,9 @@ def _fp16_norms_worker(rank: int, world_size: int) -> list[dict]:
             torch.manual_seed(0)
             model = TinyTransformer(batchnorm=False)
             precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
-            engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision))
+            engine = ZeroEngine(
+                model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision)
+            )
             for micro in range(2):
                 ids = batch(micro, rank)
                 engine.backward(lm_loss(model(ids), ids) / 2)
@@ -98,7 +100,13 @@ def _fp16_norms_worker(rank: int, world_size: int) -> list[dict]:
             engine.step()
             finals.append((engine.full_state_dict(), norms["grad_2.0_norm_total"].item()))
         (plain, plain_norm), (read, read_norm) = finals
-        results.append({"stage": stage, "same": all(torch.equal(plain[k], read[k]) for k in plain), "norms": (plain_norm, read_norm)})
+        results.append(
+            {
+                "stage": stage,
+                "same": all(torch.equal(plain[k], read[k]) for k in plain),
+                "norms": (plain_norm, read_norm),
+            }
+        )
     return results
 
 

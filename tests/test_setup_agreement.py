@@ -173,7 +173,9 @@ def _legitimately_different(rank: int, world_size: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = nn.Sequential(_Block(), _OtherBlock(), nn.Linear(4, 1))
     classes = (_Block, _OtherBlock) if rank == 0 else (_OtherBlock, _Block)
-    groups = [{"params": list(model[0].parameters()) + list(model[1].parameters()), "schedule": functools.partial(max, 1)}]
+    groups = [
+        {"params": list(model[0].parameters()) + list(model[1].parameters()), "schedule": functools.partial(max, 1)}
+    ]
     optimizer = torch.optim.SGD(groups, lr=0.1)
     engine = ZeroEngine(model, optimizer, ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=classes)))
     optimizer.add_param_group({"params": list(model[2].parameters()), "lr": 0.1 * (1 + rank)})
@@ -266,8 +268,13 @@ def test_legitimate_differences_are_not_refused_and_added_groups_are_compared(gr
     assert "ranks disagree on optimizer param group 1 lr: 0.1 on rank 0; 0.2 on rank 1" in results[0]["added group"]
     one = by_rank(grid, "added on one rank")
     assert one[0]["added"] == one[1]["added"]
-    assert "optimizer param groups (add_param_group on some ranks only?): 1 on some ranks, 2 on others" in one[0]["added"]
-    assert one[0]["refused"] == one[1]["refused"] and "refused add_param_group calls: 0 on some ranks, 1 on others" in one[0]["refused"]
+    assert (
+        "optimizer param groups (add_param_group on some ranks only?): 1 on some ranks, 2 on others" in one[0]["added"]
+    )
+    assert (
+        one[0]["refused"] == one[1]["refused"]
+        and "refused add_param_group calls: 0 on some ranks, 1 on others" in one[0]["refused"]
+    )
 
 
 def test_hyperparameters_edited_on_one_rank_are_named_at_the_next_step(grid: list) -> None:
@@ -281,7 +288,10 @@ def test_a_save_compares_groups_added_since_the_last_step(grid: list) -> None:
     results = by_rank(grid, "save after adding")
     assert results[0] == results[1]
     assert "ranks disagree on optimizer param group 1 lr: 0.1 on rank 0; 0.2 on rank 1" in results[0]["differing"]
-    assert "did not shard" in results[0]["refused"] and "reading the optimizer's param groups, on rank 1" in results[0]["refused"]
+    assert (
+        "did not shard" in results[0]["refused"]
+        and "reading the optimizer's param groups, on rank 1" in results[0]["refused"]
+    )
 
 
 def test_attach_optimizer_with_disagreeing_optimizers_is_refused_on_every_rank(grid: list) -> None:
@@ -301,5 +311,7 @@ def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     workers["legitimate"] = _legitimately_different
     workers["added on one rank"] = _added_on_one_rank
     workers["edited on one rank"] = _edited_on_one_rank
-    workers["save after adding"] = functools.partial(_save_after_adding_groups, directory=str(tmp_path_factory.mktemp("saves")))
+    workers["save after adding"] = functools.partial(
+        _save_after_adding_groups, directory=str(tmp_path_factory.mktemp("saves"))
+    )
     return run_distributed(run_each, 2, workers, timeout=180, pg_timeout=30)

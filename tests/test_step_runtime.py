@@ -277,8 +277,18 @@ def _after_the_step(stage: int) -> dict:
     weight.data = torch.zeros_like(weight)  # replaced before the step: found at the next forward, all-gather or not
     pair.engine.step()
     swapped = refusal(lambda: pair.model(batch(7, rank)), ModelChangedError)
-    return {"copy": copy_error, "swapped": swapped, "deferred": deferred, "profiled": profiled, "read": read_error, "waited": waited, "forward": forward_error,
-            "after forward": after_forward, "double step": double_step_error, "load": load_error}
+    return {
+        "copy": copy_error,
+        "swapped": swapped,
+        "deferred": deferred,
+        "profiled": profiled,
+        "read": read_error,
+        "waited": waited,
+        "forward": forward_error,
+        "after forward": after_forward,
+        "double step": double_step_error,
+        "load": load_error,
+    }
 
 
 def _grid(rank: int, world_size: int) -> dict:
@@ -295,7 +305,9 @@ def results() -> list[dict]:
     return run_distributed(_grid, 2)
 
 
-@pytest.mark.parametrize("index", range(len(EXCEPTION_CASES)), ids=[f"stage{s}-{w}-micro{m}" for s, w, m in EXCEPTION_CASES])
+@pytest.mark.parametrize(
+    "index", range(len(EXCEPTION_CASES)), ids=[f"stage{s}-{w}-micro{m}" for s, w, m in EXCEPTION_CASES]
+)
 def test_exception_caught_on_every_rank_skips_the_batch(results: list[dict], index: int) -> None:
     for per_rank in results:
         _check_exception_case(per_rank["exceptions"][index], *EXCEPTION_CASES[index])

@@ -220,8 +220,13 @@ def test_side_stream_schedule_orders_every_result(grid: dict[str, Any], ranks: s
         for name, stream, async_op in streams["launches"]:
             assert (stream, async_op) == (name, False)
         launched = {name for name, _, _ in streams["launches"]}
-        assert launched == ({"reduce_scatter"} if ranks == "one rank" and stage == 2 else
-                            set() if ranks == "one rank" and stage == 1 else {"all_gather", "reduce_scatter"})
+        assert launched == (
+            {"reduce_scatter"}
+            if ranks == "one rank" and stage == 2
+            else set()
+            if ranks == "one rank" and stage == 1
+            else {"all_gather", "reduce_scatter"}
+        )
         assert streams["violations"] == []
         # The compute stream waited for every result before reading it: gradients before the
         # step, parameters before their forward (stage 3: only the prefetched units are still

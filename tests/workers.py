@@ -78,9 +78,11 @@ def train_against_ddp(
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
     reference_optimizer = make_optimizer(optimizer_name, reference)
-    engine = ZeroEngine(model, make_optimizer(optimizer_name, model), config_for(
-        stage, prefetch, shard_group_size=shard_group_size, persistence_threshold=persistence_threshold
-    ))
+    engine = ZeroEngine(
+        model,
+        make_optimizer(optimizer_name, model),
+        config_for(stage, prefetch, shard_group_size=shard_group_size, persistence_threshold=persistence_threshold),
+    )
     rank = torch.distributed.get_rank()
     losses, reference_losses, param_errors, norms = [], [], [], []
     for step in range(steps):
@@ -170,7 +172,9 @@ class GptRun:
         self.model = gpt.GPT(self.config)
         wrap = WrapPolicy(module_classes=(gpt.GPTBlock,))
         self.engine = ZeroEngine(
-            self.model, torch.optim.AdamW(self.model.parameters(), lr=1e-3), ZeroConfig(stage=stage, wrap_policy=wrap, **config)
+            self.model,
+            torch.optim.AdamW(self.model.parameters(), lr=1e-3),
+            ZeroConfig(stage=stage, wrap_policy=wrap, **config),
         )
         self.rank = torch.distributed.get_rank()
 
@@ -210,6 +214,4 @@ def measure_state_and_traffic(stage: int, compute_dtype: torch.dtype) -> dict[st
 
 
 def accounting_grid(rank: int, world_size: int) -> list[dict[str, Any]]:
-    return [
-        measure_state_and_traffic(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)
-    ]
+    return [measure_state_and_traffic(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]

@@ -4,9 +4,9 @@ Imports neither Lightning nor Accelerate; both adapters build on it.
 """
 
 from .accounting import MemoryReport, expected_model_state_bytes
+from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
-from .checkpoint.errors import CheckpointError
 from .engine import ZeroEngine, engine_of
 from .model_changes import ModelChangedError
 from .param_guard import ParameterAtRestError

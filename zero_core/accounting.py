@@ -1,5 +1,5 @@
 """Per-rank bytes of model state, measured from live tensors and predicted by
-the formulas of DESIGN.md."""
+the README's formulas ("Memory and communication")."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def expected_model_state_bytes(
     precision: MixedPrecision,
     optimizer_state_bytes_per_param: int,
 ) -> MemoryReport:
-    """DESIGN.md's formulas, padding aside. ``stage=0`` means DDP.
+    """The README's formulas, padding aside. ``stage=0`` means DDP.
 
     The fp32 master copy exists only when computing in lower precision; in
     fp32 the parameters (or their shard) are the master.

@@ -94,7 +94,9 @@ class CommStats:
         later: dict[str, CollectiveCount], earlier: dict[str, CollectiveCount]
     ) -> dict[str, CollectiveCount]:
         return {
-            kind: CollectiveCount(*(getattr(later[kind], f) - getattr(earlier[kind], f) for f in ("calls", "numel", "bytes")))
+            kind: CollectiveCount(
+                *(getattr(later[kind], f) - getattr(earlier[kind], f) for f in ("calls", "numel", "bytes"))
+            )
             for kind in later
         }
 
@@ -194,8 +196,18 @@ class CommContext:
         if device.type == "cuda" and backend != "gloo":
             # Gloo's CUDA collectives stage through the host on streams of their own.
             streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
-        return cls(group, rank, world_size, device, CommStats(), backend, *streams,
-                   shard_group=group, shard_rank=rank, shard_size=world_size)
+        return cls(
+            group,
+            rank,
+            world_size,
+            device,
+            CommStats(),
+            backend,
+            *streams,
+            shard_group=group,
+            shard_rank=rank,
+            shard_size=world_size,
+        )
 
     def split(self, shard_group_size: int) -> None:
         """Hybrid sharding: shard inside groups of ``shard_group_size`` consecutive ranks
@@ -254,9 +266,8 @@ class CommContext:
         Gloo's list-form all-gather and reduce-scatter flatten their inputs into
         a freshly allocated buffer and copy the result out (and its single-tensor
         forms are emulated with an all-reduce); broadcast and reduce run on the
-        tensor itself. Measured on 2 cores, 50 MB per unit: all-gather 89 -> 18 ms
-        at 2 ranks and 154 -> 49 ms at 4, reduce-scatter 69 -> 48 ms and
-        140 -> 88 ms. NCCL keeps its single-tensor collectives.
+        tensor itself (measured in benchmarks/NOTES.md,
+        "Collectives on gloo"). NCCL keeps its single-tensor collectives.
         """
         return self.backend == "gloo"
 
@@ -311,9 +322,7 @@ class Handle:
             if failure is not None:
                 self._after_wait = None  # the output is incomplete: leave it untouched
                 what = self._label.describe(self._rank) if self._label else "a collective"
-                raise CollectiveFailed(
-                    f"ZeRO: {what} did not complete: {failure}\n{DIVERGENCE_ADVICE}"
-                ) from failure
+                raise CollectiveFailed(f"ZeRO: {what} did not complete: {failure}\n{DIVERGENCE_ADVICE}") from failure
         if self._done is not None:
             # Later kernels on the caller's stream see the collective's output.
             torch.cuda.current_stream(self._issuer.device).wait_event(self._done)
@@ -341,15 +350,22 @@ def _label(comm: CommContext, kind: CollectiveKind, what: str) -> CollectiveLabe
 
 
 def _handle(
-    comm: CommContext, work: dist.Work | list[dist.Work] | None, kind: CollectiveKind, what: str,
+    comm: CommContext,
+    work: dist.Work | list[dist.Work] | None,
+    kind: CollectiveKind,
+    what: str,
     after_wait: Callable[[], None] | None = None,
 ) -> Handle:
     return Handle(work, _label(comm, kind, what), comm.rank, after_wait)
 
 
 def _on_side_stream(
-    comm: CommContext, stream: torch.cuda.Stream, tensors: tuple[torch.Tensor, ...], launch: Callable[[], None],
-    kind: CollectiveKind, what: str,
+    comm: CommContext,
+    stream: torch.cuda.Stream,
+    tensors: tuple[torch.Tensor, ...],
+    launch: Callable[[], None],
+    kind: CollectiveKind,
+    what: str,
 ) -> Handle:
     """CUDA, FSDP2's stream pattern: the side stream waits for what the compute stream
     wrote, the collective is enqueued on it synchronously (``async_op=False``, so it
@@ -366,7 +382,10 @@ def _on_side_stream(
 
 
 def all_gather(
-    comm: CommContext, gathered_out: torch.Tensor, shard_in: torch.Tensor, label: str = "parameters",
+    comm: CommContext,
+    gathered_out: torch.Tensor,
+    shard_in: torch.Tensor,
+    label: str = "parameters",
     span: Span = Span.SHARD_GROUP,
 ) -> Handle:
     """Fill ``gathered_out`` (group size * shard numel) with every rank's shard, in group rank order."""
@@ -379,9 +398,12 @@ def all_gather(
         if comm.all_gather_stream is not None:
             # World size 1 too: NCCL runs one-rank collectives, so one GPU exercises this path.
             return _on_side_stream(
-                comm, comm.all_gather_stream, (gathered_out, shard_in),
+                comm,
+                comm.all_gather_stream,
+                (gathered_out, shard_in),
                 lambda: _all_gather_single(gathered_out, shard_in, group=group, async_op=False),
-                CollectiveKind.ALL_GATHER, label,
+                CollectiveKind.ALL_GATHER,
+                label,
             )
         if size == 1:
             gathered_out.copy_(shard_in)
@@ -392,13 +414,17 @@ def all_gather(
             if own.data_ptr() != shard_in.data_ptr():
                 own.copy_(shard_in)
             # Each rank broadcasts its slice, in place in every rank's flat output.
-            works = [dist.broadcast(piece, group_src=src, group=group, async_op=True) for src, piece in enumerate(slices)]
+            works = [
+                dist.broadcast(piece, group_src=src, group=group, async_op=True) for src, piece in enumerate(slices)
+            ]
             return _handle(comm, works, CollectiveKind.ALL_GATHER, label)
         work = _all_gather_single(gathered_out, shard_in, group=group, async_op=True)
         return _handle(comm, work, CollectiveKind.ALL_GATHER, label)
 
 
-def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor, label: str = "gradients") -> Handle:
+def reduce_scatter(
+    comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor, label: str = "gradients"
+) -> Handle:
     """Sum ``full_in`` over the shard group and leave this rank's slice in ``shard_out``.
 
     ``shard_out`` may be this rank's slice of ``full_in`` itself. The rest of
@@ -416,9 +442,12 @@ def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Te
         if comm.reduce_scatter_stream is not None:
             # World size 1 too: NCCL runs one-rank collectives, so one GPU exercises this path.
             return _on_side_stream(
-                comm, comm.reduce_scatter_stream, (shard_out, full_in),
+                comm,
+                comm.reduce_scatter_stream,
+                (shard_out, full_in),
                 lambda: _reduce_scatter_single(shard_out, full_in, group=comm.shard_group, async_op=False),
-                CollectiveKind.REDUCE_SCATTER, label,
+                CollectiveKind.REDUCE_SCATTER,
+                label,
             )
         if size == 1:
             shard_out.copy_(full_in)
@@ -438,7 +467,10 @@ def reduce_scatter(comm: CommContext, shard_out: torch.Tensor, full_in: torch.Te
 
 
 def all_reduce(
-    comm: CommContext, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, label: str = "step flags",
+    comm: CommContext,
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    label: str = "step flags",
     span: Span = Span.WORLD,
 ) -> Handle:
     comm.stats.record(CollectiveKind.ALL_REDUCE, tensor, span)
@@ -467,10 +499,16 @@ def differing_values(checks: dict[str, int], reduced: list[float]) -> list[str]:
     count = len(checks)
     highest = reduced[len(reduced) - 2 * count : len(reduced) - count]
     lowest = [-v for v in reduced[len(reduced) - count :]]
-    return [f"{name}: {int(lo)} on some ranks, {int(hi)} on others" for name, lo, hi in zip(checks, lowest, highest) if lo != hi]
+    return [
+        f"{name}: {int(lo)} on some ranks, {int(hi)} on others"
+        for name, lo, hi in zip(checks, lowest, highest)
+        if lo != hi
+    ]
 
 
-def true_on_any_rank(comm: CommContext, flags: list[bool], what: str, must_agree: dict[str, int] | None = None) -> list[bool]:
+def true_on_any_rank(
+    comm: CommContext, flags: list[bool], what: str, must_agree: dict[str, int] | None = None
+) -> list[bool]:
     """Per position: true on every rank if true on any rank.
 
     Ranks that disagree on how many flags there are, or on any value of

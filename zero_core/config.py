@@ -79,12 +79,9 @@ class WrapPolicy:
 
     def __post_init__(self) -> None:
         classes = self.module_classes
-        if not isinstance(classes, tuple) or not all(
-            isinstance(c, type) and issubclass(c, nn.Module) for c in classes
-        ):
+        if not isinstance(classes, tuple) or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
             raise ValueError(
-                "WrapPolicy.module_classes must be a tuple of nn.Module subclasses, "
-                "for example (MyTransformerBlock,)."
+                "WrapPolicy.module_classes must be a tuple of nn.Module subclasses, for example (MyTransformerBlock,)."
             )
         if self.min_unit_numel is not None and self.min_unit_numel < 1:
             raise ValueError("WrapPolicy.min_unit_numel must be a positive number of parameters.")
@@ -167,12 +164,10 @@ class ZeroConfig:
         if self.prefetch != "auto" and not _is_count(self.prefetch, minimum=0):
             raise ValueError(
                 f"ZeroConfig.prefetch={self.prefetch!r} is invalid: use an integer >= 0 (0 turns prefetch off) "
-                "or \"auto\" (chosen from measured times)."
+                'or "auto" (chosen from measured times).'
             )
         if not 0 < self.prefetch_cap_mb <= float("inf") or isinstance(self.prefetch_cap_mb, bool):
-            raise ValueError(
-                "ZeroConfig.prefetch_cap_mb must be > 0 (the default is 256; float('inf') for no cap)."
-            )
+            raise ValueError("ZeroConfig.prefetch_cap_mb must be > 0 (the default is 256; float('inf') for no cap).")
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
         if not isinstance(self.wrap_policy, WrapPolicy):
@@ -181,12 +176,14 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
         if not _is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
-                f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: use a number of parameters >= 0 "
+                f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "
+                "use a number of parameters >= 0 "
                 "(stage-3 units smaller than it stay gathered; 0 keeps every unit sharded)."
             )
         if self.shard_group_size is not None and not _is_count(self.shard_group_size, minimum=1):
             raise ValueError(
-                f"ZeroConfig.shard_group_size={self.shard_group_size!r} is invalid: use a positive number of ranks that divides "
+                f"ZeroConfig.shard_group_size={self.shard_group_size!r} is invalid: "
+                "use a positive number of ranks that divides "
                 "the world size (usually the devices per node), or None to shard across every rank."
             )
 

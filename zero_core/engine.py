@@ -37,8 +37,8 @@ from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
 from .engine_checkpoints import CheckpointMethods
 from .flat_unit import FlatUnit
-from .model_changes import RegisteredParameters
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
+from .model_changes import RegisteredParameters
 from .optim import canonical_names, check_optimizer_supported, reset_optimizer_state
 from .param_groups import OptimizerGroups
 from .parameter_digests import ParameterDigests
@@ -47,7 +47,6 @@ from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
 from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
 from .units import plan_units
-
 
 # Which engine has sharded a model, so a model is never sharded twice.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
@@ -155,7 +154,9 @@ class ZeroEngine(CheckpointMethods):
             unit.guard.digests = self._digests
         cast_buffers(model, config.mixed_precision)
         broadcast_buffers(self.model, self.comm)
-        self.loss_scaler = DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
+        self.loss_scaler = (
+            DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
+        )
         self._grads_unscaled = False
         self.auto_prefetch: AutoPrefetch | None = None
         if config.prefetch == "auto":
@@ -184,7 +185,9 @@ class ZeroEngine(CheckpointMethods):
         self._traffic_at_last_step = self.comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
         self._span_traffic_at_last_step = self.comm.stats.span_snapshot()
-        self.last_step_traffic_by_span = CommStats.difference(self._span_traffic_at_last_step, self._span_traffic_at_last_step)
+        self.last_step_traffic_by_span = CommStats.difference(
+            self._span_traffic_at_last_step, self._span_traffic_at_last_step
+        )
         _ENGINES[model] = self
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -237,7 +240,9 @@ class ZeroEngine(CheckpointMethods):
         """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
         Every rank must call it together."""
         assert self.optimizer is not None and self._groups is not None
-        setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._groups.names))
+        setup_agreement.agree_on_setup(
+            self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._groups.names)
+        )
         self._groups.mark_compared()
 
     @property
@@ -449,14 +454,18 @@ class ZeroEngine(CheckpointMethods):
             "forwards with grad": self.runtime.forwards,
             "backwards": self.runtime.backwards,
             "optimizer steps": self._step_calls,
-            "units reduced, as a sum of unit numbers (ranks froze different parameters?)": self.runtime.reduces.issued_fingerprint,
+            "units reduced, as a sum of unit numbers (ranks froze different parameters?)": (
+                self.runtime.reduces.issued_fingerprint
+            ),
             "optimizer param groups (add_param_group on some ranks only?)": len(self._groups.names),
             "optimizer param groups, as a checksum of their parameter names": self._groups.fingerprint,
             "refused add_param_group calls": int(refused_group is not None),
         }
         # Hyperparameters only report a difference; the comparison below then names it.
         settings = {"optimizer hyperparameters": self._groups.settings_fingerprint}
-        agreement = grad_ops.agree_on_step(self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings)
+        agreement = grad_ops.agree_on_step(
+            self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings
+        )
         if refused_group is not None:
             raise refused_group
         self._agree_on_changed_param_groups(settings_differ=agreement.checks_differ)
@@ -517,7 +526,9 @@ class ZeroEngine(CheckpointMethods):
         self._span_traffic_at_last_step = now
 
     # ----------------------------------------------------- full parameters
-    def gathered_parameters(self, module: nn.Module | None = None, writeback: bool = True) -> "contextlib.AbstractContextManager[None]":
+    def gathered_parameters(
+        self, module: nn.Module | None = None, writeback: bool = True
+    ) -> "contextlib.AbstractContextManager[None]":
         """Inside, the parameters of ``module`` (default: the model) are full fp32 master values.
 
         Every rank must enter together. With ``writeback``, in-place edits are
@@ -569,10 +580,7 @@ class ZeroEngine(CheckpointMethods):
         )
         optimizer_state = self.optimizer.state if self.optimizer is not None else {}
         state_tensors = [
-            value
-            for state in optimizer_state.values()
-            for value in state.values()
-            if isinstance(value, torch.Tensor)
+            value for state in optimizer_state.values() for value in state.values() if isinstance(value, torch.Tensor)
         ]
         optimizer = counter.count([u.master_shard for u in self.units] + state_tensors)
         return MemoryReport(params, grads, optimizer)

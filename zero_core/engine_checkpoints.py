@@ -73,8 +73,14 @@ class CheckpointMethods:
         self.sync_buffers_for_export()
         scaler = dataclasses.replace(self.loss_scaler.state) if self.loss_scaler is not None else None
         record = EngineRecord(self.stage, self.world_size, self.steps_taken, scaler)
-        return save_checkpoint(self._sharded_view(f"saving checkpoint {path}"), path, dict(extra or {}), record,
-                               include_model=include_model, include_optimizer=include_optimizer and self.optimizer is not None)
+        return save_checkpoint(
+            self._sharded_view(f"saving checkpoint {path}"),
+            path,
+            dict(extra or {}),
+            record,
+            include_model=include_model,
+            include_optimizer=include_optimizer and self.optimizer is not None,
+        )
 
     def read_checkpoint_extra(self: "ZeroEngine", path: str | os.PathLike) -> dict[str, Any]:
         """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every
@@ -106,8 +112,13 @@ class CheckpointMethods:
         they were. Gradients accumulated before the load are discarded.
         """
         self.runtime.settle()
-        view, with_optimizer = self._sharded_view(f"loading checkpoint {path}"), load_optimizer and self.optimizer is not None
-        loaded = load_checkpoint(view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None)
+        view, with_optimizer = (
+            self._sharded_view(f"loading checkpoint {path}"),
+            load_optimizer and self.optimizer is not None,
+        )
+        loaded = load_checkpoint(
+            view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None
+        )
         if with_optimizer and optimizer_path is not None:
             apart = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True)
             if (apart.extra, apart.record.steps) != (loaded.extra, loaded.record.steps):
@@ -129,7 +140,9 @@ class CheckpointMethods:
         self.steps_taken = loaded.record.steps
         return loaded.extra
 
-    def load_full_state_dict(self: "ZeroEngine", source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True) -> None:
+    def load_full_state_dict(
+        self: "ZeroEngine", source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True
+    ) -> None:
         """Load ordinary full weights (a state dict, or a .safetensors / torch file) into the shards.
 
         Each rank reads only the parts of each tensor its shard covers

@@ -126,9 +126,7 @@ def records_reached(loss: torch.Tensor, records: list[ForwardRecord]) -> tuple[l
     return chosen, flags
 
 
-def zero_roots(
-    records: list[ForwardRecord], needs_zeros: list[bool]
-) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+def zero_roots(records: list[ForwardRecord], needs_zeros: list[bool]) -> tuple[list[GradientEdge], list[torch.Tensor]]:
     edges = [edge for record in records for edge in record.unit_edges]
     meta = [m for record in records for m in record.unit_meta]
     chosen = [i for i, flag in enumerate(needs_zeros) if flag]

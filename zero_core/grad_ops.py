@@ -56,7 +56,9 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
     partial sums of this rank's pieces and has-gradient flags, one all-reduce (two under
     hybrid sharding).
     Reads the shards only."""
-    slots = [(unit, slot) for unit in units for slot, param in zip(unit.layout.slots, unit.params) if param.requires_grad]
+    slots = [
+        (unit, slot) for unit in units for slot, param in zip(unit.layout.slots, unit.params) if param.requires_grad
+    ]
     position = {(unit.index, slot.index): i for i, (unit, slot) in enumerate(slots)}
     count = len(slots)
     partial = torch.zeros(2 * count, dtype=torch.float32, device=comm.device)  # [partial norms | has-gradient flags]
@@ -107,7 +109,11 @@ class StepAgreement(NamedTuple):
 
 
 def agree_on_step(
-    units: list[FlatUnit], comm: CommContext, counters: dict[str, int], check_finite: bool, checks: dict[str, int] | None = None
+    units: list[FlatUnit],
+    comm: CommContext,
+    counters: dict[str, int],
+    check_finite: bool,
+    checks: dict[str, int] | None = None,
 ) -> StepAgreement:
     """What every rank needs to agree on before the optimizer step, in one all-reduce.
 

@@ -5,9 +5,8 @@ Stage 3 refills each unit's parameter storage for every gather, and stages
 an allocation that large is a fresh ``mmap`` (glibc maps every block above
 32 MiB itself and unmaps it when freed), so the first touch of each 4 KiB
 page faults, and the kernel zeroes it: for a 50 MB unit that costs several
-times the copy that fills it (measured: refilling a freed 50 MB storage and
-copying into it took 65 ms, against 12 ms into a kept buffer and 25 ms with
-huge pages). Advising huge pages on the fresh mapping before its first touch
+times the copy that fills it (measured in benchmarks/NOTES.md, "Huge
+pages"). Advising huge pages on the fresh mapping before its first touch
 is what torch does for every allocation under ``THP_MEM_ALLOC_ENABLE=1``;
 here it is done for these buffers only, and changes nothing else about the
 process. Where the kernel has transparent huge pages off, or the call is
@@ -81,4 +80,3 @@ def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     if last > first:
         madvise(first, last - first, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
     return tensor
-

@@ -44,9 +44,7 @@ class FlatLayout:
     padded_numel: int
 
     @classmethod
-    def build(
-        cls, params: list[tuple[tuple[str, ...], torch.Size, bool]], world_size: int
-    ) -> "FlatLayout":
+    def build(cls, params: list[tuple[tuple[str, ...], torch.Size, bool]], world_size: int) -> "FlatLayout":
         """``params``: (names, shape, requires_grad) per unique parameter, in order."""
         slots, offset = [], 0
         for index, (fqns, shape, requires_grad) in enumerate(params):

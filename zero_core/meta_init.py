@@ -36,9 +36,7 @@ def check_meta_initialisable(model: nn.Module, param_init_fn: ParamInitFn | None
         )
 
 
-def materialize_modules(
-    modules: list[nn.Module], device: torch.device, param_init_fn: ParamInitFn | None
-) -> None:
+def materialize_modules(modules: list[nn.Module], device: torch.device, param_init_fn: ParamInitFn | None) -> None:
     """Give each module's own meta tensors real storage on ``device`` and initialise them.
 
     The new storage is swapped into the existing tensor objects, so parameter

@@ -4,9 +4,10 @@ The engine laid every parameter into a flat buffer when it was built. A
 parameter or submodule replaced afterwards (``setattr``), or a parameter
 whose data was swapped or cast (``model.double()`` in stages 1/2,
 ``param.data = ...``) would no longer be what the engine reduces, shards
-and steps. (Freezing and unfreezing are fine: see ``FlatUnit.trainable``.) Each outermost forward checks the registrations in one pass (a
-dictionary lookup and a few attribute reads per parameter) and refuses the
-forward with a message that says what to do, before any step uses it.
+and steps. (Freezing and unfreezing are fine: see ``FlatUnit.trainable``.)
+Each outermost forward checks the registrations in one pass (a dictionary
+lookup and a few attribute reads per parameter) and refuses the forward with
+a message that says what to do, before any step uses it.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class RegisteredParameters:
                 shape = unit.layout.slots[slot_index].shape
                 self.registrations.append(Registration(module._parameters, name, fqn, param, unit, slot_index, shape))
         self.by_unit = [
-            (unit, [(e, unit.slot_byte_offsets[e.slot_index]) for e in self.registrations if e.unit is unit]) for unit in units
+            (unit, [(e, unit.slot_byte_offsets[e.slot_index]) for e in self.registrations if e.unit is unit])
+            for unit in units
         ]
 
     def check(self) -> None:
@@ -84,8 +86,8 @@ class RegisteredParameters:
                     param = entry.param
                     if (
                         entry.registry.get(entry.name) is not param
-                            or param.dtype is not dtype
-                    or param.shape != entry.shape
+                        or param.dtype is not dtype
+                        or param.shape != entry.shape
                         or (base is not None and param.data_ptr() != base + offset and param.numel())
                     ):
                         self._refuse(entry)
@@ -100,7 +102,8 @@ class RegisteredParameters:
             )
         if param.dtype != entry.unit.precision.compute_dtype or param.shape != entry.shape:
             raise ModelChangedError(
-                f"'{entry.fqn}' was cast or reshaped after sharding (now {param.dtype}, {tuple(param.shape)}). {_ADVICE}"
+                f"'{entry.fqn}' was cast or reshaped after sharding "
+                f"(now {param.dtype}, {tuple(param.shape)}). {_ADVICE}"
             )
         raise ModelChangedError(
             f"The data of '{entry.fqn}' was replaced after sharding (param.data = ..., or a move to "

@@ -33,9 +33,7 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
 
 # Optimizers that need whole tensors (line searches, factored or per-matrix state).
 WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
-    getattr(torch.optim, name)
-    for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-    if hasattr(torch.optim, name)
+    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
 )
 
 

@@ -85,7 +85,8 @@ class OptimizerGroups:
             raise ValueError(
                 f"The optimizer's param groups hold {unknown} tensor(s) the ZeRO engine did not shard: not parameters "
                 "of the model, or of a layer added after the engine was built (given to optimizer.add_param_group?). "
-                "Build the optimizer over model.parameters() (or groups of them), and add layers before building the engine."
+                "Build the optimizer over model.parameters() (or groups of them), "
+                "and add layers before building the engine."
             )
         if twice:
             raise ValueError(
@@ -102,8 +103,10 @@ class OptimizerGroups:
     @property
     def settings_fingerprint(self) -> int:
         """Likewise for every group's hyperparameters (a scheduler or an edit on some ranks only)."""
-        settings = [[(key, describe_value(value)) for key, value in sorted(group.items()) if key != "params"]
-                    for group in self.optimizer.param_groups]
+        settings = [
+            [(key, describe_value(value)) for key, value in sorted(group.items()) if key != "params"]
+            for group in self.optimizer.param_groups
+        ]
         return zlib.crc32(repr(settings).encode())
 
     @property

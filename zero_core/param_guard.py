@@ -69,6 +69,7 @@ _METADATA: frozenset[Any] = frozenset(
 
 _DATA_SETTER = torch._C.TensorBase.data.__set__  # a new, equal object on each access: compare with ==
 
+
 def _parse_to(self: torch.Tensor, *args: Any, copy: bool = False, **kwargs: Any) -> tuple[Any, Any]:
     device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
     if copy or memory_format not in (None, torch.preserve_format):
@@ -128,8 +129,11 @@ class ParameterGuard:
             device, dtype = _CONVERSIONS[func](*args, **kwargs)
             if _same_device(device, param.device) and dtype in (None, param.dtype):
                 return param
-            raise self.error(param, "cannot be moved or cast after sharding: move and cast the model "
-                             "before building the engine (choose dtypes with MixedPrecision)")
+            raise self.error(
+                param,
+                "cannot be moved or cast after sharding: move and cast the model "
+                "before building the engine (choose dtypes with MixedPrecision)",
+            )
         if func == _DATA_SETTER and args[1] is args[0]:
             return None  # module._apply() setting a parameter's data to itself
         if func is torch.Tensor.copy_ and args[0] is param and self.unit.write_param(param, args[1]):
@@ -175,7 +179,9 @@ class ParameterGuard:
         return self.unit.layout.slots[self.unit.slot_of(param)].fqns[0]
 
     def error(self, param: nn.Parameter | None, what: str) -> ParameterAtRestError:
-        name = f"'{self._name(param)}' of {self.unit.label}" if param is not None else f"a parameter of {self.unit.label}"
+        name = (
+            f"'{self._name(param)}' of {self.unit.label}" if param is not None else f"a parameter of {self.unit.label}"
+        )
         return ParameterAtRestError(
             f"ZeRO-3 parameter {name} {what}: between uses its values are sharded across the ranks and "
             "not held by any one of them. Read or edit parameters inside `with engine.gathered_parameters():` "
@@ -196,7 +202,11 @@ def guard_class(param_class: type[nn.Parameter], guard: ParameterGuard) -> type[
             guard.unit.wait_gathered()
         return param_class.__deepcopy__(self, memo)
 
-    return type(param_class.__name__, (param_class,), {
-        "__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k)),
-        "__deepcopy__": deepcopy,
-    })
+    return type(
+        param_class.__name__,
+        (param_class,),
+        {
+            "__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k)),
+            "__deepcopy__": deepcopy,
+        },
+    )

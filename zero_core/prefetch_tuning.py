@@ -94,7 +94,6 @@ class AutoPrefetch:
     def measuring(self) -> bool:
         return self.state is PrefetchTuning.MEASURING
 
-
     # ---------------------------------------------------------- measuring
     def forward_started(self) -> None:
         self._running_gather_time, self._running_gathers = 0.0, 0

@@ -246,7 +246,9 @@ class StepRuntime:
         backward never ran is forgotten too: that batch was skipped.
         """
         interrupted_forward = self.state is TrainingState.FORWARD and not self._active
-        interrupted_backward = self.state in (TrainingState.BACKWARD, TrainingState.POST_BACKWARD) and not _inside_autograd()
+        interrupted_backward = (
+            self.state in (TrainingState.BACKWARD, TrainingState.POST_BACKWARD) and not _inside_autograd()
+        )
         if interrupted_forward or interrupted_backward:
             self._abandon(backward_too=interrupted_backward)
         if drop_pending_forward:
@@ -341,7 +343,9 @@ class StepRuntime:
             args, kwargs = self._wrap_inputs(unit, args, kwargs, record=None)
         return args, kwargs
 
-    def _wrap_inputs(self, unit: FlatUnit, args: tuple, kwargs: dict, record: ForwardRecord | None) -> tuple[tuple, dict]:
+    def _wrap_inputs(
+        self, unit: FlatUnit, args: tuple, kwargs: dict, record: ForwardRecord | None
+    ) -> tuple[tuple, dict]:
         flat, spec = pytree.tree_flatten((args, kwargs))
         positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if record is not None:
@@ -387,7 +391,9 @@ class StepRuntime:
             self._end_forward(unit)
         return output
 
-    def _pre_call(self, needed: list[FlatUnit], module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    def _pre_call(
+        self, needed: list[FlatUnit], module: nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
         """A module called while the units owning its parameters are not running: enter them."""
         if self._is_recompute():
             # Checkpointed code rerun in backward: its units only need to be gathered,
@@ -440,8 +446,12 @@ class StepRuntime:
         # different units' reduce-scatters (a hang, or garbage for units of equal size).
         trainable = zlib.crc32(repr([unit.index for unit in self.units if unit.trainable]).encode())
         anywhere = collectives.true_on_any_rank(
-            self.root.comm, reached, "which unit outputs the loss uses",
-            must_agree={"which units have trainable parameters (every rank must freeze the same ones; a checksum)": trainable},
+            self.root.comm,
+            reached,
+            "which unit outputs the loss uses",
+            must_agree={
+                "which units have trainable parameters (every rank must freeze the same ones; a checksum)": trainable
+            },
         )
         self._next_backward = records
         edges, zeros = zero_roots(records, [a and not r for a, r in zip(anywhere, reached)])

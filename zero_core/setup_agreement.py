@@ -133,7 +133,9 @@ def describe_optimizer(
         fields.append(Field(f"optimizer param group {g} hyperparameters", repr(keys)))
         fields += [Field(f"optimizer param group {g} {key}", describe_value(group[key])) for key in keys]
     # Last: a default differs alone only where no group uses it yet (a group added later takes it).
-    fields += [Field(f"optimizer default {key}", describe_value(optimizer.defaults[key])) for key in sorted(optimizer.defaults)]
+    fields += [
+        Field(f"optimizer default {key}", describe_value(optimizer.defaults[key])) for key in sorted(optimizer.defaults)
+    ]
     return fields
 
 

@@ -18,7 +18,9 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
             tensor.data = tensor.data.to(device)
 
 
-def shard_module(module: nn.Module, optimizer: Optimizer | None, config: ZeroConfig, device: torch.device) -> ZeroEngine:
+def shard_module(
+    module: nn.Module, optimizer: Optimizer | None, config: ZeroConfig, device: torch.device
+) -> ZeroEngine:
     """The module's engine: reused if it was sharded alike before, rebuilt if
     it was sharded with other settings, created otherwise."""
     engine = engine_of(module)

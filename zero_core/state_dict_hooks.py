@@ -43,7 +43,9 @@ class StateDictHooks:
             if self.engine.config.plan.params_sharded_at_rest and any(True for _ in module.parameters()):
                 handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
                 # torch marks post-hooks with an attribute, which a bound method cannot take.
-                handles.append(module.register_state_dict_post_hook(functools.partial(StateDictHooks._after_state_dict, self)))
+                handles.append(
+                    module.register_state_dict_post_hook(functools.partial(StateDictHooks._after_state_dict, self))
+                )
         return handles
 
     # -------------------------------------------------------------- export

@@ -1,6 +1,6 @@
 """ZeroAccelerator's save_state/load_state when a save fails, in one CPU process; prints a JSON report.
 
-    python tests/scripts/accelerate_failures.py WORKDIR
+python tests/scripts/accelerate_failures.py WORKDIR
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ def main() -> None:
     FileSystemWriter.write_data = original  # type: ignore[method-assign]
     report["folders after a failed save"] = sorted(p.name for p in (work / "checkpoints").iterdir())
     accelerator.load_state()
-    report["latest loads the first save"] = all(torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items())
+    report["latest loads the first save"] = all(
+        torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items()
+    )
     train_step(2)
     import accelerate.accelerator as accelerate_module  # Accelerate's own files failing this time
 
@@ -104,7 +106,9 @@ def main() -> None:
         report["mixed pair"] = "loaded"
     except CheckpointError as error:
         report["mixed pair"] = str(error)
-    report["mixed pair left the model alone"] = all(torch.equal(before[k], v) for k, v in accelerator.get_state_dict(model).items())
+    report["mixed pair left the model alone"] = all(
+        torch.equal(before[k], v) for k, v in accelerator.get_state_dict(model).items()
+    )
     print(json.dumps(report))
 
 

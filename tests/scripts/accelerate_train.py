@@ -84,9 +84,18 @@ def main() -> None:
     accelerator.save_model(model, str(out / f"{args.name}-model"))
     if accelerator.is_main_process:
         engine = getattr(accelerator, "engine", None)
-        torch.save({"losses": losses, "weights": weights, "loaded": loaded, "accelerator": type(accelerator).__name__,
-                    "mixed_precision": accelerator.mixed_precision, "num_processes": accelerator.num_processes,
-                    "shard_group_size": engine.shard_group_size if engine is not None else None}, out / f"{args.name}.pt")
+        torch.save(
+            {
+                "losses": losses,
+                "weights": weights,
+                "loaded": loaded,
+                "accelerator": type(accelerator).__name__,
+                "mixed_precision": accelerator.mixed_precision,
+                "num_processes": accelerator.num_processes,
+                "shard_group_size": engine.shard_group_size if engine is not None else None,
+            },
+            out / f"{args.name}.pt",
+        )
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -42,7 +42,9 @@ def full_weights(trainer: pl.Trainer, module: TinyLM) -> dict[str, torch.Tensor]
 
 
 def run(spec: dict, out: Path, devices: int) -> None:
-    module_class = ManualTinyLM if spec.get("manual") else BackboneTinyLM if spec.get("unfreeze_backbone_at") else TinyLM
+    module_class = (
+        ManualTinyLM if spec.get("manual") else BackboneTinyLM if spec.get("unfreeze_backbone_at") else TinyLM
+    )
     module = module_class(
         batchnorm=spec.get("batchnorm", True),
         batch_size=spec.get("batch_size", 4),
@@ -54,8 +56,17 @@ def run(spec: dict, out: Path, devices: int) -> None:
     if spec.get("checkpoint_epochs"):
         callbacks.append(ModelCheckpoint(dirpath=out / spec["name"], every_n_epochs=1, save_top_k=-1, save_last=True))
     if spec.get("top_k"):
-        callbacks.append(ModelCheckpoint(dirpath=out / f"{spec['name']}-topk", monitor="train_loss", every_n_train_steps=1, save_top_k=spec["top_k"]))
-    plugins = [ZeroPrecision(spec["plugin_precision"], initial_loss_scale=2.0**10)] if spec.get("plugin_precision") else []
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out / f"{spec['name']}-topk",
+                monitor="train_loss",
+                every_n_train_steps=1,
+                save_top_k=spec["top_k"],
+            )
+        )
+    plugins = (
+        [ZeroPrecision(spec["plugin_precision"], initial_loss_scale=2.0**10)] if spec.get("plugin_precision") else []
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -94,7 +105,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
     result["world_size"] = trainer.world_size
     if isinstance(trainer.strategy, ZeroStrategy):
         result["shard_group_size"] = trainer.strategy.engine.shard_group_size
-    # A resumed BaseFinetuning callback ends its restart in on_fit_start; one left restarting would redo it in the next fit.
+    # A resumed BaseFinetuning callback ends its restart in on_fit_start; one left restarting would
+    # redo it in the next fit.
     result["restarting"] = [c._restarting for c in callbacks if isinstance(c, BackboneFinetuning)]
     if spec.get("summary"):
         from lightning.pytorch.utilities.model_summary import ModelSummary

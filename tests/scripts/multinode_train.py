@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from zero_core import ZeroEngine  # noqa: E402
 from tests.models import TinyTransformer, make_optimizer  # noqa: E402
 from tests.workers import config_for, train_against_ddp  # noqa: E402
+from zero_core import ZeroEngine  # noqa: E402
 
 
 def main() -> None:
@@ -40,9 +40,19 @@ def main() -> None:
     errors = {}
     for stage in (1, 2, 3):
         result = train_against_ddp(stage, "adamw", shard_group_size=per_node)
-        errors[stage] = {"params": max(result["param_errors"]), "losses": result["losses"], "reference": result["reference_losses"]}
-    report = {"rank": rank, "world_size": dist.get_world_size(), "node": nodes[rank], "group_nodes": group_nodes,
-              "shard_group_size": engine.shard_group_size, "errors": errors}
+        errors[stage] = {
+            "params": max(result["param_errors"]),
+            "losses": result["losses"],
+            "reference": result["reference_losses"],
+        }
+    report = {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "node": nodes[rank],
+        "group_nodes": group_nodes,
+        "shard_group_size": engine.shard_group_size,
+        "errors": errors,
+    }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 

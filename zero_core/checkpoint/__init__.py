@@ -4,4 +4,10 @@ from .consolidate import consolidate_checkpoint, load_full_checkpoint
 from .errors import CheckpointError
 from .storage import is_sharded_checkpoint, remove_checkpoint
 
-__all__ = ["CheckpointError", "consolidate_checkpoint", "is_sharded_checkpoint", "load_full_checkpoint", "remove_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
+    "load_full_checkpoint",
+    "remove_checkpoint",
+]

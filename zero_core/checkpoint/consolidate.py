@@ -57,8 +57,12 @@ def _read_full(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any]]
     checkpoint = open_checkpoint(agreement, path)
     flat: dict[str, Any] = {}
     for key, entry in checkpoint.metadata.state_dict_metadata.items():
-        flat[key] = torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
-    agreement.run("reading the shards", lambda: read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, flat))
+        flat[key] = (
+            torch.empty(entry.size, dtype=entry.properties.dtype) if isinstance(entry, TensorStorageMetadata) else None
+        )
+    agreement.run(
+        "reading the shards", lambda: read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, flat)
+    )
     mappings = checkpoint.metadata.planner_data or {}
 
     def assemble() -> dict[str, Any]:
@@ -106,11 +110,17 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="zero-consolidate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="zero-consolidate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("checkpoint", help="the sharded checkpoint directory")
     parser.add_argument("output", help="the file to write")
-    parser.add_argument("--format", choices=("safetensors", "lightning"), default=None,
-                        help="default: from the output's suffix (.safetensors, else lightning)")
+    parser.add_argument(
+        "--format",
+        choices=("safetensors", "lightning"),
+        default=None,
+        help="default: from the output's suffix (.safetensors, else lightning)",
+    )
     args = parser.parse_args(argv)
     fmt = args.format or ("safetensors" if args.output.endswith(".safetensors") else "lightning")
     try:

@@ -101,7 +101,9 @@ def _resolve_names(view: ShardedModel, source: FlatSource, strict: bool) -> dict
     return resolved
 
 
-def _read_weights(view: ShardedModel, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> LoadedWeights:
+def _read_weights(
+    view: ShardedModel, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool
+) -> LoadedWeights:
     tensors = open_source(source)
     names = _resolve_names(view, tensors, strict)
     shards = [unit.master_shard.clone() for unit in view.units]
@@ -120,7 +122,9 @@ def _read_weights(view: ShardedModel, source: Mapping[str, torch.Tensor] | str |
     return LoadedWeights(shards, buffers)
 
 
-def load_full_weights(view: ShardedModel, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool) -> LoadedWeights:
+def load_full_weights(
+    view: ShardedModel, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool
+) -> LoadedWeights:
     """This rank's part of ordinary full weights, in new tensors, once every rank has read its part."""
     where = "a state dict" if isinstance(source, Mapping) else str(source)
     agreement = RankAgreement(view.comm, f"loading full weights from {where}")

@@ -5,8 +5,9 @@ path, or the copy an interrupted save left), verify it (manifest,
 ``.metadata`` and ``meta.pt`` against their checksums, every data file
 present with its size, the save identity), check the model's and the
 optimizer's keys and shapes, then read this rank's pieces into new tensors,
-each item's bytes checked against its digest as they are read. Nothing of the live model or optimizer is touched: the engine
-applies the returned :class:`LoadedCheckpoint` only once every rank has it.
+each item's bytes checked against its digest as they are read. Nothing of
+the live model or optimizer is touched: the engine applies the returned
+:class:`LoadedCheckpoint` only once every rank has it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,21 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .agreement import RankAgreement
+from .chunks import ShardedChunks
 from .errors import CheckpointError, mismatch_error
 from .manifest import Manifest, check_present, read_manifest, read_verified
-from .records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedCheckpoint, LoadedOptimizer, LoadedWeights, ShardedModel, parse_engine_record
-from .chunks import ShardedChunks
-from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .metadata_checks import check_metadata
+from .records import (
+    MODEL_KEY,
+    OPTIMIZER_KEY,
+    EngineRecord,
+    LoadedCheckpoint,
+    LoadedOptimizer,
+    LoadedWeights,
+    ShardedModel,
+    parse_engine_record,
+)
+from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .unpickling import load_weights_only, unpickle_metadata
 
@@ -41,14 +51,22 @@ def open_checkpoint(agreement: RankAgreement, path: str | os.PathLike) -> Verifi
     """Find and verify the checkpoint at ``path`` (data bytes are checked later, as they are read)."""
     _, places = agreement.run("finding the checkpoint", lambda: str(locate_checkpoint(path)), share=True)
     if len(set(places)) > 1:
-        raise CheckpointError(f"{agreement.operation}: the ranks found different directories ({places}); is the filesystem shared?")
+        raise CheckpointError(
+            f"{agreement.operation}: the ranks found different directories ({places}); is the filesystem shared?"
+        )
     directory = Path(places[0])
 
     def verify() -> VerifiedCheckpoint:
         manifest = read_manifest(directory)
-        metadata = unpickle_metadata(read_verified(directory, manifest, METADATA_FILENAME), directory / METADATA_FILENAME)
+        metadata = unpickle_metadata(
+            read_verified(directory, manifest, METADATA_FILENAME), directory / METADATA_FILENAME
+        )
         data_files = check_metadata(directory, metadata, manifest)
-        meta = load_weights_only(read_verified(directory, manifest, EXTRA_FILENAME), directory / EXTRA_FILENAME, "the step counter and extra state")
+        meta = load_weights_only(
+            read_verified(directory, manifest, EXTRA_FILENAME),
+            directory / EXTRA_FILENAME,
+            "the step counter and extra state",
+        )
         extra, record = parse_engine_record(meta, directory / EXTRA_FILENAME, manifest.save_id)
         for name in data_files:  # present and whole; their bytes are checked as they are read
             check_present(directory, manifest, name)
@@ -103,7 +121,9 @@ def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) 
         raise mismatch_error(f"{path}'s optimizer state does not fit this model", [], sorted(unknown), misshaped)
 
 
-def load_checkpoint(view: ShardedModel, path: str | os.PathLike, *, load_model: bool, load_optimizer: bool) -> LoadedCheckpoint:
+def load_checkpoint(
+    view: ShardedModel, path: str | os.PathLike, *, load_model: bool, load_optimizer: bool
+) -> LoadedCheckpoint:
     agreement = RankAgreement(view.comm, f"loading checkpoint {Path(path).absolute()}")
     checkpoint = open_checkpoint(agreement, path)
 
@@ -112,7 +132,9 @@ def load_checkpoint(view: ShardedModel, path: str | os.PathLike, *, load_model: 
             check_model_keys(checkpoint.directory, checkpoint.metadata, expected_model_shapes(view))
         saved = checkpoint.metadata.state_dict_metadata
         if load_optimizer and not any(k.startswith(OPTIMIZER_KEY + ".") for k in saved):
-            raise CheckpointError(f"{checkpoint.directory} holds no optimizer state; pass load_optimizer=False to load the weights only.")
+            raise CheckpointError(
+                f"{checkpoint.directory} holds no optimizer state; pass load_optimizer=False to load the weights only."
+            )
         if load_optimizer:
             check_optimizer_entries(checkpoint.directory, checkpoint.metadata, view)
 
@@ -121,7 +143,9 @@ def load_checkpoint(view: ShardedModel, path: str | os.PathLike, *, load_model: 
     return loaded
 
 
-def _read(view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, load_optimizer: bool) -> LoadedCheckpoint:
+def _read(
+    view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, load_optimizer: bool
+) -> LoadedCheckpoint:
     state: dict[str, Any] = {}
     shards = None
     if load_model:
@@ -130,13 +154,16 @@ def _read(view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, 
     installs: list = []
     if load_optimizer:
         assert view.optimizer is not None
-        state[OPTIMIZER_KEY], installs = optimizer_load_targets(view.optimizer, view.units, checkpoint.metadata, OPTIMIZER_KEY)
+        state[OPTIMIZER_KEY], installs = optimizer_load_targets(
+            view.optimizer, view.units, checkpoint.metadata, OPTIMIZER_KEY
+        )
     read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, state)
     weights = None
     if load_model:
         assert shards is not None
         buffers = {
-            key: value for key, value in state[MODEL_KEY].items()
+            key: value
+            for key, value in state[MODEL_KEY].items()
             if isinstance(value, torch.Tensor) and not isinstance(value, ShardedChunks)
         }
         weights = LoadedWeights(shards, buffers)
@@ -150,7 +177,9 @@ def _read(view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, 
 def _group_settings(view: ShardedModel, saved_groups: Any, path: Path) -> list[dict[str, Any]]:
     """The saved groups' hyperparameters, once their parameters and value types are known to match ours."""
     assert view.optimizer is not None
-    valid = isinstance(saved_groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups)
+    valid = isinstance(saved_groups, list) and all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups
+    )
     if not valid:
         raise CheckpointError(f"{path}: the optimizer's param groups are malformed.")
     saved_names = [list(group["params"]) for group in saved_groups]

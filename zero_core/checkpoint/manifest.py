@@ -140,14 +140,20 @@ def _parse(document: dict) -> Manifest:
         raise ValueError("save_id must be a string and files a mapping")
     files = {}
     for name, entry in document["files"].items():
-        if not is_plain_file_name(name) or not isinstance(entry, dict) or not set(entry) <= {"bytes", "sha256", "items"}:
+        if (
+            not is_plain_file_name(name)
+            or not isinstance(entry, dict)
+            or not set(entry) <= {"bytes", "sha256", "items"}
+        ):
             raise ValueError(f"the entry for {name!r} is malformed")
         size, sha256 = entry["bytes"], entry["sha256"]
         items = tuple(tuple(item) for item in entry.get("items", ()))
         well_formed = (
             _is_count(size)
             and _is_digest(sha256)
-            and all(len(item) == 3 and _is_count(item[0]) and _is_count(item[1]) and _is_digest(item[2]) for item in items)
+            and all(
+                len(item) == 3 and _is_count(item[0]) and _is_count(item[1]) and _is_digest(item[2]) for item in items
+            )
         )
         if not well_formed:
             raise ValueError(f"the entry for {name} is malformed")
@@ -173,7 +179,9 @@ def _check(file: Path, expected: FileDigest, actual: FileDigest) -> None:
 
 def expected_digest(directory: Path, manifest: Manifest, name: str) -> FileDigest:
     if name not in manifest.files:
-        raise CheckpointError(f"{directory / name} is not listed in {MANIFEST_FILENAME}; the checkpoint is inconsistent.")
+        raise CheckpointError(
+            f"{directory / name} is not listed in {MANIFEST_FILENAME}; the checkpoint is inconsistent."
+        )
     return manifest.files[name]
 
 
@@ -199,7 +207,9 @@ def check_item(file: Path, recorded_items: dict[tuple[int, int], str], offset: i
     """The bytes read for one DCP item match the digest recorded for them."""
     recorded = recorded_items.get((offset, len(data)))
     if recorded is None:
-        raise CheckpointError(f"{file}: no checksum is recorded for bytes {offset}..{offset + len(data)}; the checkpoint is inconsistent.")
+        raise CheckpointError(
+            f"{file}: no checksum is recorded for bytes {offset}..{offset + len(data)}; the checkpoint is inconsistent."
+        )
     if hashlib.sha256(data).hexdigest() != recorded:
         raise CheckpointError(
             f"{file} does not match its checksum (bytes {offset}..{offset + len(data)}): it is corrupt, or it "

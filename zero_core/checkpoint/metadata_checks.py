@@ -60,7 +60,10 @@ def _check_planner_data(planner_data: Any, entries: int) -> None:
             isinstance(key, str)
             and isinstance(path, tuple)
             and 0 < len(path) <= _MAX_NESTING
-            and all(isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= entries) for p in path)
+            and all(
+                isinstance(p, str) or (isinstance(p, int) and not isinstance(p, bool) and 0 <= p <= entries)
+                for p in path
+            )
         )
         if not valid:
             raise ValueError(f"planner data for {key!r} is malformed")

@@ -60,8 +60,14 @@ class EngineRecord:
 
     def to_dict(self) -> dict[str, Any]:
         scaler = dataclasses.asdict(self.loss_scaler) if self.loss_scaler is not None else None
-        return {"format": self.format, "stage": self.stage, "world_size": self.world_size,
-                "steps": self.steps, "loss_scaler": scaler, "save_id": self.save_id}
+        return {
+            "format": self.format,
+            "stage": self.stage,
+            "world_size": self.world_size,
+            "steps": self.steps,
+            "loss_scaler": scaler,
+            "save_id": self.save_id,
+        }
 
 
 class LoadedOptimizer(NamedTuple):
@@ -97,12 +103,18 @@ def parse_engine_record(record: Any, file: Path, save_id: str) -> tuple[dict[str
     if set(info) != expected:
         raise CheckpointError(f"{file}: the '{ZERO_KEY}' entry has keys {sorted(info)}, expected {sorted(expected)}.")
     if info["format"] != FORMAT_VERSION:
-        raise CheckpointError(f"{file}: checkpoint format {info['format']!r}; this lightning-zero reads format {FORMAT_VERSION}.")
+        raise CheckpointError(
+            f"{file}: checkpoint format {info['format']!r}; this lightning-zero reads format {FORMAT_VERSION}."
+        )
     if not all(_is_int(info[k]) and info[k] >= 0 for k in ("stage", "world_size", "steps")):
         raise CheckpointError(f"{file}: stage, world_size and steps must be non-negative integers.")
     if info["save_id"] != save_id:
-        raise CheckpointError(f"{file} comes from another save than the rest of the checkpoint (save identity differs).")
-    return extra, EngineRecord(info["stage"], info["world_size"], info["steps"], _loss_scaler(info["loss_scaler"], file), save_id)
+        raise CheckpointError(
+            f"{file} comes from another save than the rest of the checkpoint (save identity differs)."
+        )
+    return extra, EngineRecord(
+        info["stage"], info["world_size"], info["steps"], _loss_scaler(info["loss_scaler"], file), save_id
+    )
 
 
 def _loss_scaler(state: Any, file: Path) -> LossScalerState | None:

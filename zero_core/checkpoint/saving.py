@@ -32,7 +32,15 @@ from .errors import CheckpointError
 from .manifest import FileDigest, Manifest, digest_bytes, digest_data_file, write_manifest
 from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
 from .state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
-from .storage import EXTRA_FILENAME, METADATA_FILENAME, CheckpointDirs, discard_partial, prepare_partial, replace_with_partial, write_shards
+from .storage import (
+    EXTRA_FILENAME,
+    METADATA_FILENAME,
+    CheckpointDirs,
+    discard_partial,
+    prepare_partial,
+    replace_with_partial,
+    write_shards,
+)
 from .unpickling import refusal_reason
 
 
@@ -71,7 +79,9 @@ def save_checkpoint(
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
         state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
         metadata, _ = agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
-        _, shares = agreement.run("checksumming the shards", lambda: checksum_share(dirs.partial, metadata, agreement), share=True)
+        _, shares = agreement.run(
+            "checksumming the shards", lambda: checksum_share(dirs.partial, metadata, agreement), share=True
+        )
         digests: dict[str, FileDigest] = {name: digest for share in shares for name, digest in share.items()}
 
         def finish() -> None:

@@ -104,7 +104,9 @@ def remove_checkpoint(path: str | os.PathLike) -> None:
 
 
 if not hasattr(FileSystemReader, "_slice_file"):  # where every item's bytes pass; verified there
-    raise ImportError("lightning-zero needs torch.distributed.checkpoint.FileSystemReader._slice_file (torch 2.4-2.13).")
+    raise ImportError(
+        "lightning-zero needs torch.distributed.checkpoint.FileSystemReader._slice_file (torch 2.4-2.13)."
+    )
 
 
 class SafeReader(FileSystemReader):
@@ -142,7 +144,9 @@ def check_stored_zip(file: Path, offset: int, data: bytes) -> None:
     except zipfile.BadZipFile as error:
         raise CheckpointError(f"{where} is not a torch.save archive ({error}).") from error
     if any(r.compress_type != zipfile.ZIP_STORED for r in records) or sum(r.file_size for r in records) > len(data):
-        raise CheckpointError(f"{where} holds compressed records, which lightning-zero never writes; refusing to inflate them.")
+        raise CheckpointError(
+            f"{where} holds compressed records, which lightning-zero never writes; refusing to inflate them."
+        )
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -168,8 +172,12 @@ def read_shards(directory: Path, metadata: dcp_metadata.Metadata, manifest: Mani
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         warnings.filterwarnings("ignore", message=".*no_dist.*")
-        dcp.load(state, storage_reader=SafeReader(directory, metadata, manifest),
-                 planner=SafeLoadPlanner(allow_partial_load=True), no_dist=True)
+        dcp.load(
+            state,
+            storage_reader=SafeReader(directory, metadata, manifest),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+            no_dist=True,
+        )
 
 
 def write_shards(directory: Path, state: dict[str, Any], comm: CommContext | None) -> dcp_metadata.Metadata:
@@ -178,7 +186,10 @@ def write_shards(directory: Path, state: dict[str, Any], comm: CommContext | Non
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return dcp.save(
-            state, storage_writer=FileSystemWriter(directory), process_group=None if alone else comm.group, no_dist=alone
+            state,
+            storage_writer=FileSystemWriter(directory),
+            process_group=None if alone else comm.group,
+            no_dist=alone,
         )
 
 

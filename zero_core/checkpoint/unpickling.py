@@ -28,7 +28,6 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from .errors import CheckpointError
 
-
 _MAX_TUPLE_DEPTH = 32
 
 # DCP's record classes: the only classes BUILD may fill (with their own fields).
@@ -96,7 +95,9 @@ class MetadataUnpickler(pickle._Unpickler):
         else:
             well_formed = isinstance(state, dict) and all(isinstance(k, str) and k in fields for k in state)
         if not well_formed:
-            raise pickle.UnpicklingError(f"refusing a malformed state for {type(target).__name__} in checkpoint metadata")
+            raise pickle.UnpicklingError(
+                f"refusing a malformed state for {type(target).__name__} in checkpoint metadata"
+            )
         super().load_build()
 
     def _track_tuple(self) -> None:
@@ -105,7 +106,9 @@ class MetadataUnpickler(pickle._Unpickler):
         built = self.stack[-1]
         depth = 1 + max((self._tuple_depths.get(id(item), 0) for item in built), default=0)
         if depth > _MAX_TUPLE_DEPTH:
-            raise pickle.UnpicklingError(f"refusing tuples nested more than {_MAX_TUPLE_DEPTH} deep in checkpoint metadata")
+            raise pickle.UnpicklingError(
+                f"refusing tuples nested more than {_MAX_TUPLE_DEPTH} deep in checkpoint metadata"
+            )
         self._tuple_depths[id(built)] = depth
         self._kept.append(built)  # ids stay unique while tracked
 
@@ -161,7 +164,9 @@ def load_weights_only(data: bytes, file: Path, what: str) -> Any:
             "torch.serialization.add_safe_globals."
         ) from error
     except Exception as error:  # noqa: BLE001 - truncated zip, bad header, ...
-        raise CheckpointError(f"{file} is corrupt ({type(error).__name__}: {error}); {what} cannot be restored.") from error
+        raise CheckpointError(
+            f"{file} is corrupt ({type(error).__name__}: {error}); {what} cannot be restored."
+        ) from error
 
 
 def refusal_reason(error: Exception) -> str:
