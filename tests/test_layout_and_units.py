@@ -6,8 +6,7 @@ import torch
 from torch import nn
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
-from zero_core.layout import FlatLayout
-from zero_core.units import plan_units
+from zero_core.unit import FlatLayout, plan_units
 
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
 

@@ -9,8 +9,8 @@ from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
 from .engine import ZeroEngine, engine_of
 from .model_changes import ModelChangedError
-from .param_guard import ParameterAtRestError
 from .runtime import UnscaledBackwardError
+from .unit import ParameterAtRestError
 
 __all__ = [
     "CheckpointError",

@@ -36,17 +36,15 @@ from .buffers import broadcast_buffers, cast_buffers
 from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
 from .engine_checkpoints import CheckpointMethods
-from .flat_unit import FlatUnit
 from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
 from .model_changes import RegisteredParameters
 from .optim import canonical_names, check_optimizer_supported, reset_optimizer_state
 from .param_groups import OptimizerGroups
-from .parameter_digests import ParameterDigests
 from .precision import DynamicLossScaler
 from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
 from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
-from .units import plan_units
+from .unit import FlatUnit, ParameterDigests, plan_units
 
 # Which engine has sharded a model, so a model is never sharded twice.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
@@ -139,6 +137,8 @@ class ZeroEngine(CheckpointMethods):
         if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
             self.comm.split(config.shard_group_size)
         self._optimizer_agreed_at_setup = optimizer  # attach_optimizer need not ask again
+        # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
+        self._digests = ParameterDigests()
         units: dict[int, FlatUnit] = {}
         # Children first: a parameter owned by an ancestor (shared between
         # children) is materialised with the children before the ancestor flattens.
@@ -146,12 +146,12 @@ class ZeroEngine(CheckpointMethods):
             if on_meta:
                 materialize_modules(plan.modules, self.comm.device, param_init_fn)
             numel = sum(p.numel() for p in plan.params)
-            units[plan.index] = FlatUnit(plan, config.unit_plan(numel), config.mixed_precision, self.comm)
+            units[plan.index] = FlatUnit(
+                plan, config.unit_plan(numel), config.mixed_precision, self.comm, comparisons=self._digests
+            )
         self.units = [units[i] for i in range(len(plans))]
         self._canonical_names = canonical_names(self.units)
-        self._digests = ParameterDigests(self.units)
-        for unit in self.units:
-            unit.guard.digests = self._digests
+        self._digests.track(self.units)
         cast_buffers(model, config.mixed_precision)
         broadcast_buffers(self.model, self.comm)
         self.loss_scaler = (
@@ -572,9 +572,7 @@ class ZeroEngine(CheckpointMethods):
         counter = StorageCounter()
         params = counter.count([u.gathered_params for u in self.units] + [u.compute_shard for u in self.units])
         grads = counter.count(
-            [u.full_grads for u in self.units]
-            + [u.sharded_grads for u in self.units]
-            + [u.group_grads for u in self.units]
+            [grad for u in self.units for grad in u.grads.tensors()]
             + [p.grad for p in self.model.parameters()]
             + [m.param.grad for u in self.units for m in u.master_pieces]
         )

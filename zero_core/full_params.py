@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit, UnitState
+from .unit import FlatUnit, StorageState
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -44,7 +44,7 @@ def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writebac
         for param, data in saved:
             param.data = data
         for unit in units:
-            unit.set_guard(unit.state is UnitState.SHARDED)
+            unit.set_guard(unit.state is StorageState.SHARDED)
         if writeback:
             for unit, full in zip(units, fulls):
                 unit.load_full_master(full)

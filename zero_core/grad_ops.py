@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .collectives import CommContext, Span
-from .flat_unit import FlatUnit
+from .unit import FlatUnit
 
 
 def _shards(units: list[FlatUnit]) -> list[torch.Tensor]:

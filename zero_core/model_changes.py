@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit, UnitState
+from .unit import FlatUnit, StorageState
 
 if TYPE_CHECKING:
     from .runtime import StepRuntime
@@ -81,7 +81,7 @@ class RegisteredParameters:
                 dtype = unit.precision.compute_dtype
                 # Where each parameter's data must start; at rest (stage 3) the guard keeps data from
                 # changing. The buffer exists while gathering too (a prefetch, a stages-1/2 refresh).
-                base = unit.gathered_params.data_ptr() if unit.state is not UnitState.SHARDED else None
+                base = unit.gathered_params.data_ptr() if unit.state is not StorageState.SHARDED else None
                 for entry, offset in entries:
                     param = entry.param
                     if (

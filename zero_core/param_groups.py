@@ -22,9 +22,9 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .flat_unit import FlatUnit
 from .optim import canonical_names
 from .setup_agreement import describe_value
+from .unit import FlatUnit
 
 
 class GroupsHold(Enum):

@@ -33,7 +33,7 @@ from . import collectives
 from .collectives import CommContext
 
 if TYPE_CHECKING:
-    from .flat_unit import FlatUnit
+    from .unit import FlatUnit
 
 MEASURED_STEPS = 2
 UNTUNED_DEPTH = 1  # ZeroConfig's default prefetch, until a depth is chosen (and if none ever is)

@@ -46,10 +46,10 @@ from torch.utils.hooks import RemovableHandle
 from . import collectives
 from .config import StagePlan
 from .execution_order import ExecutionOrder
-from .flat_unit import FlatUnit, UnitState
 from .forward_records import ForwardRecord, ForwardRecords, records_reached, zero_roots
 from .prefetch_tuning import AutoPrefetch
 from .reduce_schedule import ReduceSchedule
+from .unit import FlatUnit, StorageState
 
 
 class TrainingState(Enum):
@@ -599,7 +599,7 @@ class StepRuntime:
             return
         wanted = keep | {unit.index} | set(predicted)
         for other in self.units:
-            if other.index not in wanted and other.state is not UnitState.SHARDED:
+            if other.index not in wanted and other.state is not StorageState.SHARDED:
                 other.release()  # prefetched for an order that did not happen
         if self.auto_prefetch is not None and self.state is TrainingState.FORWARD:
             self.auto_prefetch.wait_timed(unit.wait_gathered)
@@ -607,7 +607,7 @@ class StepRuntime:
             unit.wait_gathered()
         for index in predicted:
             self.units[index].start_gather()
-        live = sum(u.state is not UnitState.SHARDED for u in self.units)
+        live = sum(u.state is not StorageState.SHARDED for u in self.units)
         self.peak_live_units = max(self.peak_live_units, live)
 
     def _release(self, unit: FlatUnit) -> None:

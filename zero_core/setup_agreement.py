@@ -28,7 +28,7 @@ from torch import nn
 from . import collectives
 from .collectives import CommContext
 from .config import ZeroConfig
-from .units import UnitPlan
+from .unit import UnitPlan
 
 ADVICE = "Every rank must build the same model, config and optimizer before sharding."
 

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
-    from .flat_unit import FlatUnit
+    from .unit import FlatUnit
 
 
 class StateDictHooks:

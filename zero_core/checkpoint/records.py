@@ -23,7 +23,7 @@ from ..precision import LossScalerState
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..flat_unit import FlatUnit, MasterPiece
+    from ..unit import FlatUnit, MasterPiece
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer_0"  # Lightning's FSDP layout, which its consolidation tool reads

@@ -18,8 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..flat_unit import FlatUnit, MasterPiece
-from ..layout import ParamSlot, ShardPiece
+from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
 from .chunks import ShardedChunks
 
 

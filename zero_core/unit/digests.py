@@ -9,7 +9,7 @@ way). Inside, the first comparison that metadata cannot settle gathers the
 model once, unit by unit as ``full_state_dict`` does, and keeps one SHA-256 per
 parameter; comparisons are then answered from those until the values change
 (every rank changes them alike, so every rank gathers again alike). Outside,
-such a comparison is refused (``param_guard.py``).
+such a comparison is refused (``guard.py``).
 
 Exact: ``torch.equal`` compares values, and equal bytes are equal values
 except for two cases handled here: ``-0.0 == 0.0`` (normalised by adding
@@ -20,20 +20,39 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
+from torch import nn
 
-from .flat_unit import FlatUnit
+
+class DigestedUnit(Protocol):
+    """What digests need of a unit: its parameters and their full master values."""
+
+    params: list[nn.Parameter]
+
+    @property
+    def master_shard(self) -> torch.Tensor: ...
+
+    def gather_full_master(self) -> torch.Tensor: ...
+
+    def full_param_views(self, full: torch.Tensor) -> list[torch.Tensor]: ...
 
 
 class ParameterDigests:
-    def __init__(self, units: list[FlatUnit]):
-        self.units = units
-        self._ids = {id(p) for unit in units for p in unit.params}
+    """Made before the units (each unit's guard asks it), told the units once they exist (``track``)."""
+
+    def __init__(self) -> None:
+        self.units: Sequence[DigestedUnit] = ()
+        self._ids: set[int] = set()
         self.active = False
         self._digests: dict[int, bytes | None] | None = None  # id(param) -> digest; None: holds NaN
         self._computed_at: list[int] = []  # each master shard's version counter when they were computed
+
+    def track(self, units: Sequence[DigestedUnit]) -> None:
+        self.units = units
+        self._ids = {id(p) for unit in units for p in unit.params}
 
     @contextlib.contextmanager
     def comparable(self) -> Iterator[None]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .config import WrapPolicy
+from ..config import WrapPolicy
 
 
 @dataclass

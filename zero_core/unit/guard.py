@@ -2,7 +2,7 @@
 (Stages 1/2 use the same guard between a step and the next forward, while the
 post-step all-gather may still write the values: any touch waits for it.)
 
-At rest a unit's full parameters have no storage (flat_unit.py): each
+At rest a unit's full parameters have no storage (storage.py): each
 parameter is a full-shape view of a storage shrunk to 0 bytes, and a kernel
 that reads it reads freed memory. So while its unit is released, each
 parameter's class is switched to a guard subclass of its own class whose
@@ -17,7 +17,7 @@ parameter's class is switched to a guard subclass of its own class whose
   loads a sharded model;
 - hands ``detach()`` the full value while ``state_dict()`` exports it;
 - answers ``torch.equal`` from metadata, or exactly from digests inside
-  ``engine.comparable_parameters()`` (``parameter_digests.py``);
+  ``engine.comparable_parameters()`` (``digests.py``);
 - refuses everything else with :class:`ParameterAtRestError`, naming the
   ways to get full values.
 
@@ -29,14 +29,10 @@ parameter has its own class again, so the forward pays nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from .flat_unit import FlatUnit
-    from .parameter_digests import ParameterDigests
 
 
 class ParameterAtRestError(RuntimeError):
@@ -103,13 +99,62 @@ def _same_device(wanted: Any, actual: torch.device) -> bool:
     return isinstance(wanted, torch.device) and wanted.type == actual.type and wanted.index in (None, actual.index)
 
 
-class ParameterGuard:
-    """The ``__torch_function__`` of one unit's guard classes."""
+class GuardedUnit(Protocol):
+    """What the guard needs of the unit whose parameters it guards."""
 
-    def __init__(self, unit: "FlatUnit"):
+    label: str
+
+    @property
+    def refreshing(self) -> bool: ...  # stages 1/2: the post-step all-gather may still write the values
+
+    def wait_gathered(self) -> None: ...
+
+    def write_param(self, param: nn.Parameter, full_value: torch.Tensor) -> bool: ...
+
+    def slot_of(self, param: nn.Parameter) -> int: ...
+
+    def name_of(self, param: nn.Parameter) -> str: ...
+
+
+class Comparisons(Protocol):
+    """Exact ``torch.equal`` between resting parameters, where every rank compares alike (digests.py)."""
+
+    active: bool
+
+    def knows(self, tensor: object) -> bool: ...
+
+    def equal(self, a: nn.Parameter, b: nn.Parameter) -> bool: ...
+
+
+class ParameterGuard:
+    """One unit's guard: its parameters' guard classes, switching them, and their ``__torch_function__``."""
+
+    def __init__(self, unit: GuardedUnit, params: list[nn.Parameter], guarding: bool, comparisons: Comparisons | None):
         self.unit = unit
+        self.params = params
         self.exported: dict[int, torch.Tensor] | None = None  # slot index -> full value, during state_dict()
-        self.digests: "ParameterDigests | None" = None  # set by the engine: exact torch.equal where ranks run alike
+        self.digests = comparisons
+        self._own_classes = [type(p) for p in params]
+        self.guard_classes = {cls: guard_class(cls, self) for cls in set(self._own_classes)}
+        self._guarding = guarding  # stage 3: parameters take their guard classes at rest
+        self._classes_guarded = False  # the parameters have their own classes now
+
+    def guard(self, on: bool) -> None:
+        """Stage 3: parameters without storage refuse reads (on) or are ordinary again (off)."""
+        self.switch(on and self._guarding)
+
+    def switch(self, guarded: bool) -> None:
+        """Give the parameters their guard classes (or their own back), whatever the stage."""
+        if guarded == self._classes_guarded:
+            return  # nothing to switch: no loop over the parameters on the hot path
+        for param, own_class in zip(self.params, self._own_classes):
+            param.__class__ = self.guard_classes[own_class] if guarded else own_class
+        self._classes_guarded = guarded
+
+    def stop_guarding(self) -> None:
+        """The parameters are ordinary tensors of their own for good (``unshard``)."""
+        self.guard(False)
+        self._guarding = False
 
     def __call__(self, func: Any, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -162,7 +207,7 @@ class ParameterGuard:
         )
 
     def owns(self, value: Any) -> bool:
-        return isinstance(value, nn.Parameter) and type(value) in self.unit.guard_classes.values()
+        return isinstance(value, nn.Parameter) and type(value) in self.guard_classes.values()
 
     @staticmethod
     def _plain(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -171,16 +216,15 @@ class ParameterGuard:
 
     def _description(self, param: nn.Parameter) -> str:
         return (
-            f"Parameter '{self._name(param)}' sharded at rest by ZeRO-3 (shape {tuple(param.shape)}, "
+            f"Parameter '{self.unit.name_of(param)}' sharded at rest by ZeRO-3 (shape {tuple(param.shape)}, "
             f"{param.dtype}, {param.device}); read it inside engine.gathered_parameters()"
         )
 
-    def _name(self, param: nn.Parameter) -> str:
-        return self.unit.layout.slots[self.unit.slot_of(param)].fqns[0]
-
     def error(self, param: nn.Parameter | None, what: str) -> ParameterAtRestError:
         name = (
-            f"'{self._name(param)}' of {self.unit.label}" if param is not None else f"a parameter of {self.unit.label}"
+            f"'{self.unit.name_of(param)}' of {self.unit.label}"
+            if param is not None
+            else f"a parameter of {self.unit.label}"
         )
         return ParameterAtRestError(
             f"ZeRO-3 parameter {name} {what}: between uses its values are sharded across the ranks and "

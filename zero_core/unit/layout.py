@@ -71,3 +71,13 @@ class FlatLayout:
             if lo < hi:
                 pieces.append(ShardPiece(slot, lo - slot.flat_offset, lo - shard_lo, hi - lo))
         return pieces
+
+
+def slot_view(flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """One parameter's full-shape view of a unit's flat buffer (padded numel)."""
+    return flat[slot.flat_offset : slot.flat_offset + slot.numel].view(slot.shape)
+
+
+def shard_view(shard: torch.Tensor, piece: ShardPiece) -> torch.Tensor:
+    """One parameter piece's 1-D view of a rank's shard."""
+    return shard[piece.shard_start : piece.shard_start + piece.numel]

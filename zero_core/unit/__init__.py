@@ -1,0 +1,24 @@
+"""One unit: a module subtree's parameters flattened, sharded and guarded. It knows nothing of the
+step or the engine (arrows point one way: the pass drives units, never the reverse)."""
+
+from .digests import ParameterDigests
+from .flat_unit import FlatUnit, MasterPiece
+from .grads import PendingReduce
+from .guard import ParameterAtRestError
+from .layout import FlatLayout, ParamSlot, ShardPiece
+from .plan import UnitPlan, plan_units
+from .storage import StorageState
+
+__all__ = [
+    "FlatLayout",
+    "FlatUnit",
+    "MasterPiece",
+    "ParamSlot",
+    "ParameterAtRestError",
+    "ParameterDigests",
+    "PendingReduce",
+    "ShardPiece",
+    "StorageState",
+    "UnitPlan",
+    "plan_units",
+]

@@ -1,0 +1,192 @@
+"""One unit: its parameter storage, its gradients and its guard, composed.
+
+A unit knows nothing of the step or the engine: the pass (``step/``) drives
+it through these methods, each a thin forward to the part that owns the
+state (``storage.py``, ``grads.py``, ``guard.py``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ..collectives import CommContext, Handle
+from ..config import MixedPrecision, StagePlan
+from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
+from .guard import Comparisons, ParameterGuard
+from .layout import FlatLayout, ShardPiece, shard_view, slot_view
+from .plan import UnitPlan
+from .storage import ParamStorage, StorageState
+
+
+class MasterPiece(NamedTuple):
+    """What the optimizer sees: a 1-D fp32 view of one parameter's piece of the master shard."""
+
+    piece: ShardPiece
+    param: nn.Parameter
+
+
+class FlatUnit:
+    def __init__(
+        self,
+        plan: UnitPlan,
+        stage_plan: StagePlan,
+        precision: MixedPrecision,
+        comm: CommContext,
+        comparisons: Comparisons | None = None,
+    ):
+        self.index, self.name, self.module = plan.index, plan.name, plan.module
+        self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
+        self.label = f"unit '{plan.name}'" if plan.name else "the root unit"
+        self.params: list[nn.Parameter] = plan.params
+        self.layout = FlatLayout.build(
+            [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)],
+            comm.shard_size,
+        )
+        self._slot_of_param = {id(p): i for i, p in enumerate(self.params)}
+        # Stage 3 at rest: parameters take a guard class (guard.py) instead of their own.
+        self.guard = ParameterGuard(self, self.params, stage_plan.params_sharded_at_rest, comparisons)
+        self.storage = ParamStorage(
+            self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label
+        )
+        # Where each parameter's data starts in the gathered buffer (model_changes.py checks it).
+        element_size = self.storage.gathered_params.element_size()
+        self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
+        self.master_pieces = [
+            # Every parameter, frozen ones too: unfreezing one later trains it from its shard.
+            MasterPiece(piece, nn.Parameter(shard_view(self.master_shard, piece)))
+            for piece in self.layout.pieces(comm.shard_rank)
+        ]
+        grads_class = ShardedGrads if stage_plan.grads_sharded else LocalGrads
+        self.grads: UnitGrads = grads_class(self.layout, self.params, precision, comm, self.label)
+        if stage_plan.params_sharded_at_rest:
+            self.release()
+
+    # ---------------------------------------------------------------- storage
+    @property
+    def gathered_params(self) -> torch.Tensor:
+        return self.storage.gathered_params
+
+    @property
+    def compute_shard(self) -> torch.Tensor:
+        return self.storage.compute_shard
+
+    @property
+    def master_shard(self) -> torch.Tensor:
+        return self.storage.master_shard
+
+    @property
+    def state(self) -> StorageState:
+        return self.storage.state
+
+    @property
+    def refreshing(self) -> bool:
+        """Stages 1/2: the post-step all-gather may still be writing the parameters."""
+        return self.storage.refreshing
+
+    def start_gather(self) -> None:
+        self.storage.start_gather()
+
+    def wait_gathered(self) -> None:
+        self.storage.wait_gathered()
+
+    def release(self) -> None:
+        self.storage.release()
+
+    def start_refresh(self, guard: bool) -> None:
+        self.storage.start_refresh(guard)
+
+    def gather_full_master(self) -> torch.Tensor:
+        return self.storage.gather_full_master()
+
+    def load_full_master(self, full: torch.Tensor) -> None:
+        self.storage.load_full_master(full)
+
+    def full_param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [slot_view(full, slot) for slot in self.layout.slots]
+
+    # -------------------------------------------------------------- the guard
+    def set_guard(self, on: bool) -> None:
+        """Stage 3: parameters without storage refuse reads (on) or are ordinary again (off)."""
+        self.guard.guard(on)
+
+    def stop_guarding(self) -> None:
+        """The parameters are ordinary tensors of their own for good (``unshard``)."""
+        self.guard.stop_guarding()
+
+    def slot_of(self, param: nn.Parameter) -> int:
+        return self._slot_of_param[id(param)]
+
+    def name_of(self, param: nn.Parameter) -> str:
+        return self.layout.slots[self.slot_of(param)].fqns[0]
+
+    def write_param(self, param: nn.Parameter, full_value: torch.Tensor) -> bool:
+        """Take this rank's part of a new full value of ``param`` into the shards (no communication)."""
+        return self.storage.write_param(self.slot_of(param), full_value)
+
+    # -------------------------------------------------------------- gradients
+    @property
+    def trainable(self) -> bool:
+        """Read when a backward starts: freezing and unfreezing are allowed between steps
+        (every rank alike; the step's agreement compares which units each reduced)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return any(param.requires_grad for param in self.params)
+
+    @property
+    def slot_has_grad(self) -> list[bool]:
+        return self.grads.slot_has_grad
+
+    @property
+    def sharded_grads(self) -> torch.Tensor | None:
+        """This rank's reduced gradient shard (S, reduce dtype), or None before any reduce."""
+        return self.grads.sharded_grads
+
+    def accumulate_grad(self, slot_index: int, param: nn.Parameter) -> None:
+        self.grads.accumulate(slot_index, param)
+
+    def start_reduce(self) -> PendingReduce | None:
+        """Issue the reduce-scatter of this backward's gradients; zeros if no gradient arrived.
+
+        Every rank reduces the same units in the same order whatever its
+        local gradients were, so collectives always match across ranks.
+        """
+        return self.grads.start_reduce() if self.trainable else None
+
+    def prepare_backward(self) -> None:
+        self.grads.prepare_backward()
+
+    def commit_backward(self) -> None:
+        self.grads.commit_backward()
+
+    def start_reduce_across_groups(self) -> Handle | None:
+        """Hybrid sharding: all-reduce what was reduced inside the shard group only."""
+        return self.grads.shards.start_across_groups(self.comm, self.label)
+
+    def finish_reduce_across_groups(self, handle: Handle) -> None:
+        self.grads.shards.finish_across_groups(handle)
+
+    def discard_backward(self) -> bool:
+        """The backward raised: drop what it produced. True if earlier gradients went too."""
+        return self.grads.discard_backward()
+
+    def reset_grads(self) -> None:
+        """After the optimizer step: gradients are consumed."""
+        self.grads.reset()
+        for piece in self.master_pieces:
+            piece.param.grad = None
+
+    def attach_master_grads(self, slot_has_grad: list[bool]) -> None:
+        """Point each master piece's ``.grad`` at its slice of the gradient shard.
+
+        Pieces of parameters no rank produced a gradient for get ``None``, so
+        the optimizer skips them exactly as it would without sharding.
+        """
+        sharded_grads = self.sharded_grads
+        for master in self.master_pieces:
+            if sharded_grads is None or not slot_has_grad[master.piece.slot.index]:
+                master.param.grad = None
+                continue
+            grad = shard_view(sharded_grads, master.piece)
+            master.param.grad = grad if grad.dtype == torch.float32 else grad.float()

@@ -1,0 +1,176 @@
+"""One unit's parameter storage and its states.
+
+Tensors (P = padded numel, S = P / shard group size, which is the world size
+unless hybrid sharding splits the ranks into groups):
+
+- ``gathered_params`` (P, compute dtype): the full flat parameters. Every
+  module parameter of the unit is a view of it, set once at construction.
+  Stage 3 frees and refills its *storage* (``resize_``) instead of swapping
+  tensors, so the views (and whatever autograd saved of them) stay valid.
+- ``compute_shard`` (S, compute dtype): what this rank contributes to the
+  all-gather. Stages 1/2: this rank's slice of ``gathered_params``.
+- ``master_shard`` (S, fp32): what the optimizer updates, through one
+  parameter view per (parameter ∩ shard) piece. It is ``compute_shard``
+  itself when computing in fp32.
+
+Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
+``_to_unsharded``): calling it in the state it leads to does nothing.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+from torch import nn
+
+from ..collectives import CommContext, Handle, all_gather, broadcast
+from ..config import MixedPrecision
+from ..host_memory import advise_huge_pages
+from .guard import ParameterGuard
+from .layout import FlatLayout, shard_view, slot_view
+
+
+class StorageState(Enum):
+    """Where a unit's full parameters (``gathered_params``) stand."""
+
+    SHARDED = auto()  # stage 3 at rest: gathered_params has no storage
+    PREFETCHING = auto()  # stage 3: all-gather issued into refilled storage, not yet waited on
+    GATHERED = auto()  # gathered_params holds valid full parameters
+    # Stages 1/2 after a step: the all-gather of the updated shards is still writing the full
+    # parameters; the unit's next forward (or any touch of a parameter, through the guard) waits.
+    REFRESHING = auto()
+
+
+class ParamStorage:
+    def __init__(
+        self,
+        layout: FlatLayout,
+        params: list[nn.Parameter],
+        sharded_at_rest: bool,
+        precision: MixedPrecision,
+        comm: CommContext,
+        guard: ParameterGuard,
+        label: str,
+    ):
+        self.layout, self.params, self.comm, self.label = layout, params, comm, label
+        self.sharded_at_rest = sharded_at_rest
+        self.guard = guard
+        self.state = StorageState.GATHERED
+        self._gather_handle: Handle | None = None
+        self._flatten_parameters(precision.compute_dtype)
+        self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
+
+    def _flatten_parameters(self, compute_dtype: torch.dtype) -> None:
+        """Copy the parameters into the flat buffers and make them views of it.
+
+        Rank 0's values win, as in DDP, so ranks seeded differently still agree.
+        """
+        layout, comm = self.layout, self.comm
+        padded_full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=comm.device)
+        for slot, param in zip(layout.slots, self.params):
+            slot_view(padded_full, slot).copy_(param.detach())
+        broadcast(comm, padded_full, label=self.label).wait()
+        lo, hi = layout.shard_range(comm.shard_rank)
+        self.gathered_params = padded_full.to(compute_dtype)
+        if self.sharded_at_rest:
+            self.master_shard = padded_full[lo:hi].clone()
+            self.compute_shard = self.master_shard.to(compute_dtype)
+        else:
+            self.compute_shard = self.gathered_params[lo:hi]
+            self.master_shard = self.compute_shard if compute_dtype == torch.float32 else padded_full[lo:hi].clone()
+        self._gathered_nbytes = self.gathered_params.untyped_storage().nbytes()
+        for slot, param in zip(layout.slots, self.params):
+            param.data = slot_view(self.gathered_params, slot)
+
+    # ------------------------------------------------------------ transitions
+    @property
+    def refreshing(self) -> bool:
+        """Stages 1/2: the post-step all-gather may still be writing the parameters."""
+        return self.state is StorageState.REFRESHING
+
+    @property
+    def live(self) -> bool:
+        """The full parameters take memory (gathered, or being gathered)."""
+        return self.state is not StorageState.SHARDED
+
+    def start_gather(self) -> None:
+        """SHARDED -> PREFETCHING: refill the storage and issue the all-gather."""
+        if self.state is not StorageState.SHARDED:
+            return
+        self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
+        advise_huge_pages(self.gathered_params)
+        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
+        self.state = StorageState.PREFETCHING
+
+    def wait_gathered(self) -> None:
+        """Any state -> GATHERED."""
+        self.start_gather()
+        if self.state in (StorageState.PREFETCHING, StorageState.REFRESHING):
+            self._gather_handle.wait()
+            self._gather_handle = None
+            self.state = StorageState.GATHERED
+            self.guard.guard(False)
+
+    def release(self) -> None:
+        """Stage 3: any state -> SHARDED, freeing the full parameters."""
+        if not self.sharded_at_rest or self.state is StorageState.SHARDED:
+            return
+        self.wait_gathered()
+        self.gathered_params.untyped_storage().resize_(0)
+        self.state = StorageState.SHARDED
+        self.guard.guard(True)
+
+    def start_refresh(self, guard: bool) -> None:
+        """After the step: bring the compute copy up to date with the master shard.
+
+        Stages 1/2: GATHERED -> REFRESHING; ``wait_gathered`` waits for the
+        all-gather of the full parameters. With ``guard`` (overlap_param_refresh)
+        the parameters get their guard class meanwhile, so any touch of one
+        before the unit's next forward waits for it first.
+        """
+        if self.refreshing:
+            self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
+        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
+            self.compute_shard.copy_(self.master_shard)
+        if self.sharded_at_rest:
+            return
+        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
+        self.state = StorageState.REFRESHING
+        if guard:
+            self.guard.switch(True)
+
+    # ---------------------------------------------------------- full values
+    def write_param(self, slot_index: int, full_value: torch.Tensor) -> bool:
+        """Take this rank's part of a new full value of a parameter into the shards (no communication).
+
+        False (nothing written) if the value does not have the parameter's shape.
+        """
+        slot = self.layout.slots[slot_index]
+        if not isinstance(full_value, torch.Tensor) or full_value.shape != slot.shape:
+            return False
+        if self.refreshing:
+            self.wait_gathered()  # its all-gather still reads the shard this writes
+        piece = self._own_pieces.get(slot.index)
+        if piece is None:
+            return True  # no part of it lies in this rank's shard
+        source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+        shard_view(self.master_shard, piece).copy_(source)
+        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
+            shard_view(self.compute_shard, piece).copy_(source)
+        return True
+
+    def gather_full_master(self) -> torch.Tensor:
+        """The unit's full fp32 flat parameters (padded), gathered from the master shards."""
+        full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.comm.device)
+        all_gather(self.comm, full, self.master_shard, label=self.label).wait()
+        return full
+
+    def load_full_master(self, full: torch.Tensor) -> None:
+        """Take this rank's slice of new full fp32 flat parameters (no communication)."""
+        lo, hi = self.layout.shard_range(self.comm.shard_rank)
+        self.master_shard.copy_(full[lo:hi])
+        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
+            self.compute_shard.copy_(self.master_shard)
+        if not self.sharded_at_rest:
+            self.gathered_params.copy_(full)
