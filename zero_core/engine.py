@@ -363,10 +363,10 @@ class ZeroEngine(CheckpointMethods):
 
     # ----------------------------------------------------------- gradients
     def _settle_gradients(self, *, drop_pending_forward: bool = False) -> None:
-        """Before the accumulated gradients are read or changed: clean up after a pass that raised,
-        and (hybrid sharding) all-reduce across groups what was reduced only inside each group
-        since the last synchronising backward. Every rank calls it at the same points."""
-        self.runtime.settle(drop_pending_forward=drop_pending_forward)
+        """Before the accumulated gradients are read or changed: the runtime's barrier, then (hybrid
+        sharding) all-reduce across groups what was reduced only inside each group since the last
+        synchronising backward. Every rank calls it at the same points."""
+        self.runtime.quiesce(drop_pending_forward=drop_pending_forward)
         self.runtime.reduce_across_groups()
 
     def _unscale_grads_once(self) -> None:
@@ -413,7 +413,7 @@ class ZeroEngine(CheckpointMethods):
 
     def zero_grad(self) -> None:
         """Discard accumulated gradients without stepping."""
-        self.runtime.settle()
+        self.runtime.quiesce()
         for unit in self.units:
             unit.reset_grads()
         self._grads_unscaled = False
@@ -436,8 +436,8 @@ class ZeroEngine(CheckpointMethods):
                 "(loss = closure(), which calls engine.backward), then optimizer.step()."
             )
         # A forward whose backward never ran (a skipped batch) ends here.
+        # A step with no forward since the last waits here for that step's all-gathers.
         self._settle_gradients(drop_pending_forward=True)
-        self._finish_refresh()  # a step with no forward since the last: its all-gathers still read the shards
         self._skip_refresh = False
         self._step_calls += 1
         # Groups added or replaced since the last step train from this one. A refused group is reported
@@ -490,15 +490,7 @@ class ZeroEngine(CheckpointMethods):
         """Bring the compute copies (full parameters in stages 1/2) up to date with the master shards."""
         for unit in self.units:
             unit.start_refresh(guard=False)
-        self._finish_refresh()
-
-    def _finish_refresh(self) -> None:
-        """Stages 1/2: wait for the post-step all-gathers still writing the parameters. Every
-        path that writes master shards or parameters (or swaps their data) calls it first; a
-        forward waits per unit, and any other touch of a parameter through its guard."""
-        for unit in self.units:
-            if unit.refreshing:
-                unit.wait_gathered()
+        self.runtime.wait_for_refresh()
 
     def _after_optimizer_step(self) -> None:
         assert self._groups is not None
@@ -513,7 +505,7 @@ class ZeroEngine(CheckpointMethods):
             for unit in self.units:
                 unit.start_refresh(guard=overlap)
             if not overlap:
-                self._finish_refresh()
+                self.runtime.wait_for_refresh()
             self.steps_taken += 1
         for unit in self.units:
             unit.reset_grads()

@@ -69,7 +69,7 @@ class CheckpointMethods:
         """
         if not (include_model or include_optimizer):
             raise ValueError("Nothing to save: include the model, the optimizer or both.")
-        self.runtime.settle()
+        self.runtime.quiesce()
         self.sync_buffers_for_export()
         scaler = dataclasses.replace(self.loss_scaler.state) if self.loss_scaler is not None else None
         record = EngineRecord(self.stage, self.world_size, self.steps_taken, scaler)
@@ -111,7 +111,7 @@ class CheckpointMethods:
         everywhere and leaves model, optimizer, loss scale and step counter as
         they were. Gradients accumulated before the load are discarded.
         """
-        self.runtime.settle()
+        self.runtime.quiesce()
         view, with_optimizer = (
             self._sharded_view(f"loading checkpoint {path}"),
             load_optimizer and self.optimizer is not None,
@@ -148,13 +148,12 @@ class CheckpointMethods:
         Each rank reads only the parts of each tensor its shard covers
         (safetensors slices, or memory-mapped torch files).
         """
-        self.runtime.settle()
+        self.runtime.quiesce()
         self._install_weights(load_full_weights(self._sharded_view(), source, strict=strict))
         self.refresh_parameters()
 
     def _install_weights(self: "ZeroEngine", weights: LoadedWeights) -> None:
         """Put weights every rank loaded in place; gradients of the old weights are dropped."""
-        self._finish_refresh()
         self.zero_grad()
         for unit, shard in zip(self.units, weights.master_shards):
             unit.master_shard.copy_(shard)

@@ -27,8 +27,7 @@ def _units_of(engine: "ZeroEngine", module: nn.Module | None) -> list[FlatUnit]:
 @contextlib.contextmanager
 def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writeback: bool) -> Iterator[None]:
     units = _units_of(engine, module)
-    engine.runtime.settle()
-    engine._finish_refresh()  # the parameters' data is swapped below: no all-gather may still write it
+    engine.runtime.quiesce()  # the parameters' data is swapped below: no all-gather may still write it
     fulls = [unit.gather_full_master() for unit in units]
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     for unit, full in zip(units, fulls):
@@ -36,11 +35,10 @@ def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writebac
         for param, view in zip(unit.params, unit.full_param_views(full)):
             saved.append((param, param.data))
             param.data = view
-    engine.runtime.summoned = True
     try:
-        yield
+        with engine.runtime.suspend():
+            yield
     finally:
-        engine.runtime.summoned = False
         for param, data in saved:
             param.data = data
         for unit in units:
@@ -74,8 +72,7 @@ def full_state_dict(engine: "ZeroEngine", *, to_cpu: bool, rank0_only: bool) -> 
 
 def unshard(engine: "ZeroEngine") -> None:
     """Every parameter becomes an ordinary fp32 tensor of its own again; hooks are removed."""
-    engine.runtime.settle()
-    engine._finish_refresh()
+    engine.runtime.quiesce()
     engine.remove_hooks()
     for unit in engine.units:
         unit.stop_guarding()

@@ -68,7 +68,7 @@ class RegisteredParameters:
         ]
 
     def check(self) -> None:
-        if self.runtime.summoned:
+        if self.runtime.suspended:
             return  # inside gathered_parameters(): parameters are full fp32 views on purpose
         for modules, name, path, child in self.children:
             if modules.get(name) is not child:

@@ -30,10 +30,12 @@ reduce-scatters every trainable unit exactly once, in reverse unit order
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from enum import Enum, auto
 from typing import Any
 
@@ -132,7 +134,7 @@ class StepRuntime:
         self.reduces = ReduceSchedule(units)
         self.state = TrainingState.IDLE
         self.require_grad_sync = True
-        self.summoned = False  # inside gathered_parameters(): no gather/release
+        self._suspended = False  # inside gathered_parameters(): no gather/release
         # fp16: every backward that reaches parameters must start from a scaled loss; the
         # engine announces one (announce_scaled_backward) right before it starts it.
         self.requires_scaled_backward = False
@@ -238,6 +240,35 @@ class StepRuntime:
     # ------------------------------------------------------ interruptions
     def _is_recompute(self) -> bool:
         return self.state in (TrainingState.BACKWARD, TrainingState.POST_BACKWARD) and _inside_autograd()
+
+    def quiesce(self, *, drop_pending_forward: bool = False) -> None:
+        """The one entry barrier for everything outside a pass that reads or writes model state
+        (steps, gradient reads, exports, loads, full parameters): clean up after a pass that raised,
+        and wait for the post-step all-gathers still writing the parameters (stages 1/2). Every rank
+        calls it at the same points."""
+        self.settle(drop_pending_forward=drop_pending_forward)
+        self.wait_for_refresh()
+
+    def wait_for_refresh(self) -> None:
+        """Stages 1/2: wait for the post-step all-gathers still writing the parameters. A forward
+        waits per unit instead, and any other touch of a parameter through its guard."""
+        for unit in self.units:
+            if unit.refreshing:
+                unit.wait_gathered()
+
+    @property
+    def suspended(self) -> bool:
+        """Inside :meth:`suspend`: units are neither gathered nor released."""
+        return self._suspended
+
+    @contextlib.contextmanager
+    def suspend(self) -> Iterator[None]:
+        """Full parameters are swapped in by the caller (``gathered_parameters``): no gather or release."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
 
     def settle(self, *, drop_pending_forward: bool = False) -> None:
         """Clean up after a forward or backward that raised, so nothing of it survives.
@@ -592,7 +623,7 @@ class StepRuntime:
     # ----------------------------------------------------- gather/release
     def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int]) -> None:
         """Gather ``unit``, prefetch ``predicted``; release any other unit not in ``keep``."""
-        if self.summoned:
+        if self._suspended:
             return
         if not self.plan.params_sharded_at_rest:
             unit.wait_gathered()  # stages 1/2: the post-step all-gather, if it is still running
@@ -611,5 +642,5 @@ class StepRuntime:
         self.peak_live_units = max(self.peak_live_units, live)
 
     def _release(self, unit: FlatUnit) -> None:
-        if not self.summoned:
+        if not self._suspended:
             unit.release()

@@ -61,7 +61,7 @@ class StateDictHooks:
         ]  # fmt: skip
         if not units:
             return  # an enclosing module's state_dict() gathered them already
-        self.engine.runtime.settle()
+        self.engine.runtime.quiesce()
         self.engine.sync_buffers_for_export()
         for unit in units:
             full = unit.gather_full_master()
