@@ -13,8 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_core import MixedPrecision, ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
-from zero_core.model_changes import ModelChangedError
+from zero_core import MixedPrecision, ModelChangedError, ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
 from zero_core.runtime import UnscaledBackwardError
 
 from .distributed import by_rank, run_distributed, run_each

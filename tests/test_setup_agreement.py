@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine, engine_of
-from zero_core.setup_agreement import ADVICE
+from zero_core.agreement.setup import ADVICE
 
 from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer, param_groups

@@ -18,8 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core import CollectiveKind
-from zero_core.model_changes import ModelChangedError
+from zero_core import CollectiveKind, ModelChangedError
 
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss

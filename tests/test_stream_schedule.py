@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from zero_core import ZeroEngine, collectives
+from zero_core.collectives import ops as collective_ops
 
 from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
@@ -130,8 +131,8 @@ def fake_cuda_streams(engine: ZeroEngine):
     patches = {
         (torch.cuda, "current_stream"): lambda device=None: compute,
         (torch.cuda, "stream"): in_stream,
-        (collectives, "_all_gather_single"): logged("all_gather", collectives._all_gather_single),
-        (collectives, "_reduce_scatter_single"): logged("reduce_scatter", collectives._reduce_scatter_single),
+        (collective_ops, "_all_gather_single"): logged("all_gather", collective_ops._all_gather_single),
+        (collective_ops, "_reduce_scatter_single"): logged("reduce_scatter", collective_ops._reduce_scatter_single),
         (collectives.Handle, "__del__"): counting_del,
     }
     originals = {key: getattr(*key) for key in patches}

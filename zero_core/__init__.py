@@ -8,7 +8,7 @@ from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
 from .engine import ZeroEngine, engine_of
-from .model_changes import ModelChangedError
+from .model.changes import ModelChangedError
 from .runtime import UnscaledBackwardError
 from .unit import ParameterAtRestError
 

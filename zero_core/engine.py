@@ -30,20 +30,21 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import full_params, grad_ops, setup_agreement
+from . import agreement, grad_ops
 from .accounting import MemoryReport, StorageCounter
-from .buffers import broadcast_buffers, cast_buffers
 from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
 from .engine_checkpoints import CheckpointMethods
-from .meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
-from .model_changes import RegisteredParameters
+from .model import full_params
+from .model.buffers import broadcast_buffers, cast_buffers
+from .model.changes import RegisteredParameters
+from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
+from .model.state_dict_hooks import StateDictHooks
 from .optim import canonical_names, check_optimizer_supported, reset_optimizer_state
 from .param_groups import OptimizerGroups
 from .precision import DynamicLossScaler
 from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
 from .runtime import StepRuntime
-from .state_dict_hooks import StateDictHooks
 from .unit import FlatUnit, ParameterDigests, plan_units
 
 # Which engine has sharded a model, so a model is never sharded twice.
@@ -133,7 +134,7 @@ class ZeroEngine(CheckpointMethods):
         plans = plan_units(model, config.wrap_policy, config.bucket_numel)
         # Before any other collective: ranks that built different models, configs
         # or optimizers would hang, abort in the backend or train wrong values.
-        setup_agreement.agree_on_setup(self.comm, setup_agreement.describe_setup(model, plans, config, optimizer))
+        agreement.agree_on_setup(self.comm, agreement.describe_setup(model, plans, config, optimizer))
         if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
             self.comm.split(config.shard_group_size)
         self._optimizer_agreed_at_setup = optimizer  # attach_optimizer need not ask again
@@ -172,7 +173,9 @@ class ZeroEngine(CheckpointMethods):
         self.runtime.after_root_forward.append(self._after_root_forward)
         self._sync_buffers_next_forward = True
         self._hooks = self.runtime.install()
-        self.state_dict_hooks = StateDictHooks(self)
+        self.state_dict_hooks = StateDictHooks(
+            model, self.units, self.runtime, config.plan.params_sharded_at_rest, self.sync_buffers_for_export
+        )
         self._hooks += self.state_dict_hooks.install()
         # An export that raised midway must not outlive the next forward.
         self.runtime.before_outermost_forward.append(self.state_dict_hooks.clear_exports)
@@ -200,8 +203,8 @@ class ZeroEngine(CheckpointMethods):
         for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again
             handle.remove()
         if optimizer is not self._optimizer_agreed_at_setup:
-            described = setup_agreement.describe_optimizer(optimizer, self._canonical_names)
-            setup_agreement.agree_on_setup(self.comm, described)
+            described = agreement.describe_optimizer(optimizer, self._canonical_names)
+            agreement.agree_on_setup(self.comm, described)
         self._optimizer_agreed_at_setup = None
         for handle in self._optimizer_hooks:
             handle.remove()
@@ -240,9 +243,7 @@ class ZeroEngine(CheckpointMethods):
         """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
         Every rank must call it together."""
         assert self.optimizer is not None and self._groups is not None
-        setup_agreement.agree_on_setup(
-            self.comm, setup_agreement.describe_optimizer(self.optimizer, {}, self._groups.names)
-        )
+        agreement.agree_on_setup(self.comm, agreement.describe_optimizer(self.optimizer, {}, self._groups.names))
         self._groups.mark_compared()
 
     @property
@@ -463,25 +464,25 @@ class ZeroEngine(CheckpointMethods):
         }
         # Hyperparameters only report a difference; the comparison below then names it.
         settings = {"optimizer hyperparameters": self._groups.settings_fingerprint}
-        agreement = grad_ops.agree_on_step(
+        agreed = agreement.agree_on_step(
             self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings
         )
         if refused_group is not None:
             raise refused_group
-        self._agree_on_changed_param_groups(settings_differ=agreement.checks_differ)
+        self._agree_on_changed_param_groups(settings_differ=agreed.checks_differ)
         if self.auto_prefetch is not None:
             depth = self.auto_prefetch.on_optimizer_step(self.comm)
             if depth is not None:
                 self.runtime.prefetch = depth
         if self.loss_scaler is not None:
-            self.loss_scaler.update(agreement.found_inf)
-            if agreement.found_inf:
+            self.loss_scaler.update(agreed.found_inf)
+            if agreed.found_inf:
                 # With no .grad anywhere the optimizer leaves every parameter alone.
                 for unit in self.units:
                     unit.attach_master_grads([False] * len(unit.slot_has_grad))
                 self._skip_refresh = True
         if not self._skip_refresh:
-            for unit, flags in zip(self.units, agreement.slot_flags):
+            for unit, flags in zip(self.units, agreed.slot_flags):
                 unit.attach_master_grads(flags)
         # Last, once nothing can raise: the optimizer's own step updates this rank's pieces.
         self._groups.show_pieces()
@@ -526,7 +527,7 @@ class ZeroEngine(CheckpointMethods):
         Every rank must enter together. With ``writeback``, in-place edits are
         written back to the shards on exit (every rank should make the same edit).
         """
-        return full_params.gathered_parameters(self, module, writeback)
+        return full_params.gathered_parameters(full_params.units_of(self.units, module), self.runtime, writeback)
 
     def comparable_parameters(self) -> "contextlib.AbstractContextManager[None]":
         """Inside, ``torch.equal`` between two stage-3 parameters at rest is answered exactly
@@ -541,7 +542,7 @@ class ZeroEngine(CheckpointMethods):
         appear under each of their names. Every rank must call it.
         """
         self.sync_buffers_for_export()
-        return full_params.full_state_dict(self, to_cpu=to_cpu, rank0_only=rank0_only)
+        return full_params.full_state_dict(self.model, self.units, to_cpu=to_cpu, keep=not rank0_only or self.rank == 0)
 
     def unshard(self) -> None:
         """Give the model back as an ordinary module: full fp32 parameters, no hooks.
@@ -550,7 +551,9 @@ class ZeroEngine(CheckpointMethods):
         now on (stepping the model's parameters with fresh moments would
         silently train differently); make a new optimizer.
         """
-        full_params.unshard(self)
+        self.runtime.quiesce()
+        self.remove_hooks()
+        full_params.unshard(self.units)
         _ENGINES.pop(self.model, None)
         if self.optimizer is not None and self._groups is not None:
             _RETIRED_OPTIMIZERS[self.optimizer] = [

@@ -10,8 +10,6 @@ every rank.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 
@@ -100,54 +98,3 @@ def clip_grad_value(units: list[FlatUnit], clip_value: float) -> None:
     """Elementwise, so clipping each shard is clipping the whole."""
     for shard in _shards(units):
         shard.clamp_(-clip_value, clip_value)
-
-
-class StepAgreement(NamedTuple):
-    found_inf: bool  # some rank has a non-finite gradient: every rank skips the step
-    slot_flags: list[list[bool]]  # per unit, per parameter: did any rank produce a gradient
-    checks_differ: bool  # some value of ``checks`` differs between ranks (the caller explains it)
-
-
-def agree_on_step(
-    units: list[FlatUnit],
-    comm: CommContext,
-    counters: dict[str, int],
-    check_finite: bool,
-    checks: dict[str, int] | None = None,
-) -> StepAgreement:
-    """What every rank needs to agree on before the optimizer step, in one all-reduce.
-
-    A parameter has a gradient if any rank produced one (DDP's
-    unused-parameter rule); an overflow anywhere skips the step everywhere.
-    ``counters`` (forwards, backwards, steps so far) ride along as +x and -x
-    under MAX, giving the highest and lowest over ranks: ranks that ran
-    different numbers of them are named here instead of mixing collectives
-    of different steps. ``checks`` ride along the same way but only report
-    whether they differ, for the caller to explain in detail.
-    """
-    checks = checks or {}
-    flags = [float(flag) for u in units for flag in u.slot_has_grad]
-    check_values = list(checks.values())
-    flags += check_values + [-v for v in check_values]
-    values = list(counters.values())
-    tensor = torch.tensor([0.0] + flags + values + [-v for v in values], dtype=torch.float64, device=comm.device)
-    shards = _shards(units) if check_finite else []
-    if shards:
-        # On the device, into the all-reduced tensor: no host synchronisation per shard.
-        tensor[0] = torch.stack([~torch.isfinite(shard).all() for shard in shards]).any().to(tensor.dtype)
-    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label="the optimizer-step agreement").wait()
-    reduced = tensor.tolist()
-    differing = ", ".join(collectives.differing_values(counters, reduced))
-    if differing:
-        raise collectives.CollectiveFailed(
-            f"ZeRO: ranks reached this optimizer step after different work ({differing}).\n"
-            + collectives.DIVERGENCE_ADVICE
-        )
-    agreed, offset = [], 1
-    for unit in units:
-        n = len(unit.slot_has_grad)
-        agreed.append([bool(x) for x in reduced[offset : offset + n]])
-        offset += n
-    n = len(check_values)
-    checks_differ = bool(collectives.differing_values(checks, reduced[offset : offset + 2 * n])) if n else False
-    return StepAgreement(bool(reduced[0]), agreed, checks_differ)

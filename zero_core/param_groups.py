@@ -22,8 +22,8 @@ from enum import Enum
 import torch
 from torch import nn
 
+from .agreement import describe_value
 from .optim import canonical_names
-from .setup_agreement import describe_value
 from .unit import FlatUnit
 
 

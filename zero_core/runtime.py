@@ -45,7 +45,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from . import collectives
+from .agreement import true_on_any_rank
 from .config import StagePlan
 from .execution_order import ExecutionOrder
 from .forward_records import ForwardRecord, ForwardRecords, records_reached, zero_roots
@@ -476,7 +476,7 @@ class StepRuntime:
         # Riding along, before any reduce-scatter: ranks that froze different units would pair
         # different units' reduce-scatters (a hang, or garbage for units of equal size).
         trainable = zlib.crc32(repr([unit.index for unit in self.units if unit.trainable]).encode())
-        anywhere = collectives.true_on_any_rank(
+        anywhere = true_on_any_rank(
             self.root.comm,
             reached,
             "which unit outputs the loss uses",

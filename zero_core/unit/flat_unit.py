@@ -51,7 +51,7 @@ class FlatUnit:
         self.storage = ParamStorage(
             self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label
         )
-        # Where each parameter's data starts in the gathered buffer (model_changes.py checks it).
+        # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
         self.master_pieces = [

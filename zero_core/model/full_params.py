@@ -6,28 +6,26 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from .unit import FlatUnit, StorageState
-
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
+from ..unit import FlatUnit, StorageState
+from .pass_control import PassControl
 
 
-def _units_of(engine: "ZeroEngine", module: nn.Module | None) -> list[FlatUnit]:
+def units_of(units: list[FlatUnit], module: nn.Module | None) -> list[FlatUnit]:
+    """The units holding parameters of ``module`` (every unit for None)."""
     if module is None:
-        return engine.units
+        return units
     wanted = {id(p) for p in module.parameters()}
-    return [u for u in engine.units if any(id(p) in wanted for p in u.params)]
+    return [u for u in units if any(id(p) in wanted for p in u.params)]
 
 
 @contextlib.contextmanager
-def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writeback: bool) -> Iterator[None]:
-    units = _units_of(engine, module)
-    engine.runtime.quiesce()  # the parameters' data is swapped below: no all-gather may still write it
+def gathered_parameters(units: list[FlatUnit], runtime: PassControl, writeback: bool) -> Iterator[None]:
+    """Inside, the parameters of ``units`` are views of full fp32 master values (every rank enters)."""
+    runtime.quiesce()  # the parameters' data is swapped below: no all-gather may still write it
     fulls = [unit.gather_full_master() for unit in units]
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     for unit, full in zip(units, fulls):
@@ -36,7 +34,7 @@ def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writebac
             saved.append((param, param.data))
             param.data = view
     try:
-        with engine.runtime.suspend():
+        with runtime.suspend():
             yield
     finally:
         for param, data in saved:
@@ -48,11 +46,11 @@ def gathered_parameters(engine: "ZeroEngine", module: nn.Module | None, writebac
                 unit.load_full_master(full)
 
 
-def full_state_dict(engine: "ZeroEngine", *, to_cpu: bool, rank0_only: bool) -> dict[str, torch.Tensor]:
-    """Unit by unit: at most one gathered unit lives beyond the result itself."""
-    keep = not rank0_only or engine.rank == 0
+def full_state_dict(model: nn.Module, units: list[FlatUnit], *, to_cpu: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """Unit by unit: at most one gathered unit lives beyond the result itself. Every rank gathers;
+    only with ``keep`` does this one build the result (empty otherwise)."""
     full_values: dict[int, torch.Tensor] = {}
-    for unit in engine.units:
+    for unit in units:
         full = unit.gather_full_master()
         if keep:
             for param, view in zip(unit.params, unit.full_param_views(full)):
@@ -61,7 +59,7 @@ def full_state_dict(engine: "ZeroEngine", *, to_cpu: bool, rank0_only: bool) -> 
     if not keep:
         return {}
     result = {}
-    for key, value in engine.model.state_dict(keep_vars=True).items():
+    for key, value in model.state_dict(keep_vars=True).items():
         if id(value) in full_values:
             result[key] = full_values[id(value)]
         else:
@@ -70,11 +68,9 @@ def full_state_dict(engine: "ZeroEngine", *, to_cpu: bool, rank0_only: bool) -> 
     return result
 
 
-def unshard(engine: "ZeroEngine") -> None:
-    """Every parameter becomes an ordinary fp32 tensor of its own again; hooks are removed."""
-    engine.runtime.quiesce()
-    engine.remove_hooks()
-    for unit in engine.units:
+def unshard(units: list[FlatUnit]) -> None:
+    """Every parameter becomes an ordinary fp32 tensor of its own again (after the hooks are gone)."""
+    for unit in units:
         unit.stop_guarding()
         full = unit.gather_full_master()
         for param, view in zip(unit.params, unit.full_param_views(full)):

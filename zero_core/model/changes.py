@@ -12,15 +12,13 @@ a message that says what to do, before any step uses it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .unit import FlatUnit, StorageState
-
-if TYPE_CHECKING:
-    from .runtime import StepRuntime
+from ..unit import FlatUnit, StorageState
+from .pass_control import PassControl
 
 
 class ModelChangedError(RuntimeError):
@@ -49,7 +47,7 @@ class RegisteredParameters:
     and attribute reads with the guard's ``__torch_function__`` switched off
     (about 1 µs per parameter)."""
 
-    def __init__(self, model: nn.Module, units: list[FlatUnit], runtime: "StepRuntime"):
+    def __init__(self, model: nn.Module, units: list[FlatUnit], runtime: PassControl):
         self.runtime = runtime
         slot_of = {id(p): (unit, i) for unit in units for i, p in enumerate(unit.params)}
         self.registrations = []

@@ -2,7 +2,7 @@
 
 - ``state_dict()`` (stage 3): the module's units are gathered from the fp32
   master shards, one at a time, into full CPU tensors, which the parameters'
-  ``detach()`` hands to torch's own ``state_dict`` (param_guard.py). Every
+  ``detach()`` hands to torch's own ``state_dict`` (unit/guard.py). Every
   rank must call it, as with ``engine.full_state_dict()``, whose values it
   returns. Stages 1 and 2 hold full parameters and need nothing; stage-3
   units kept gathered (``persistence_threshold``) export alike, their entries
@@ -18,29 +18,40 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from .engine import ZeroEngine
-    from .unit import FlatUnit
+from ..unit import FlatUnit
+from .pass_control import PassControl
 
 
 class StateDictHooks:
-    def __init__(self, engine: "ZeroEngine"):
-        self.engine = engine
-        self.unit_of: dict[int, "FlatUnit"] = {id(p): unit for unit in engine.units for p in unit.params}
-        self._exports: dict[int, list["FlatUnit"]] = {}  # id(module) -> units whose values its state_dict() gathered
+    """``sync_buffers``: called before an export, so it holds rank 0's buffers (DDP's rule)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        units: list[FlatUnit],
+        runtime: PassControl,
+        params_sharded_at_rest: bool,
+        sync_buffers: Callable[[], None],
+    ):
+        self.model, self.units, self.runtime = model, units, runtime
+        self.params_sharded_at_rest = params_sharded_at_rest
+        self.sync_buffers = sync_buffers
+        self.unit_of: dict[int, FlatUnit] = {id(p): unit for unit in units for p in unit.params}
+        self._exports: dict[int, list[FlatUnit]] = {}  # id(module) -> units whose values its state_dict() gathered
 
     def install(self) -> list[RemovableHandle]:
         handles = []
-        for module in self.engine.model.modules():
+        for module in self.model.modules():
             if any(id(p) in self.unit_of for p in module.parameters(recurse=False)):
                 handles.append(module.register_load_state_dict_pre_hook(self._before_load))
-            if self.engine.config.plan.params_sharded_at_rest and any(True for _ in module.parameters()):
+            if self.params_sharded_at_rest and any(True for _ in module.parameters()):
                 handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
                 # torch marks post-hooks with an attribute, which a bound method cannot take.
                 handles.append(
@@ -56,13 +67,13 @@ class StateDictHooks:
             self.clear_exports()  # a new outermost call: nothing of an earlier, failed one survives
         wanted = {id(p) for p in module.parameters()}
         units = [
-            u for u in self.engine.units
+            u for u in self.units
             if u.guard.exported is None and any(id(p) in wanted for p in u.params)
         ]  # fmt: skip
         if not units:
             return  # an enclosing module's state_dict() gathered them already
-        self.engine.runtime.quiesce()
-        self.engine.sync_buffers_for_export()
+        self.runtime.quiesce()
+        self.sync_buffers()
         for unit in units:
             full = unit.gather_full_master()
             unit.guard.exported = {i: view.to("cpu", copy=True) for i, view in enumerate(unit.full_param_views(full))}
@@ -84,7 +95,7 @@ class StateDictHooks:
 
     def clear_exports(self) -> None:
         self._exports.clear()
-        for unit in self.engine.units:
+        for unit in self.units:
             unit.guard.exported = None
 
     # ---------------------------------------------------------------- load

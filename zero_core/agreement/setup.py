@@ -25,10 +25,10 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from . import collectives
-from .collectives import CommContext
-from .config import ZeroConfig
-from .unit import UnitPlan
+from .. import collectives
+from ..collectives import CommContext
+from ..config import ZeroConfig
+from ..unit import UnitPlan
 
 ADVICE = "Every rank must build the same model, config and optimizer before sharding."
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import collectives
-from .collectives import CommContext
-from .config import MixedPrecision
+from .. import collectives
+from ..collectives import CommContext
+from ..config import MixedPrecision
 
 
 def cast_buffers(model: nn.Module, precision: MixedPrecision) -> None:

@@ -1,0 +1,33 @@
+"""Flags every rank must see alike: true everywhere if true on any rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import DIVERGENCE_ADVICE, CollectiveFailed, CommContext, all_reduce
+from .packing import differing_values, with_negations
+
+
+def true_on_any_rank(
+    comm: CommContext, flags: list[bool], what: str, must_agree: dict[str, int] | None = None
+) -> list[bool]:
+    """Per position: true on every rank if true on any rank.
+
+    Ranks that disagree on how many flags there are, or on any value of
+    ``must_agree`` (integers below 2**52, checked in the same call), get the
+    same error.
+    """
+    n = len(flags)
+    checks = {f"{what} (how many)": n, **(must_agree or {})}
+    # The counts first, in a tensor of fixed size: all-reducing tensors of
+    # different sizes is itself a mismatch no check could report.
+    values = list(checks.values())
+    agreed = torch.tensor(with_negations(values), dtype=torch.float64, device=comm.device)
+    all_reduce(comm, agreed, dist.ReduceOp.MAX, label=what).wait()
+    differing = differing_values(checks, agreed.tolist())
+    if differing:
+        raise CollectiveFailed(f"ZeRO: ranks disagree on {'; '.join(differing)}.\n{DIVERGENCE_ADVICE}")
+    tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
+    all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
+    return [v > 0 for v in tensor.tolist()]

@@ -1,0 +1,185 @@
+"""Where collectives run (:class:`CommContext`: groups, ranks, streams, counters), hybrid sharding's
+subgroups, and how a collective that did not complete is named."""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .stats import CollectiveKind, CommStats, Span
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective did not complete: a peer left, or the process group's timeout expired.
+
+    Almost always the ranks stopped running the same forwards, backwards and
+    steps; the message says which collective of which unit, in which phase of
+    which step, this rank was waiting for.
+    """
+
+
+DIVERGENCE_ADVICE = (
+    "Every rank must run the same forwards, backwards and optimizer steps, in the same order: "
+    "a forward, backward or step on some ranks only (evaluation or predict on rank 0 only, a batch "
+    "skipped on one rank, an exception caught on one rank) leaves the others waiting. For work on one "
+    "rank, gather on every rank first with engine.gathered_parameters() or engine.full_state_dict(). "
+    "How long a rank waits is the process group's timeout: init_process_group(timeout=...), "
+    "Lightning's DDP-style strategies' timeout=..., Accelerate's InitProcessGroupKwargs(timeout=...)."
+)
+
+
+class Position(NamedTuple):
+    """Where the training loop was when a collective was issued (for error messages)."""
+
+    phase: str
+    optimizer_step: int
+
+
+def _nowhere() -> Position:
+    return Position("setup", 0)
+
+
+class CollectiveLabel(NamedTuple):
+    kind: "CollectiveKind"
+    what: str  # the unit or object it moves, e.g. "unit 'blocks.2'"
+    position: Position
+
+    def describe(self, rank: int) -> str:
+        phase, step = self.position
+        return f"{self.kind.value} of {self.what} (rank {rank}, {phase}, optimizer step {step})"
+
+
+# (the world's process group, shard group size, timeout) -> (this rank's shard group, its replicate
+# group). Keyed by the world group object itself: a world destroyed and initialised again is another key.
+_SUBGROUPS: dict[tuple[object, int, object], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+
+
+def _world_timeout(device: torch.device) -> datetime.timedelta | None:
+    """The timeout the world was initialised with (``init_process_group(timeout=...)``, Lightning's
+    and Accelerate's timeout settings), for hybrid sharding's subgroups: ``new_group`` would give
+    them the backend's default instead (30 minutes on gloo), so a rank that stopped would be
+    waited for that long. torch has no public getter; None (the default) if this one moved."""
+    try:
+        return dist.group.WORLD._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+@dataclass
+class CommContext:
+    """Where collectives run: the group, this rank's place in it, the stream.
+
+    ``group``/``rank``/``world_size`` are every rank training together;
+    ``shard_*`` the ranks this rank shards model states with (all of them,
+    unless hybrid sharding split them into groups, see :meth:`split`).
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world_size: int
+    device: torch.device
+    stats: CommStats = field(default_factory=CommStats)
+    backend: str = "gloo"
+    # CUDA only: collectives run on their own streams, ordered with events.
+    all_gather_stream: torch.cuda.Stream | None = None
+    reduce_scatter_stream: torch.cuda.Stream | None = None
+    # Set by the engine: the phase and step that failure messages name.
+    position: Callable[[], Position] = _nowhere
+    shard_group: dist.ProcessGroup | None = None
+    shard_rank: int = 0
+    shard_size: int = 1
+    replicate_group: dist.ProcessGroup | None = None  # the ranks holding this rank's shard, one per group
+    replicas: int = 1  # how many shard groups hold a copy of the model state
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
+        """Every rank of ``group`` (default: the world) in one shard group; :meth:`split` divides it."""
+        backend = "gloo"
+        if dist.is_available() and dist.is_initialized():
+            rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+            backend = str(dist.get_backend(group))
+        else:
+            rank, world_size = 0, 1
+        streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)
+        if device.type == "cuda" and backend != "gloo":
+            # Gloo's CUDA collectives stage through the host on streams of their own.
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return cls(
+            group,
+            rank,
+            world_size,
+            device,
+            CommStats(),
+            backend,
+            *streams,
+            shard_group=group,
+            shard_rank=rank,
+            shard_size=world_size,
+        )
+
+    def split(self, shard_group_size: int) -> None:
+        """Hybrid sharding: shard inside groups of ``shard_group_size`` consecutive ranks
+        (a node, as torchrun numbers ranks), replicate across them. Every rank calls it
+        with the same size (the setup agreement compared it)."""
+        size = shard_group_size
+        if size == self.world_size:
+            return
+        if size > self.world_size or self.world_size % size:
+            raise ValueError(
+                f"ZeroConfig.shard_group_size={size} must divide the number of ranks ({self.world_size}): "
+                "use the number of devices per node, or leave it unset to shard across every rank."
+            )
+        if self.world_size != dist.get_world_size():
+            # new_group needs every rank of the world, and ranks outside this group never get here.
+            raise ValueError(
+                "ZeroConfig.shard_group_size needs the engine to span every rank: build it without "
+                "process_group= (hybrid sharding makes its own groups inside the world)."
+            )
+        world = dist.group.WORLD
+        for stale in [key for key in _SUBGROUPS if key[0] is not world]:
+            del _SUBGROUPS[stale]  # of a world destroyed since: its groups are gone with it
+        timeout = _world_timeout(self.device)
+        key = (world, size, timeout)
+        if key not in _SUBGROUPS:
+            # Every rank creates every subgroup, in the same order, as new_group requires; engines
+            # built again with the same size reuse them (groups are never freed before the world).
+            create = lambda ranks: dist.new_group(ranks, backend=dist.get_backend(), timeout=timeout)  # noqa: E731
+            shard_groups = [create(list(range(first, first + size))) for first in range(0, self.world_size, size)]
+            replicate_groups = [create(list(range(offset, self.world_size, size))) for offset in range(size)]
+            _SUBGROUPS[key] = (shard_groups[self.rank // size], replicate_groups[self.rank % size])
+        self.shard_group, self.replicate_group = _SUBGROUPS[key]
+        self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
+
+    def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
+        """The process group and its size that ``span`` names, from this rank."""
+        if span is Span.SHARD_GROUP:
+            return self.shard_group, self.shard_size
+        if span is Span.ACROSS_GROUPS:
+            return self.replicate_group, self.replicas
+        return self.group, self.world_size
+
+    def rank_in(self, span: "Span") -> int:
+        """This rank's index among the ranks ``span`` names."""
+        if span is Span.SHARD_GROUP:
+            return self.shard_rank
+        if span is Span.ACROSS_GROUPS:
+            return self.rank // self.shard_size
+        return self.rank
+
+    @property
+    def uses_rooted_collectives(self) -> bool:
+        """On gloo, all-gather as one broadcast per rank and reduce-scatter as one
+        reduce per rank, each on its slice of the flat buffer in place.
+
+        Gloo's list-form all-gather and reduce-scatter flatten their inputs into
+        a freshly allocated buffer and copy the result out (and its single-tensor
+        forms are emulated with an all-reduce); broadcast and reduce run on the
+        tensor itself (measured in benchmarks/NOTES.md,
+        "Collectives on gloo"). NCCL keeps its single-tensor collectives.
+        """
+        return self.backend == "gloo"
