@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zero_core.engine import engine_owning
-from zero_core.grad_ops import total_norm
+from zero_core.optim.grad_ops import total_norm
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:

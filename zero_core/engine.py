@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import agreement, grad_ops
+from . import agreement
 from .accounting import MemoryReport, StorageCounter
 from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
@@ -40,9 +40,10 @@ from .model.buffers import broadcast_buffers, cast_buffers
 from .model.changes import RegisteredParameters
 from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
 from .model.state_dict_hooks import StateDictHooks
-from .optim import canonical_names, check_optimizer_supported, reset_optimizer_state
-from .param_groups import OptimizerGroups
-from .precision import DynamicLossScaler
+from .optim import grad_ops
+from .optim.loss_scaling import DynamicLossScaler
+from .optim.param_groups import OptimizerGroups
+from .optim.rebuild import canonical_names, check_optimizer_supported, reset_optimizer_state
 from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
 from .runtime import StepRuntime
 from .unit import FlatUnit, ParameterDigests, plan_units

@@ -23,7 +23,7 @@ from .checkpoint.full_weights import load_full_weights
 from .checkpoint.loading import load_checkpoint, open_checkpoint
 from .checkpoint.records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
 from .checkpoint.saving import save_checkpoint, sharded_state
-from .optim import install_optimizer_state
+from .optim.rebuild import install_optimizer_state
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..collectives import CommContext
-from ..precision import LossScalerState
+from ..optim.loss_scaling import LossScalerState
 from .errors import CheckpointError
 
 if TYPE_CHECKING:

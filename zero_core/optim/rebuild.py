@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from .unit import FlatUnit, MasterPiece
+from ..unit import FlatUnit, MasterPiece
 
 # Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (

@@ -22,9 +22,9 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .agreement import describe_value
-from .optim import canonical_names
-from .unit import FlatUnit
+from ..agreement import describe_value
+from ..unit import FlatUnit
+from .rebuild import canonical_names
 
 
 class GroupsHold(Enum):

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .collectives import CommContext, Span
-from .unit import FlatUnit
+from .. import collectives
+from ..collectives import CommContext, Span
+from ..unit import FlatUnit
 
 
 def _shards(units: list[FlatUnit]) -> list[torch.Tensor]:

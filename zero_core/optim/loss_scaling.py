@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import MixedPrecision
+from ..config import MixedPrecision
 
 
 @dataclass
