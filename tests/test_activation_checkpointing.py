@@ -32,6 +32,8 @@ from .runtime_workers import (
     train_step,
 )
 
+pytestmark = pytest.mark.distributed
+
 FORMS = [
     "none",
     "inside-reentrant",  # torch.utils.checkpoint inside the unit's forward

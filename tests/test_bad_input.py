@@ -85,6 +85,7 @@ def _mismatched_engine(rank: int) -> ZeroEngine:
     return ZeroEngine(model, make_optimizer("sgd", model), config_for(3))
 
 
+@pytest.mark.distributed
 def test_bad_input_fails_on_every_rank_before_any_work() -> None:
     results = run_distributed(_bad_inputs, 2, timeout=120)
     assert results[0]["errors"] == results[1]["errors"], "every rank must fail with the same message"
@@ -113,6 +114,7 @@ def _meta_training(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
+@pytest.mark.distributed
 def test_meta_device_model_is_materialised_one_unit_at_a_time() -> None:
     results = run_distributed(_meta_training, 2)
     first, second = results

@@ -23,6 +23,8 @@ from .distributed import run_distributed
 from .models import SEQ, VOCAB, TinyTransformer, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3, 4
 TOTAL_STEPS, SAVE_AT = 5, 2
 

@@ -11,6 +11,8 @@ from zero_core import MixedPrecision, expected_model_state_bytes
 from .distributed import run_distributed
 from .workers import accounting_grid
 
+pytestmark = pytest.mark.distributed
+
 CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 

@@ -12,6 +12,8 @@ from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, precision_grid
 
+pytestmark = pytest.mark.distributed
+
 # Largest relative loss difference to the fp32 run over 8 AdamW steps.
 TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
 
