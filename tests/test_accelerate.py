@@ -79,6 +79,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 3])
 def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     _, results = runs
@@ -89,6 +90,7 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 
+@pytest.mark.distributed
 def test_load_state_continues_exactly_with_same_and_other_process_count(runs: tuple) -> None:
     _, results = runs
     saved = results["saved"]
@@ -100,6 +102,7 @@ def test_load_state_continues_exactly_with_same_and_other_process_count(runs: tu
     assert relative_difference(fewer["weights"], saved["weights"]) <= 1e-5
 
 
+@pytest.mark.distributed
 def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path: Path) -> None:
     out, results = runs
     expected = results["resumed-2"]["loaded"]  # get_state_dict right after load_state
@@ -115,6 +118,7 @@ def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path
     assert relative_difference(saved_model, {k: results["resumed-2"]["weights"][k] for k in saved_model}) == 0.0
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "config, message",
     [
@@ -159,6 +163,7 @@ def test_plugin_reads_the_environment_and_explicit_arguments_win(monkeypatch: py
         ZeroPlugin()
 
 
+@pytest.mark.distributed
 def test_accelerate_adapter_does_not_import_lightning() -> None:
     code = "import sys, accelerate_zero; print(any(m.startswith('lightning') for m in sys.modules))"
     assert (
@@ -193,6 +198,7 @@ def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(
     assert launch_args.training_script_args == ["--zero_prefetch", "3"]  # the script's, not ours
 
 
+@pytest.mark.distributed
 def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_refused(tmp_path: Path) -> None:
     """One process: a save that fails (disk full) under automatic naming with total_limit=1 leaves
     the previous checkpoint as the latest (Accelerate alone would have pruned it first); a reused

@@ -15,6 +15,8 @@ from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 MICRO_BATCHES = 3
 
 

@@ -8,6 +8,7 @@ backward gather), and every block's reduce-scatter issued during backward.
 from __future__ import annotations
 
 import functools
+import importlib.util
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from zero_core import CollectiveKind, MixedPrecision, WrapPolicy, ZeroConfig
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .models import Block, batch, lm_loss
 from .runtime_workers import (
     ReduceProbe,
@@ -31,6 +32,8 @@ from .runtime_workers import (
     traffic_of,
     train_step,
 )
+
+pytestmark = pytest.mark.distributed
 
 FORMS = [
     "none",
@@ -116,8 +119,17 @@ CASES = [(stage, form) for stage in STAGES for form in FORMS]
 
 
 @pytest.fixture(scope="module")
-def results() -> list[list[dict]]:
-    return run_distributed(_grid, 2)
+def grid() -> list[dict]:
+    """One spawn for the file: the block model's cases, then Hugging Face's (where installed)."""
+    workers = {"blocks": _grid}
+    if importlib.util.find_spec("transformers") is not None:
+        workers["hugging face"] = _hf_grid
+    return run_distributed(run_each, 2, workers)
+
+
+@pytest.fixture
+def results(grid: list[dict]) -> list[list[dict]]:
+    return by_rank(grid, "blocks")
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"stage{s}-{f}" for s, f in CASES])
@@ -191,9 +203,9 @@ def _hf_grid(rank: int, world_size: int) -> list[dict]:
     return [_hf_llama(stage, form) for stage, form in HF_CASES]
 
 
-def test_hugging_face_gradient_checkpointing_matches_ddp() -> None:
+def test_hugging_face_gradient_checkpointing_matches_ddp(grid: list[dict]) -> None:
     pytest.importorskip("transformers")
-    for rank, per_case in enumerate(run_distributed(_hf_grid, 2)):
+    for rank, per_case in enumerate(by_rank(grid, "hugging face")):
         for (stage, form), result in zip(HF_CASES, per_case):
             assert max(result["errors"]) <= 1e-5, f"rank {rank} stage {stage} {form}: {result['errors']}"
             gathers = 2 if stage == 3 else 1

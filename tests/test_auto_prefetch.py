@@ -102,6 +102,7 @@ def grid() -> list[dict[str, Any]]:
     return run_distributed(run_each, 2, {"runs": _runs})
 
 
+@pytest.mark.distributed
 def test_auto_prefetch_trains_exactly_like_a_fixed_depth(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         fixed, auto = results["fixed"], results["auto"]
@@ -109,6 +110,7 @@ def test_auto_prefetch_trains_exactly_like_a_fixed_depth(grid: list) -> None:
         assert all(torch.equal(auto["final"][k], fixed["final"][k]) for k in fixed["final"])
 
 
+@pytest.mark.distributed
 def test_the_depth_is_measured_then_chosen_alike_on_every_rank(grid: list) -> None:
     reports = [results["auto"]["report"] for results in by_rank(grid, "runs")]
     for results, report in zip(by_rank(grid, "runs"), reports):
@@ -125,12 +127,14 @@ def test_the_depth_is_measured_then_chosen_alike_on_every_rank(grid: list) -> No
     assert len({report.depth for report in reports}) == 1
 
 
+@pytest.mark.distributed
 def test_ranks_that_measured_differently_take_the_largest_depth(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         assert results["disagreeing"]["report"].depth == 3
         assert results["disagreeing"]["losses"] == results["fixed"]["losses"]
 
 
+@pytest.mark.distributed
 def test_a_forward_that_raises_while_measuring_counts_for_nothing(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         clean, raising = results["auto"]["report"], results["raising"]["report"]
@@ -139,6 +143,7 @@ def test_a_forward_that_raises_while_measuring_counts_for_nothing(grid: list) ->
         assert results["raising"]["losses"] == results["fixed"]["losses"]
 
 
+@pytest.mark.distributed
 def test_an_engine_that_never_steps_prefetches_at_the_default_depth(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         inference = results["inference"]
@@ -146,6 +151,7 @@ def test_an_engine_that_never_steps_prefetches_at_the_default_depth(grid: list) 
         assert inference["depth"] == UNTUNED_DEPTH and inference["peak"] == 2 + UNTUNED_DEPTH
 
 
+@pytest.mark.distributed
 def test_the_memory_cap_bounds_the_depth(grid: list) -> None:
     for results in by_rank(grid, "runs"):
         report = results["capped"]["report"]

@@ -28,6 +28,8 @@ from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss
 from .workers import config_for, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 STAGES = (1, 2, 3)
 
 

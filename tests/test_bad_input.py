@@ -9,7 +9,7 @@ from torch import nn
 
 from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for
 
@@ -85,8 +85,15 @@ def _mismatched_engine(rank: int) -> ZeroEngine:
     return ZeroEngine(model, make_optimizer("sgd", model), config_for(3))
 
 
-def test_bad_input_fails_on_every_rank_before_any_work() -> None:
-    results = run_distributed(_bad_inputs, 2, timeout=120)
+@pytest.fixture(scope="module")
+def grid() -> list[dict]:
+    """One spawn for the file's two-rank cases: the refusals leave the process group usable."""
+    return run_distributed(run_each, 2, {"bad inputs": _bad_inputs, "meta": _meta_training})
+
+
+@pytest.mark.distributed
+def test_bad_input_fails_on_every_rank_before_any_work(grid: list[dict]) -> None:
+    results = by_rank(grid, "bad inputs")
     assert results[0]["errors"] == results[1]["errors"], "every rank must fail with the same message"
     errors = results[0]["errors"]
     assert "LBFGS needs whole parameter tensors" in errors["lbfgs"] and "AdamW" in errors["lbfgs"]
@@ -113,8 +120,9 @@ def _meta_training(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
-def test_meta_device_model_is_materialised_one_unit_at_a_time() -> None:
-    results = run_distributed(_meta_training, 2)
+@pytest.mark.distributed
+def test_meta_device_model_is_materialised_one_unit_at_a_time(grid: list[dict]) -> None:
+    results = by_rank(grid, "meta")
     first, second = results
     assert first["not_meta"] and second["not_meta"]
     assert all(torch.equal(first["initial"][k], second["initial"][k]) for k in first["initial"])

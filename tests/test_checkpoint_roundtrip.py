@@ -23,6 +23,8 @@ from .distributed import run_distributed
 from .models import SEQ, VOCAB, TinyTransformer, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3, 4
 TOTAL_STEPS, SAVE_AT = 5, 2
 
@@ -115,18 +117,32 @@ CASES = [(sw, (ss, None), lw, (ls, None)) for sw, ss, lw, ls in FLAT]
 CASES += [(4, (3, 2), 2, (3, None)), (4, (2, 2), 3, (1, None)), (2, (3, None), 4, (2, 2)), (4, (3, 2), 4, (1, 2))]
 
 
+def _save_and_resume_job(
+    rank: int, world_size: int, setups: list[Setup], cases: list[tuple[int, Setup, Setup]], directory: str
+) -> tuple[dict[Setup, dict], dict[tuple, dict]]:
+    """This world size's saves, then the resumes whose checkpoints exist by then."""
+    return _save_job(rank, world_size, setups, directory), _resume_job(rank, world_size, cases, directory)
+
+
 @pytest.fixture(scope="module")
 def roundtrips(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]:
-    """One spawn per world size: all saves, then all resumes, of every case."""
+    """One spawn per world size (those that save first, smallest first): its saves, then the
+    resumes of checkpoints saved so far. Resumes of a checkpoint that a larger world size saved
+    after them take one more spawn."""
     directory = tmp_path_factory.mktemp("roundtrip")
-    saved = {}
-    for world in sorted({c[0] for c in CASES}):
+    saved: dict[int, dict] = {}
+    resumed: dict[int, dict] = {}
+    later: list[tuple[int, Setup, int, Setup]] = []
+    saving = sorted({c[0] for c in CASES})
+    for world in saving + sorted({c[2] for c in CASES} - set(saving)):
         setups = sorted({c[1] for c in CASES if c[0] == world}, key=str)
-        saved[world] = run_distributed(_save_job, world, setups, str(directory))[0]
-    resumed = {}
-    for world in sorted({c[2] for c in CASES}):
-        cases = [(c[0], c[1], c[3]) for c in CASES if c[2] == world]
-        resumed[world] = run_distributed(_resume_job, world, cases, str(directory))[0]
+        now = [c for c in CASES if c[2] == world and (c[0] in saved or c[0] == world)]
+        later += [c for c in CASES if c[2] == world and c not in now]
+        cases = [(c[0], c[1], c[3]) for c in now]
+        saved[world], resumed[world] = run_distributed(_save_and_resume_job, world, setups, cases, str(directory))[0]
+    for world in sorted({c[2] for c in later}):
+        cases = [(c[0], c[1], c[3]) for c in later if c[2] == world]
+        resumed[world].update(run_distributed(_resume_job, world, cases, str(directory))[0])
     return directory, saved, resumed
 
 

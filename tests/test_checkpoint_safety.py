@@ -258,6 +258,7 @@ def loads(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
     return {"work": work, "expected": expected, "results": results, "baselines": baselines}
 
 
+@pytest.mark.distributed
 def test_every_damaged_checkpoint_fails_alike_on_every_rank_and_changes_nothing(loads: dict) -> None:
     results = loads["results"]
     for name, text in loads["expected"].items():
@@ -267,6 +268,7 @@ def test_every_damaged_checkpoint_fails_alike_on_every_rank_and_changes_nothing(
         assert unchanged and other_unchanged, f"{name}: the failed load changed the training state"
 
 
+@pytest.mark.distributed
 def test_messages_name_the_file_and_skip_torchs_retry_advice(loads: dict) -> None:
     results = loads["results"]
     assert "__" in results[0]["flipped bytes in a shard"][0] and ".distcp" in results[0]["flipped bytes in a shard"][0]
@@ -275,10 +277,12 @@ def test_messages_name_the_file_and_skip_torchs_retry_advice(loads: dict) -> Non
     assert "previous checkpoint" not in results[0]["no such directory"][0]
 
 
+@pytest.mark.distributed
 def test_no_code_from_a_checkpoint_ran(loads: dict) -> None:
     assert not (loads["work"] / "code-from-a-checkpoint-ran").exists()
 
 
+@pytest.mark.distributed
 def test_interrupted_replacement_is_recovered_by_itself(loads: dict) -> None:
     results, baselines = loads["results"], loads["baselines"]
     for rank in range(2):
@@ -289,11 +293,13 @@ def test_interrupted_replacement_is_recovered_by_itself(loads: dict) -> None:
             assert any(place in w and "interrupted" in w for w in warned), warned
 
 
+@pytest.mark.distributed
 def test_a_load_discards_gradients_accumulated_before_it(loads: dict) -> None:
     results = loads["results"]
     assert results[0]["accumulation"] and results[1]["accumulation"]
 
 
+@pytest.mark.distributed
 def test_the_good_checkpoint_still_loads_bit_identically(loads: dict) -> None:
     results, baselines = loads["results"], loads["baselines"]
     for rank in range(2):
@@ -484,6 +490,7 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
     }
 
 
+@pytest.mark.distributed
 def test_a_failed_save_fails_alike_on_every_rank_root_cause_first(saves: dict) -> None:
     results = saves["results"]
     for name, (_, _, cause) in SAVE_FAULTS.items():
@@ -494,6 +501,7 @@ def test_a_failed_save_fails_alike_on_every_rank_root_cause_first(saves: dict) -
     assert results[0]["meta.pt write fails on rank 0"].startswith("Input/output error")
 
 
+@pytest.mark.distributed
 def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_directory(saves: dict) -> None:
     for name, hidden in saves["leftovers"].items():
         assert not [h for h in hidden if h.endswith(".partial")], (name, hidden)
@@ -502,6 +510,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_directory(s
             assert _same(saves["results"][rank][f"{name}: reloaded"], saves["baselines"][rank]), name
 
 
+@pytest.mark.distributed
 def test_real_full_and_read_only_filesystems(saves: dict) -> None:
     if not saves["real"]:
         pytest.skip("mounting a small tmpfs needs root and mount permission")
@@ -514,16 +523,19 @@ def test_real_full_and_read_only_filesystems(saves: dict) -> None:
         assert results[0][name] == results[1][name] and results[0][name].startswith(causes[name]), results[0][name]
 
 
+@pytest.mark.distributed
 def test_saving_works_again_after_failures(saves: dict) -> None:
     assert by_rank(saves["results"], "a later save succeeds") == ["saved", "saved"]
 
 
+@pytest.mark.distributed
 def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused(saves: dict) -> None:
     messages = by_rank(saves["results"], "over a directory of other files")
     assert messages[0] == messages[1] and "Refusing to save to" in messages[0] and "would delete them" in messages[0]
     assert saves["plain"] == ["notes.txt"]
 
 
+@pytest.mark.distributed
 def test_a_stopped_rank_ends_the_save_on_the_others_with_the_step_named(saves: dict) -> None:
     (message, waited), (other_message, _) = saves["results"][0]["stopped rank"], saves["results"][1]["stopped rank"]
     assert "gave up waiting for the other ranks while checksumming the shards" in message, message

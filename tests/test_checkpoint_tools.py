@@ -17,6 +17,8 @@ from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli"]  # console-script shims may not be on PATH
 
 

@@ -169,6 +169,7 @@ def test_no_payload_runs_from_metadata_or_meta_pt(checkpoint: Path, tmp_path: Pa
             assert "refusing" in message or "corrupt" in message, (opcode, message)
 
 
+@pytest.mark.distributed
 def test_the_payloads_run_code_under_plain_pickle(tmp_path: Path) -> None:
     """The suite above proves something only if these payloads are live."""
     sentinel = tmp_path / "code-ran"

@@ -17,6 +17,8 @@ from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
 
+pytestmark = pytest.mark.distributed
+
 BACKEND = "aot_eager"
 
 

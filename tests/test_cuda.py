@@ -20,7 +20,7 @@ from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def _plain_losses(device: torch.device, rank: int, world_size: int) -> list[float]:

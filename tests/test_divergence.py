@@ -91,6 +91,7 @@ def _assert_names_the_rule(message: str) -> None:
     assert "gathered_parameters()" in message and "init_process_group(timeout=...)" in message
 
 
+@pytest.mark.distributed
 def test_extra_forward_on_one_rank_fails_on_every_rank_within_the_timeout() -> None:
     outcomes = run_distributed(_extra_forward_on_rank0, 2, pg_timeout=PG_TIMEOUT, timeout=120)
     for rank, outcome in enumerate(outcomes):
@@ -102,6 +103,7 @@ def test_extra_forward_on_one_rank_fails_on_every_rank_within_the_timeout() -> N
     assert any("unit '" in outcome["error"] or "root unit" in outcome["error"] for outcome in outcomes)
 
 
+@pytest.mark.distributed
 def test_skipped_micro_batch_on_one_rank_is_caught_at_the_next_step_on_every_rank() -> None:
     outcomes = run_distributed(_skipped_micro_batch_on_rank1, 2, pg_timeout=PG_TIMEOUT, timeout=120)
     messages = [outcome["error"] for outcome in outcomes]
@@ -111,6 +113,7 @@ def test_skipped_micro_batch_on_one_rank_is_caught_at_the_next_step_on_every_ran
     assert all(outcome["seconds"] <= PG_TIMEOUT for outcome in outcomes)
 
 
+@pytest.mark.distributed
 def test_rank_that_stops_early_does_not_leave_the_other_hanging() -> None:
     outcomes = run_distributed(_rank1_stops_early, 2, pg_timeout=PG_TIMEOUT, timeout=120)
     assert outcomes[1]["error"] is None  # it finished its own loop

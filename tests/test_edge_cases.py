@@ -15,6 +15,8 @@ from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, rank0_state_dict, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 
 class ReusingTransformer(TinyTransformer):
     """Runs block 0 twice; uses the branch only on rank 0 (data-dependent, per rank)."""

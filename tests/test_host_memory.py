@@ -36,6 +36,7 @@ def test_large_fresh_buffers_are_advised_and_small_ones_are_not() -> None:
     assert "hg" not in mapping_flags(small.data_ptr())
 
 
+@pytest.mark.distributed
 def test_no_advice_where_large_blocks_may_come_from_the_heap() -> None:
     """With glibc told to put large blocks in the heap, advice would outlive the buffer there."""
     probe = (

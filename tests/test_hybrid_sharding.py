@@ -25,6 +25,8 @@ from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import GptRun, config_for, rank0_state_dict, refusal, relative_difference, train_against_ddp
 
+pytestmark = pytest.mark.distributed
+
 WORLD, GROUP = 4, 2
 TOLERANCE = 1e-5
 PARITY = [dict(stage=s, optimizer_name="adamw") for s in (1, 2, 3)]

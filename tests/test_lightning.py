@@ -131,6 +131,7 @@ def test_strategies_are_registered_and_validated() -> None:
         lightning_zero.ZeroPrecision("64-true")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, stage: int) -> None:
     _, runs = results
@@ -140,6 +141,7 @@ def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, s
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("variant", ["value", "manual"])
 def test_value_clipping_and_manual_optimization_match_ddp(results: tuple, variant: str) -> None:
     _, runs = results
@@ -148,6 +150,7 @@ def test_value_clipping_and_manual_optimization_match_ddp(results: tuple, varian
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 
+@pytest.mark.distributed
 def test_stage3_summary_and_evaluation_loops(results: tuple) -> None:
     _, runs = results
     zero3 = runs["zero3"]
@@ -158,6 +161,7 @@ def test_stage3_summary_and_evaluation_loops(results: tuple) -> None:
     assert zero3["predictions"].shape == (8, 6)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("precision, tolerance", [("bf16-mixed", 0.02), ("bf16-true", 0.05), ("16-mixed", 0.01)])
 def test_every_precision_trains(results: tuple, precision: str, tolerance: float) -> None:
     _, runs = results
@@ -167,6 +171,7 @@ def test_every_precision_trains(results: tuple, precision: str, tolerance: float
     assert ours == pytest.approx(fp32, rel=tolerance)
 
 
+@pytest.mark.distributed
 def test_resume_with_other_device_count_and_stage(results: tuple) -> None:
     out, runs = results
     uninterrupted, resumed = runs["zero3-resumable"], runs["resumed-zero1"]
@@ -174,6 +179,7 @@ def test_resume_with_other_device_count_and_stage(results: tuple) -> None:
     assert relative_difference(resumed["weights"], uninterrupted["weights"]) <= 1e-5
 
 
+@pytest.mark.distributed
 def test_model_checkpoint_writes_directories_and_prunes(results: tuple) -> None:
     out, _ = results
     kept = sorted((out / "zero2-topk-topk").iterdir())
@@ -181,6 +187,7 @@ def test_model_checkpoint_writes_directories_and_prunes(results: tuple) -> None:
     assert (out / "zero3-resumable" / "last.ckpt" / ".metadata").is_file()
 
 
+@pytest.mark.distributed
 def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple, tmp_path: Path) -> None:
     out, runs = results
     checkpoint = out / "zero3-resumable" / "epoch=5-step=6.ckpt"
@@ -205,6 +212,7 @@ def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple,
         assert relative_difference(model.state_dict(), expected) == 0.0
 
 
+@pytest.mark.distributed
 def test_fabric_trains_saves_and_resumes_exactly(tmp_path: Path) -> None:
     script = Path(__file__).parent / "scripts" / "fabric_run.py"
     result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
@@ -234,12 +242,14 @@ def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:
     assert strategy.zero_config.wrap_policy.module_classes[0].__name__ == "Block"
 
 
+@pytest.mark.distributed
 def test_sync_batchnorm_is_refused_on_cpu_before_training(results: tuple) -> None:
     # torch's SyncBatchNorm trains on accelerators only; on GPUs it is applied (tests/test_cuda.py).
     error = results[1]["zero2-syncbn"]["error"]
     assert error is not None and "sync_batchnorm=True) needs GPUs" in error
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_backbone_finetuning_trains_like_one_process_at_every_stage(results: tuple, stage: int) -> None:
     _, runs = results
@@ -252,6 +262,7 @@ def test_backbone_finetuning_trains_like_one_process_at_every_stage(results: tup
     assert relative_difference({k: ours["weights"][k] for k in backbone}, {k: start[k] for k in backbone}) > 1e-3
 
 
+@pytest.mark.distributed
 def test_backbone_finetuning_resumes_as_lightning_does_in_one_process(results: tuple) -> None:
     """From a stage-3 checkpoint saved after the unfreeze, at one device and stage 1: the
     callback's param groups come back before the optimizer state, as Lightning restores them."""
@@ -264,6 +275,7 @@ def test_backbone_finetuning_resumes_as_lightning_does_in_one_process(results: t
     assert ours["restarting"] == reference["restarting"] == [False]  # the next fit starts afresh
 
 
+@pytest.mark.distributed
 def test_backbone_finetuning_resumes_from_a_consolidated_file_with_its_group(results: tuple) -> None:
     """Consolidated files give weights only here (the optimizer starts fresh, so the head's
     rates restart), but the callback's backbone group comes back with its own rate, as in one

@@ -8,16 +8,26 @@ import torch
 
 from zero_core import MixedPrecision, expected_model_state_bytes
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .workers import accounting_grid
+
+pytestmark = pytest.mark.distributed
 
 CASES = [(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]
 ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
-def measured(request: pytest.FixtureRequest) -> tuple[int, list[list[dict]]]:
-    return request.param, run_distributed(accounting_grid, request.param)
+def grid(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
+    """One spawn per world size for every test of the file."""
+    workers = {"accounting": accounting_grid, "buffers": _buffer_broadcasts}
+    return request.param, run_distributed(run_each, request.param, workers)
+
+
+@pytest.fixture
+def measured(grid: tuple[int, list[dict]]) -> tuple[int, list[list[dict]]]:
+    world_size, per_rank = grid
+    return world_size, by_rank(per_rank, "accounting")
 
 
 def _element_size(dtype: torch.dtype) -> int:
@@ -92,9 +102,10 @@ def _buffer_broadcasts(rank: int, world_size: int) -> dict[str, object]:
     return {"calls": traffic.calls, "numel": traffic.numel, "buffers": len(list(model.buffers())), "seen": seen[-1]}
 
 
-def test_buffers_are_broadcast_in_one_call_per_dtype() -> None:
-    results = run_distributed(_buffer_broadcasts, 2)
+def test_buffers_are_broadcast_in_one_call_per_dtype(grid: tuple[int, list[dict]]) -> None:
+    results = by_rank(grid[1], "buffers")
     for result in results:
         assert result["buffers"] == 15 and result["calls"] == 2  # float32 statistics, int64 batch counts
         assert result["numel"] == 5 * (4 + 4 + 1)
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["seen"], results[1]["seen"]))  # rank 0's, everywhere
+    for other in results[1:]:  # rank 0's, everywhere
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["seen"], other["seen"]))

@@ -8,17 +8,25 @@ import torch
 
 from zero_core import MixedPrecision, ZeroEngine
 
-from .distributed import run_distributed
+from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, precision_grid
+
+pytestmark = pytest.mark.distributed
 
 # Largest relative loss difference to the fp32 run over 8 AdamW steps.
 TOLERANCE = {"bfloat16": 0.02, "float16": 0.01}
 
 
 @pytest.fixture(scope="module")
-def losses() -> dict[str, list[float]]:
-    per_rank = run_distributed(precision_grid, 2)
+def grid() -> list[dict]:
+    """One spawn for the file."""
+    return run_distributed(run_each, 2, {"precision": precision_grid, "overflow": _overflow_grid})
+
+
+@pytest.fixture
+def losses(grid: list[dict]) -> dict[str, list[float]]:
+    per_rank = by_rank(grid, "precision")
     assert per_rank[0].keys() == per_rank[1].keys()
     return per_rank[0]
 
@@ -58,7 +66,7 @@ def _overflow_grid(rank: int, world_size: int) -> list[dict[str, object]]:
     return [_overflow_on_rank_one(rank, world_size, stage) for stage in (1, 2, 3)]
 
 
-def test_fp16_overflow_on_one_rank_skips_the_step_everywhere() -> None:
-    for results in run_distributed(_overflow_grid, 2):
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(grid: list[dict]) -> None:
+    for results in by_rank(grid, "overflow"):
         for result in results:
             assert result == {"unchanged": True, "scale": 2.0**9, "moved": True}

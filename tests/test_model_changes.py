@@ -20,6 +20,8 @@ from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import refusal, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 STAGES = (1, 2, 3)
 
 

@@ -18,6 +18,8 @@ import torch
 from .distributed import _free_port
 from .workers import relative_difference
 
+pytestmark = pytest.mark.distributed
+
 SCRIPTS = Path(__file__).parent / "scripts"
 REPO = Path(__file__).parents[1]
 NODES, PER_NODE = 2, 2

@@ -14,6 +14,8 @@ import torch
 from .distributed import run_distributed
 from .workers import parity_grid
 
+pytestmark = pytest.mark.distributed
+
 TOLERANCE = 1e-5  # relative, fp32
 STAGES = (1, 2, 3)
 CASES = [dict(stage=s, optimizer_name=o) for s in STAGES for o in ("sgd", "adamw")]

@@ -19,6 +19,8 @@ from zero_core import MixedPrecision
 from .distributed import by_rank, run_distributed, run_each
 from .workers import GptRun, relative_difference, train_against_ddp
 
+pytestmark = pytest.mark.distributed
+
 WORLD = 2
 TOLERANCE = 1e-5
 # The test model's root unit (1168 parameters) persists, its blocks (1904 each) stay sharded.

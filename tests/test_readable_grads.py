@@ -17,6 +17,8 @@ from zero_core import ZeroConfig, ZeroEngine
 from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 
+pytestmark = pytest.mark.distributed
+
 
 def _grads_worker(rank: int, world_size: int) -> list[dict]:
     results = []

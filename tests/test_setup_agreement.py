@@ -19,6 +19,8 @@ from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer, param_groups
 from .workers import config_for, refusal
 
+pytestmark = pytest.mark.distributed
+
 Build = Callable[[int], ZeroEngine]
 
 

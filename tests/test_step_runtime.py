@@ -25,6 +25,8 @@ from .models import Block, TinyTransformer, batch, lm_loss
 from .runtime_workers import make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
 from .workers import config_for, refusal, relative_difference
 
+pytestmark = pytest.mark.distributed
+
 STAGES = (1, 2, 3)
 
 

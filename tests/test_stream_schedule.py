@@ -30,6 +30,8 @@ from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for
 
+pytestmark = pytest.mark.distributed
+
 WORLD_SIZE = 2
 
 

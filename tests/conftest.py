@@ -1,0 +1,63 @@
+"""The two tiers: tests marked ``distributed`` start processes; the rest run in this process.
+
+``python -m pytest -m "not distributed"`` is the fast tier. So that the marker
+stays true, a test without it that starts a process (a process group,
+torchrun, a launcher, a script) fails, naming what it started. The process is
+still started: a refusal here could look like the very refusal a test
+expects (the unpickling tests check that no payload starts one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.process
+import subprocess
+from collections.abc import Generator, Iterator
+from typing import Any
+
+import pytest
+
+
+@contextlib.contextmanager
+def _starts_recorded() -> Iterator[list[str]]:
+    """What the code inside starts: subprocesses and multiprocessing processes."""
+    started: list[str] = []
+    execute_child = subprocess.Popen._execute_child
+    start = multiprocessing.process.BaseProcess.start
+
+    def recording_execute_child(popen: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> Any:
+        started.append(f"the subprocess {str(args)[:120]}")
+        return execute_child(popen, args, *rest, **kwargs)
+
+    def recording_start(process: multiprocessing.process.BaseProcess) -> None:
+        started.append(f"the process {process.name}")
+        start(process)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "_execute_child", recording_execute_child)
+        patch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+        yield started
+
+
+def _unmarked_starts(item: pytest.Item) -> Generator[None, Any, Any]:
+    if item.get_closest_marker("distributed") is not None:
+        return (yield)
+    with _starts_recorded() as started:
+        result = yield
+    if started:
+        pytest.fail(
+            f"{item.nodeid} started {started[0]} but is not marked distributed: add @pytest.mark.distributed "
+            "(or `pytestmark = pytest.mark.distributed` for a file whose tests all start processes).",
+            pytrace=False,
+        )
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, Any]:
+    return (yield from _unmarked_starts(item))  # module-scoped fixtures start their process groups here
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
+    return (yield from _unmarked_starts(item))
