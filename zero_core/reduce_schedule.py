@@ -26,7 +26,7 @@ MAX_PENDING_REDUCES = 2
 class ReduceSchedule:
     def __init__(self, units: list[FlatUnit]):
         self.units = units
-        self._pending: deque[PendingReduce] = deque()
+        self._pending: deque[tuple[FlatUnit, PendingReduce]] = deque()
         # Which units were reduced since creation, as a sum of (unit index + 1): compared
         # across ranks at each step, so ranks that froze different units are caught.
         self.issued_fingerprint = 0
@@ -61,7 +61,7 @@ class ReduceSchedule:
             self.issued_fingerprint += unit.index + 1
             pending = unit.start_reduce()
             if pending is not None:
-                self._pending.append(pending)
+                self._pending.append((unit, pending))
             while len(self._pending) > MAX_PENDING_REDUCES:
                 self._finish_oldest()
 
@@ -70,5 +70,5 @@ class ReduceSchedule:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        oldest = self._pending.popleft()
-        oldest.grads.finish_reduce(oldest)
+        unit, pending = self._pending.popleft()
+        unit.finish_reduce(pending)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from zero_core import collectives
-from zero_core.collectives import CollectiveFailed, CommContext, differing_values, true_on_any_rank
-from zero_core.grad_ops import StepAgreement, agree_on_step
-from zero_core.setup_agreement import ADVICE, Field, agree_on_setup, describe_value, first_difference
+from zero_core.agreement import StepAgreement, agree_on_step, differing_values, true_on_any_rank
+from zero_core.agreement.setup import ADVICE, Field, agree_on_setup, describe_value, first_difference
+from zero_core.collectives import CollectiveFailed, CommContext
 
 from . import fake_world
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_core.layout import FlatLayout, ShardPiece
+from zero_core.unit import FlatLayout, ShardPiece
 
 
 def _layout(shapes: list[tuple[int, ...]], world_size: int, frozen: tuple[int, ...] = ()) -> FlatLayout:

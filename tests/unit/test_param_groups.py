@@ -9,9 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_core.flat_unit import MasterPiece
-from zero_core.layout import FlatLayout
-from zero_core.param_groups import GroupsHold, OptimizerGroups
+from zero_core.optim.param_groups import GroupsHold, OptimizerGroups
+from zero_core.unit import FlatLayout, MasterPiece
 
 WORLD_SIZE = 2
 

@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from zero_core.config import WrapPolicy
-from zero_core.units import plan_units
+from zero_core.unit import plan_units
 
 
 class Inner(nn.Module):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..collectives import DIVERGENCE_ADVICE, CollectiveFailed, CommContext, all_reduce
+from .. import collectives  # looked up at call time: one place to stand in for every agreement's collectives
+from ..collectives import DIVERGENCE_ADVICE, CollectiveFailed, CommContext
 from .packing import differing_values, with_negations
 
 
@@ -24,10 +25,10 @@ def true_on_any_rank(
     # different sizes is itself a mismatch no check could report.
     values = list(checks.values())
     agreed = torch.tensor(with_negations(values), dtype=torch.float64, device=comm.device)
-    all_reduce(comm, agreed, dist.ReduceOp.MAX, label=what).wait()
+    collectives.all_reduce(comm, agreed, dist.ReduceOp.MAX, label=what).wait()
     differing = differing_values(checks, agreed.tolist())
     if differing:
         raise CollectiveFailed(f"ZeRO: ranks disagree on {'; '.join(differing)}.\n{DIVERGENCE_ADVICE}")
     tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
-    all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
+    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
     return [v > 0 for v in tensor.tolist()]

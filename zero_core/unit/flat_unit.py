@@ -154,6 +154,10 @@ class FlatUnit:
         """
         return self.grads.start_reduce() if self.trainable else None
 
+    def finish_reduce(self, pending: PendingReduce) -> None:
+        """Wait for a reduce-scatter ``start_reduce`` issued and keep its averaged shard."""
+        self.grads.finish_reduce(pending)
+
     def prepare_backward(self) -> None:
         self.grads.prepare_backward()
 

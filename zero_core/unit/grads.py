@@ -39,7 +39,6 @@ def _sum_into(total: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
 
 
 class PendingReduce(NamedTuple):
-    grads: "UnitGrads"
     sharded_out: torch.Tensor
     full_in: torch.Tensor  # kept alive until the collective has read it
     handle: Handle
@@ -142,7 +141,7 @@ class UnitGrads:
         if self.precision.reduce_dtype != torch.float32:
             self.full_grads.div_(self.comm.world_size)  # low precision: average (over every rank) before summing
         handle = reduce_scatter(self.comm, sharded_out, self.full_grads, label=self.label)
-        return PendingReduce(self, sharded_out, self.full_grads, handle)
+        return PendingReduce(sharded_out, self.full_grads, handle)
 
     def _wait_averaged(self, pending: PendingReduce) -> torch.Tensor:
         pending.handle.wait()
