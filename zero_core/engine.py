@@ -21,8 +21,10 @@ the optimizer step (there is nothing left for ``zero_grad`` to clear).
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +34,9 @@ from torch import nn
 
 from . import agreement
 from .accounting import MemoryReport, StorageCounter
+from .checkpoint import training_state
 from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
-from .engine_checkpoints import CheckpointMethods
 from .model import full_params
 from .model.buffers import broadcast_buffers, cast_buffers
 from .model.changes import RegisteredParameters
@@ -87,7 +89,7 @@ def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.
     return torch.device("cpu")
 
 
-class ZeroEngine(CheckpointMethods):
+class ZeroEngine:
     """Shard ``model`` and ``optimizer`` in place and drive them.
 
     Typical loop (launched with torchrun, process group initialised)::
@@ -585,3 +587,105 @@ class ZeroEngine(CheckpointMethods):
         self.runtime.late_handles.clear()
         self._hooks.clear()
         self._optimizer_hooks.clear()
+
+    # --------------------------------------------------------- checkpoints
+    def _checkpoint_target(self) -> training_state.CheckpointTarget:
+        return training_state.CheckpointTarget(
+            model=self.model,
+            units=self.units,
+            comm=self.comm,
+            optimizer=self.optimizer,
+            loss_scaler=self.loss_scaler,
+            stage=self.stage,
+            steps_taken=self.steps_taken,
+            quiesce=self.runtime.quiesce,
+            sync_buffers=self.sync_buffers_for_export,
+            read_param_groups=self._read_param_groups,
+            compare_param_groups=self._compare_param_groups,
+            param_group_names=lambda: self._groups.names if self._groups is not None else [],
+            discard_grads=self.zero_grad,
+            refresh_parameters=self.refresh_parameters,
+        )
+
+    def sharded_model_state_dict(self) -> dict[str, Any]:
+        """``model.state_dict()``'s keys, parameters as DCP-checkpointable views of this rank's fp32 shard
+        (full logical shapes), buffers as they are: for ``torch.distributed.checkpoint.save``."""
+        return training_state.sharded_model_state_dict(self._checkpoint_target())
+
+    def sharded_optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard).
+
+        Every rank calls it: param groups added since the last step are compared across ranks first."""
+        return training_state.sharded_optimizer_state_dict(self._checkpoint_target())
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        extra: dict[str, Any] | None = None,
+        *,
+        include_optimizer: bool = True,
+        include_model: bool = True,
+    ) -> Path:
+        """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically.
+
+        Every rank calls it; each writes only its own pieces. Without the
+        optimizer the directory holds the model alone, which is what
+        ``accelerate merge-weights`` consolidates. A failure on any rank
+        raises the same ``CheckpointError`` on every rank and leaves the
+        previous checkpoint at ``path`` as it was.
+        """
+        return training_state.save(
+            self._checkpoint_target(),
+            path,
+            extra,
+            include_optimizer=include_optimizer,
+            include_model=include_model,
+        )
+
+    def read_checkpoint_extra(self, path: str | os.PathLike) -> dict[str, Any]:
+        """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every
+        rank, without loading anything. Every rank calls it; a bad checkpoint raises the same
+        ``CheckpointError`` everywhere."""
+        return training_state.read_extra(self._checkpoint_target(), path)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        *,
+        load_optimizer: bool = True,
+        load_model: bool = True,
+        optimizer_path: str | os.PathLike | None = None,
+        check_extra: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``.
+
+        ``optimizer_path``: read the optimizer from this other directory (one saved
+        with ``include_model=False``, as Accelerate keeps them apart); both must
+        hold the same ``extra`` and step count, or the pair is refused.
+        ``check_extra``: called with the loaded ``extra`` before anything is
+        applied; what it raises leaves everything as it was (``extra`` is the
+        same on every rank, so it raises on every rank alike).
+
+        All or nothing: every file is verified and read on every rank before
+        anything changes; a failure anywhere raises the same ``CheckpointError``
+        everywhere and leaves model, optimizer, loss scale and step counter as
+        they were. Gradients accumulated before the load are discarded.
+        """
+        resumed = training_state.load(
+            self._checkpoint_target(),
+            path,
+            load_optimizer=load_optimizer,
+            load_model=load_model,
+            optimizer_path=optimizer_path,
+            check_extra=check_extra,
+        )
+        self.steps_taken = resumed.steps
+        return resumed.extra
+
+    def load_full_state_dict(self, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True) -> None:
+        """Load ordinary full weights (a state dict, or a .safetensors / torch file) into the shards.
+
+        Each rank reads only the parts of each tensor its shard covers
+        (safetensors slices, or memory-mapped torch files).
+        """
+        training_state.load_full_state_dict(self._checkpoint_target(), source, strict)

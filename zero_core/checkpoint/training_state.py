@@ -1,0 +1,167 @@
+"""Saving and loading a sharded model's whole training state: model, optimizer, loss scale, steps.
+
+The engine hands these functions a :class:`CheckpointTarget`, the explicit parts they work on (no
+engine import: arrows point one way). Reading is all or nothing and agreed on every rank
+(``loading.py``); only once every rank has read everything is the result applied, here, so a failed
+load changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from ..collectives import CommContext
+from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.rebuild import install_optimizer_state
+from ..unit import FlatUnit
+from .agreement import RankAgreement
+from .errors import CheckpointError
+from .full_weights import load_full_weights
+from .loading import LoadedCheckpoint, load_checkpoint, open_checkpoint
+from .records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
+from .saving import save_checkpoint, sharded_state
+
+
+@dataclass(frozen=True)
+class CheckpointTarget:
+    """What a save or load works on. The callables are the engine's own barriers and resets."""
+
+    model: nn.Module
+    units: Sequence[FlatUnit]
+    comm: CommContext
+    optimizer: torch.optim.Optimizer | None
+    loss_scaler: DynamicLossScaler | None
+    stage: int
+    steps_taken: int
+    quiesce: Callable[[], None]  # the runtime's entry barrier
+    sync_buffers: Callable[[], None]  # exports hold rank 0's buffers
+    read_param_groups: Callable[[], object]  # raises ValueError for a group it refuses
+    compare_param_groups: Callable[[], None]  # every rank together; the same ValueError everywhere
+    param_group_names: Callable[[], list[list[str]]]  # as last read
+    discard_grads: Callable[[], None]
+    refresh_parameters: Callable[[], None]
+
+
+class Resumed(NamedTuple):
+    extra: dict[str, Any]
+    steps: int
+
+
+def sharded_view(target: CheckpointTarget, operation: str | None = None) -> ShardedModel:
+    """What the checkpoint code sees. With ``operation`` (every rank is in it together), the
+    param groups are read and compared first, agreed on every rank, so a group added,
+    replaced or refused on one rank only fails everywhere alike."""
+    if operation is not None and target.optimizer is not None:
+        RankAgreement(target.comm, operation).run("reading the optimizer's param groups", target.read_param_groups)
+        target.compare_param_groups()
+    return ShardedModel(target.model, target.units, target.comm, target.optimizer, target.param_group_names())
+
+
+def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
+    return sharded_state(sharded_view(target), with_optimizer=False)[MODEL_KEY]
+
+
+def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
+    view = sharded_view(target, "collecting the optimizer's state")
+    return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
+
+
+def save(
+    target: CheckpointTarget,
+    path: str | os.PathLike,
+    extra: dict[str, Any] | None,
+    *,
+    include_optimizer: bool,
+    include_model: bool,
+) -> Path:
+    if not (include_model or include_optimizer):
+        raise ValueError("Nothing to save: include the model, the optimizer or both.")
+    target.quiesce()
+    target.sync_buffers()
+    scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
+    record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken, scaler)
+    return save_checkpoint(
+        sharded_view(target, f"saving checkpoint {path}"),
+        path,
+        dict(extra or {}),
+        record,
+        include_model=include_model,
+        include_optimizer=include_optimizer and target.optimizer is not None,
+    )
+
+
+def read_extra(target: CheckpointTarget, path: str | os.PathLike) -> dict[str, Any]:
+    return open_checkpoint(RankAgreement(target.comm, f"reading the extra state of checkpoint {path}"), path).extra
+
+
+def _read(
+    view: ShardedModel,
+    path: str | os.PathLike,
+    optimizer_path: str | os.PathLike | None,
+    load_model: bool,
+    with_optimizer: bool,
+) -> LoadedCheckpoint:
+    """The checkpoint at ``path``, its optimizer from ``optimizer_path`` when given (one save, two directories)."""
+    loaded = load_checkpoint(
+        view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None
+    )
+    if with_optimizer and optimizer_path is not None:
+        apart = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True)
+        if (apart.extra, apart.record.steps) != (loaded.extra, loaded.record.steps):
+            raise CheckpointError(
+                f"{optimizer_path} and {path} come from different saves ({apart.record.steps} and "
+                f"{loaded.record.steps} steps, or other extra state): a save that failed between the two? "
+                "Load an earlier pair."
+            )
+        loaded = loaded._replace(optimizer=apart.optimizer)
+    return loaded
+
+
+def load(
+    target: CheckpointTarget,
+    path: str | os.PathLike,
+    *,
+    load_optimizer: bool,
+    load_model: bool,
+    optimizer_path: str | os.PathLike | None,
+    check_extra: Callable[[dict[str, Any]], None] | None,
+) -> Resumed:
+    target.quiesce()
+    view = sharded_view(target, f"loading checkpoint {path}")
+    loaded = _read(view, path, optimizer_path, load_model, load_optimizer and target.optimizer is not None)
+    if check_extra is not None:
+        check_extra(loaded.extra)
+    if loaded.weights is not None:
+        _install_weights(target, loaded.weights)
+    if loaded.optimizer is not None:
+        install_optimizer_state(target.optimizer, loaded.optimizer.group_settings, loaded.optimizer.state)
+    target.refresh_parameters()
+    if target.loss_scaler is not None and loaded.record.loss_scaler is not None:
+        target.loss_scaler.state = loaded.record.loss_scaler
+    return Resumed(loaded.extra, loaded.record.steps)
+
+
+def load_full_state_dict(
+    target: CheckpointTarget, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool
+) -> None:
+    target.quiesce()
+    _install_weights(target, load_full_weights(sharded_view(target), source, strict=strict))
+    target.refresh_parameters()
+
+
+def _install_weights(target: CheckpointTarget, weights: LoadedWeights) -> None:
+    """Put weights every rank loaded in place; gradients of the old weights are dropped."""
+    target.discard_grads()
+    for unit, shard in zip(target.units, weights.master_shards):
+        unit.master_shard.copy_(shard)
+    live = target.model.state_dict(keep_vars=True)
+    for key, value in weights.buffers.items():
+        live[key].detach().copy_(value)
