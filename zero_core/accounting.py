@@ -3,12 +3,14 @@ the README's formulas ("Memory and communication")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from .config import MixedPrecision
+from .unit import FlatUnit
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,25 @@ class StorageCounter:
             self._seen.add(storage.data_ptr())
             total += storage.nbytes()
         return total
+
+
+def measure_model_state(
+    model: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer | None
+) -> MemoryReport:
+    """What this rank holds now, each storage counted once: every tensor the units, the model's
+    ``.grad`` and the optimizer's state really keep alive, not what the formulas expect."""
+    counter = StorageCounter()
+    params = counter.count([u.gathered_params for u in units] + [u.compute_shard for u in units])
+    grads = counter.count(
+        [grad for u in units for grad in u.grads.tensors()]
+        + [p.grad for p in model.parameters()]
+        + [m.param.grad for u in units for m in u.master_pieces]
+    )
+    optimizer_state = optimizer.state if optimizer is not None else {}
+    state_tensors = [
+        value for state in optimizer_state.values() for value in state.values() if isinstance(value, torch.Tensor)
+    ]
+    return MemoryReport(params, grads, counter.count([u.master_shard for u in units] + state_tensors))
 
 
 def expected_model_state_bytes(

@@ -29,16 +29,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 
 from . import agreement
-from .accounting import MemoryReport, StorageCounter
+from .accounting import MemoryReport, measure_model_state
 from .checkpoint import training_state
 from .collectives import CommContext, CommStats, Position
 from .config import ZeroConfig
 from .model import full_params
-from .model.buffers import broadcast_buffers, cast_buffers
+from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
 from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
 from .model.state_dict_hooks import StateDictHooks
@@ -170,11 +169,13 @@ class ZeroEngine:
         self.runtime.requires_scaled_backward = self.loss_scaler is not None
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
         self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units, self.runtime).check)
+        self.buffer_sync = BufferSync(
+            model, self.comm, config.broadcast_buffers, lambda: self.runtime.require_grad_sync
+        )
         self.runtime.before_root_forward.append(self._before_root_forward)
         if config.mixed_precision.compute_dtype != torch.float32:
-            self.runtime.input_cast = self._cast_inputs
-        self.runtime.after_root_forward.append(self._after_root_forward)
-        self._sync_buffers_next_forward = True
+            self.runtime.input_cast = floating_inputs_cast(config.mixed_precision.compute_dtype)
+        self.runtime.after_root_forward.append(self.buffer_sync.after_root_forward)
         self._hooks = self.runtime.install()
         self.state_dict_hooks = StateDictHooks(
             model, self.units, self.runtime, config.plan.params_sharded_at_rest, self.sync_buffers_for_export
@@ -312,25 +313,12 @@ class ZeroEngine:
     def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._groups is not None:
             self._groups.show_model_parameters()  # an optimizer.step() that raised midway left the pieces in
-        if self.config.broadcast_buffers and self._sync_buffers_next_forward:
-            broadcast_buffers(self.model, self.comm)
+        self.buffer_sync.before_root_forward()
         return args, kwargs
-
-    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Floating inputs of every unit arrive in the compute dtype (as FSDP2's cast_forward_inputs)."""
-        dtype = self.config.mixed_precision.compute_dtype
-        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
-        return pytree.tree_map(cast, (args, kwargs))
-
-    def _after_root_forward(self) -> None:
-        # DDP's rule: the next forward syncs buffers only if this one was a
-        # synchronising training forward (not no_grad, not inside no_sync).
-        self._sync_buffers_next_forward = torch.is_grad_enabled() and self.runtime.require_grad_sync
 
     def sync_buffers_for_export(self) -> None:
         """Exports hold rank 0's buffers (DDP's rule), which the next forward would broadcast anyway."""
-        if self.config.broadcast_buffers:
-            broadcast_buffers(self.model, self.comm)
+        self.buffer_sync.for_export()
 
     # ------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -567,19 +555,7 @@ class ZeroEngine:
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state held by this rank now."""
-        counter = StorageCounter()
-        params = counter.count([u.gathered_params for u in self.units] + [u.compute_shard for u in self.units])
-        grads = counter.count(
-            [grad for u in self.units for grad in u.grads.tensors()]
-            + [p.grad for p in self.model.parameters()]
-            + [m.param.grad for u in self.units for m in u.master_pieces]
-        )
-        optimizer_state = self.optimizer.state if self.optimizer is not None else {}
-        state_tensors = [
-            value for state in optimizer_state.values() for value in state.values() if isinstance(value, torch.Tensor)
-        ]
-        optimizer = counter.count([u.master_shard for u in self.units] + state_tensors)
-        return MemoryReport(params, grads, optimizer)
+        return measure_model_state(self.model, self.units, self.optimizer)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks + self._optimizer_hooks + self.runtime.late_handles:

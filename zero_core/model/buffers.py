@@ -1,8 +1,11 @@
-"""The model's buffers: their dtype under mixed precision, and rank 0's values everywhere."""
+"""The model's buffers (their dtype under mixed precision, rank 0's values everywhere) and its inputs' dtype."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from .. import collectives
@@ -46,3 +49,38 @@ def broadcast_buffers(model: nn.Module, comm: CommContext) -> None:
     for dtype, buffers in by_dtype.items():
         for buffer, value in zip(buffers, flats[dtype].split([b.numel() for b in buffers])):
             buffer.detach().copy_(value.view_as(buffer))
+
+
+class BufferSync:
+    """DDP's ``broadcast_buffers`` rule: rank 0's buffers before a training forward, and in exports.
+
+    The next forward broadcasts only if the last one was a synchronising training forward (grad
+    enabled, not inside ``no_sync``), as DDP does; the first forward always does.
+    """
+
+    def __init__(self, model: nn.Module, comm: CommContext, enabled: bool, syncing_grads: Callable[[], bool]):
+        self.model, self.comm, self.enabled = model, comm, enabled
+        self._syncing_grads = syncing_grads
+        self._sync_next_forward = True
+
+    def before_root_forward(self) -> None:
+        if self.enabled and self._sync_next_forward:
+            broadcast_buffers(self.model, self.comm)
+
+    def after_root_forward(self) -> None:
+        self._sync_next_forward = torch.is_grad_enabled() and self._syncing_grads()
+
+    def for_export(self) -> None:
+        """Exports hold rank 0's buffers, which the next forward would broadcast anyway."""
+        if self.enabled:
+            broadcast_buffers(self.model, self.comm)
+
+
+def floating_inputs_cast(dtype: torch.dtype) -> Callable[[tuple, dict], tuple[tuple, dict]]:
+    """Floating inputs of every unit arrive in the compute dtype (as FSDP2's cast_forward_inputs)."""
+
+    def cast_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731
+        return pytree.tree_map(cast, (args, kwargs))
+
+    return cast_inputs
