@@ -1,16 +1,14 @@
 """``accelerate-zero launch``: ``accelerate launch`` with ZeRO settings.
 
-    accelerate-zero launch [--zero_config_file zero.yaml] [--zero_sharding_stage N]
-        [--zero_prefetch N|auto] [--zero_prefetch_cap_mb MB] [--zero_bucket_size_mb MB] [--zero_wrap_classes A,B]
-        [--zero_broadcast_buffers B] [--zero_overlap_param_refresh B] [--zero_shard_group_size N]
-        [--zero_persistence_threshold N]
+    accelerate-zero launch [--zero_config_file zero.yaml] [--zero_<setting> VALUE ...]
         <every accelerate launch argument> script.py [script args]
 
+``accelerate-zero launch --help`` lists the settings' flags, each with what it
+does and its default (they are generated from ``zero_core.user_settings()``).
 The ZeRO settings are checked first (an unknown key or a bad value stops
 here, before any process starts), exported as ``ACCELERATE_USE_ZERO`` /
 ``ACCELERATE_ZERO_*``, and Accelerate's own launcher does the rest. Flags
-override the file. (``--zero_stage`` is Accelerate's DeepSpeed flag, hence
-``--zero_sharding_stage``.) On CPU:
+override the file. On CPU:
 ``ACCELERATE_USE_CPU=1 accelerate-zero launch --multi_gpu --num_processes 2 ...``.
 """
 
@@ -19,38 +17,59 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
-from .plugin import ENV_PREFIX, ZeroPlugin, parse_bool, parse_prefetch, read_yaml
+from zero_core import Setting, user_settings
 
-_FLAGS = {
-    "--zero_sharding_stage": ("stage", int),
-    "--zero_prefetch": ("prefetch", parse_prefetch),
-    "--zero_prefetch_cap_mb": ("prefetch_cap_mb", float),
-    "--zero_bucket_size_mb": ("bucket_size_mb", float),
-    "--zero_wrap_classes": ("wrap_classes", str),
-    "--zero_broadcast_buffers": ("broadcast_buffers", parse_bool),
-    "--zero_overlap_param_refresh": ("overlap_param_refresh", parse_bool),
-    "--zero_shard_group_size": ("shard_group_size", int),
-    "--zero_persistence_threshold": ("persistence_threshold", int),
-}
+from .plugin import ENV_PREFIX, ZeroPlugin, read_yaml
+
+GROUP_TITLE = "ZeRO (accelerate-zero)"
 
 
-def _launch_parser() -> argparse.ArgumentParser:
+def _help(setting: Setting) -> str:
+    default = setting.text.format(setting.text.default) or "none"
+    return f"{setting.doc} (default: {default})".replace("%", "%%")  # argparse formats help with %
+
+
+def _dest(setting: Setting) -> str:
+    return f"zero_setting_{setting.text.name}"
+
+
+def _showing_our_group(base: type[argparse.HelpFormatter]) -> type[argparse.HelpFormatter]:
+    """Accelerate's help formatter hides, once other arguments are given (``--multi_gpu --help``),
+    the groups it does not list as always shown; list ours there too."""
+
+    class HelpFormatter(base):  # type: ignore[valid-type, misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            titles = getattr(self, "titles", None)
+            if isinstance(titles, list):
+                titles.append(GROUP_TITLE)
+
+    return HelpFormatter
+
+
+def launch_parser() -> argparse.ArgumentParser:
     """Accelerate's own launch parser plus ours, so the script and its
     arguments are told apart exactly as ``accelerate launch`` does."""
     from accelerate.commands.launch import launch_command_parser
 
     parser = launch_command_parser()
-    group = parser.add_argument_group("ZeRO (accelerate-zero)")
-    group.add_argument("--zero_config_file", default=None)
-    for flag, (field, kind) in _FLAGS.items():
-        group.add_argument(flag, dest=f"zero_setting_{field}", type=kind, default=None)
+    parser.formatter_class = _showing_our_group(parser.formatter_class)
+    group = parser.add_argument_group(GROUP_TITLE, "Flags override the file.")
+    keys = ", ".join(s.text.name for s in user_settings())
+    group.add_argument("--zero_config_file", metavar="FILE", help=f"a YAML file of ZeRO settings; its keys: {keys}")
+    for setting in user_settings():
+        name = setting.text.name
+        group.add_argument(
+            setting.text.flag, dest=_dest(setting), metavar=name.upper(), type=setting.text.parse, help=_help(setting)
+        )
     return parser
 
 
 def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespace]:
     """Our settings out of ``argv`` (file, then flags); the rest is Accelerate's launch arguments."""
-    args = _launch_parser().parse_args(argv)
+    args = launch_parser().parse_args(argv)
     # Unset fields take the defaults, not stale variables of an earlier run:
     # clear them before the plugin reads the environment.
     for name in list(os.environ):
@@ -59,11 +78,11 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
     config_file = args.zero_config_file
     values = read_yaml(config_file) if config_file else {}
     del args.zero_config_file
-    for field, _ in _FLAGS.values():
-        value = getattr(args, f"zero_setting_{field}")
-        delattr(args, f"zero_setting_{field}")
+    for setting in user_settings():
+        value = getattr(args, _dest(setting))
+        delattr(args, _dest(setting))
         if value is not None:
-            values[field] = value
+            values[setting.text.name] = value
     return ZeroPlugin.from_mapping(values, config_file or "the ZeRO settings"), args
 
 

@@ -9,14 +9,15 @@ of the YAML file ``accelerate-zero launch --zero_config_file`` takes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import field, fields, make_dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from zero_core import MixedPrecision, WrapPolicy, ZeroConfig
+from zero_core import MixedPrecision, Setting, ZeroConfig, user_settings
+from zero_core.settings import parse_bool
 
 USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
 ENV_PREFIX = "ACCELERATE_ZERO_"
@@ -29,82 +30,25 @@ MIXED_PRECISION_POLICIES = {
 }
 
 
-def parse_bool(value: str) -> bool:
-    lowered = value.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{value!r} is not a boolean; use true or false.")
+_SETTINGS = user_settings()
 
 
-def _parse_classes(value: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
-    names = value.split(",") if isinstance(value, str) else value
-    return tuple(str(name).strip() for name in names if str(name).strip())
-
-
-def _parse_optional_int(value: str) -> int | None:
-    return None if value.strip().lower() in ("", "none") else int(value)
-
-
-def parse_prefetch(value: str) -> int | str:
-    """A depth, or "auto" (chosen from measured times)."""
-    return "auto" if value.strip().lower() == "auto" else int(value)
-
-
-_PARSERS = {
-    "stage": int,
-    "bucket_size_mb": float,
-    "prefetch": parse_prefetch,
-    "prefetch_cap_mb": float,
-    "broadcast_buffers": parse_bool,
-    "wrap_classes": _parse_classes,
-    "overlap_param_refresh": parse_bool,
-    "shard_group_size": _parse_optional_int,
-    "persistence_threshold": int,
-}
-
-
-@dataclass(frozen=True)
-class ZeroPlugin:
-    """stage: 1, 2 or 3. wrap_classes: names of the module classes that become
-    units (transformer blocks), e.g. ``("GPTBlock",)``; default: by size.
-    bucket_size_mb, prefetch (a depth, or "auto"), prefetch_cap_mb, broadcast_buffers, overlap_param_refresh,
-    persistence_threshold: as in ``zero_core.ZeroConfig``.
-    shard_group_size: hybrid sharding: shard inside groups of this many processes (usually
-    the processes per machine, with ``--num_machines``) and replicate across them;
-    default: every process."""
-
-    stage: int | None = None
-    bucket_size_mb: float | None = None
-    prefetch: int | str | None = None
-    prefetch_cap_mb: float | None = None
-    broadcast_buffers: bool | None = None
-    wrap_classes: tuple[str, ...] | None = None
-    overlap_param_refresh: bool | None = None
-    shard_group_size: int | None = None
-    persistence_threshold: int | None = None
+class _PluginBehaviour:
+    """What ``ZeroPlugin`` does with its fields, which are generated from the schema (below)."""
 
     def __post_init__(self) -> None:
-        defaults = ZeroConfig()
-        for field in fields(self):
-            value = getattr(self, field.name)
+        for setting in _SETTINGS:
+            name = setting.text.name
+            value = getattr(self, name)
             if value is None:
-                raw = os.environ.get(ENV_PREFIX + field.name.upper())
-                if raw is not None:
-                    try:
-                        value = _PARSERS[field.name](raw)
-                    except ValueError as error:
-                        raise ValueError(f"{ENV_PREFIX}{field.name.upper()}={raw!r}: {error}") from None
-            elif field.name == "wrap_classes":
-                value = _parse_classes(value)
-            if value is None:
-                value = () if field.name == "wrap_classes" else getattr(defaults, field.name)
-            object.__setattr__(self, field.name, value)
+                value = _from_environment(setting)
+            else:
+                value = setting.text.normalize(value)
+            object.__setattr__(self, name, setting.text.default if value is None else value)
         self.zero_config(MixedPrecision())  # validate every field now, with the core's messages
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any], source: str = "the ZeRO config") -> "ZeroPlugin":
+    def from_mapping(cls, values: dict[str, Any], source: str = "the ZeRO config") -> ZeroPlugin:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -112,41 +56,61 @@ class ZeroPlugin:
         return cls(**values)
 
     @classmethod
-    def from_yaml(cls, path: str | os.PathLike) -> "ZeroPlugin":
+    def from_yaml(cls, path: str | os.PathLike) -> ZeroPlugin:
         return cls.from_mapping(read_yaml(path), str(path))
 
     def environment(self) -> dict[str, str]:
         """The variables that hand these settings to the launched processes."""
         env = {USE_ZERO_ENV: "true"}
-        for field in fields(self):
-            value = getattr(self, field.name)
-            env[ENV_PREFIX + field.name.upper()] = ",".join(value) if field.name == "wrap_classes" else str(value)
+        for setting in _SETTINGS:
+            env[env_variable(setting)] = setting.text.format(getattr(self, setting.text.name))
         return env
 
     def zero_config(self, mixed_precision: MixedPrecision, model: nn.Module | None = None) -> ZeroConfig:
-        return ZeroConfig(
-            stage=self.stage,
-            bucket_size_mb=self.bucket_size_mb,
-            prefetch=self.prefetch,
-            prefetch_cap_mb=self.prefetch_cap_mb,
-            broadcast_buffers=self.broadcast_buffers,
-            overlap_param_refresh=self.overlap_param_refresh,
-            shard_group_size=self.shard_group_size,
-            persistence_threshold=self.persistence_threshold,
-            mixed_precision=mixed_precision,
-            wrap_policy=self._wrap_policy(model),
-        )
+        values = {s.name: s.text.resolve(getattr(self, s.text.name), model) for s in _SETTINGS}
+        return ZeroConfig(mixed_precision=mixed_precision, **values)
 
-    def _wrap_policy(self, model: nn.Module | None) -> WrapPolicy:
-        if not self.wrap_classes or model is None:
-            return WrapPolicy()
-        by_name = {type(m).__name__: type(m) for m in model.modules()}
-        missing = [name for name in self.wrap_classes if name not in by_name]
-        if missing:
-            raise ValueError(
-                f"wrap_classes: the model has no module class named {missing}; it has {sorted(by_name)[:20]}."
-            )
-        return WrapPolicy(module_classes=tuple(by_name[name] for name in self.wrap_classes))
+
+def env_variable(setting: Setting) -> str:
+    return ENV_PREFIX + setting.text.name.upper()
+
+
+def _from_environment(setting: Setting) -> Any:
+    name = env_variable(setting)
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        return setting.text.parse(raw)
+    except ValueError as error:
+        raise ValueError(f"{name}={raw!r}: {error}") from None
+
+
+_PLUGIN_INTRO = """The ZeRO settings of an Accelerate run: ``ZeroPlugin(stage=3, wrap_classes=("GPTBlock",))``.
+
+    Its fields are generated from ``zero_core.user_settings()``, in their Accelerate spelling
+    (``wrap_classes``: the names of the module classes that become units). A field left
+    None is read from ``ACCELERATE_ZERO_<FIELD>``, else takes the core's default. With
+    hybrid sharding, a group is usually the processes of one machine (``--num_machines``).
+
+    Fields:
+    """
+
+
+def _plugin_doc() -> str:
+    lines = [f"        {s.text.name}: {s.doc}." for s in _SETTINGS]
+    return "\n".join([_PLUGIN_INTRO.rstrip(), *lines]) + "\n"
+
+
+# A frozen dataclass whose fields are the settings, each optional (None: from the environment).
+ZeroPlugin = make_dataclass(
+    "ZeroPlugin",
+    [(s.text.name, s.text.annotation | None, field(default=None)) for s in _SETTINGS],
+    bases=(_PluginBehaviour,),
+    frozen=True,
+)
+ZeroPlugin.__module__ = __name__  # where pickle finds it (make_dataclass takes module= only from 3.12)
+ZeroPlugin.__doc__ = _plugin_doc()
 
 
 def read_yaml(path: str | os.PathLike) -> dict[str, Any]:

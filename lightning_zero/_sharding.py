@@ -4,6 +4,8 @@ teardown, and registration."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -11,51 +13,61 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core import ZeroConfig, ZeroEngine, user_settings
 from zero_core.sharding import shard_module
 
 from .precision import ZeroPrecisionSettings
 
 PrecisionT = TypeVar("PrecisionT", bound=ZeroPrecisionSettings)
-
-WrapPolicyLike = WrapPolicy | type[nn.Module] | set | tuple | list | None
-
-
-def as_wrap_policy(policy: WrapPolicyLike) -> WrapPolicy:
-    """Accept what users write: a policy, one block class, or a collection of them."""
-    if policy is None:
-        return WrapPolicy()
-    if isinstance(policy, WrapPolicy):
-        return policy
-    if isinstance(policy, type):
-        return WrapPolicy(module_classes=(policy,))
-    return WrapPolicy(module_classes=tuple(policy))
+InitT = TypeVar("InitT", bound=Callable[..., None])
+ClassT = TypeVar("ClassT", bound=type)
 
 
-def zero_settings(
-    stage: int,
-    wrap_policy: WrapPolicyLike,
-    bucket_size_mb: float,
-    prefetch: int | str,
-    prefetch_cap_mb: float,
-    broadcast_buffers: bool,
-    overlap_param_refresh: bool,
-    shard_group_size: int | None,
-    persistence_threshold: int,
-) -> ZeroConfig:
-    """The Trainer's and Fabric's strategy arguments as the core's config, validated when the
-    strategy is built, before Lightning launches any process."""
-    return ZeroConfig(
-        stage=stage,
-        wrap_policy=as_wrap_policy(wrap_policy),
-        bucket_size_mb=bucket_size_mb,
-        prefetch=prefetch,
-        prefetch_cap_mb=prefetch_cap_mb,
-        broadcast_buffers=broadcast_buffers,
-        overlap_param_refresh=overlap_param_refresh,
-        shard_group_size=shard_group_size,
-        persistence_threshold=persistence_threshold,
-    )
+def zero_settings(settings: Mapping[str, Any]) -> ZeroConfig:
+    """The Trainer's and Fabric's ZeRO keyword arguments (any of the schema's settings; the others
+    take their defaults) as the core's config, validated when the strategy is built, before
+    Lightning launches any process."""
+    by_name = {s.name: s for s in user_settings()}
+    return ZeroConfig(**{name: by_name[name].keyword.to_config(value) for name, value in settings.items()})
+
+
+def settings_parameters(positional: tuple[str, ...] = ("stage",)) -> list[inspect.Parameter]:
+    """The schema's settings as keyword parameters (those named in ``positional`` may also be
+    passed by position, first, as ``ZeroStrategy(3)``)."""
+    kinds = {True: inspect.Parameter.POSITIONAL_OR_KEYWORD, False: inspect.Parameter.KEYWORD_ONLY}
+    settings = sorted(user_settings(), key=lambda s: s.name not in positional)  # stable: schema order otherwise
+    return [
+        inspect.Parameter(
+            s.name, kinds[s.name in positional], default=s.keyword.default, annotation=s.keyword.annotation
+        )
+        for s in settings
+    ]
+
+
+def with_settings_signature(init: InitT) -> InitT:
+    """Give ``init(self, *args, <framework keywords>, **settings)`` the signature that lists the
+    settings as real parameters, which is what LightningCLI/jsonargparse and ``help()`` read."""
+    own = inspect.signature(init)
+    kept = [p for p in own.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    init.__signature__ = own.replace(parameters=[kept[0], *settings_parameters(), *kept[1:]])  # type: ignore[attr-defined]
+    return init
+
+
+def bind_settings(owner: type, args: tuple[Any, ...], settings: dict[str, Any]) -> dict[str, Any]:
+    """The settings passed to ``owner.__init__``, by name; a wrong name or one too many
+    positional arguments raise the ``TypeError`` Python raises for a written-out signature."""
+    signature = inspect.Signature(settings_parameters())
+    try:
+        return dict(signature.bind(*args, **settings).arguments)
+    except TypeError as error:
+        raise TypeError(f"{owner.__qualname__}.__init__() {error}") from None
+
+
+def with_settings_doc(cls: ClassT) -> ClassT:
+    """Append the settings' lines, from the schema's docs, to the "Args:" that ends ``cls``'s docstring."""
+    lines = [f"        {s.name}: {s.doc} (default: {s.keyword.default!r})." for s in user_settings()]
+    cls.__doc__ = "\n".join([(cls.__doc__ or "").rstrip(), *lines]) + "\n"
+    return cls
 
 
 def register_zero_strategies(strategy_class: type, registry: Any) -> None:

@@ -26,11 +26,13 @@ from zero_core import ZeroEngine
 from zero_core.sharding import single_optimizer
 
 from ._sharding import (
-    WrapPolicyLike,
     as_zero_precision,
+    bind_settings,
     build_engine,
     register_zero_strategies,
     teardown_keeping_module,
+    with_settings_doc,
+    with_settings_signature,
     zero_settings,
 )
 from .precision import ZeroPrecisionSettings
@@ -54,21 +56,19 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return engine.no_sync() if enabled and engine is not None else nullcontext()
 
 
+@with_settings_doc
 class ZeroFabricStrategy(DDPStrategy):
-    """Arguments as for :class:`lightning_zero.ZeroStrategy`."""
+    """ZeRO for Fabric. Arguments as for :class:`lightning_zero.ZeroStrategy`: the ZeRO
+    settings, generated from ``zero_core.user_settings()``, then DDP's; the precision comes
+    from ``Fabric(precision=...)``.
 
+    Args:
+    """
+
+    @with_settings_signature
     def __init__(
         self,
-        stage: int = 3,
-        *,
-        wrap_policy: WrapPolicyLike = None,
-        bucket_size_mb: float = 25.0,
-        prefetch: int | str = 1,
-        prefetch_cap_mb: float = 256.0,
-        broadcast_buffers: bool = True,
-        overlap_param_refresh: bool = False,
-        shard_group_size: int | None = None,
-        persistence_threshold: int = 0,
+        *args: Any,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -77,18 +77,9 @@ class ZeroFabricStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **settings: Any,
     ) -> None:
-        self.zero_config = zero_settings(
-            stage,
-            wrap_policy,
-            bucket_size_mb,
-            prefetch,
-            prefetch_cap_mb,
-            broadcast_buffers,
-            overlap_param_refresh,
-            shard_group_size,
-            persistence_threshold,
-        )
+        self.zero_config = zero_settings(bind_settings(type(self), args, settings))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

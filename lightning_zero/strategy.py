@@ -28,50 +28,42 @@ from zero_core.checkpoint import is_sharded_checkpoint, remove_checkpoint
 from zero_core.sharding import move_real_tensors, single_optimizer
 
 from ._sharding import (
-    WrapPolicyLike,
     as_zero_precision,
+    bind_settings,
     build_engine,
     check_sync_batchnorm_device,
     refuse_late_sync_batchnorm,
     register_zero_strategies,
     teardown_keeping_module,
+    with_settings_doc,
+    with_settings_signature,
     zero_settings,
 )
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
 
 
+@with_settings_doc
 class ZeroStrategy(DDPStrategy):
     """ZeRO for the Lightning Trainer: ``Trainer(strategy=ZeroStrategy(stage=3, ...))``
     or ``Trainer(strategy="zero3")`` after ``import lightning_zero``.
 
+    The ZeRO settings are keyword arguments (``stage`` may also come first by position),
+    generated from ``zero_core.user_settings()``; ``wrap_policy`` takes a block class, a
+    tuple of classes or a ``zero_core.WrapPolicy``. With hybrid sharding
+    (``shard_group_size``) a group is usually ``devices``, one per node
+    (``Trainer(num_nodes=...)``). The precision comes from ``Trainer(precision=...)``:
+    "32-true", "bf16-mixed", "bf16-true" or "16-mixed". The other arguments are DDP's.
+
     Args:
-        stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
-        wrap_policy: which submodules become units: a block class, a tuple of
-            classes, or a ``zero_core.WrapPolicy`` (default: by size).
-        bucket_size_mb, prefetch (a depth, or "auto"), prefetch_cap_mb, broadcast_buffers,
-            overlap_param_refresh, persistence_threshold: as in ``zero_core.ZeroConfig``.
-        shard_group_size: hybrid sharding: shard inside groups of this many
-            ranks (usually ``devices``, one group per node) and replicate
-            across them (``Trainer(num_nodes=...)``); default: every rank.
-    The precision comes from ``Trainer(precision=...)``: "32-true",
-    "bf16-mixed", "bf16-true" or "16-mixed".
     """
 
     strategy_name = "zero"
 
+    @with_settings_signature
     def __init__(
         self,
-        stage: int = 3,
-        *,
-        wrap_policy: WrapPolicyLike = None,
-        bucket_size_mb: float = 25.0,
-        prefetch: int | str = 1,
-        prefetch_cap_mb: float = 256.0,
-        broadcast_buffers: bool = True,
-        overlap_param_refresh: bool = False,
-        shard_group_size: int | None = None,
-        persistence_threshold: int = 0,
+        *args: Any,
         accelerator: "pl.accelerators.Accelerator | None" = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -80,19 +72,10 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **settings: Any,
     ) -> None:
         # Validate now, before Lightning launches any process.
-        self.zero_config = zero_settings(
-            stage,
-            wrap_policy,
-            bucket_size_mb,
-            prefetch,
-            prefetch_cap_mb,
-            broadcast_buffers,
-            overlap_param_refresh,
-            shard_group_size,
-            persistence_threshold,
-        )
+        self.zero_config = zero_settings(bind_settings(type(self), args, settings))
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

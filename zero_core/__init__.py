@@ -6,10 +6,11 @@ Imports neither Lightning nor Accelerate; both adapters build on it.
 from .accounting import MemoryReport, expected_model_state_bytes
 from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats
-from .config import MixedPrecision, WrapPolicy, ZeroConfig
+from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of
 from .model.changes import ModelChangedError
 from .runtime import UnscaledBackwardError
+from .settings import Setting
 from .unit import ParameterAtRestError
 
 __all__ = [
@@ -21,10 +22,12 @@ __all__ = [
     "MixedPrecision",
     "ModelChangedError",
     "ParameterAtRestError",
+    "Setting",
     "WrapPolicy",
     "UnscaledBackwardError",
     "ZeroConfig",
     "ZeroEngine",
     "engine_of",
     "expected_model_state_bytes",
+    "user_settings",
 ]

@@ -6,10 +6,26 @@ field and what to do, before any model state is touched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
+from functools import cache
 
 import torch
 from torch import nn
+
+from .settings import (
+    SETTING_KEY,
+    KeywordForm,
+    Setting,
+    TextSpelling,
+    complete,
+    join_names,
+    parse_bool,
+    parse_class_names,
+    parse_optional_int,
+    parse_prefetch,
+    setting,
+)
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -104,54 +120,128 @@ class StagePlan:
         return cls(params_sharded_at_rest=stage == 3, grads_sharded=stage >= 2, reduce_inside_no_sync=stage >= 2)
 
 
+WrapPolicyLike = WrapPolicy | type[nn.Module] | set | tuple | list | None
+
+
+def as_wrap_policy(policy: WrapPolicyLike) -> WrapPolicy:
+    """Accept what users write: a policy, one block class, or a collection of them."""
+    if policy is None:
+        return WrapPolicy()
+    if isinstance(policy, WrapPolicy):
+        return policy
+    if isinstance(policy, type):
+        return WrapPolicy(module_classes=(policy,))
+    return WrapPolicy(module_classes=tuple(policy))
+
+
+def wrap_policy_of_names(names: tuple[str, ...], model: nn.Module | None) -> WrapPolicy:
+    """Class names (Accelerate's ``wrap_classes``) as the classes of ``model`` that bear them;
+    without a model yet (checking a plugin), the default policy."""
+    if not names or model is None:
+        return WrapPolicy()
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [name for name in names if name not in by_name]
+    if missing:
+        raise ValueError(f"wrap_classes: the model has no module class named {missing}; it has {sorted(by_name)[:20]}.")
+    return WrapPolicy(module_classes=tuple(by_name[name] for name in names))
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """The handful of knobs of the ZeRO core.
 
-    stage: 1 shards optimizer state, 2 also gradients, 3 also parameters.
-    bucket_size_mb: target size of a unit (and so of one reduce-scatter) when
-        the wrap policy chooses units by size.
-    prefetch: how many units are gathered ahead of the one computing
-        (stage 3); 0 turns prefetch off. ``"auto"``: chosen from the gather
-        and compute times measured in the first steps (prefetch_tuning.py),
-        within ``prefetch_cap_mb`` of units gathered ahead.
-    prefetch_cap_mb: with ``prefetch="auto"``, the most memory (MiB) the
-        units gathered ahead may take.
-    broadcast_buffers: broadcast buffers (BatchNorm statistics) from rank 0
-        before each training forward, as DDP does by default.
-    overlap_param_refresh: stages 1/2: return from the optimizer step before
-        the all-gather of the updated parameters finishes; each unit's next
-        forward (or any touch of a parameter object) waits for its own. Faster,
-        but a plain tensor view of a parameter kept from before the step (a
-        cached ``p.detach()``/``p.data``, a kept ``state_dict()``) may show old
-        values until then. Off: the step waits, as DDP's values are current.
-    shard_group_size: hybrid sharding (FSDP's HYBRID_SHARD, DeepSpeed's MiCS):
-        shard model states inside groups of this many consecutive ranks (the
-        devices of one node, as torchrun numbers them) and replicate them
-        across groups. Parameters are all-gathered and gradients
-        reduce-scattered inside a group; only the gradient shards are
-        all-reduced across groups. Memory per rank follows the formulas with
-        this size in place of the world size. None: one group of every rank.
-    persistence_threshold: stage 3: units with fewer parameters than this
-        stay gathered between steps (DeepSpeed's
-        ``stage3_param_persistence_threshold``): no all-gathers in forward or
-        backward for them, their gradients still reduce-scattered, their
-        parameters all-gathered once after each step, as in stage 2. Memory:
-        ``16Ψ_L/N + 4Ψ_S + 12Ψ_S/N`` for traffic ``3Ψ_L + 2Ψ_S`` (fp32, Adam;
-        L: the large units, S: the small ones). 0 (default): every unit is
-        sharded.
+    Each user-facing field is declared once, with :func:`zero_core.settings.setting`
+    (its one-line doc, its text form, an example); :func:`user_settings` lists them,
+    and the Lightning, Fabric and Accelerate adapters are generated from that list.
+    ``mixed_precision`` is not among them: each framework's own precision flag sets it.
     """
 
-    stage: int = 3
-    bucket_size_mb: float = 25.0
-    prefetch: int | str = 1
-    prefetch_cap_mb: float = 256.0
+    stage: int = setting(
+        3,
+        doc="1 shards optimizer state, 2 also gradients, 3 also parameters",
+        parse=int,
+        example=2,
+        # --zero_stage is Accelerate's DeepSpeed flag.
+        flag="--zero_sharding_stage",
+    )
+    # The size-based wrap policy claims a module once its unclaimed parameters reach this size.
+    bucket_size_mb: float = setting(
+        25.0,
+        doc="target size (MiB) of a unit, and so of one reduce-scatter, when units are chosen by size",
+        parse=float,
+        example=8.0,
+    )
+    # "auto": 1 until the first optimizer step, then chosen from the gather and compute
+    # times measured in the next steps (prefetch_tuning.py), within prefetch_cap_mb.
+    prefetch: int | str = setting(
+        1,
+        doc='stage 3: units all-gathered ahead of the one computing (0: off), or "auto" (from measured times)',
+        parse=parse_prefetch,
+        example="auto",
+    )
+    prefetch_cap_mb: float = setting(
+        256.0,
+        doc='with prefetch "auto": the most memory (MiB) the units gathered ahead may take',
+        parse=float,
+        example=64.0,
+    )
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
-    wrap_policy: WrapPolicy = field(default_factory=WrapPolicy)
-    broadcast_buffers: bool = True
-    overlap_param_refresh: bool = False
-    shard_group_size: int | None = None
-    persistence_threshold: int = 0
+    # Without classes, units are chosen by size (bucket_size_mb); what no unit claims is the root unit's.
+    wrap_policy: WrapPolicy = setting(
+        default_factory=WrapPolicy,
+        doc="the module classes that become units (transformer blocks; Accelerate: their class names); "
+        "none: units chosen by size",
+        parse=parse_class_names,
+        format=join_names,
+        example=("GPTBlock",),
+        # Lightning and Fabric take a class, classes or a WrapPolicy; Accelerate's text can only
+        # name classes, which are looked up in the model when it is sharded.
+        keyword=KeywordForm(annotation=WrapPolicyLike, default=None, to_config=as_wrap_policy),
+        text=TextSpelling(
+            name="wrap_classes",
+            annotation=tuple[str, ...],
+            default=(),
+            normalize=parse_class_names,
+            resolve=wrap_policy_of_names,
+        ),
+    )
+    broadcast_buffers: bool = setting(
+        True,
+        doc="broadcast buffers (BatchNorm statistics) from rank 0 before each training forward, as DDP does",
+        parse=parse_bool,
+        example=False,
+    )
+    # Faster, but a plain tensor view of a parameter kept from before the step (a cached
+    # p.detach()/p.data, a kept state_dict()) may show old values until its unit's next
+    # forward (or any touch of a parameter object) waits for its own all-gather. Off: the
+    # step waits, as DDP's values are current.
+    overlap_param_refresh: bool = setting(
+        False,
+        doc="stages 1/2: return from the optimizer step before the updated parameters are all-gathered",
+        parse=parse_bool,
+        example=True,
+    )
+    # FSDP's HYBRID_SHARD, DeepSpeed's MiCS: parameters are all-gathered and gradients
+    # reduce-scattered inside a group (consecutive ranks, one node's as torchrun numbers
+    # them); only the gradient shards are all-reduced across groups. Memory per rank
+    # follows the formulas with this size in place of the world size.
+    shard_group_size: int | None = setting(
+        None,
+        doc="hybrid sharding: shard inside groups of this many consecutive ranks (usually one node's) and "
+        "replicate across them; None: one group of every rank",
+        parse=parse_optional_int,
+        example=2,
+    )
+    # DeepSpeed's stage3_param_persistence_threshold: no all-gathers in forward or backward
+    # for those units, their gradients still reduce-scattered, their parameters all-gathered
+    # once after each step, as in stage 2. Memory: 16Ψ_L/N + 4Ψ_S + 12Ψ_S/N for traffic
+    # 3Ψ_L + 2Ψ_S (fp32, Adam; L: the large units, S: the small ones).
+    persistence_threshold: int = setting(
+        0,
+        doc="stage 3: units with fewer parameters than this stay gathered between steps; 0: every unit sharded",
+        parse=int,
+        example=1000,
+    )
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
@@ -202,3 +292,13 @@ class ZeroConfig:
     def bucket_numel(self) -> int:
         """The bucket size in fp32 elements, the unit of the size-based policy."""
         return max(1, int(self.bucket_size_mb * 2**20 / 4))
+
+
+@cache
+def user_settings() -> tuple[Setting, ...]:
+    """The settings users set through the adapters, in ``ZeroConfig``'s field order."""
+    hints = typing.get_type_hints(ZeroConfig)
+    defaults = ZeroConfig()
+    return tuple(
+        complete(f, hints[f.name], getattr(defaults, f.name)) for f in fields(ZeroConfig) if SETTING_KEY in f.metadata
+    )

@@ -1,0 +1,154 @@
+"""The records of the settings schema, and the text parsers its fields name.
+
+A user-facing field of ``ZeroConfig`` is declared with :func:`setting`, which
+puts a :class:`_Declared` into the field's metadata; ``zero_core.config.user_settings()``
+completes it with the field's name, type and default into a :class:`Setting`.
+Every adapter (the Lightning and Fabric strategies' keyword arguments,
+Accelerate's ``ZeroPlugin`` fields, its YAML keys, ``ACCELERATE_ZERO_*``
+variables and ``accelerate-zero launch`` flags) is generated from those
+records, so a new setting is one field declared here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+SETTING_KEY = "zero_setting"  # the key of a field's metadata that holds its declaration
+
+
+def parse_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean; use true or false.")
+
+
+def parse_prefetch(value: str) -> int | str:
+    """A depth, or "auto" (chosen from measured times)."""
+    return "auto" if value.strip().lower() == "auto" else int(value)
+
+
+def parse_optional_int(value: str) -> int | None:
+    return None if value.strip().lower() in ("", "none") else int(value)
+
+
+def parse_class_names(value: str | Sequence[str]) -> tuple[str, ...]:
+    """Class names as a comma-separated string (a flag, a variable) or a list (YAML, Python)."""
+    names = value.split(",") if isinstance(value, str) else value
+    return tuple(str(name).strip() for name in names if str(name).strip())
+
+
+def join_names(names: Sequence[str]) -> str:
+    return ",".join(names)
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _same_for_any_model(value: Any, model: Any) -> Any:
+    return value
+
+
+class KeywordForm(NamedTuple):
+    """A setting as Lightning and Fabric take it: a keyword argument of their strategies."""
+
+    annotation: Any  # what ``inspect.signature`` shows, and LightningCLI/jsonargparse parses by
+    default: Any
+    to_config: Callable[[Any], Any]  # the argument -> ZeroConfig's value
+
+
+class TextForm(NamedTuple):
+    """A setting as Accelerate writes it: a ``ZeroPlugin`` field, a YAML key, the variable
+    ``ACCELERATE_ZERO_<NAME>`` and a launcher flag."""
+
+    name: str
+    annotation: Any
+    default: Any
+    parse: Callable[[str], Any]  # a flag's or variable's text -> the value
+    format: Callable[[Any], str]  # the value -> a variable's text; parse(format(v)) == v
+    normalize: Callable[[Any], Any]  # an explicit (Python or YAML) value -> the value
+    resolve: Callable[[Any, Any], Any]  # (the value, the model or None) -> ZeroConfig's value
+    flag: str
+    example: Any  # a valid value other than the default, in this spelling
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One user-facing field of ``ZeroConfig``, as every adapter spells it."""
+
+    name: str  # the ZeroConfig field, and the strategies' keyword
+    doc: str  # one line: --help, generated docstrings
+    default: Any  # ZeroConfig's default
+    keyword: KeywordForm
+    text: TextForm
+
+
+class TextSpelling(NamedTuple):
+    """Where Accelerate's text differs from the field: a setting whose text names what the
+    field holds (``wrap_classes``: class names, looked up in the model when it is sharded)."""
+
+    name: str
+    annotation: Any
+    default: Any
+    normalize: Callable[[Any], Any]
+    resolve: Callable[[Any, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Declared:
+    """What a field declares; what it leaves out is the field's own (name, type, default)."""
+
+    doc: str
+    parse: Callable[[str], Any]
+    example: Any
+    format: Callable[[Any], str]
+    flag: str | None
+    keyword: KeywordForm | None
+    text: TextSpelling | None
+
+
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    parse: Callable[[str], Any],
+    example: Any,
+    default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
+    format: Callable[[Any], str] = str,
+    flag: str | None = None,
+    keyword: KeywordForm | None = None,
+    text: TextSpelling | None = None,
+) -> Any:
+    """A ``ZeroConfig`` field that users set through every adapter.
+
+    doc: one line. parse: the text form's value from its text; format: back. example: a
+    valid non-default value of the text form (the schema test sets every setting to it).
+    flag: the launcher flag, where ``--zero_<text name>`` cannot be used. keyword/text:
+    how the strategies' keyword and Accelerate's text spell it, where not as the field.
+    """
+    declared = _Declared(doc, parse, example, format, flag, keyword, text)
+    return dataclasses.field(default=default, default_factory=default_factory, metadata={SETTING_KEY: declared})
+
+
+def complete(field: dataclasses.Field, annotation: Any, default: Any) -> Setting:
+    """The record of a declared field, its forms filled in from the field where it left them out."""
+    declared: _Declared = field.metadata[SETTING_KEY]
+    keyword = declared.keyword or KeywordForm(annotation, default, _same)
+    spelling = declared.text or TextSpelling(field.name, annotation, default, _same, _same_for_any_model)
+    text = TextForm(
+        name=spelling.name,
+        annotation=spelling.annotation,
+        default=spelling.default,
+        parse=declared.parse,
+        format=declared.format,
+        normalize=spelling.normalize,
+        resolve=spelling.resolve,
+        flag=declared.flag or f"--zero_{spelling.name}",
+        example=declared.example,
+    )
+    return Setting(field.name, declared.doc, default, keyword, text)
