@@ -41,9 +41,9 @@ from .model_changes import RegisteredParameters
 from .optim import canonical_names, check_optimizer_supported, reset_optimizer_state
 from .param_groups import OptimizerGroups
 from .precision import DynamicLossScaler
-from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
-from .runtime import StepRuntime
 from .state_dict_hooks import StateDictHooks
+from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
+from .step.runtime import StepRuntime
 from .unit import FlatUnit, ParameterDigests, plan_units
 
 # Which engine has sharded a model, so a model is never sharded twice.

@@ -20,7 +20,7 @@ from torch import nn
 from .unit import FlatUnit, StorageState
 
 if TYPE_CHECKING:
-    from .runtime import StepRuntime
+    from .step.runtime import StepRuntime
 
 
 class ModelChangedError(RuntimeError):

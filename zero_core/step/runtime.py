@@ -45,13 +45,13 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from . import collectives
-from .config import StagePlan
+from .. import collectives
+from ..config import StagePlan
+from ..unit import FlatUnit, StorageState
 from .execution_order import ExecutionOrder
 from .forward_records import ForwardRecord, ForwardRecords, records_reached, zero_roots
 from .prefetch_tuning import AutoPrefetch
 from .reduce_schedule import ReduceSchedule
-from .unit import FlatUnit, StorageState
 
 
 class TrainingState(Enum):

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from .unit import FlatUnit, PendingReduce
+from ..unit import FlatUnit, PendingReduce
 
 # Reduce-scatters in flight; each holds a full unit of gradients, so this
 # bounds stage-2/3 gradient memory to a few units.
