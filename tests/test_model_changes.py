@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_core import MixedPrecision, ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core import MixedPrecision, ParameterAtRestError, UnscaledBackwardError, WrapPolicy, ZeroConfig, ZeroEngine
 from zero_core.model_changes import ModelChangedError
-from zero_core.step.runtime import UnscaledBackwardError
 
 from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer

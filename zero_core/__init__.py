@@ -9,7 +9,7 @@ from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig
 from .engine import ZeroEngine, engine_of
 from .model_changes import ModelChangedError
-from .step.runtime import UnscaledBackwardError
+from .step.errors import UnscaledBackwardError
 from .unit import ParameterAtRestError
 
 __all__ = [

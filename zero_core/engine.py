@@ -161,9 +161,13 @@ class ZeroEngine(CheckpointMethods):
         self.auto_prefetch: AutoPrefetch | None = None
         if config.prefetch == "auto":
             self.auto_prefetch = AutoPrefetch.for_units(self.units, config.prefetch_cap_mb, self.comm.device)
-        self.runtime = StepRuntime(self.units, config.plan, UNTUNED_DEPTH if self.auto_prefetch else config.prefetch)
-        self.runtime.auto_prefetch = self.auto_prefetch
-        self.runtime.requires_scaled_backward = self.loss_scaler is not None
+        self.runtime = StepRuntime(
+            self.units,
+            config.plan,
+            UNTUNED_DEPTH if self.auto_prefetch else config.prefetch,
+            auto_prefetch=self.auto_prefetch,
+            requires_scaled_backward=self.loss_scaler is not None,
+        )
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
         self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units, self.runtime).check)
         self.runtime.before_root_forward.append(self._before_root_forward)

@@ -65,6 +65,14 @@ class ReduceSchedule:
             while len(self._pending) > MAX_PENDING_REDUCES:
                 self._finish_oldest()
 
+    def across_groups(self) -> None:
+        """Hybrid sharding: each unit's gradients reduced only inside its shard group so far,
+        all-reduced across groups (all issued, then all waited for); nothing otherwise."""
+        pending = [(unit, unit.start_reduce_across_groups()) for unit in self.units]
+        for unit, handle in pending:
+            if handle is not None:
+                unit.finish_reduce_across_groups(handle)
+
     def wait_all(self) -> None:
         while self._pending:
             self._finish_oldest()
