@@ -13,8 +13,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_core import MixedPrecision, ModelChangedError, ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
-from zero_core.runtime import UnscaledBackwardError
+from zero_core import (
+    MixedPrecision,
+    ModelChangedError,
+    ParameterAtRestError,
+    UnscaledBackwardError,
+    WrapPolicy,
+    ZeroConfig,
+    ZeroEngine,
+)
 
 from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer

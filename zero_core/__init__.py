@@ -9,8 +9,8 @@ from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of
 from .model.changes import ModelChangedError
-from .runtime import UnscaledBackwardError
 from .settings import Setting
+from .step.errors import UnscaledBackwardError
 from .unit import ParameterAtRestError
 
 __all__ = [

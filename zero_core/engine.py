@@ -34,7 +34,7 @@ from torch import nn
 from . import agreement
 from .accounting import MemoryReport, measure_model_state
 from .checkpoint import training_state
-from .collectives import CommContext, CommStats, Position
+from .collectives import CollectiveCount, CommContext, CommStats, Position
 from .config import ZeroConfig
 from .model import full_params
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
@@ -45,8 +45,9 @@ from .optim import grad_ops
 from .optim.loss_scaling import DynamicLossScaler
 from .optim.param_groups import OptimizerGroups
 from .optim.rebuild import canonical_names, check_optimizer_supported, reset_optimizer_state
-from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
-from .runtime import StepRuntime
+from .step.optimizer_step import OptimizerStep, compare_param_groups
+from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
+from .step.runtime import StepRuntime
 from .unit import FlatUnit, ParameterDigests, plan_units
 
 # Which engine has sharded a model, so a model is never sharded twice.
@@ -160,13 +161,20 @@ class ZeroEngine:
         self.loss_scaler = (
             DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
         )
-        self._grads_unscaled = False
         self.auto_prefetch: AutoPrefetch | None = None
         if config.prefetch == "auto":
             self.auto_prefetch = AutoPrefetch.for_units(self.units, config.prefetch_cap_mb, self.comm.device)
-        self.runtime = StepRuntime(self.units, config.plan, UNTUNED_DEPTH if self.auto_prefetch else config.prefetch)
-        self.runtime.auto_prefetch = self.auto_prefetch
-        self.runtime.requires_scaled_backward = self.loss_scaler is not None
+        self.runtime = StepRuntime(
+            self.units,
+            config.plan,
+            UNTUNED_DEPTH if self.auto_prefetch else config.prefetch,
+            auto_prefetch=self.auto_prefetch,
+            requires_scaled_backward=self.loss_scaler is not None,
+        )
+        # Its traffic counters start here: no collective runs between this and the end of the constructor.
+        self._optimizer_step = OptimizerStep(
+            self.units, self.comm, self.runtime, config, self.loss_scaler, self.auto_prefetch
+        )
         self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
         self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units, self.runtime).check)
         self.buffer_sync = BufferSync(
@@ -186,15 +194,6 @@ class ZeroEngine:
         self._optimizer_hooks: list[Any] = []
         if optimizer is not None:
             self.attach_optimizer(optimizer)
-        self._skip_refresh = False
-        self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
-        self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
-        self._traffic_at_last_step = self.comm.stats.snapshot()
-        self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
-        self._span_traffic_at_last_step = self.comm.stats.span_snapshot()
-        self.last_step_traffic_by_span = CommStats.difference(
-            self._span_traffic_at_last_step, self._span_traffic_at_last_step
-        )
         _ENGINES[model] = self
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -218,9 +217,10 @@ class ZeroEngine:
         groups.show_model_parameters()
         self._groups = groups
         self.optimizer = optimizer
+        step = self._optimizer_step
         self._optimizer_hooks = [
-            optimizer.register_step_pre_hook(lambda _, args, kwargs: self._before_optimizer_step(args, kwargs)),
-            optimizer.register_step_post_hook(lambda *_: self._after_optimizer_step()),
+            optimizer.register_step_pre_hook(lambda _, args, kwargs: step.before(groups, args, kwargs)),
+            optimizer.register_step_post_hook(lambda *_: step.after(groups)),
             *groups.install_hooks(),
         ]
 
@@ -235,20 +235,11 @@ class ZeroEngine:
     def _read_param_groups(self) -> list[list[str]]:
         return self._groups.read() if self._groups is not None else []
 
-    def _agree_on_changed_param_groups(self, settings_differ: bool) -> None:
-        """Groups added or replaced since they were last compared (progressive unfreezing), or
-        hyperparameters that differ between ranks (the step agreement's checksum), are compared
-        across ranks field by field: the same ValueError on every rank names the difference.
-        Every rank decides alike: the step agreement found the same group names everywhere."""
-        if self._groups is not None and (settings_differ or self._groups.changed_since_compared):
-            self._compare_param_groups()
-
     def _compare_param_groups(self) -> None:
         """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
         Every rank must call it together."""
         assert self.optimizer is not None and self._groups is not None
-        agreement.agree_on_setup(self.comm, agreement.describe_optimizer(self.optimizer, {}, self._groups.names))
-        self._groups.mark_compared()
+        compare_param_groups(self.comm, self._groups)
 
     @property
     def stage(self) -> int:
@@ -362,10 +353,7 @@ class ZeroEngine:
         self.runtime.reduce_across_groups()
 
     def _unscale_grads_once(self) -> None:
-        if self.loss_scaler is None or self._grads_unscaled:
-            return
-        grad_ops.scale_grads(self.units, 1.0 / self.loss_scaler.scale)
-        self._grads_unscaled = True
+        self._optimizer_step.unscale_grads_once()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
@@ -383,7 +371,7 @@ class ZeroEngine:
         does not hold them (see the README): every rank must call this.
         """
         self._settle_gradients()
-        scaled = self.loss_scaler is not None and not self._grads_unscaled
+        scaled = self.loss_scaler is not None and not self._optimizer_step.grads_unscaled
         factor = 1.0 / self.loss_scaler.scale if scaled else 1.0
         norm_type = float(norm_type)
         norms = grad_ops.grad_norms(self.units, self.comm, norm_type, factor)
@@ -406,9 +394,7 @@ class ZeroEngine:
     def zero_grad(self) -> None:
         """Discard accumulated gradients without stepping."""
         self.runtime.quiesce()
-        for unit in self.units:
-            unit.reset_grads()
-        self._grads_unscaled = False
+        self._optimizer_step.discard_grads()
 
     # ---------------------------------------------------------------- step
     def step(self) -> None:
@@ -417,97 +403,30 @@ class ZeroEngine:
             raise RuntimeError("This engine was built without an optimizer; pass one to attach_optimizer().")
         self.optimizer.step()
 
-    def _before_optimizer_step(self, args: tuple = (), kwargs: dict | None = None) -> None:
-        # torch hands step pre-hooks the step's own arguments, the optimizer first.
-        closure = (kwargs or {}).get("closure", args[1] if len(args) > 1 else None)
-        if closure is not None:
-            # The step's agreement and reductions run before the optimizer's own step, which
-            # would then call the closure's forward and backward too late for this update.
-            raise ValueError(
-                "optimizer.step(closure) is not supported under ZeRO: run the closure first "
-                "(loss = closure(), which calls engine.backward), then optimizer.step()."
-            )
-        # A forward whose backward never ran (a skipped batch) ends here.
-        # A step with no forward since the last waits here for that step's all-gathers.
-        self._settle_gradients(drop_pending_forward=True)
-        self._skip_refresh = False
-        self._step_calls += 1
-        # Groups added or replaced since the last step train from this one. A refused group is reported
-        # after the step agreement, so a rank that alone added one does not leave the others waiting.
-        assert self._groups is not None
-        refused_group = None
-        try:
-            self._groups.read()
-        except ValueError as error:
-            refused_group = error
-        if self.loss_scaler is not None:
-            self._unscale_grads_once()
-        counters = {
-            "forwards with grad": self.runtime.forwards,
-            "backwards": self.runtime.backwards,
-            "optimizer steps": self._step_calls,
-            "units reduced, as a sum of unit numbers (ranks froze different parameters?)": (
-                self.runtime.reduces.issued_fingerprint
-            ),
-            "optimizer param groups (add_param_group on some ranks only?)": len(self._groups.names),
-            "optimizer param groups, as a checksum of their parameter names": self._groups.fingerprint,
-            "refused add_param_group calls": int(refused_group is not None),
-        }
-        # Hyperparameters only report a difference; the comparison below then names it.
-        settings = {"optimizer hyperparameters": self._groups.settings_fingerprint}
-        agreed = agreement.agree_on_step(
-            self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings
-        )
-        if refused_group is not None:
-            raise refused_group
-        self._agree_on_changed_param_groups(settings_differ=agreed.checks_differ)
-        if self.auto_prefetch is not None:
-            depth = self.auto_prefetch.on_optimizer_step(self.comm)
-            if depth is not None:
-                self.runtime.prefetch = depth
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(agreed.found_inf)
-            if agreed.found_inf:
-                # With no .grad anywhere the optimizer leaves every parameter alone.
-                for unit in self.units:
-                    unit.attach_master_grads([False] * len(unit.slot_has_grad))
-                self._skip_refresh = True
-        if not self._skip_refresh:
-            for unit, flags in zip(self.units, agreed.slot_flags):
-                unit.attach_master_grads(flags)
-        # Last, once nothing can raise: the optimizer's own step updates this rank's pieces.
-        self._groups.show_pieces()
-
     def refresh_parameters(self) -> None:
         """Bring the compute copies (full parameters in stages 1/2) up to date with the master shards."""
         for unit in self.units:
             unit.start_refresh(guard=False)
         self.runtime.wait_for_refresh()
 
-    def _after_optimizer_step(self) -> None:
-        assert self._groups is not None
-        self._groups.show_model_parameters()
-        if not self._skip_refresh:
-            # With overlap_param_refresh, issued and not waited for: each unit's next forward
-            # waits for its own all-gather, so the later ones run while the first units compute.
-            # Not while a torch profiler records: a collective issued under it and waited for
-            # after it stopped crashes the process (torch 2.13, gloo; a profiler schedule stops
-            # at a step boundary, exactly where these would still be in flight).
-            overlap = self.config.overlap_param_refresh and not torch.autograd._profiler_enabled()
-            for unit in self.units:
-                unit.start_refresh(guard=overlap)
-            if not overlap:
-                self.runtime.wait_for_refresh()
-            self.steps_taken += 1
-        for unit in self.units:
-            unit.reset_grads()
-        self._grads_unscaled = False
-        now = self.comm.stats.snapshot()
-        self.last_step_traffic = CommStats.difference(now, self._traffic_at_last_step)
-        self._traffic_at_last_step = now
-        now = self.comm.stats.span_snapshot()
-        self.last_step_traffic_by_span = CommStats.difference(now, self._span_traffic_at_last_step)
-        self._span_traffic_at_last_step = now
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps applied (overflow-skipped ones not counted)."""
+        return self._optimizer_step.steps_taken
+
+    @steps_taken.setter
+    def steps_taken(self, steps: int) -> None:  # a loaded checkpoint continues its count
+        self._optimizer_step.steps_taken = steps
+
+    @property
+    def last_step_traffic(self) -> dict[str, CollectiveCount]:
+        """Collective traffic of the last optimizer step per kind (see ``comm_stats``)."""
+        return self._optimizer_step.last_step_traffic
+
+    @property
+    def last_step_traffic_by_span(self) -> dict[str, CollectiveCount]:
+        """Collective traffic of the last optimizer step per span (see ``comm_stats``)."""
+        return self._optimizer_step.last_step_traffic_by_span
 
     # ----------------------------------------------------- full parameters
     def gathered_parameters(

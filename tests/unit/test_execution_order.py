@@ -7,7 +7,7 @@ only at the end of a pass that completed.
 
 from __future__ import annotations
 
-from zero_core.execution_order import ExecutionOrder, PassOrder
+from zero_core.step.execution_order import ExecutionOrder, PassOrder
 
 
 def _run(order: PassOrder, units: list[int], count: int = 2) -> list[list[int]]:

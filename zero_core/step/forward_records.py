@@ -26,11 +26,15 @@ alone, as plain PyTorch would.
 from __future__ import annotations
 
 import weakref
+import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from ..agreement import true_on_any_rank
+from ..unit import FlatUnit
 
 
 @dataclass(eq=False)
@@ -131,3 +135,24 @@ def zero_roots(records: list[ForwardRecord], needs_zeros: list[bool]) -> tuple[l
     meta = [m for record in records for m in record.unit_meta]
     chosen = [i for i, flag in enumerate(needs_zeros) if flag]
     return [edges[i] for i in chosen], [torch.zeros(meta[i][0], dtype=meta[i][1], device=meta[i][2]) for i in chosen]
+
+
+def agreed_zero_roots(
+    loss: torch.Tensor, records: list[ForwardRecord], units: list[FlatUnit]
+) -> tuple[list[ForwardRecord], list[GradientEdge], list[torch.Tensor]]:
+    """The records ``loss`` comes from, and the unit outputs (with zero gradients) that other ranks'
+    losses reach and this rank's does not: one small agreement across ranks (every rank calls it)."""
+    records, reached = records_reached(loss, records)
+    # Riding along, before any reduce-scatter: ranks that froze different units would pair
+    # different units' reduce-scatters (a hang, or garbage for units of equal size).
+    trainable = zlib.crc32(repr([unit.index for unit in units if unit.trainable]).encode())
+    anywhere = true_on_any_rank(
+        units[0].comm,
+        reached,
+        "which unit outputs the loss uses",
+        must_agree={
+            "which units have trainable parameters (every rank must freeze the same ones; a checksum)": trainable
+        },
+    )
+    edges, zeros = zero_roots(records, [a and not r for a, r in zip(anywhere, reached)])
+    return records, edges, zeros

@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from . import collectives
-from .collectives import CommContext
+from .. import collectives
+from ..collectives import CommContext
 
 if TYPE_CHECKING:
-    from .unit import FlatUnit
+    from ..unit import FlatUnit
 
 MEASURED_STEPS = 2
 UNTUNED_DEPTH = 1  # ZeroConfig's default prefetch, until a depth is chosen (and if none ever is)

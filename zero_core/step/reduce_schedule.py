@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from .unit import FlatUnit, PendingReduce
+from ..unit import FlatUnit, PendingReduce
 
 # Reduce-scatters in flight; each holds a full unit of gradients, so this
 # bounds stage-2/3 gradient memory to a few units.
@@ -64,6 +64,14 @@ class ReduceSchedule:
                 self._pending.append((unit, pending))
             while len(self._pending) > MAX_PENDING_REDUCES:
                 self._finish_oldest()
+
+    def across_groups(self) -> None:
+        """Hybrid sharding: each unit's gradients reduced only inside its shard group so far,
+        all-reduced across groups (all issued, then all waited for); nothing otherwise."""
+        pending = [(unit, unit.start_reduce_across_groups()) for unit in self.units]
+        for unit, handle in pending:
+            if handle is not None:
+                unit.finish_reduce_across_groups(handle)
 
     def wait_all(self) -> None:
         while self._pending:

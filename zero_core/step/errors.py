@@ -1,0 +1,29 @@
+"""What a backward raises when gradients arrive where the step cannot take them."""
+
+from __future__ import annotations
+
+
+class LateGradientError(RuntimeError):
+    """A parameter's gradient arrived after its unit had finished its backward and reduced."""
+
+    @classmethod
+    def for_parameter(cls, name: str, unit_label: str) -> LateGradientError:
+        return cls(
+            f"The gradient of '{name}' arrived after {unit_label} "
+            "had finished its backward and reduced its gradients: the parameter is used outside the "
+            "forward of the module that owns it. Call the owning module instead of reading its "
+            "parameter elsewhere, or choose a wrap policy whose unit contains every module that uses it."
+        )
+
+
+class UnscaledBackwardError(RuntimeError):
+    """fp16: gradients arrived from a backward the loss scaler did not scale."""
+
+    @classmethod
+    def plain_backward(cls) -> UnscaledBackwardError:
+        return cls(
+            "fp16 training needs loss scaling, but this backward did not come from engine.backward(loss) "
+            "(or accelerator.backward / fabric.backward / Lightning's own backward), so its gradients "
+            "would be divided by the loss scale when the step unscales them. Call the engine's backward "
+            "instead of loss.backward()."
+        )

@@ -1,0 +1,106 @@
+"""Which units are gathered during a pass: the gather, release and prefetch policy.
+
+Stage 3 gathers a unit right before it runs (forward, or its backward),
+starts the all-gathers of the units the recorded order predicts next
+(:class:`ExecutionOrder`, ``prefetch`` of them), and releases whatever is
+neither running nor predicted. Stages 1/2 keep parameters gathered: a unit
+only waits for its post-step all-gather, if it is still running. Inside
+:meth:`GatherPolicy.suspend` (full parameters swapped in by
+``gathered_parameters``) nothing is gathered or released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ..config import StagePlan
+from ..unit import FlatUnit, StorageState
+from .execution_order import ExecutionOrder
+from .prefetch_tuning import AutoPrefetch
+
+
+class GatherPolicy:
+    def __init__(self, units: list[FlatUnit], plan: StagePlan, prefetch: int, auto_prefetch: AutoPrefetch | None):
+        self.units = units
+        self.plan = plan
+        self.prefetch = prefetch  # units gathered ahead of the one running; prefetch="auto" changes it
+        self.auto_prefetch = auto_prefetch  # prefetch="auto": times gathers and forwards
+        self.order = ExecutionOrder()
+        self.peak_live_units = 0
+        self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        """Inside :meth:`suspend`: units are neither gathered nor released."""
+        return self._suspended
+
+    @contextlib.contextmanager
+    def suspend(self) -> Iterator[None]:
+        """Full parameters are swapped in by the caller (``gathered_parameters``): no gather or release."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
+
+    # ---------------------------------------------------------------- gather
+    def for_forward(self, unit: FlatUnit, keep: set[int], *, timed: bool) -> None:
+        """``unit`` runs its forward now; ``timed`` when prefetch="auto" measures this forward."""
+        predicted = self.order.forward.record(unit.index, self.prefetch)
+        self._gather(unit, predicted, keep, timed=timed)
+
+    def for_backward(self, unit: FlatUnit, keep: set[int]) -> None:
+        """``unit``'s backward starts now."""
+        predicted = self.order.backward.record(unit.index, self.prefetch)
+        self._gather(unit, predicted, keep, timed=False)
+
+    def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int], *, timed: bool) -> None:
+        """Gather ``unit``, prefetch ``predicted``; release any other unit not in ``keep``."""
+        if self._suspended:
+            return
+        if not self.plan.params_sharded_at_rest:
+            unit.wait_gathered()  # stages 1/2: the post-step all-gather, if it is still running
+            return
+        wanted = keep | {unit.index} | set(predicted)
+        for other in self.units:
+            if other.index not in wanted and other.state is not StorageState.SHARDED:
+                other.release()  # prefetched for an order that did not happen
+        if timed and self.auto_prefetch is not None:
+            self.auto_prefetch.wait_timed(unit.wait_gathered)
+        else:
+            unit.wait_gathered()
+        for index in predicted:
+            self.units[index].start_gather()
+        live = sum(u.state is not StorageState.SHARDED for u in self.units)
+        self.peak_live_units = max(self.peak_live_units, live)
+
+    def release(self, unit: FlatUnit) -> None:
+        if not self._suspended:
+            unit.release()
+
+    def release_all(self) -> None:
+        for unit in self.units:
+            self.release(unit)
+
+    # ---------------------------------------------------------------- passes
+    def forward_started(self) -> None:
+        if self.auto_prefetch is not None:
+            self.auto_prefetch.forward_started()
+
+    def forward_ended(self) -> None:
+        self.release_all()  # prefetched units the forward did not use
+        self.order.forward.end()
+        if self.auto_prefetch is not None:
+            self.auto_prefetch.forward_ended()
+
+    def backward_ended(self) -> None:
+        self.order.backward.end()
+
+    def abandoned(self) -> None:
+        """A forward or backward raised: release everything and forget the orders it recorded."""
+        self.release_all()
+        if self.auto_prefetch is not None:
+            self.auto_prefetch.forward_abandoned()
+        self.order.forward.discard()
+        self.order.backward.discard()

@@ -1,0 +1,186 @@
+"""What runs around the optimizer's own ``step()``: the ZeRO part of an optimizer step.
+
+The engine registers :meth:`OptimizerStep.before` and :meth:`OptimizerStep.after`
+as the optimizer's step pre- and post-hooks, so ``optimizer.step()`` (and
+whatever calls it: Lightning, Accelerate, a scheduler-driven loop) runs them.
+
+Before: the runtime's entry barrier (a forward never back-propagated is a
+skipped batch), one agreement across ranks (which parameters have a gradient,
+an overflow anywhere, the same work done and the same param groups
+everywhere), fp16 unscaling and the loss scaler's update, the prefetch depth
+``prefetch="auto"`` chose, and the reduced gradients attached to the master
+pieces the optimizer then updates. After: the updated shards all-gathered back
+into the compute parameters (stages 1/2; with ``overlap_param_refresh`` left
+in flight for each unit's next forward to wait for), the gradients consumed,
+and the step's traffic recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import agreement
+from ..collectives import CommContext, CommStats
+from ..config import ZeroConfig
+from ..optim import grad_ops
+from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.param_groups import OptimizerGroups
+from ..unit import FlatUnit
+from .prefetch_tuning import AutoPrefetch
+from .runtime import StepRuntime
+
+
+def compare_param_groups(comm: CommContext, groups: OptimizerGroups) -> None:
+    """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
+    Every rank must call it together."""
+    agreement.agree_on_setup(comm, agreement.describe_optimizer(groups.optimizer, {}, groups.names))
+    groups.mark_compared()
+
+
+def _refuse_closure(args: tuple, kwargs: dict | None) -> None:
+    # torch hands step pre-hooks the step's own arguments, the optimizer first.
+    closure = (kwargs or {}).get("closure", args[1] if len(args) > 1 else None)
+    if closure is not None:
+        # The step's agreement and reductions run before the optimizer's own step, which
+        # would then call the closure's forward and backward too late for this update.
+        raise ValueError(
+            "optimizer.step(closure) is not supported under ZeRO: run the closure first "
+            "(loss = closure(), which calls engine.backward), then optimizer.step()."
+        )
+
+
+class OptimizerStep:
+    """The optimizer step's own state (steps taken, traffic, whether gradients are unscaled) and its two hooks."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        comm: CommContext,
+        runtime: StepRuntime,
+        config: ZeroConfig,
+        loss_scaler: DynamicLossScaler | None,
+        auto_prefetch: AutoPrefetch | None,
+    ):
+        self.units = units
+        self.comm = comm
+        self.runtime = runtime
+        self.config = config
+        self.loss_scaler = loss_scaler
+        self.auto_prefetch = auto_prefetch
+        self.grads_unscaled = False  # fp16: the accumulated gradients were divided by the loss scale
+        self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
+        self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
+        self._skip_refresh = False  # this step was skipped (an overflow): the parameters did not change
+        self._traffic_at_last_step = comm.stats.snapshot()
+        self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
+        self._span_traffic_at_last_step = comm.stats.span_snapshot()
+        self.last_step_traffic_by_span = CommStats.difference(
+            self._span_traffic_at_last_step, self._span_traffic_at_last_step
+        )
+
+    # -------------------------------------------------------------- gradients
+    def unscale_grads_once(self) -> None:
+        if self.loss_scaler is None or self.grads_unscaled:
+            return
+        grad_ops.scale_grads(self.units, 1.0 / self.loss_scaler.scale)
+        self.grads_unscaled = True
+
+    def discard_grads(self) -> None:
+        """The accumulated gradients are consumed (by a step) or discarded (``zero_grad``)."""
+        for unit in self.units:
+            unit.reset_grads()
+        self.grads_unscaled = False
+
+    # ------------------------------------------------------------------ before
+    def before(self, groups: OptimizerGroups, args: tuple = (), kwargs: dict | None = None) -> None:
+        """The optimizer's step pre-hook: everything up to the optimizer's own update."""
+        _refuse_closure(args, kwargs)
+        # A forward whose backward never ran (a skipped batch) ends here.
+        # A step with no forward since the last waits here for that step's all-gathers.
+        self.runtime.quiesce(drop_pending_forward=True)
+        self.runtime.reduce_across_groups()
+        self._skip_refresh = False
+        self._step_calls += 1
+        # Groups added or replaced since the last step train from this one. A refused group is reported
+        # after the step agreement, so a rank that alone added one does not leave the others waiting.
+        refused_group = None
+        try:
+            groups.read()
+        except ValueError as error:
+            refused_group = error
+        if self.loss_scaler is not None:
+            self.unscale_grads_once()
+        agreed = self._agree(groups, refused=refused_group is not None)
+        if refused_group is not None:
+            raise refused_group
+        # Hyperparameters that differ (the agreement's checksum), or groups changed since they were
+        # last compared (progressive unfreezing), are compared field by field: the same ValueError on
+        # every rank names the difference. Every rank decides alike: the agreement found the same names.
+        if agreed.checks_differ or groups.changed_since_compared:
+            compare_param_groups(self.comm, groups)
+        if self.auto_prefetch is not None:
+            depth = self.auto_prefetch.on_optimizer_step(self.comm)
+            if depth is not None:
+                self.runtime.prefetch = depth
+        self._attach_master_grads(agreed)
+        # Last, once nothing can raise: the optimizer's own step updates this rank's pieces.
+        groups.show_pieces()
+
+    def _agree(self, groups: OptimizerGroups, refused: bool) -> agreement.StepAgreement:
+        """One all-reduce: which parameters have a gradient anywhere, an overflow anywhere, and the
+        same work and param groups on every rank (or the same error everywhere)."""
+        counters = {
+            "forwards with grad": self.runtime.forwards,
+            "backwards": self.runtime.backwards,
+            "optimizer steps": self._step_calls,
+            "units reduced, as a sum of unit numbers (ranks froze different parameters?)": (
+                self.runtime.reduces.issued_fingerprint
+            ),
+            "optimizer param groups (add_param_group on some ranks only?)": len(groups.names),
+            "optimizer param groups, as a checksum of their parameter names": groups.fingerprint,
+            "refused add_param_group calls": int(refused),
+        }
+        # Hyperparameters only report a difference; the comparison after the agreement then names it.
+        settings = {"optimizer hyperparameters": groups.settings_fingerprint}
+        return agreement.agree_on_step(
+            self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings
+        )
+
+    def _attach_master_grads(self, agreed: agreement.StepAgreement) -> None:
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(agreed.found_inf)
+            if agreed.found_inf:
+                # With no .grad anywhere the optimizer leaves every parameter alone.
+                for unit in self.units:
+                    unit.attach_master_grads([False] * len(unit.slot_has_grad))
+                self._skip_refresh = True
+        if not self._skip_refresh:
+            for unit, flags in zip(self.units, agreed.slot_flags):
+                unit.attach_master_grads(flags)
+
+    # ------------------------------------------------------------------- after
+    def after(self, groups: OptimizerGroups) -> None:
+        """The optimizer's step post-hook: refresh the compute parameters, consume the gradients."""
+        groups.show_model_parameters()
+        if not self._skip_refresh:
+            # With overlap_param_refresh, issued and not waited for: each unit's next forward
+            # waits for its own all-gather, so the later ones run while the first units compute.
+            # Not while a torch profiler records: a collective issued under it and waited for
+            # after it stopped crashes the process (torch 2.13, gloo; a profiler schedule stops
+            # at a step boundary, exactly where these would still be in flight).
+            overlap = self.config.overlap_param_refresh and not torch.autograd._profiler_enabled()
+            for unit in self.units:
+                unit.start_refresh(guard=overlap)
+            if not overlap:
+                self.runtime.wait_for_refresh()
+            self.steps_taken += 1
+        self.discard_grads()
+        self._record_traffic()
+
+    def _record_traffic(self) -> None:
+        now = self.comm.stats.snapshot()
+        self.last_step_traffic = CommStats.difference(now, self._traffic_at_last_step)
+        self._traffic_at_last_step = now
+        now = self.comm.stats.span_snapshot()
+        self.last_step_traffic_by_span = CommStats.difference(now, self._span_traffic_at_last_step)
+        self._span_traffic_at_last_step = now
