@@ -33,22 +33,17 @@ from torch import nn
 
 from . import agreement
 from .accounting import MemoryReport, measure_model_state
+from .build import build_parts, model_device
 from .checkpoint import training_state
-from .collectives import CollectiveCount, CommContext, CommStats, Position
+from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
 from .model import full_params
-from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
-from .model.changes import RegisteredParameters
-from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
-from .model.state_dict_hooks import StateDictHooks
+from .model.meta_init import ParamInitFn
 from .optim import grad_ops
-from .optim.loss_scaling import DynamicLossScaler
 from .optim.param_groups import OptimizerGroups
-from .optim.rebuild import canonical_names, check_optimizer_supported, reset_optimizer_state
-from .step.optimizer_step import OptimizerStep, compare_param_groups
-from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch, PrefetchReport
-from .step.runtime import StepRuntime
-from .unit import FlatUnit, ParameterDigests, plan_units
+from .optim.rebuild import check_optimizer_supported, reset_optimizer_state
+from .step.optimizer_step import compare_param_groups
+from .step.prefetch_tuning import PrefetchReport
 
 # Which engine has sharded a model, so a model is never sharded twice.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
@@ -76,17 +71,6 @@ def _refuse_step_after_unshard(*_: Any) -> None:
         "This optimizer was rebuilt over ZeRO shards, and engine.unshard() gave the model back: its state no "
         "longer matches the model's parameters. Make a new optimizer over model.parameters()."
     )
-
-
-def _model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if not tensor.is_meta:
-            return tensor.device
-    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class ZeroEngine:
@@ -127,70 +111,19 @@ class ZeroEngine:
             )
         if optimizer is not None:
             check_optimizer_supported(optimizer)
-        on_meta = model_is_on_meta(model)
-        if on_meta:
-            check_meta_initialisable(model, param_init_fn)
         self.model = model
         self.optimizer: torch.optim.Optimizer | None = None
         self._groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
-        self.comm = CommContext.create(process_group, _model_device(model, device))
-        plans = plan_units(model, config.wrap_policy, config.bucket_numel)
-        # Before any other collective: ranks that built different models, configs
-        # or optimizers would hang, abort in the backend or train wrong values.
-        agreement.agree_on_setup(self.comm, agreement.describe_setup(model, plans, config, optimizer))
-        if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
-            self.comm.split(config.shard_group_size)
+        parts = build_parts(
+            model, config, optimizer, CommContext.create(process_group, model_device(model, device)), param_init_fn
+        )
+        self.comm, self.units, self.runtime = parts.comm, parts.units, parts.runtime
+        self.loss_scaler, self.auto_prefetch = parts.loss_scaler, parts.auto_prefetch
+        self.buffer_sync, self.state_dict_hooks, self._hooks = parts.buffer_sync, parts.state_dict_hooks, parts.hooks
+        self._digests, self._canonical_names = parts.digests, parts.canonical_names
+        self._optimizer_step = parts.optimizer_step
         self._optimizer_agreed_at_setup = optimizer  # attach_optimizer need not ask again
-        # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
-        self._digests = ParameterDigests()
-        units: dict[int, FlatUnit] = {}
-        # Children first: a parameter owned by an ancestor (shared between
-        # children) is materialised with the children before the ancestor flattens.
-        for plan in reversed(plans):
-            if on_meta:
-                materialize_modules(plan.modules, self.comm.device, param_init_fn)
-            numel = sum(p.numel() for p in plan.params)
-            units[plan.index] = FlatUnit(
-                plan, config.unit_plan(numel), config.mixed_precision, self.comm, comparisons=self._digests
-            )
-        self.units = [units[i] for i in range(len(plans))]
-        self._canonical_names = canonical_names(self.units)
-        self._digests.track(self.units)
-        cast_buffers(model, config.mixed_precision)
-        broadcast_buffers(self.model, self.comm)
-        self.loss_scaler = (
-            DynamicLossScaler(config.mixed_precision) if config.mixed_precision.uses_loss_scaling else None
-        )
-        self.auto_prefetch: AutoPrefetch | None = None
-        if config.prefetch == "auto":
-            self.auto_prefetch = AutoPrefetch.for_units(self.units, config.prefetch_cap_mb, self.comm.device)
-        self.runtime = StepRuntime(
-            self.units,
-            config.plan,
-            UNTUNED_DEPTH if self.auto_prefetch else config.prefetch,
-            auto_prefetch=self.auto_prefetch,
-            requires_scaled_backward=self.loss_scaler is not None,
-        )
-        # Its traffic counters start here: no collective runs between this and the end of the constructor.
-        self._optimizer_step = OptimizerStep(
-            self.units, self.comm, self.runtime, config, self.loss_scaler, self.auto_prefetch
-        )
-        self.comm.position = lambda: Position(self.runtime.state.name.lower().replace("_", "-"), self.steps_taken)
-        self.runtime.before_outermost_forward.append(RegisteredParameters(model, self.units, self.runtime).check)
-        self.buffer_sync = BufferSync(
-            model, self.comm, config.broadcast_buffers, lambda: self.runtime.require_grad_sync
-        )
         self.runtime.before_root_forward.append(self._before_root_forward)
-        if config.mixed_precision.compute_dtype != torch.float32:
-            self.runtime.input_cast = floating_inputs_cast(config.mixed_precision.compute_dtype)
-        self.runtime.after_root_forward.append(self.buffer_sync.after_root_forward)
-        self._hooks = self.runtime.install()
-        self.state_dict_hooks = StateDictHooks(
-            model, self.units, self.runtime, config.plan.params_sharded_at_rest, self.sync_buffers_for_export
-        )
-        self._hooks += self.state_dict_hooks.install()
-        # An export that raised midway must not outlive the next forward.
-        self.runtime.before_outermost_forward.append(self.state_dict_hooks.clear_exports)
         self._optimizer_hooks: list[Any] = []
         if optimizer is not None:
             self.attach_optimizer(optimizer)

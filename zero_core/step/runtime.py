@@ -66,6 +66,7 @@ class StepRuntime:
         *,
         auto_prefetch: AutoPrefetch | None = None,
         requires_scaled_backward: bool = False,
+        input_cast: InputTransform | None = None,
     ):
         self.units = units
         self.root = units[0]
@@ -80,7 +81,7 @@ class StepRuntime:
         self.requires_scaled_backward = requires_scaled_backward
         self.before_outermost_forward: list[Callable[[], None]] = []  # may refuse the forward (raise)
         self.before_root_forward: list[InputTransform] = []
-        self.input_cast: InputTransform | None = None  # applied to every unit call
+        self.input_cast = input_cast  # applied to every unit call (mixed precision)
         self.after_root_forward: list[Callable[[], None]] = []
 
     # ----------------------------------------------------------- reports

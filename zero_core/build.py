@@ -1,0 +1,126 @@
+"""Building an engine's parts, in dependency order, each from constructor arguments.
+
+Nothing is wired by setting attributes afterwards: each part gets what it needs when it is made,
+and the engine (a facade) holds the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import agreement
+from .collectives import CommContext, Position
+from .config import ZeroConfig
+from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
+from .model.changes import RegisteredParameters
+from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
+from .model.state_dict_hooks import StateDictHooks
+from .optim.loss_scaling import DynamicLossScaler
+from .optim.rebuild import canonical_names
+from .step.optimizer_step import OptimizerStep
+from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
+from .step.runtime import StepRuntime
+from .unit import FlatUnit, ParameterDigests, plan_units
+
+
+class EngineParts(NamedTuple):
+    comm: CommContext
+    units: list[FlatUnit]
+    digests: ParameterDigests
+    canonical_names: dict[int, str]  # id(parameter) -> its first name in the model
+    loss_scaler: DynamicLossScaler | None
+    auto_prefetch: AutoPrefetch | None
+    runtime: StepRuntime
+    optimizer_step: OptimizerStep
+    buffer_sync: BufferSync
+    state_dict_hooks: StateDictHooks
+    hooks: list[Any]  # every hook handle the parts installed on the model
+
+
+def model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if not tensor.is_meta:
+            return tensor.device
+    if torch.cuda.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_units(
+    model: nn.Module,
+    config: ZeroConfig,
+    optimizer: torch.optim.Optimizer | None,
+    comm: CommContext,
+    digests: ParameterDigests,
+    param_init_fn: ParamInitFn | None,
+) -> list[FlatUnit]:
+    """Every rank agrees on the setup, then each unit is flattened and sharded (children first)."""
+    on_meta = model_is_on_meta(model)
+    if on_meta:
+        check_meta_initialisable(model, param_init_fn)
+    plans = plan_units(model, config.wrap_policy, config.bucket_numel)
+    # Before any other collective: ranks that built different models, configs
+    # or optimizers would hang, abort in the backend or train wrong values.
+    agreement.agree_on_setup(comm, agreement.describe_setup(model, plans, config, optimizer))
+    if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
+        comm.split(config.shard_group_size)
+    units: dict[int, FlatUnit] = {}
+    # Children first: a parameter owned by an ancestor (shared between
+    # children) is materialised with the children before the ancestor flattens.
+    for plan in reversed(plans):
+        if on_meta:
+            materialize_modules(plan.modules, comm.device, param_init_fn)
+        numel = sum(p.numel() for p in plan.params)
+        units[plan.index] = FlatUnit(plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests)
+    digests.track([units[i] for i in range(len(plans))])
+    return [units[i] for i in range(len(plans))]
+
+
+def build_parts(
+    model: nn.Module,
+    config: ZeroConfig,
+    optimizer: torch.optim.Optimizer | None,
+    comm: CommContext,
+    param_init_fn: ParamInitFn | None,
+) -> EngineParts:
+    # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
+    digests = ParameterDigests()
+    units = build_units(model, config, optimizer, comm, digests, param_init_fn)
+    cast_buffers(model, config.mixed_precision)
+    broadcast_buffers(model, comm)
+    precision = config.mixed_precision
+    loss_scaler = DynamicLossScaler(precision) if precision.uses_loss_scaling else None
+    auto_prefetch = None
+    if config.prefetch == "auto":
+        auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)
+    runtime = StepRuntime(
+        units,
+        config.plan,
+        UNTUNED_DEPTH if auto_prefetch else config.prefetch,
+        auto_prefetch=auto_prefetch,
+        requires_scaled_backward=loss_scaler is not None,
+        input_cast=floating_inputs_cast(precision.compute_dtype) if precision.compute_dtype != torch.float32 else None,
+    )
+    # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
+    optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch)
+    comm.position = lambda: Position(runtime.state.name.lower().replace("_", "-"), optimizer_step.steps_taken)
+    runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
+    buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
+    runtime.after_root_forward.append(buffer_sync.after_root_forward)
+    hooks = runtime.install()
+    sharded_at_rest = config.plan.params_sharded_at_rest
+    state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
+    hooks += state_dict_hooks.install()
+    # An export that raised midway must not outlive the next forward.
+    runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
+    names = canonical_names(units)
+    return EngineParts(
+        comm, units, digests, names, loss_scaler, auto_prefetch, runtime, optimizer_step, buffer_sync,
+        state_dict_hooks, hooks,
+    )  # fmt: skip
