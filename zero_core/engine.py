@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import agreement
 from .accounting import MemoryReport, measure_model_state
 from .build import build_parts, model_device
 from .checkpoint import training_state
@@ -40,16 +39,12 @@ from .config import ZeroConfig
 from .model import full_params
 from .model.meta_init import ParamInitFn
 from .optim import grad_ops
-from .optim.param_groups import OptimizerGroups
-from .optim.rebuild import check_optimizer_supported, reset_optimizer_state
-from .step.optimizer_step import compare_param_groups
+from .optim.attachment import OptimizerAttachment
+from .optim.rebuild import check_optimizer_supported
 from .step.prefetch_tuning import PrefetchReport
 
 # Which engine has sharded a model, so a model is never sharded twice.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
-# Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
-# state_dict() working) until an engine attaches them again.
-_RETIRED_OPTIMIZERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]]" = weakref.WeakKeyDictionary()
 
 
 def engine_of(model: nn.Module) -> "ZeroEngine | None":
@@ -64,13 +59,6 @@ def engine_owning(module: nn.Module) -> "tuple[ZeroEngine, str] | None":
             if candidate is module:
                 return engine, name
     return None
-
-
-def _refuse_step_after_unshard(*_: Any) -> None:
-    raise RuntimeError(
-        "This optimizer was rebuilt over ZeRO shards, and engine.unshard() gave the model back: its state no "
-        "longer matches the model's parameters. Make a new optimizer over model.parameters()."
-    )
 
 
 class ZeroEngine:
@@ -112,8 +100,6 @@ class ZeroEngine:
         if optimizer is not None:
             check_optimizer_supported(optimizer)
         self.model = model
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
         parts = build_parts(
             model, config, optimizer, CommContext.create(process_group, model_device(model, device)), param_init_fn
         )
@@ -122,9 +108,11 @@ class ZeroEngine:
         self.buffer_sync, self.state_dict_hooks, self._hooks = parts.buffer_sync, parts.state_dict_hooks, parts.hooks
         self._digests, self._canonical_names = parts.digests, parts.canonical_names
         self._optimizer_step = parts.optimizer_step
-        self._optimizer_agreed_at_setup = optimizer  # attach_optimizer need not ask again
+        step = parts.optimizer_step
+        self._optimizer = OptimizerAttachment(
+            self.units, self.comm, self._canonical_names, (step.before, step.after), agreed_at_setup=optimizer
+        )
         self.runtime.before_root_forward.append(self._before_root_forward)
-        self._optimizer_hooks: list[Any] = []
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         _ENGINES[model] = self
@@ -135,27 +123,12 @@ class ZeroEngine:
         The constructor does this for the optimizer it is given; call it to
         train an engine built without one, or with a fresh optimizer.
         """
-        check_optimizer_supported(optimizer)
-        for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again
-            handle.remove()
-        if optimizer is not self._optimizer_agreed_at_setup:
-            described = agreement.describe_optimizer(optimizer, self._canonical_names)
-            agreement.agree_on_setup(self.comm, described)
-        self._optimizer_agreed_at_setup = None
-        for handle in self._optimizer_hooks:
-            handle.remove()
-        groups = OptimizerGroups(optimizer, self.units)  # refuses foreign or repeated tensors
-        groups.show_pieces()
-        reset_optimizer_state(optimizer)
-        groups.show_model_parameters()
-        self._groups = groups
-        self.optimizer = optimizer
-        step = self._optimizer_step
-        self._optimizer_hooks = [
-            optimizer.register_step_pre_hook(lambda _, args, kwargs: step.before(groups, args, kwargs)),
-            optimizer.register_step_post_hook(lambda *_: step.after(groups)),
-            *groups.install_hooks(),
-        ]
+        self._optimizer.attach(optimizer)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The attached optimizer (rebuilt over this rank's shards), if any."""
+        return self._optimizer.optimizer
 
     # --------------------------------------------------------------- facts
     @property
@@ -163,16 +136,7 @@ class ZeroEngine:
         """Each optimizer group's parameters by name (every rank alike): how checkpoints
         refer to them. Read from the groups as they are now, so a save or load right
         after ``optimizer.add_param_group`` sees the new group."""
-        return self._read_param_groups()
-
-    def _read_param_groups(self) -> list[list[str]]:
-        return self._groups.read() if self._groups is not None else []
-
-    def _compare_param_groups(self) -> None:
-        """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
-        Every rank must call it together."""
-        assert self.optimizer is not None and self._groups is not None
-        compare_param_groups(self.comm, self._groups)
+        return self._optimizer.read_groups()
 
     @property
     def stage(self) -> int:
@@ -235,8 +199,7 @@ class ZeroEngine:
 
     # ------------------------------------------------------------- forward
     def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self._groups is not None:
-            self._groups.show_model_parameters()  # an optimizer.step() that raised midway left the pieces in
+        self._optimizer.show_model_parameters()
         self.buffer_sync.before_root_forward()
         return args, kwargs
 
@@ -398,11 +361,7 @@ class ZeroEngine:
         self.remove_hooks()
         full_params.unshard(self.units)
         _ENGINES.pop(self.model, None)
-        if self.optimizer is not None and self._groups is not None:
-            _RETIRED_OPTIMIZERS[self.optimizer] = [
-                self.optimizer.register_step_pre_hook(_refuse_step_after_unshard),
-                *self._groups.install_hooks(),  # state_dict() still reads the shards' state
-            ]
+        self._optimizer.retire()
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:
@@ -410,11 +369,11 @@ class ZeroEngine:
         return measure_model_state(self.model, self.units, self.optimizer)
 
     def remove_hooks(self) -> None:
-        for handle in self._hooks + self._optimizer_hooks + self.runtime.late_handles:
+        for handle in self._hooks + self.runtime.late_handles:
             handle.remove()
         self.runtime.late_handles.clear()
         self._hooks.clear()
-        self._optimizer_hooks.clear()
+        self._optimizer.remove_hooks()
 
     # --------------------------------------------------------- checkpoints
     def _checkpoint_target(self) -> training_state.CheckpointTarget:
@@ -428,9 +387,9 @@ class ZeroEngine:
             steps_taken=self.steps_taken,
             quiesce=self.runtime.quiesce,
             sync_buffers=self.sync_buffers_for_export,
-            read_param_groups=self._read_param_groups,
-            compare_param_groups=self._compare_param_groups,
-            param_group_names=lambda: self._groups.names if self._groups is not None else [],
+            read_param_groups=self._optimizer.read_groups,
+            compare_param_groups=self._optimizer.compare_groups,
+            param_group_names=self._optimizer.group_names,
             discard_grads=self.zero_grad,
             refresh_parameters=self.refresh_parameters,
         )

@@ -23,18 +23,12 @@ from .. import agreement
 from ..collectives import CommContext, CommStats
 from ..config import ZeroConfig
 from ..optim import grad_ops
+from ..optim.attachment import compare_param_groups
 from ..optim.loss_scaling import DynamicLossScaler
 from ..optim.param_groups import OptimizerGroups
 from ..unit import FlatUnit
 from .prefetch_tuning import AutoPrefetch
 from .runtime import StepRuntime
-
-
-def compare_param_groups(comm: CommContext, groups: OptimizerGroups) -> None:
-    """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
-    Every rank must call it together."""
-    agreement.agree_on_setup(comm, agreement.describe_optimizer(groups.optimizer, {}, groups.names))
-    groups.mark_compared()
 
 
 def _refuse_closure(args: tuple, kwargs: dict | None) -> None:

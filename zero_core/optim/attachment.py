@@ -1,0 +1,107 @@
+"""The user's optimizer attached to the shards: rebuilt in place, its param-group view, its hooks, and
+what stays behind when the engine gives the model back."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .. import agreement
+from ..collectives import CommContext
+from ..unit import FlatUnit
+from .param_groups import OptimizerGroups
+from .rebuild import check_optimizer_supported, reset_optimizer_state
+
+# Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
+# state_dict() working) until an engine attaches them again.
+_RETIRED_OPTIMIZERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]]" = weakref.WeakKeyDictionary()
+
+# (groups, step's args, step's kwargs) before the optimizer's own step; (groups) after it.
+StepHooks = tuple[Callable[[OptimizerGroups, tuple, dict], None], Callable[[OptimizerGroups], None]]
+
+
+def compare_param_groups(comm: CommContext, groups: OptimizerGroups) -> None:
+    """Every rank's groups (by name) and hyperparameters alike, or the same ValueError everywhere.
+    Every rank must call it together."""
+    agreement.agree_on_setup(comm, agreement.describe_optimizer(groups.optimizer, {}, groups.names))
+    groups.mark_compared()
+
+
+def _refuse_step_after_unshard(*_: Any) -> None:
+    raise RuntimeError(
+        "This optimizer was rebuilt over ZeRO shards, and engine.unshard() gave the model back: its state no "
+        "longer matches the model's parameters. Make a new optimizer over model.parameters()."
+    )
+
+
+class OptimizerAttachment:
+    """At most one optimizer at a time, rebuilt over this rank's shards (``attach``)."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        comm: CommContext,
+        canonical_names: dict[int, str],
+        step_hooks: StepHooks,
+        agreed_at_setup: torch.optim.Optimizer | None,
+    ):
+        self.units, self.comm, self.canonical_names = units, comm, canonical_names
+        self.step_hooks = step_hooks
+        self._agreed_at_setup = agreed_at_setup  # attach need not ask the ranks again
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
+        self.hooks: list[Any] = []
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        check_optimizer_supported(optimizer)
+        for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again
+            handle.remove()
+        if optimizer is not self._agreed_at_setup:
+            agreement.agree_on_setup(self.comm, agreement.describe_optimizer(optimizer, self.canonical_names))
+        self._agreed_at_setup = None
+        self.remove_hooks()
+        groups = OptimizerGroups(optimizer, self.units)  # refuses foreign or repeated tensors
+        groups.show_pieces()
+        reset_optimizer_state(optimizer)
+        groups.show_model_parameters()
+        self.groups, self.optimizer = groups, optimizer
+        before, after = self.step_hooks
+        self.hooks = [
+            optimizer.register_step_pre_hook(lambda _, args, kwargs: before(groups, args, kwargs)),
+            optimizer.register_step_post_hook(lambda *_: after(groups)),
+            *groups.install_hooks(),
+        ]
+
+    def read_groups(self) -> list[list[str]]:
+        """The groups as they are now (a group added since is read in, or refused with ValueError)."""
+        return self.groups.read() if self.groups is not None else []
+
+    def group_names(self) -> list[list[str]]:
+        """The groups as last read."""
+        return self.groups.names if self.groups is not None else []
+
+    def compare_groups(self) -> None:
+        assert self.groups is not None
+        compare_param_groups(self.comm, self.groups)
+
+    def show_model_parameters(self) -> None:
+        """The groups list the model's parameters (an optimizer.step() that raised midway left the pieces in)."""
+        if self.groups is not None:
+            self.groups.show_model_parameters()
+
+    def remove_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def retire(self) -> None:
+        """The model was given back: the optimizer refuses to step until attached again (its state
+        belongs to the shards), and its state_dict() still reads the shards' state."""
+        if self.optimizer is not None and self.groups is not None:
+            _RETIRED_OPTIMIZERS[self.optimizer] = [
+                self.optimizer.register_step_pre_hook(_refuse_step_after_unshard),
+                *self.groups.install_hooks(),
+            ]
