@@ -50,6 +50,7 @@ class ZeroAccelerator(Accelerator):
         super().__init__(mixed_precision="no", **kwargs)
         self._zero_mixed_precision = requested
         self.engine: ZeroEngine | None = None
+        self._saving_state = False  # inside save_state: the weights Accelerate collects are dropped
 
     @property
     def mixed_precision(self) -> str:
@@ -78,7 +79,9 @@ class ZeroAccelerator(Accelerator):
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
-        # Sharded in prepare(): no DDP wrapper, no autocast, no device move.
+        # Sharded in prepare(): no DDP wrapper, no autocast, no device move. Accelerate has no
+        # public way to register a model it does not wrap; its private _models list is what
+        # save_state/load_state hand their pre-hooks (pinned in tests/test_accelerate.py).
         if all(model is not known for known in self._models):
             self._models.append(model)
         return model
@@ -112,18 +115,29 @@ class ZeroAccelerator(Accelerator):
     # --------------------------------------------------------------- export
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
         """Full fp32 weights, gathered unit by unit (every process must call it)."""
+        if self._saving_state and not unwrap:
+            # Accelerate's save_state collecting the weights its pre-hook list hands over; ours
+            # (save_state below) drops them for the sharded directories, so gathering the whole
+            # model onto every process here would only cost memory and time.
+            return {}
         return self._require_engine().full_state_dict()
 
     # ---------------------------------------------------------- checkpoints
     @contextlib.contextmanager
-    def _accelerate_handles_the_rest(self) -> Iterator[None]:
-        """Accelerate saves RNG, schedulers, dataloaders and custom objects; we, the model and optimizer."""
-        models, optimizers = self._models, self._optimizers
-        self._models, self._optimizers = [], []
+    def _accelerate_skips_the_optimizer(self) -> Iterator[None]:
+        """Accelerate saves RNG, schedulers, dataloaders and custom objects; the engine, the model
+        (through the documented pre-hook route: the hook empties ``weights`` / ``models``) and the
+        optimizer. For the optimizer Accelerate has no public route: its ``save_state`` writes
+        ``optimizer.state_dict()`` of every optimizer in the private ``_optimizers`` list, which
+        for a rebuilt optimizer is rank 0's share only, and ``load_state`` would load that share
+        on every rank. So the list is emptied around the call; the optimizer stays registered
+        for everything else (schedulers, ``optimizer_step_was_skipped``).
+        ``tests/test_accelerate.py`` pins this assumption (and the others ``save_state`` makes)."""
+        optimizers, self._optimizers = self._optimizers, []
         try:
             yield
         finally:
-            self._models, self._optimizers = models, optimizers
+            self._optimizers = optimizers
 
     def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
         """Our model and optimizer first (each directory atomic, both tagged with one token so
@@ -145,15 +159,18 @@ class ZeroAccelerator(Accelerator):
             if engine.optimizer is not None:  # the larger write first: if it fails, nothing changed
                 engine.save_checkpoint(Path(location) / OPTIMIZER_DIR.format(0), pair, include_model=False)
             engine.save_checkpoint(Path(location) / MODEL_DIR.format(0), pair, include_optimizer=False)
+            weights.clear()  # saved above: Accelerate writes no model file of its own
 
         handle = self.register_save_state_pre_hook(save_shards)
         failure: Exception | None = None
+        self._saving_state = True
         try:
-            with self._accelerate_handles_the_rest():
+            with self._accelerate_skips_the_optimizer():
                 location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         except Exception as error:  # noqa: BLE001 - ours or Accelerate's own files; agreed on below
             failure = error
         finally:
+            self._saving_state = False
             handle.remove()
             config.total_limit = limit
         # Accelerate writes its files per process: every process learns whether all succeeded.
@@ -185,10 +202,11 @@ class ZeroAccelerator(Accelerator):
         def load_shards(models: list, location: str) -> None:
             optimizer_dir = Path(location) / OPTIMIZER_DIR.format(0) if engine.optimizer is not None else None
             engine.load_checkpoint(Path(location) / MODEL_DIR.format(0), optimizer_path=optimizer_dir)
+            models.clear()  # loaded above: Accelerate loads no model file of its own
 
         handle = self.register_load_state_pre_hook(load_shards)
         try:
-            with self._accelerate_handles_the_rest():
+            with self._accelerate_skips_the_optimizer():
                 super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         finally:
             handle.remove()

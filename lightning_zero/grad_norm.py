@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero_core.engine import engine_owning
-from zero_core.optim.grad_ops import total_norm
+from zero_core import engine_owning, total_norm
 
 
 def grad_norm(module: nn.Module, norm_type: float | int | str, group_separator: str = "/") -> dict[str, torch.Tensor]:

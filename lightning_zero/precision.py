@@ -57,10 +57,7 @@ class ZeroPrecision(ZeroPrecisionSettings, Precision):
         return self.engine
 
     def pre_backward(self, tensor: torch.Tensor, module: "pl.LightningModule") -> torch.Tensor:
-        scaler = self._engine().loss_scaler
-        if scaler is not None:
-            tensor = scaler.scale_loss(tensor)
-        return super().pre_backward(tensor, module)
+        return super().pre_backward(self._engine().scale_loss(tensor), module)
 
     def backward(  # type: ignore[override]
         self, tensor: torch.Tensor, model: "pl.LightningModule", optimizer: Any, *args: Any, **kwargs: Any
@@ -69,7 +66,7 @@ class ZeroPrecision(ZeroPrecisionSettings, Precision):
         # collectives then never depend on which outputs the loss used). A
         # LightningModule that overrides backward() keeps its own.
         if args or is_overridden("backward", model, pl.LightningModule):
-            self._engine().runtime.announce_scaled_backward()  # pre_backward scaled the loss
+            self._engine().expect_scaled_backward()  # pre_backward scaled the loss
             model.backward(tensor, *args, **kwargs)
         else:
             self._engine().backward_scaled(tensor, **kwargs)

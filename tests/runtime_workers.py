@@ -79,7 +79,7 @@ def calls(engine: ZeroEngine, kind: CollectiveKind) -> int:
 
 
 def padded_numel(engine: ZeroEngine) -> int:
-    return sum(unit.layout.padded_numel for unit in engine.units)
+    return sum(unit.padded_numel for unit in engine.unit_reports())
 
 
 class ReduceProbe:

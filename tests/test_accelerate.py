@@ -223,3 +223,28 @@ def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_r
     assert report["folders after a good save"] == ["checkpoint_1"]
     assert "come from different saves" in report["mixed pair"], report
     assert report["mixed pair left the model alone"]
+
+
+@pytest.mark.distributed
+def test_what_zero_accelerator_assumes_of_accelerates_save_and_load_state_holds(tmp_path: Path) -> None:
+    """ZeroAccelerator's save_state/load_state lean on Accelerate beyond its documented hooks (the
+    private _models/_optimizers lists, pruning before saving): a plain Accelerator still behaves so."""
+    import accelerate
+
+    script = Path(__file__).parent / "scripts" / "accelerate_assumptions.py"
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _checked(result)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(report) == 10, report
+    broken = [check for check, holds in report.items() if not holds]
+    assert not broken, (
+        f"Accelerate {accelerate.__version__} no longer behaves as ZeroAccelerator assumes: {broken}. "
+        "Review ZeroAccelerator.prepare_model, get_state_dict, save_state and load_state "
+        "(accelerate_zero/accelerator.py) against Accelerate's save_state/load_state."
+    )

@@ -107,7 +107,7 @@ def _train(stage: int, form: str, steps: int = 3) -> dict:
         "reduces_before_blocks_done": probe.seen,
         "peak_live_units": peaks,
         "padded_numel": padded_numel(pair.engine),
-        "units": len(pair.engine.units),
+        "units": len(pair.engine.unit_reports()),
     }
 
 

@@ -5,9 +5,11 @@ same as with a fixed depth."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -42,8 +44,10 @@ def _train(
     model = TinyTransformer(blocks=4)
     config = replace(config_for(3), prefetch=prefetch, prefetch_cap_mb=cap_mb)
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-    if forced_choice is not None:  # as if this rank had measured other times
-        engine.auto_prefetch.local_choice = lambda: forced_choice
+    # As if this rank had measured other times: every tuner in this process chooses forced_choice.
+    forced = contextlib.nullcontext()
+    if forced_choice is not None:
+        forced = mock.patch.object(AutoPrefetch, "local_choice", lambda _: forced_choice)
     rank = torch.distributed.get_rank()
     losses, peaks, depths = [], [], []
     for step in range(STEPS):
@@ -58,10 +62,11 @@ def _train(
         ids = batch(step, rank)
         loss = lm_loss(model(ids), ids)
         engine.backward(loss)
-        engine.step()
+        with forced:
+            engine.step()
         losses.append(loss.item())
         peaks.append(engine.peak_live_units)
-        depths.append(engine.runtime.prefetch)
+        depths.append(engine.prefetch_depth)
     return {
         "losses": losses,
         "final": engine.full_state_dict(),
@@ -83,7 +88,7 @@ def _inference(rank: int) -> dict[str, Any]:
     with torch.no_grad():
         for step in range(3):
             model(batch(step, rank))
-    return {"depth": engine.runtime.prefetch, "peak": engine.peak_live_units, "state": engine.prefetch_report().state}
+    return {"depth": engine.prefetch_depth, "peak": engine.peak_live_units, "state": engine.prefetch_report().state}
 
 
 def _runs(rank: int, world_size: int) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def _losses(stage: int, how: str, rank: int) -> tuple[list[float], int]:
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return losses, len(engine.units)
+    return losses, len(engine.unit_reports())
 
 
 def _compile_worker(rank: int, world_size: int) -> list[dict]:

@@ -66,9 +66,7 @@ def test_single_process_without_process_group() -> None:
         engine.step()
         first = first if first is not None else loss.item()
     assert loss.item() < first
-    assert isinstance(engine.model, nn.Module) and engine.num_parameters == sum(
-        s.numel for u in engine.units for s in u.layout.slots
-    )
+    assert isinstance(engine.model, nn.Module) and engine.num_parameters == sum(u.numel for u in engine.unit_reports())
 
 
 def test_a_model_is_sharded_once_and_unshard_gives_it_back() -> None:

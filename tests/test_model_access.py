@@ -147,7 +147,7 @@ def _equal_worker(rank: int, world_size: int) -> dict:
         "outside": outside,
         "after": after,
         "gathers": gathers,
-        "units": len(engine.units),
+        "units": len(engine.unit_reports()),
     }
 
 
@@ -284,7 +284,7 @@ def _gan_worker(rank: int, world_size: int) -> list[dict]:
                 sample = model.generator(torch.ones(2, 8))  # a direct call under no_grad
             results.append(
                 {
-                    "case": (stage, policy_name, len(engine.units)),
+                    "case": (stage, policy_name, len(engine.unit_reports())),
                     "error": relative_difference(engine.full_state_dict(), reference.state_dict()),
                     "sample_error": (sample - reference.generator(torch.ones(2, 8))).abs().max().item(),
                 }

@@ -48,11 +48,12 @@ def _accounting(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     run.backward(2)
     report = engine.memory_report()
     engine.zero_grad()
-    persistent = [u for u in engine.units if u.name in engine.persistent_units]
+    units = engine.unit_reports()
+    persistent = [u for u in units if u.name in engine.persistent_units]
     result = {
         "persistent_units": engine.persistent_units,
-        "small_padded": sum(u.layout.padded_numel for u in persistent),
-        "large_padded": sum(u.layout.padded_numel for u in engine.units if u not in persistent),
+        "small_padded": sum(u.padded_numel for u in persistent),
+        "large_padded": sum(u.padded_numel for u in units if u not in persistent),
         **run.sizes(),
         "all_gather_bytes": traffic["all_gather"].bytes,
         "reduce_scatter_bytes": traffic["reduce_scatter"].bytes,

@@ -87,7 +87,7 @@ def _fail_once(pair, where: str, ids: torch.Tensor, micro_batches: int) -> tuple
         return caught, []  # the next forward cleans up by itself
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
-        pair.engine.runtime.settle()  # what the next forward does first, here to catch its warning
+        pair.engine.discard_failed_pass()  # what the next forward does first, here to catch its warning
     return caught, [str(r.message) for r in records]
 
 
@@ -117,11 +117,11 @@ def _exceptions(stage: int, where: str, micro_batches: int) -> dict:
         "errors": errors,
         "caught": caught,
         "warnings": warned,
-        "state": pair.engine.runtime.state.name,
+        "state": pair.engine.training_state.name,
         "all_gather_bytes": traffic[CollectiveKind.ALL_GATHER.value].bytes,
         "reduce_calls": traffic[CollectiveKind.REDUCE_SCATTER.value].calls,
         "padded_numel": padded_numel(pair.engine),
-        "units": len(pair.engine.units),
+        "units": len(pair.engine.unit_reports()),
         "peak_live_units": pair.engine.peak_live_units,
     }
 
@@ -186,7 +186,7 @@ def _execution_order(stage: int, scenario: str, prefetch: int) -> dict:
         pair.engine.step()
         peaks.append(pair.engine.peak_live_units)
         errors.append(parameter_error(pair))
-    return {"errors": errors, "peaks": peaks, "order_changes": pair.engine.runtime.order.changes}
+    return {"errors": errors, "peaks": peaks, "order_changes": pair.engine.execution_order_changes}
 
 
 ORDER_CASES = [(stage, scenario, 1) for stage in STAGES for scenario in ORDER_PLANS]
@@ -227,7 +227,7 @@ def _data_dependent(stage: int) -> dict:
         _, traffic = traffic_of(pair.engine, lambda: train_step(pair.engine, pair.model, ids, _lm))
         reduce_calls.append(traffic[CollectiveKind.REDUCE_SCATTER.value].calls)
         errors.append(parameter_error(pair))
-    return {"errors": errors, "reduce_calls": reduce_calls, "units": len(pair.engine.units)}
+    return {"errors": errors, "reduce_calls": reduce_calls, "units": len(pair.engine.unit_reports())}
 
 
 def _after_the_step(stage: int) -> dict:
@@ -251,15 +251,15 @@ def _after_the_step(stage: int) -> dict:
         # Under a torch profiler the step waits: a collective issued under it and waited for after
         # it stopped crashes the process (torch 2.13, gloo).
         step(0)
-        profiled = [unit.refreshing for unit in pair.engine.units]
+        profiled = [unit.refreshing for unit in pair.engine.unit_reports()]
     step(0)
-    deferred = [unit.refreshing for unit in pair.engine.units]
+    deferred = [unit.refreshing for unit in pair.engine.unit_reports()]
     read_error = compute_error()  # each parameter's first touch waits for its unit
-    waited = [unit.refreshing for unit in pair.engine.units]
+    waited = [unit.refreshing for unit in pair.engine.unit_reports()]
     step(1)
     ids = batch(2, rank)
     forward_error = abs(lm_loss(pair.model(ids), ids).item() - lm_loss(pair.reference(ids), ids).item())
-    after_forward = [unit.refreshing for unit in pair.engine.units]
+    after_forward = [unit.refreshing for unit in pair.engine.unit_reports()]
     pair.engine.zero_grad()
     step(3)
     pair.engine.step()  # no forward since the last step: its all-gathers are waited for first

@@ -156,7 +156,7 @@ def _train(stage: int, streams: bool, overlap: bool = False, prefetch: int = 1) 
     model = TinyTransformer()
     config = dataclasses.replace(config_for(stage, prefetch=prefetch), overlap_param_refresh=overlap)
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-    rank = engine.comm.rank
+    rank = engine.rank
     result: dict[str, Any] = {"losses": [], "unwaited_reduces_at_step": [], "unwaited_gathers_after_forward": []}
     schedule = fake_cuda_streams(engine) if streams else contextlib.nullcontext()
     with schedule as log:

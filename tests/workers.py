@@ -190,8 +190,8 @@ class GptRun:
         engine = self.engine
         return {
             "numel": engine.num_parameters,
-            "padded_numel": sum(u.layout.padded_numel for u in engine.units),
-            "units": len(engine.units),
+            "padded_numel": sum(u.padded_numel for u in engine.unit_reports()),
+            "units": len(engine.unit_reports()),
             "param_tensors": len(list(self.model.parameters())),
         }
 

@@ -1,16 +1,23 @@
 """ZeRO stages 1-3 for PyTorch: the framework-free core of lightning-zero.
 
-Imports neither Lightning nor Accelerate; both adapters build on it.
+Imports neither Lightning nor Accelerate; both adapters build on it, through
+the names below and three public submodules only: ``zero_core.checkpoint``
+(sharded checkpoints, consolidation), ``zero_core.sharding`` (sharding a
+module once, for adapters asked to set it up again) and ``zero_core.settings``
+(the settings schema the adapters are generated from). Every other submodule
+is internal and may change shape.
 """
 
-from .accounting import MemoryReport, expected_model_state_bytes
+from .accounting import MemoryReport, UnitReport, expected_model_state_bytes
 from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
-from .engine import ZeroEngine, engine_of
+from .engine import ZeroEngine, engine_of, engine_owning
 from .model.changes import ModelChangedError
+from .optim.grad_ops import total_norm
 from .settings import Setting
 from .step.errors import UnscaledBackwardError
+from .step.state import TrainingState
 from .unit import ParameterAtRestError
 
 __all__ = [
@@ -23,11 +30,15 @@ __all__ = [
     "ModelChangedError",
     "ParameterAtRestError",
     "Setting",
+    "TrainingState",
     "WrapPolicy",
+    "UnitReport",
     "UnscaledBackwardError",
     "ZeroConfig",
     "ZeroEngine",
     "engine_of",
+    "engine_owning",
     "expected_model_state_bytes",
+    "total_norm",
     "user_settings",
 ]

@@ -24,6 +24,17 @@ class MemoryReport:
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
 
 
+@dataclass(frozen=True)
+class UnitReport:
+    """One unit (the parameters gathered, reduced and sharded together) as ``engine.unit_reports()`` sees it now."""
+
+    name: str  # the module path of the unit's root module ("" for the model's root)
+    numel: int  # parameter elements (each shared parameter once)
+    padded_numel: int  # elements one all-gather or reduce-scatter of the whole unit moves
+    persistent: bool  # stage 3: kept gathered between steps (persistence_threshold)
+    refreshing: bool  # stages 1/2: the post-step all-gather may still be writing its parameters
+
+
 class StorageCounter:
     """Counts each storage once, in the first category that claims it."""
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .accounting import MemoryReport, measure_model_state
+from .accounting import MemoryReport, UnitReport, measure_model_state
 from .build import build_parts, model_device
 from .checkpoint import training_state
 from .collectives import CollectiveCount, CommContext, CommStats
@@ -42,6 +42,7 @@ from .optim import grad_ops
 from .optim.attachment import OptimizerAttachment
 from .optim.rebuild import check_optimizer_supported
 from .step.prefetch_tuning import PrefetchReport
+from .step.state import TrainingState
 
 # Which engine has sharded a model, so a model is never sharded twice.
 _ENGINES: "weakref.WeakKeyDictionary[nn.Module, ZeroEngine]" = weakref.WeakKeyDictionary()
@@ -196,6 +197,62 @@ class ZeroEngine:
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
+
+    # ------------------------------------------------ adapters and reports
+    # What the Lightning and Accelerate adapters and the tests need from the engine, so that none
+    # of them reaches into its parts (the step runtime, the loss scaler, the units), whose shape
+    # may change. The reports are read-only.
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale (``loss`` itself without loss scaling): for adapters
+        that scale the loss in one place and run the backward in another (Lightning's
+        ``pre_backward``); ``backward_scaled`` or ``expect_scaled_backward`` then runs it."""
+        return self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+
+    def expect_scaled_backward(self) -> None:
+        """The next backward, which the caller runs itself (a LightningModule's own ``backward``),
+        starts from a loss ``scale_loss`` scaled. Under fp16 a backward nobody announced is
+        refused (``UnscaledBackwardError``): its gradients would be off by the loss scale."""
+        self.runtime.announce_scaled_backward()
+
+    def discard_failed_pass(self) -> None:
+        """After a forward or backward that raised was caught: release what it gathered and forget
+        it now rather than at the next forward or step, which would do the same (with the same
+        warning if stage 1 had to discard the gradients accumulated since the last step).
+        Nothing happens when no pass failed. Every rank whose pass failed calls it."""
+        self.runtime.settle()
+
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the step is: ``IDLE`` between passes, ``PRE_BACKWARD`` after a forward with grad
+        whose backward has not run yet, ``FORWARD``/``BACKWARD`` inside one."""
+        return self.runtime.state
+
+    @property
+    def prefetch_depth(self) -> int:
+        """Stage 3: how many units are all-gathered ahead of the running one now. With
+        ``prefetch="auto"`` it changes at optimizer steps (``prefetch_report()`` says why)."""
+        return self.runtime.prefetch
+
+    @property
+    def execution_order_changes(self) -> int:
+        """How many forwards or backwards ran the units in another order than the pass before
+        (stage 3 prefetches in the last order seen, so each change costs exposed gathers)."""
+        return self.runtime.order.changes
+
+    def unit_reports(self) -> list[UnitReport]:
+        """Each unit as it is now, in unit order: its size, padded size (what its collectives
+        move), whether it persists (stage 3) and whether its post-step all-gather may still be
+        writing its parameters (stages 1/2 with ``overlap_param_refresh``; waited for when touched)."""
+        return [
+            UnitReport(
+                name=unit.name,
+                numel=sum(slot.numel for slot in unit.layout.slots),
+                padded_numel=unit.layout.padded_numel,
+                persistent=unit.stage_plan != self.config.plan,  # as persistent_units
+                refreshing=unit.refreshing,
+            )
+            for unit in self.units
+        ]
 
     # ------------------------------------------------------------- forward
     def _before_root_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

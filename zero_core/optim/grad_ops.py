@@ -88,6 +88,8 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
 
 
 def total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type`` norm of parameters whose own norms are ``norms`` (0 for none), as
+    ``grad_norms`` reports the total: a subset of them totals the same way (Lightning's grad_norm)."""
     if not norms:
         return torch.zeros(())
     values = torch.stack(norms)
