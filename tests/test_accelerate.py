@@ -198,21 +198,25 @@ def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(
     assert launch_args.training_script_args == ["--zero_prefetch", "3"]  # the script's, not ours
 
 
-@pytest.mark.distributed
-def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_refused(tmp_path: Path) -> None:
-    """One process: a save that fails (disk full) under automatic naming with total_limit=1 leaves
-    the previous checkpoint as the latest (Accelerate alone would have pruned it first); a reused
-    folder whose model save failed after its optimizer save is refused by load_state, changing nothing."""
-    script = Path(__file__).parent / "scripts" / "accelerate_failures.py"
+def _one_process_report(script: str, work: Path) -> dict:
+    """Run ``tests/scripts/<script> <work>`` in one CPU process; its last line of output is a JSON report."""
     result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
+        [sys.executable, str(Path(__file__).parent / "scripts" / script), str(work)],
         env={**os.environ, "ACCELERATE_USE_CPU": "1"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     _checked(result)
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.distributed
+def test_a_failed_save_state_keeps_the_previous_checkpoint_and_a_mixed_pair_is_refused(tmp_path: Path) -> None:
+    """One process: a save that fails (disk full) under automatic naming with total_limit=1 leaves
+    the previous checkpoint as the latest (Accelerate alone would have pruned it first); a reused
+    folder whose model save failed after its optimizer save is refused by load_state, changing nothing."""
+    report = _one_process_report("accelerate_failures.py", tmp_path)
     assert report["failed save"].startswith("No space left on device"), report
     assert report["folders after a failed save"] == ["checkpoint_0"]
     assert report["latest loads the first save"]
@@ -231,16 +235,7 @@ def test_what_zero_accelerator_assumes_of_accelerates_save_and_load_state_holds(
     private _models/_optimizers lists, pruning before saving): a plain Accelerator still behaves so."""
     import accelerate
 
-    script = Path(__file__).parent / "scripts" / "accelerate_assumptions.py"
-    result = subprocess.run(
-        [sys.executable, str(script), str(tmp_path)],
-        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    _checked(result)
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+    report = _one_process_report("accelerate_assumptions.py", tmp_path)
     assert len(report) == 10, report
     broken = [check for check, holds in report.items() if not holds]
     assert not broken, (
