@@ -38,7 +38,7 @@ MAX_FUNCTION_LINES = 60
 # Files still over the limit, with the most lines they may have: a ratchet, never raised. The engine
 # facade's remaining bulk (gradient reads, full parameters, the public reports, checkpoint docstrings)
 # moves out next.
-OVER_THE_LIMIT = {"engine.py": 535}
+OVER_THE_LIMIT = {"engine.py": 528}
 
 
 def _module_name(path: Path) -> str:

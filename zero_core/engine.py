@@ -298,19 +298,12 @@ class ZeroEngine:
         self.runtime.require_grad_sync = enabled
 
     # ----------------------------------------------------------- gradients
-    def _settle_gradients(self, *, drop_pending_forward: bool = False) -> None:
-        """Before the accumulated gradients are read or changed: the runtime's barrier, then (hybrid
-        sharding) all-reduce across groups what was reduced only inside each group since the last
-        synchronising backward. Every rank calls it at the same points."""
-        self.runtime.quiesce(drop_pending_forward=drop_pending_forward)
-        self.runtime.reduce_across_groups()
-
     def _unscale_grads_once(self) -> None:
         self._optimizer_step.unscale_grads_once()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
-        self._settle_gradients()
+        self.runtime.settle_gradients()
         self._unscale_grads_once()
         return grad_ops.clip_grad_norm(self.units, self.comm, max_norm, float(norm_type))
 
@@ -323,7 +316,7 @@ class ZeroEngine:
         unscaled under fp16, without touching the gradients). ``param.grad``
         does not hold them (see the README): every rank must call this.
         """
-        self._settle_gradients()
+        self.runtime.settle_gradients()
         scaled = self.loss_scaler is not None and not self._optimizer_step.grads_unscaled
         factor = 1.0 / self.loss_scaler.scale if scaled else 1.0
         norm_type = float(norm_type)
@@ -340,7 +333,7 @@ class ZeroEngine:
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
-        self._settle_gradients()
+        self.runtime.settle_gradients()
         self._unscale_grads_once()
         grad_ops.clip_grad_value(self.units, clip_value)
 

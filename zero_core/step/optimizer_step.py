@@ -91,8 +91,7 @@ class OptimizerStep:
         _refuse_closure(args, kwargs)
         # A forward whose backward never ran (a skipped batch) ends here.
         # A step with no forward since the last waits here for that step's all-gathers.
-        self.runtime.quiesce(drop_pending_forward=True)
-        self.runtime.reduce_across_groups()
+        self.runtime.settle_gradients(drop_pending_forward=True)
         self._skip_refresh = False
         self._step_calls += 1
         # Groups added or replaced since the last step train from this one. A refused group is reported

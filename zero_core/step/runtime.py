@@ -145,6 +145,11 @@ class StepRuntime:
         self.settle(drop_pending_forward=drop_pending_forward)
         self.wait_for_refresh()
 
+    def settle_gradients(self, *, drop_pending_forward: bool = False) -> None:
+        """Before gradients are read or changed: the barrier, then (hybrid sharding) the reduce across groups."""
+        self.quiesce(drop_pending_forward=drop_pending_forward)
+        self.reduce_across_groups()
+
     def wait_for_refresh(self) -> None:
         """Stages 1/2: wait for the post-step all-gathers still writing the parameters. A forward
         waits per unit instead, and any other touch of a parameter through its guard."""

@@ -13,8 +13,7 @@ Two strategies, chosen once from the stage (no stage branches inside them):
   (``discard_backward``).
 
 Where the reduced shards gather until the step is a :class:`ShardSum`: the
-shard itself (:class:`LocalShardSum`) or, under hybrid sharding,
-:class:`AcrossGroupsShardSum`: ``group_grads`` holds what was reduced inside
+shard itself or, under hybrid sharding, :class:`AcrossGroupsShardSum`: ``group_grads`` holds what was reduced inside
 the shard group; the end of a synchronising backward (or the step)
 all-reduces it across groups once and adds it to the shard, so the slow
 link carries Ψ/k per optimizer step, not per micro-batch.
@@ -45,7 +44,8 @@ class PendingReduce(NamedTuple):
 
 
 class ShardSum:
-    """This rank's averaged gradient shard (S, reduce dtype), accumulated until the optimizer step."""
+    """This rank's averaged gradient shard (S, reduce dtype), accumulated until the optimizer step.
+    One shard group: what the reduce-scatter gives is final."""
 
     def __init__(self) -> None:
         self.sharded_grads: torch.Tensor | None = None
@@ -73,10 +73,6 @@ class ShardSum:
 
     def tensors(self) -> list[torch.Tensor | None]:
         return [self.sharded_grads]
-
-
-class LocalShardSum(ShardSum):
-    """One shard group: what the reduce-scatter gives is final."""
 
 
 class AcrossGroupsShardSum(ShardSum):
@@ -124,7 +120,7 @@ class UnitGrads:
         self, layout: FlatLayout, params: list[nn.Parameter], precision: MixedPrecision, comm: CommContext, label: str
     ):
         self.layout, self.params, self.precision, self.comm, self.label = layout, params, precision, comm, label
-        self.shards: ShardSum = AcrossGroupsShardSum() if comm.replicas > 1 else LocalShardSum()
+        self.shards: ShardSum = AcrossGroupsShardSum() if comm.replicas > 1 else ShardSum()
         self.full_grads: torch.Tensor | None = None
         self.slot_has_grad = [False] * len(layout.slots)
         self._filled_this_backward: set[int] = set()
