@@ -74,14 +74,14 @@ def _measure_rank(rank: int, world_size: int, port: int, queue) -> None:  # type
                 ids = synthetic_batch(config, 4, step, rank)
                 engine.backward(next_token_loss(model(ids), ids))
                 engine.step()
-            padded = sum(u.layout.padded_numel for u in engine.units)
+            padded = sum(report.padded_numel for report in engine.unit_reports())
             traffic = {span: count.bytes / (4 * padded) for span, count in engine.last_step_traffic_by_span.items()}
             results.append(
                 {
                     "stage": stage,
                     "shard_group_size": engine.shard_group_size,
                     "per_param": traffic,
-                    "units": len(engine.units),
+                    "units": len(engine.unit_reports()),
                 }
             )
             engine.unshard()

@@ -17,11 +17,8 @@ ADAPTERS = ("lightning_zero", "accelerate_zero")
 # zero_core.settings: the settings schema the adapters are generated from.
 PUBLIC_SUBMODULES = ("zero_core.checkpoint", "zero_core.sharding", "zero_core.settings")
 # What the engine holds as plain attributes and documents; everything else it offers is a method
-# or property of its class. Its parts (runtime, units, comm, loss_scaler, ...) are not listed.
-ENGINE_DATA = {"model", "optimizer", "config", "steps_taken", "last_step_traffic", "last_step_traffic_by_span"}
-# Tests only: the collectives context, into which the stream-schedule tests inject fake CUDA
-# streams and whose streams and shard group the CUDA and multi-node tests read.
-TESTS_WHITE_BOX = {"comm"}
+# or property of its class. Its parts (the step runtime, the units, the loss scaler, ...) are private.
+ENGINE_DATA = {"model", "config"}
 
 
 class Finding(NamedTuple):
@@ -48,8 +45,8 @@ def _names_an_engine(node: ast.expr) -> bool:
     return "engine" in name.lower()
 
 
-def _engine_members_used(tree: ast.AST, path: str, also: frozenset[str] = frozenset()) -> list[Finding]:
-    allowed = {name for name in dir(ZeroEngine) if not name.startswith("_")} | ENGINE_DATA | also
+def _engine_members_used(tree: ast.AST, path: str) -> list[Finding]:
+    allowed = {name for name in dir(ZeroEngine) if not name.startswith("_")} | ENGINE_DATA
     return [
         Finding(path, node.lineno, f"{ast.unparse(node)}: not a public member of ZeroEngine")
         for node in ast.walk(tree)
@@ -84,7 +81,7 @@ def _findings(folders: tuple[str, ...], adapter: bool) -> list[Finding]:
         if adapter:
             found += _engine_members_used(tree, relative) + _core_imports(tree, relative)
         else:
-            found += _engine_members_used(tree, relative, frozenset(TESTS_WHITE_BOX))
+            found += _engine_members_used(tree, relative)
     return found
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import MixedPrecision
+from .config import MixedPrecision, StagePlan
 from .unit import FlatUnit
 
 
@@ -30,9 +30,25 @@ class UnitReport:
 
     name: str  # the module path of the unit's root module ("" for the model's root)
     numel: int  # parameter elements (each shared parameter once)
+    trainable_numel: int  # of those, the elements of parameters that require grad now
     padded_numel: int  # elements one all-gather or reduce-scatter of the whole unit moves
     persistent: bool  # stage 3: kept gathered between steps (persistence_threshold)
     refreshing: bool  # stages 1/2: the post-step all-gather may still be writing its parameters
+
+
+def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]:
+    """``plan``: the configured stage's; a unit with another plan persists (stage 3's threshold)."""
+    return [
+        UnitReport(
+            name=unit.name,
+            numel=unit.layout.total_numel,
+            trainable_numel=sum(s.numel for s, p in zip(unit.layout.slots, unit.params) if p.requires_grad),
+            padded_numel=unit.layout.padded_numel,
+            persistent=unit.stage_plan != plan,
+            refreshing=unit.refreshing,
+        )
+        for unit in units
+    ]
 
 
 class StorageCounter:

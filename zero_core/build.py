@@ -13,14 +13,17 @@ import torch.distributed as dist
 from torch import nn
 
 from . import agreement
+from .checkpoint.training_state import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
 from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
 from .model.state_dict_hooks import StateDictHooks
+from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import DynamicLossScaler
 from .optim.rebuild import canonical_names
+from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
@@ -36,8 +39,10 @@ class EngineParts(NamedTuple):
     auto_prefetch: AutoPrefetch | None
     runtime: StepRuntime
     optimizer_step: OptimizerStep
+    optimizer: OptimizerAttachment  # no optimizer attached yet: the engine attaches the user's
+    gradients: GradientReads
     buffer_sync: BufferSync
-    state_dict_hooks: StateDictHooks
+    checkpoints: CheckpointTarget
     hooks: list[Any]  # every hook handle the parts installed on the model
 
 
@@ -120,7 +125,21 @@ def build_parts(
     # An export that raised midway must not outlive the next forward.
     runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
     names = canonical_names(units)
+    attachment = OptimizerAttachment(
+        units, comm, names, (optimizer_step.before, optimizer_step.after), agreed_at_setup=optimizer
+    )
+    # An optimizer.step() that raised midway left the groups showing the pieces.
+    runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
+    gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
+    checkpoints = CheckpointTarget(
+        model, units, comm, attachment, loss_scaler, config.stage,
+        steps_taken=lambda: optimizer_step.steps_taken,
+        quiesce=runtime.quiesce,
+        sync_buffers=buffer_sync.for_export,
+        discard_grads=gradients.discard,
+        refresh_parameters=optimizer_step.refresh_parameters,
+    )  # fmt: skip
     return EngineParts(
-        comm, units, digests, names, loss_scaler, auto_prefetch, runtime, optimizer_step, buffer_sync,
-        state_dict_hooks, hooks,
+        comm, units, digests, names, loss_scaler, auto_prefetch, runtime, optimizer_step, attachment, gradients,
+        buffer_sync, checkpoints, hooks,
     )  # fmt: skip

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..collectives import CommContext
+from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import DynamicLossScaler
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
@@ -32,22 +33,23 @@ from .saving import save_checkpoint, sharded_state
 
 @dataclass(frozen=True)
 class CheckpointTarget:
-    """What a save or load works on. The callables are the engine's own barriers and resets."""
+    """What a save or load works on. The callables are the step's own barriers and resets."""
 
     model: nn.Module
     units: Sequence[FlatUnit]
     comm: CommContext
-    optimizer: torch.optim.Optimizer | None
+    attachment: OptimizerAttachment  # the optimizer, if one is attached, and its param-group view
     loss_scaler: DynamicLossScaler | None
     stage: int
-    steps_taken: int
+    steps_taken: Callable[[], int]
     quiesce: Callable[[], None]  # the runtime's entry barrier
     sync_buffers: Callable[[], None]  # exports hold rank 0's buffers
-    read_param_groups: Callable[[], object]  # raises ValueError for a group it refuses
-    compare_param_groups: Callable[[], None]  # every rank together; the same ValueError everywhere
-    param_group_names: Callable[[], list[list[str]]]  # as last read
     discard_grads: Callable[[], None]
     refresh_parameters: Callable[[], None]
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        return self.attachment.optimizer
 
 
 class Resumed(NamedTuple):
@@ -60,9 +62,10 @@ def sharded_view(target: CheckpointTarget, operation: str | None = None) -> Shar
     param groups are read and compared first, agreed on every rank, so a group added,
     replaced or refused on one rank only fails everywhere alike."""
     if operation is not None and target.optimizer is not None:
-        RankAgreement(target.comm, operation).run("reading the optimizer's param groups", target.read_param_groups)
-        target.compare_param_groups()
-    return ShardedModel(target.model, target.units, target.comm, target.optimizer, target.param_group_names())
+        groups = target.attachment
+        RankAgreement(target.comm, operation).run("reading the optimizer's param groups", groups.read_groups)
+        groups.compare_groups()
+    return ShardedModel(target.model, target.units, target.comm, target.optimizer, target.attachment.group_names())
 
 
 def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
@@ -87,7 +90,7 @@ def save(
     target.quiesce()
     target.sync_buffers()
     scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
-    record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken, scaler)
+    record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
     return save_checkpoint(
         sharded_view(target, f"saving checkpoint {path}"),
         path,
@@ -134,6 +137,12 @@ def load(
     optimizer_path: str | os.PathLike | None,
     check_extra: Callable[[dict[str, Any]], None] | None,
 ) -> Resumed:
+    """``optimizer_path``: the optimizer from this other directory (one saved with ``include_model=False``, as
+    Accelerate keeps them apart); both must hold the same ``extra`` and step count, or the pair is refused.
+    ``check_extra``: called with the loaded ``extra`` before anything is applied; what it raises leaves
+    everything as it was (``extra`` is the same on every rank, so it raises on every rank alike).
+    All or nothing: model, optimizer, loss scale and step count change only once every rank has read
+    everything. Gradients accumulated before the load are discarded."""
     target.quiesce()
     view = sharded_view(target, f"loading checkpoint {path}")
     loaded = _read(view, path, optimizer_path, load_model, load_optimizer and target.optimizer is not None)

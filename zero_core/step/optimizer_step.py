@@ -79,6 +79,12 @@ class OptimizerStep:
         grad_ops.scale_grads(self.units, 1.0 / self.loss_scaler.scale)
         self.grads_unscaled = True
 
+    def refresh_parameters(self) -> None:
+        """The compute copies (full parameters in stages 1/2) brought up to date with the master shards, now."""
+        for unit in self.units:
+            unit.start_refresh(guard=False)
+        self.runtime.wait_for_refresh()
+
     def discard_grads(self) -> None:
         """The accumulated gradients are consumed (by a step) or discarded (``zero_grad``)."""
         for unit in self.units:

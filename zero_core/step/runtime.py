@@ -80,7 +80,7 @@ class StepRuntime:
         # engine announces one (announce_scaled_backward) right before it starts it.
         self.requires_scaled_backward = requires_scaled_backward
         self.before_outermost_forward: list[Callable[[], None]] = []  # may refuse the forward (raise)
-        self.before_root_forward: list[InputTransform] = []
+        self.before_root_forward: list[Callable[[], None]] = []  # the model's own forward, not a unit's
         self.input_cast = input_cast  # applied to every unit call (mixed precision)
         self.after_root_forward: list[Callable[[], None]] = []
 
@@ -204,7 +204,7 @@ class StepRuntime:
         if self.passes.recomputing():
             return self._pre_recompute(unit, args, kwargs)
         if not self.passes.active:
-            args, kwargs = self._begin_outermost_forward(unit, args, kwargs)
+            self._begin_outermost_forward(unit)
         if not self.passes.running(unit):
             timed = self.passes.state is TrainingState.FORWARD
             self.gathering.for_forward(unit, self.passes.running_indices(), timed=timed)
@@ -216,7 +216,7 @@ class StepRuntime:
                 self.passes.count_unwrapped_call(unit)  # a reentrant checkpoint wraps its recompute
         return args, kwargs
 
-    def _begin_outermost_forward(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _begin_outermost_forward(self, unit: FlatUnit) -> None:
         self.settle()
         for check in self.before_outermost_forward:
             check()
@@ -224,9 +224,8 @@ class StepRuntime:
         self.passes.begin_forward()
         self.gathering.forward_started()
         if unit is self.root:
-            for transform in self.before_root_forward:
-                args, kwargs = transform(args, kwargs)
-        return args, kwargs
+            for callback in self.before_root_forward:
+                callback()
 
     def _pre_recompute(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A checkpointed unit's forward rerun inside backward: gather it for its backward."""

@@ -1,0 +1,36 @@
+"""Which object (an engine) has sharded which model, so a model is never sharded twice.
+
+Held weakly: a model dropped by the user takes its entry with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Generic, TypeVar
+
+from torch import nn
+
+Owner = TypeVar("Owner")
+
+
+class ModelOwners(Generic[Owner]):
+    def __init__(self) -> None:
+        self._owners: weakref.WeakKeyDictionary[nn.Module, Owner] = weakref.WeakKeyDictionary()
+
+    def register(self, model: nn.Module, owner: Owner) -> None:
+        self._owners[model] = owner
+
+    def release(self, model: nn.Module) -> None:
+        self._owners.pop(model, None)
+
+    def owner_of(self, model: nn.Module) -> Owner | None:
+        """The owner of ``model`` itself, if any."""
+        return self._owners.get(model)
+
+    def owner_containing(self, module: nn.Module) -> tuple[Owner, str] | None:
+        """The owner whose model contains ``module``, and the module's name in that model."""
+        for model, owner in list(self._owners.items()):
+            for name, candidate in model.named_modules():
+                if candidate is module:
+                    return owner, name
+        return None

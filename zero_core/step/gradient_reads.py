@@ -1,0 +1,58 @@
+"""Reading and editing the reduced gradients between the last backward and the optimizer step.
+
+Every read first waits for all gradients to be reduced (the runtime's gradient barrier). Under fp16
+the clips unscale the gradients in place, once (the step then does not unscale them again); the norms
+divide by the loss scale without touching them. Every rank calls each of them: they reduce across ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives import CommContext
+from ..optim import grad_ops
+from ..optim.loss_scaling import DynamicLossScaler
+from ..unit import FlatUnit
+from .optimizer_step import OptimizerStep
+from .runtime import StepRuntime
+
+
+class GradientReads:
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        comm: CommContext,
+        runtime: StepRuntime,
+        optimizer_step: OptimizerStep,
+        loss_scaler: DynamicLossScaler | None,
+    ):
+        self._units, self._comm, self._runtime = units, comm, runtime
+        self._optimizer_step, self._loss_scaler = optimizer_step, loss_scaler
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        self._runtime.settle_gradients()
+        self._optimizer_step.unscale_grads_once()
+        return grad_ops.clip_grad_norm(self._units, self._comm, max_norm, norm_type)
+
+    def clip_grad_value(self, clip_value: float) -> None:
+        self._runtime.settle_gradients()
+        self._optimizer_step.unscale_grads_once()
+        grad_ops.clip_grad_value(self._units, clip_value)
+
+    def norms(self, norm_type: float) -> dict[str, torch.Tensor]:
+        """``{"grad_<p>_norm/<name>": ..., "grad_<p>_norm_total": ...}``, Lightning's ``grad_norm`` keys,
+        over every parameter some rank has a gradient for, by its canonical name."""
+        self._runtime.settle_gradients()
+        scaled = self._loss_scaler is not None and not self._optimizer_step.grads_unscaled
+        factor = 1.0 / self._loss_scaler.scale if scaled else 1.0
+        norms = grad_ops.grad_norms(self._units, self._comm, norm_type, factor)
+        prefix = f"grad_{norm_type}_norm"
+        result = {f"{prefix}/{name}": value for name, value in norms.items()}
+        if norms:
+            result[f"{prefix}_total"] = grad_ops.total_norm(list(norms.values()), norm_type)
+        return result
+
+    def discard(self) -> None:
+        """``zero_grad``: the gradients accumulated since the last step are dropped."""
+        self._runtime.quiesce()
+        self._optimizer_step.discard_grads()
