@@ -7,6 +7,8 @@ only at the end of a pass that completed.
 
 from __future__ import annotations
 
+import random
+
 from zero_core.step.execution_order import ExecutionOrder, PassOrder
 
 
@@ -109,3 +111,17 @@ def test_forward_and_backward_are_recorded_apart_and_their_changes_add_up() -> N
     assert order.forward.changes == 1 and order.backward.changes == 1 and order.changes == 2
     _run(order.backward, [0, 1, 2])
     assert order.changes == 3
+
+
+def test_no_prediction_names_a_unit_that_already_ran_in_this_pass() -> None:
+    """Whatever the orders (skips, repeats, unknown units), a prediction only names units still to run."""
+    generator = random.Random(0)
+    order = PassOrder()
+    for _ in range(300):
+        units = [generator.randrange(8) for _ in range(generator.randrange(1, 12))]
+        ran: set[int] = set()
+        for unit in units:
+            predicted = order.record(unit, generator.randrange(4))
+            ran.add(unit)
+            assert not ran & set(predicted), (order.previous, units, predicted)
+        order.end()

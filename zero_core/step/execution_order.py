@@ -32,7 +32,8 @@ class PassOrder:
         except ValueError:
             return []  # not where the last pass had it: no prediction until one matches again
         self._cursor = position + 1
-        return [i for i in self.previous[self._cursor : self._cursor + count] if i not in self.current]
+        # Nothing past the cursor has run yet: every unit recorded was found before it (or not at all).
+        return self.previous[self._cursor : self._cursor + count]
 
     def discard(self) -> None:
         """The pass raised: forget what it recorded."""
