@@ -111,7 +111,7 @@ def main() -> None:
         strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
-        val_check_interval=20,
+        val_check_interval=min(20, args.max_steps),  # a shorter run still validates once (its perplexity is printed)
         limit_val_batches=2,
         gradient_clip_val=1.0,
         logger=False,

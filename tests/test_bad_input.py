@@ -3,6 +3,8 @@ before any model state is touched; meta-device models are initialised."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -60,6 +62,7 @@ def _bad_inputs(rank: int, world_size: int) -> dict[str, object]:
         "stepped": _error_of(lambda: ZeroEngine(model, _stepped_optimizer(model), config_for(3))),
         "meta": _error_of(lambda: _meta_engine(_NoInit)),
         "mismatch": _error_of(lambda: _mismatched_engine(rank)),
+        "wrap class": _error_of(lambda: _engine_wrapping(model, nn.TransformerEncoderLayer)),
     }
     untouched = sum(p.untyped_storage().nbytes() for p in model.parameters()) == storage_before
     return {"errors": errors, "untouched": untouched}
@@ -78,6 +81,11 @@ def _meta_engine(factory) -> ZeroEngine:
     with torch.device("meta"):
         model = factory()
     return ZeroEngine(model, torch.optim.SGD(model.parameters(), lr=0.1), ZeroConfig(stage=3))
+
+
+def _engine_wrapping(model: nn.Module, block: type[nn.Module]) -> ZeroEngine:
+    config = dataclasses.replace(config_for(3), wrap_policy=WrapPolicy(module_classes=(block,)))
+    return ZeroEngine(model, make_optimizer("sgd", model), config)
 
 
 def _mismatched_engine(rank: int) -> ZeroEngine:
@@ -100,6 +108,8 @@ def test_bad_input_fails_on_every_rank_before_any_work(grid: list[dict]) -> None
     assert "already has state" in errors["stepped"]
     assert "no reset_parameters()" in errors["meta"] and "param_init_fn" in errors["meta"]
     assert "ranks disagree on parameter count: 23 on rank 0; 31 on rank 1" in errors["mismatch"]
+    assert "no module of the model is a torch.nn.modules.transformer.TransformerEncoderLayer" in errors["wrap class"]
+    assert "Name the class of the model's repeated block" in errors["wrap class"]
     assert all(r["untouched"] for r in results)
 
 

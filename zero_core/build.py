@@ -27,7 +27,7 @@ from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
-from .unit import FlatUnit, ParameterDigests, plan_units
+from .unit import FlatUnit, ParameterDigests, check_wrap_classes_present, plan_units
 
 
 class EngineParts(NamedTuple):
@@ -73,6 +73,8 @@ def build_units(
     # Before any other collective: ranks that built different models, configs
     # or optimizers would hang, abort in the backend or train wrong values.
     agreement.agree_on_setup(comm, agreement.describe_setup(model, plans, config, optimizer))
+    # After the agreement: every rank has the same model and policy, so every rank refuses alike.
+    check_wrap_classes_present(model, config.wrap_policy)
     if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
         comm.split(config.shard_group_size)
     units: dict[int, FlatUnit] = {}

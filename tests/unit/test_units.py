@@ -6,7 +6,7 @@ import pytest
 from torch import nn
 
 from zero_core.config import WrapPolicy
-from zero_core.unit import plan_units
+from zero_core.unit import check_wrap_classes_present, plan_units
 
 
 class Inner(nn.Module):
@@ -110,3 +110,14 @@ def test_bad_policies_are_refused_with_what_to_do() -> None:
         WrapPolicy(module_classes=(int,))
     with pytest.raises(ValueError, match="min_unit_numel must be a positive number of parameters"):
         WrapPolicy(min_unit_numel=0)
+
+
+def test_a_wrap_class_the_model_lacks_is_refused_naming_the_classes_it_has() -> None:
+    """Otherwise the model's blocks silently stay in the root unit (stage 3 gathers everything at once)."""
+    with pytest.raises(ValueError, match=r"no module of the model is a torch.nn.modules.transformer.Transformer"):
+        check_wrap_classes_present(Net(), WrapPolicy(module_classes=(Outer, nn.TransformerEncoderLayer)))
+    with pytest.raises(ValueError, match=r"module classes: \['Inner', 'LayerNorm', 'Linear', 'ModuleList', 'Outer'\]"):
+        check_wrap_classes_present(Net(), WrapPolicy(module_classes=(Net,)))  # only the model itself is one
+    check_wrap_classes_present(Net(), WrapPolicy(module_classes=(Outer, nn.Linear)))
+    check_wrap_classes_present(Net(), WrapPolicy(module_classes=(nn.Module,)))  # a base class matches its subclasses
+    check_wrap_classes_present(Net(), WrapPolicy())  # the size policy names no class

@@ -6,7 +6,7 @@ from .flat_unit import FlatUnit, MasterPiece
 from .grads import PendingReduce
 from .guard import ParameterAtRestError
 from .layout import FlatLayout, ParamSlot, ShardPiece
-from .plan import UnitPlan, plan_units
+from .plan import UnitPlan, check_wrap_classes_present, plan_units
 from .storage import StorageState
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "ShardPiece",
     "StorageState",
     "UnitPlan",
+    "check_wrap_classes_present",
     "plan_units",
 ]

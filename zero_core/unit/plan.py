@@ -44,6 +44,22 @@ def _size_policy_roots(model: nn.Module, min_numel: int) -> set[nn.Module]:
     return roots
 
 
+def check_wrap_classes_present(model: nn.Module, policy: WrapPolicy) -> None:
+    """A wrap class that no module below the model has would leave its blocks inside the root unit
+    without a word (stage 3 would then gather the whole model at once): refused, as Accelerate
+    refuses a ``wrap_classes`` name its model lacks."""
+    below = [module for module in model.modules() if module is not model]
+    missing = [c for c in policy.module_classes if not any(isinstance(module, c) for module in below)]
+    if missing:
+        names = ", ".join(f"{c.__module__}.{c.__qualname__}" for c in missing)
+        present = sorted({type(module).__name__ for module in below})
+        raise ValueError(
+            f"wrap_policy: no module of the model is a {names}, so its blocks would not become units "
+            f"(stage 3 would gather the whole model at once). The model's module classes: {present[:20]}. "
+            "Name the class of the model's repeated block (its transformer layer, for example)."
+        )
+
+
 def _unit_roots(model: nn.Module, policy: WrapPolicy, bucket_numel: int) -> set[nn.Module]:
     if policy.module_classes:
         return {m for m in model.modules() if m is not model and isinstance(m, policy.module_classes)}
