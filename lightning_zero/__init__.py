@@ -6,6 +6,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from zero_core import MixedPrecision, WrapPolicy, ZeroConfig
 
+from .checkpoints import consolidated
 from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from .grad_norm import grad_norm
 from .precision import ZeroPrecision
@@ -22,5 +23,6 @@ __all__ = [
     "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
+    "consolidated",
     "grad_norm",
 ]

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -319,3 +320,30 @@ def test_a_manifest_that_is_a_symbolic_link_is_refused(checkpoint: Path, tmp_pat
     (target / "zero-manifest.json").symlink_to(tmp_path / "elsewhere.json")
     with pytest.raises(CheckpointError, match="is a symbolic link"):
         load_full_checkpoint(target)
+
+
+def test_numpy_data_in_the_extra_state_round_trips_and_still_runs_no_code(checkpoint: Path, tmp_path: Path) -> None:
+    """Users keep numpy arrays and scalars in their extra state (Lightning's on_save_checkpoint) as DDP's
+    torch.save does: they save and read back exactly; an object array's elements still go through the allow-list."""
+    torch.manual_seed(0)
+    model = TinyTransformer(blocks=1, width=8)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
+    extra = {
+        "array": np.arange(4.0),
+        "ints": np.array([[1, 2]], dtype=np.int32),
+        "scalars": (np.float64(2.5), np.int64(7), np.bool_(True)),
+        "objects": np.array([1, "x"], dtype=object),
+        "rng": np.random.default_rng(0).bit_generator.state,
+    }
+    engine.save_checkpoint(tmp_path / "numpy", extra=extra)
+    loaded = engine.read_checkpoint_extra(tmp_path / "numpy")
+    assert loaded.keys() == extra.keys() and loaded["rng"] == extra["rng"]
+    for key in ("array", "ints", "objects"):
+        assert loaded[key].dtype == extra[key].dtype and np.array_equal(loaded[key], extra[key])
+    assert [(type(v), v) for v in loaded["scalars"]] == [(type(v), v) for v in extra["scalars"]]
+
+    sentinel = tmp_path / "code-ran"
+    hostile = io.BytesIO()
+    torch.save({"epoch": np.array([_Gadget(os.system, f"touch {sentinel}")], dtype=object)}, hostile)
+    message = _refused(checkpoint, tmp_path, "meta.pt", hostile.getvalue(), sentinel)
+    assert "only arbitrary code could rebuild" in message

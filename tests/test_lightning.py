@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
-from lightning_zero import ZeroStrategy
+from lightning_zero import ZeroStrategy, consolidated
 from zero_core.checkpoint import consolidate_checkpoint
 
 from .lightning_module import TinyLM
@@ -206,7 +206,9 @@ def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple,
         capture_output=True,
     )
     expected = runs["zero3-resumable"]["weights"]
-    for file in (ours, theirs):
+    # The directory itself, in one line (a plain load_from_checkpoint on it is an IsADirectoryError),
+    # and a file through the same line.
+    for file in (ours, theirs, consolidated(checkpoint), consolidated(ours)):
         model = TinyLM.load_from_checkpoint(file, weights_only=False)
         assert model.hparams.batchnorm is False  # hyperparameters come back too
         assert relative_difference(model.state_dict(), expected) == 0.0

@@ -1,6 +1,6 @@
 """Sharded checkpoints: save/resume at any world size and stage, consolidation."""
 
-from .consolidate import consolidate_checkpoint, load_full_checkpoint
+from .consolidate import consolidate_checkpoint, lightning_checkpoint, load_full_checkpoint
 from .errors import CheckpointError
 from .storage import is_sharded_checkpoint, remove_checkpoint
 
@@ -8,6 +8,7 @@ __all__ = [
     "CheckpointError",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
+    "lightning_checkpoint",
     "load_full_checkpoint",
     "remove_checkpoint",
 ]

@@ -85,17 +85,35 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, f
     """Write full weights (``safetensors``) or a Lightning checkpoint file (``lightning``)."""
     if fmt not in ("safetensors", "lightning"):
         raise ValueError(f"format {fmt!r} is not supported; use 'safetensors' or 'lightning'.")
-    checkpoint, extra = _read_full(path)
-    if MODEL_KEY not in checkpoint:
-        raise CheckpointError(f"{path} holds no '{MODEL_KEY}' entry; it is not a model checkpoint.")
+    checkpoint, extra, model = _read_model_checkpoint(path)
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
-    model = {k: v.contiguous() for k, v in checkpoint[MODEL_KEY].items()}
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
         save_file(model, str(output))
         return output
+    torch.save(_as_lightning_checkpoint(checkpoint, extra, model), output)
+    return output
+
+
+def lightning_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """The directory as the dict a Lightning checkpoint file holds (``state_dict`` with full tensors,
+    ``optimizer_states``, and the saved extra state: epoch, loops, hyperparameters, callbacks)."""
+    return _as_lightning_checkpoint(*_read_model_checkpoint(path))
+
+
+def _read_model_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """Everything in the directory, its extra state, and the model's full tensors (contiguous, as files want)."""
+    checkpoint, extra = _read_full(path)
+    if MODEL_KEY not in checkpoint:
+        raise CheckpointError(f"{path} holds no '{MODEL_KEY}' entry; it is not a model checkpoint.")
+    return checkpoint, extra, {k: v.contiguous() for k, v in checkpoint[MODEL_KEY].items()}
+
+
+def _as_lightning_checkpoint(
+    checkpoint: dict[str, Any], extra: dict[str, Any], model: dict[str, torch.Tensor]
+) -> dict[str, Any]:
     result: dict[str, Any] = {**extra, "state_dict": model}
     optimizers = sorted((k for k in checkpoint if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     if optimizers:
@@ -105,8 +123,7 @@ def consolidate_checkpoint(path: str | os.PathLike, output: str | os.PathLike, f
             result["pytorch-lightning_version"] = importlib.metadata.version("lightning")
         except importlib.metadata.PackageNotFoundError:
             pass
-    torch.save(result, output)
-    return output
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:

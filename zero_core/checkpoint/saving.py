@@ -41,7 +41,7 @@ from .storage import (
     replace_with_partial,
     write_shards,
 )
-from .unpickling import refusal_reason
+from .unpickling import refusal_reason, weights_only_load
 
 
 def sharded_state(view: ShardedModel, with_model: bool = True, with_optimizer: bool = True) -> dict[str, Any]:
@@ -113,7 +113,7 @@ def serialize_meta(meta: dict[str, Any]) -> bytes:
     torch.save(meta, buffer)
     data = buffer.getvalue()
     try:
-        torch.load(io.BytesIO(data), weights_only=True)
+        weights_only_load(data)
     except Exception as error:  # noqa: BLE001 - whatever weights_only refuses
         raise CheckpointError(
             f"The extra state given to save_checkpoint holds objects that loading with weights_only=True "

@@ -151,12 +151,37 @@ def unpickle_metadata(data: bytes, file: Path) -> dcp_metadata.Metadata:
     return metadata
 
 
+def _numpy_globals() -> list[Any]:
+    """numpy arrays, scalars and dtypes, which users keep in their extra state (Lightning's
+    ``on_save_checkpoint``) and DDP's ``torch.save`` keeps: exact names, each a constructor of plain
+    data (an object array's elements still go through the same allow-list). Under numpy 1's module
+    name too, so a file written with either loads with both."""
+    try:
+        import numpy
+        import numpy.dtypes
+    except ImportError:  # nothing of numpy can be in a file we wrote, and what a hostile one holds is refused
+        return []
+    multiarray = numpy._core.multiarray if hasattr(numpy, "_core") else numpy.core.multiarray
+    allowed: list[Any] = [numpy.ndarray, numpy.dtype]
+    allowed += [getattr(numpy.dtypes, name) for name in dir(numpy.dtypes) if name.endswith("DType")]
+    for name in ("_reconstruct", "scalar"):
+        constructor = getattr(multiarray, name)
+        allowed += [(constructor, f"numpy.core.multiarray.{name}"), (constructor, f"numpy._core.multiarray.{name}")]
+    return allowed
+
+
+def weights_only_load(data: bytes) -> Any:
+    """``torch.load(weights_only=True)``: torch's allow-list, and numpy's plain data."""
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+
+
 def load_weights_only(data: bytes, file: Path, what: str) -> Any:
     """``torch.load(weights_only=True)`` of a small file's bytes, or CheckpointError with the reason."""
     if not data:
         raise CheckpointError(f"{file} is empty: {what} cannot be restored from it.")
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        return weights_only_load(data)
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{file} holds objects that only arbitrary code could rebuild; refusing to load it "
