@@ -45,6 +45,8 @@ import torch.multiprocessing as mp
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "examples"))
+sys.path.insert(0, str(HERE))
+from plotting import pyplot  # noqa: E402
 
 DEVICES_PER_NODE = 8
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -179,14 +181,8 @@ def _table(rows: list[Projection]) -> list[str]:
     return lines
 
 
-def _plot(rows: list[Projection], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+def _plot(rows: list[Projection], path: Path) -> None:
+    plt = pyplot()
     nodes = [r.nodes for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.plot(nodes, [r.flat_comm_s for r in rows], "o-", label="flat ZeRO-3: communication")
@@ -206,11 +202,11 @@ def _plot(rows: list[Projection], path: Path) -> bool:
     right.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    return True
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--no-plots", action="store_true", help="no projection.png (plots need the 'bench' extra)")
     parser.add_argument("--params", type=float, default=7e9)
     parser.add_argument("--tokens-per-device", type=float, default=16384)
     parser.add_argument("--units", type=int, default=32, help="collectives per kind per step (one per block)")
@@ -221,6 +217,8 @@ def main() -> None:
     parser.add_argument("--tflops", type=float, default=400.0)
     parser.add_argument("--out", default=str(HERE / "PROJECTION.md"))
     args = parser.parse_args()
+    if not args.no_plots:
+        pyplot()  # a missing matplotlib stops here, before the measuring
     hw = Hardware(
         args.intra_gbytes * 1e9,
         args.intra_latency_us * 1e-6,
@@ -276,7 +274,8 @@ def main() -> None:
         "break-even batch with it; hybrid sharding pays the network only for the gradient shards (Ψ/8 fp32 per "
         "device), so its cost grows slowly with the node count (ring latency and the (n-1)/n factor).",
     ]
-    if _plot(rows, Path(args.out).with_name("projection.png")):
+    if not args.no_plots:
+        _plot(rows, Path(args.out).with_name("projection.png"))
         lines += ["", "![projection](projection.png)"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+from plotting import pyplot
+
 from zero_core import MixedPrecision, expected_model_state_bytes
 
 MIB = 2**20
@@ -218,13 +220,7 @@ def _targets(records: list[dict], size: str) -> list[str]:
 
 
 def _plots(records: list[dict], size: str, directory: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return ["(matplotlib is not installed: no plots)"]
+    plt = pyplot()
     rows = _ok(records, size, 2)
     names = [r["contestant"] for r in rows]
     figure, axis = plt.subplots(figsize=(10, 4))
@@ -267,7 +263,7 @@ def _plots(records: list[dict], size: str, directory: Path) -> list[str]:
     return ["![memory per stage](memory_per_stage.png)", "", "![traffic per stage](traffic_per_stage.png)"]
 
 
-def write_report(source: Path, target: Path, plot_dir: Path) -> None:
+def write_report(source: Path, target: Path, plot_dir: Path, plots: bool = True) -> None:
     data = json.loads(source.read_text())
     records, machine = data["records"], data["machine"]
     sizes = [s for s in ("small", "medium", "large") if _ok(records, s, 2)]
@@ -275,8 +271,8 @@ def write_report(source: Path, target: Path, plot_dir: Path) -> None:
     lines = [
         "# Benchmarks",
         "",
-        "Regenerate with `python benchmarks/run_all.py` (about 35 minutes on 2 cores; `--quick` for the small model only; "
-        "`--sizes large --merge` reruns one size into the existing results).",
+        "Regenerate with `python benchmarks/run_all.py --publish` (about 35 minutes on 2 cores; `--quick` for the small model only; "
+        "`--sizes large --merge --publish` reruns one size into the existing results).",
         "",
         f"Machine: {machine['cpu']}, {machine['cores']} cores, CPU only, gloo. Date: {machine['date']}. "
         f"Versions: {', '.join(f'{k} {v}' for k, v in machine['versions'].items())}.",
@@ -314,7 +310,8 @@ def write_report(source: Path, target: Path, plot_dir: Path) -> None:
         *_largest_search(data.get("largest", [])),
     ]
     lines += ["", "## Scaling (small model; 4 processes oversubscribe the 2 cores)", "", *_scaling(records)]
-    lines += ["", "## Plots", "", *_plots(records, main_size, plot_dir)]
+    if plots:
+        lines += ["", "## Plots", "", *_plots(records, main_size, plot_dir)]
     notes = Path(__file__).with_name("NOTES.md")
     if notes.exists():
         lines += ["", notes.read_text().strip()]

@@ -1,6 +1,9 @@
-"""Run every benchmark and write benchmarks/RESULTS.md and the plots.
+"""Run every benchmark and write a report with its plots.
 
-    python benchmarks/run_all.py [--quick]
+    python benchmarks/run_all.py [--quick] [--publish] [--no-plots]
+
+By default everything goes to a new folder under benchmarks/out/ (not tracked); ``--publish``
+writes the tracked benchmarks/results/, benchmarks/RESULTS.md and the plots beside it.
 
 Each contestant runs in its own ``torchrun`` (gloo, CPU) so its peak memory
 is its own; all runs of one invocation share the machine state, so the
@@ -16,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +27,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from contestants import CONTESTANTS  # noqa: E402
+from plotting import pyplot  # noqa: E402
 from report import write_report  # noqa: E402
 
 OURS = ("zero1", "zero2", "zero3")
@@ -31,6 +36,26 @@ PARAMS_PER_BLOCK, PARAMS_OUTSIDE_BLOCKS = 12 * 512**2 + 9 * 512, 8192 * 512 + 12
 
 
 DEVICE = "cpu"  # set from --device
+
+
+class Progress:
+    """How far a run is, and about how long the rest takes (at the mean time per run so far)."""
+
+    def __init__(self) -> None:
+        self.planned, self.done, self.started = 0, 0, time.monotonic()
+
+    def report(self, name: str, outcome: object) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.started
+        left = max(self.planned - self.done, 0) * elapsed / self.done
+        print(
+            f"[{self.done}/~{max(self.planned, self.done)}] {name}: {outcome} "
+            f"({elapsed / 60:.1f} min so far, about {left / 60:.0f} min left)",
+            flush=True,
+        )
+
+
+PROGRESS = Progress()
 
 
 def run(contestant: str, size: str, world_size: int, out_dir: Path, steps: int, depth: int | None = None) -> dict:
@@ -59,9 +84,10 @@ def run(contestant: str, size: str, world_size: int, out_dir: Path, steps: int, 
     env = {**os.environ, "DS_ACCELERATOR": "cuda" if DEVICE == "cuda" else "cpu", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0 or not out.exists():
+        PROGRESS.report(name, "failed")
         return {"contestant": contestant, "size": size, "world_size": world_size, "failed": result.stderr[-1500:]}
     record = json.loads(out.read_text())
-    print(f"{name}: {record.get('median_step_s', record.get('skipped'))}", flush=True)
+    PROGRESS.report(name, record.get("median_step_s", record.get("skipped")))
     return record
 
 
@@ -119,7 +145,15 @@ def machine() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small model only, fewer steps")
-    parser.add_argument("--out", default=str(HERE / "results"))
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="write the tracked results: benchmarks/results/, benchmarks/RESULTS.md and its plots",
+    )
+    parser.add_argument(
+        "--out", default=None, help="the records' folder (default: benchmarks/results with --publish, else a new one)"
+    )
+    parser.add_argument("--no-plots", action="store_true", help="a report without plots (plots need the 'bench' extra)")
     parser.add_argument(
         "--largest-only", action="store_true", help="only the largest-model search, added to an existing all.json"
     )
@@ -144,20 +178,34 @@ def main() -> None:
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
-    out_dir = Path(args.out)
+    if (args.merge or args.largest_only) and not (args.publish or args.out):
+        parser.error("--merge and --largest-only update existing records: add --publish (the tracked ones) or --out")
+    if not args.no_plots:
+        pyplot()  # a missing matplotlib stops here, not after the runs
+    fresh = HERE / "out" / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.out) if args.out else HERE / "results" if args.publish else fresh
     out_dir.mkdir(parents=True, exist_ok=True)
+    report_path, plot_dir = (HERE / "RESULTS.md", HERE) if args.publish else (out_dir / "RESULTS.md", out_dir)
+
+    def report() -> None:
+        write_report(out_dir / "all.json", report_path, plot_dir, plots=not args.no_plots)
+        print(f"wrote {report_path}", flush=True)
+
     if args.largest_only:
         data = json.loads((out_dir / "all.json").read_text())
         data["largest"] = [
             largest_model(c, b, out_dir) for c, b in (("ddp", 16), ("zero1", 12), ("zero2", 10), ("zero3", 8))
         ]
         (out_dir / "all.json").write_text(json.dumps(data, indent=1))
-        write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
+        report()
         return
     steps = 3 if args.quick else 5
     sizes = args.sizes or (["small"] if args.quick else ["small", "medium", "large"])
     records = []
     main_world = 1 if DEVICE == "cuda" else 2
+    PROGRESS.planned = len(sizes) * len(CONTESTANTS)
+    if DEVICE != "cuda" and not args.merge:
+        PROGRESS.planned += 2 * (1 + len(OURS)) + (0 if args.quick else 4 * 2)  # scaling; largest model (~2 each)
     for size in sizes:
         for contestant in CONTESTANTS:
             records.append(run(contestant, size, main_world, out_dir, steps))
@@ -167,7 +215,7 @@ def main() -> None:
         data["records"] = kept + records
         data.setdefault("machine_by_size", {}).update({size: machine() for size in sizes})
         (out_dir / "all.json").write_text(json.dumps(data, indent=1))
-        write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
+        report()
         return
     if DEVICE == "cuda":
         (out_dir / "all-cuda.json").write_text(json.dumps({"machine": machine(), "records": records}, indent=1))
@@ -182,7 +230,7 @@ def main() -> None:
             largest.append(largest_model(contestant, bytes_per_param, out_dir))
     data = {"machine": machine(), "records": records, "largest": largest}
     (out_dir / "all.json").write_text(json.dumps(data, indent=1))
-    write_report(out_dir / "all.json", HERE / "RESULTS.md", HERE)
+    report()
 
 
 if __name__ == "__main__":
