@@ -41,6 +41,7 @@ from ._sharding import (
 )
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
+from .unsupported_callbacks import refuse_unsupported_callbacks
 
 
 @with_settings_doc
@@ -109,6 +110,7 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         optimizer = None
+        refuse_unsupported_callbacks(trainer.callbacks)
         make_parameters_comparable(finetuning_callbacks(trainer))
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync is not None:

@@ -60,6 +60,10 @@ TWO_DEVICE_RUNS = [
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
     {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
     *(
+        {"name": f"{strategy}-{name}", "strategy": strategy, "max_steps": 1, "callback": name, "expect_error": True}
+        for strategy, name in (("zero3", "swa"), ("zero1", "ema"), ("zero2", "pruning"))
+    ),
+    *(
         {"name": f"zero{stage}-finetuning", "strategy": f"zero{stage}", **FINETUNING, "checkpoint_epochs": stage == 3}
         for stage in (1, 2, 3)
     ),
@@ -242,6 +246,23 @@ def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:
     assert isinstance(strategy, ZeroStrategy)
     assert (strategy.zero_config.stage, strategy.zero_config.prefetch) == (2, 2)
     assert strategy.zero_config.wrap_policy.module_classes[0].__name__ == "Block"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "run, callback",
+    [
+        ("zero3-swa", "StochasticWeightAveraging"),
+        ("zero1-ema", "EMAWeightAveraging"),
+        ("zero2-pruning", "ModelPruning"),
+    ],
+)
+def test_callbacks_that_rewrite_parameters_are_refused_before_training(results: tuple, run: str, callback: str) -> None:
+    """Otherwise SWA fails with ParameterAtRestError after swa_epoch_start epochs (stage 3), or the averaged
+    or pruned weights silently miss the optimizer's shards (stages 1/2)."""
+    error = results[1][run]["error"]
+    assert error is not None and f"{callback} does not work with ZeroStrategy" in error
+    assert "Remove it from the Trainer's callbacks" in error
 
 
 @pytest.mark.distributed

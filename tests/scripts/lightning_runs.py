@@ -41,6 +41,16 @@ def full_weights(trainer: pl.Trainer, module: TinyLM) -> dict[str, torch.Tensor]
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
+def _refused_callback(name: str) -> pl.Callback:
+    from lightning.pytorch.callbacks import EMAWeightAveraging, ModelPruning, StochasticWeightAveraging
+
+    return {
+        "swa": lambda: StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1),
+        "ema": lambda: EMAWeightAveraging(),
+        "pruning": lambda: ModelPruning("l1_unstructured", amount=0.5),
+    }[name]()
+
+
 def run(spec: dict, out: Path, devices: int) -> None:
     module_class = (
         ManualTinyLM if spec.get("manual") else BackboneTinyLM if spec.get("unfreeze_backbone_at") else TinyLM
@@ -51,6 +61,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
         dataset_size=spec.get("dataset_size", 96),
     )
     callbacks = []
+    if spec.get("callback"):  # a callback ZeroStrategy refuses at setup
+        callbacks.append(_refused_callback(spec["callback"]))
     if spec.get("unfreeze_backbone_at"):
         callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=spec["unfreeze_backbone_at"]))
     if spec.get("checkpoint_epochs"):
