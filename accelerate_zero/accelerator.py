@@ -96,21 +96,15 @@ class ZeroAccelerator(Accelerator):
         with self._require_engine().no_sync():
             yield
 
-    def _check_whole_model(self, parameters: Iterable[torch.Tensor], what: str) -> None:
-        given = {id(p) for p in parameters}
-        if given != {id(p) for p in self._require_engine().model.parameters()}:
-            raise ValueError(f"{what} under ZeRO clips the whole model at once; pass model.parameters().")
-
     def clip_grad_norm_(
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
-        """The norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
-        self._check_whole_model(parameters, "clip_grad_norm_")
-        return self._require_engine().clip_grad_norm_(max_norm, norm_type)
+        """The norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model (or on the
+        model's parameters given: ``model.head.parameters()`` clips the head alone, as under DDP)."""
+        return self._require_engine().clip_grad_norm_(max_norm, norm_type, parameters=parameters)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
-        self._check_whole_model(parameters, "clip_grad_value_")
-        self._require_engine().clip_grad_value_(clip_value)
+        self._require_engine().clip_grad_value_(clip_value, parameters=parameters)
 
     # --------------------------------------------------------------- export
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:

@@ -144,8 +144,69 @@ def test_grad_norm_of_a_submodule_names_tied_parameters_as_lightning_does(grid: 
             assert result["ours"][key] == pytest.approx(value, rel=1e-5)
 
 
+def _subset_clipping_worker(rank: int, world_size: int) -> list[dict]:
+    """Clipping some parameters (a block by norm, the head by value), as DDP users do with
+    torch.nn.utils.clip_grad_norm_(model.blocks[1].parameters(), ...): the same norms and weights as DDP;
+    ranks that pass different parameters get the same error."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zero_core import CollectiveFailed
+
+    results = []
+    for stage in (1, 2, 3):
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        reference = DistributedDataParallel(copy.deepcopy(model))
+        # SGD: its update scales with the gradient, so a clip that missed would show in the weights (Adam's not).
+        engine = ZeroEngine(model, make_optimizer("sgd", model), ZeroConfig(stage=stage))
+        reference_optimizer = make_optimizer("sgd", reference.module)
+        norms = []
+        for step in range(2):
+            ids = batch(step, rank)
+            engine.backward(lm_loss(model(ids), ids))
+            lm_loss(reference(ids), ids).backward()
+            ours = engine.clip_grad_norm_(0.05, parameters=model.blocks[1].parameters())
+            engine.clip_grad_value_(1e-3, parameters=[model.branch.weight])
+            theirs = torch.nn.utils.clip_grad_norm_(reference.module.blocks[1].parameters(), 0.05)
+            torch.nn.utils.clip_grad_value_([reference.module.branch.weight], 1e-3)
+            norms.append((ours.item(), theirs.item()))
+            engine.step()
+            reference_optimizer.step()
+            reference_optimizer.zero_grad()
+        full = engine.full_state_dict()
+        expected = reference.module.state_dict()
+        error = max((full[k] - expected[k]).abs().max().item() for k in expected)
+        ids = batch(3, rank)
+        engine.backward(lm_loss(model(ids), ids))
+        try:  # rank 1 picks another block
+            engine.clip_grad_norm_(0.05, parameters=model.blocks[rank].parameters())
+            refused = "no error"
+        except CollectiveFailed as raised:
+            refused = str(raised)
+        engine.zero_grad()
+        results.append({"stage": stage, "norms": norms, "error": error, "refused": refused})
+        engine.unshard()
+    return results
+
+
+def test_clipping_some_parameters_matches_ddp_and_ranks_must_pick_the_same(grid: list) -> None:
+    by_stage = by_rank(grid, "subset clipping")
+    for results in by_stage:
+        for result in results:
+            for ours, theirs in result["norms"]:
+                assert ours == pytest.approx(theirs, rel=1e-5), result["stage"]
+            assert result["error"] < 1e-6, result["stage"]
+            assert "clip_grad_norm_: the parameters given, as a checksum of their slots" in result["refused"]
+    assert [r["refused"] for r in by_stage[0]] == [r["refused"] for r in by_stage[1]], "the same error on every rank"
+
+
 @pytest.fixture(scope="module")
 def grid() -> list[dict]:
     """Every case of this file in one spawn of two ranks."""
-    workers = {"grads": _grads_worker, "fp16 norms": _fp16_norms_worker, "tied": _tied_worker}
+    workers = {
+        "grads": _grads_worker,
+        "fp16 norms": _fp16_norms_worker,
+        "tied": _tied_worker,
+        "subset clipping": _subset_clipping_worker,
+    }
     return run_distributed(run_each, 2, workers, timeout=600)

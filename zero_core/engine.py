@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 
 from .accounting import MemoryReport, UnitReport, measure_model_state, unit_reports
 from .build import build_parts, model_device
@@ -27,6 +27,7 @@ from .model import full_params
 from .model.meta_init import ParamInitFn
 from .model.owners import ModelOwners
 from .optim.rebuild import check_optimizer_supported
+from .step.gradient_reads import Parameters
 from .step.prefetch_tuning import PrefetchReport
 from .step.state import TrainingState
 
@@ -243,13 +244,15 @@ class ZeroEngine:
         self._runtime.require_grad_sync = enabled
 
     # ----------------------------------------------------------- gradients
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model."""
-        return self._parts.gradients.clip_grad_norm(max_norm, float(norm_type))
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, parameters: Parameters = None) -> Tensor:
+        """Clip by the norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model (or on
+        ``parameters``, some of the model's: every rank passes the same ones)."""
+        return self._parts.gradients.clip_grad_norm(max_norm, float(norm_type), parameters)
 
-    def clip_grad_value_(self, clip_value: float) -> None:
-        """Clamp every gradient element to ``[-clip_value, clip_value]``, as ``torch.nn.utils.clip_grad_value_``."""
-        self._parts.gradients.clip_grad_value(clip_value)
+    def clip_grad_value_(self, clip_value: float, *, parameters: Parameters = None) -> None:
+        """Clamp every gradient element (of ``parameters``, if given) to ``[-clip_value, clip_value]``,
+        as ``torch.nn.utils.clip_grad_value_``."""
+        self._parts.gradients.clip_grad_value(clip_value, parameters)
 
     def grad_norms(self, norm_type: float = 2.0) -> dict[str, torch.Tensor]:
         """Gradient norms as Lightning's ``grad_norm`` reports them (``grad_2.0_norm/<name>`` and

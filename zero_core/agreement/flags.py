@@ -19,16 +19,19 @@ def true_on_any_rank(
     ``must_agree`` (integers below 2**52, checked in the same call), get the
     same error.
     """
-    n = len(flags)
-    checks = {f"{what} (how many)": n, **(must_agree or {})}
     # The counts first, in a tensor of fixed size: all-reducing tensors of
     # different sizes is itself a mismatch no check could report.
-    values = list(checks.values())
-    agreed = torch.tensor(with_negations(values), dtype=torch.float64, device=comm.device)
+    agree_on_values(comm, {f"{what} (how many)": len(flags), **(must_agree or {})}, what)
+    tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
+    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
+    return [v > 0 for v in tensor.tolist()]
+
+
+def agree_on_values(comm: CommContext, checks: dict[str, int], what: str) -> None:
+    """Every rank holds the same value of each check (integers below 2**52), or every rank raises the
+    same error naming those that differ: one small all-reduce."""
+    agreed = torch.tensor(with_negations(list(checks.values())), dtype=torch.float64, device=comm.device)
     collectives.all_reduce(comm, agreed, dist.ReduceOp.MAX, label=what).wait()
     differing = differing_values(checks, agreed.tolist())
     if differing:
         raise CollectiveFailed(f"ZeRO: ranks disagree on {'; '.join(differing)}.\n{DIVERGENCE_ADVICE}")
-    tensor = torch.tensor([float(f) for f in flags], dtype=torch.float32, device=comm.device)
-    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label=what).wait()
-    return [v > 0 for v in tensor.tolist()]

@@ -17,9 +17,21 @@ from .. import collectives
 from ..collectives import CommContext, Span
 from ..unit import FlatUnit
 
+# Parameters picked out of the model, as (unit index, slot index): a subset to clip.
+Selection = frozenset[tuple[int, int]]
 
-def _shards(units: list[FlatUnit]) -> list[torch.Tensor]:
-    return [u.sharded_grads for u in units if u.sharded_grads is not None]
+
+def _shards(units: list[FlatUnit], selected: Selection | None = None) -> list[torch.Tensor]:
+    """This rank's gradient shards, or (``selected``) the slices of them that hold the selected parameters."""
+    if selected is None:
+        return [u.sharded_grads for u in units if u.sharded_grads is not None]
+    return [
+        unit.sharded_grads[master.piece.shard_start : master.piece.shard_start + master.piece.numel]
+        for unit in units
+        if unit.sharded_grads is not None
+        for master in unit.master_pieces
+        if (unit.index, master.piece.slot.index) in selected
+    ]
 
 
 def scale_grads(units: list[FlatUnit], factor: float) -> None:
@@ -27,9 +39,11 @@ def scale_grads(units: list[FlatUnit], factor: float) -> None:
         shard.mul_(factor)
 
 
-def clip_grad_norm(units: list[FlatUnit], comm: CommContext, max_norm: float, norm_type: float) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` over the full model, from the shards."""
-    shards = _shards(units)
+def clip_grad_norm(
+    units: list[FlatUnit], comm: CommContext, max_norm: float, norm_type: float, selected: Selection | None = None
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the full model (or the ``selected`` parameters), from the shards."""
+    shards = _shards(units, selected)
     local = torch.zeros(1, dtype=torch.float32, device=comm.device)
     if norm_type == float("inf"):
         for shard in shards:
@@ -96,7 +110,7 @@ def total_norm(norms: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return values.max() if norm_type == float("inf") else values.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
-def clip_grad_value(units: list[FlatUnit], clip_value: float) -> None:
-    """Elementwise, so clipping each shard is clipping the whole."""
-    for shard in _shards(units):
+def clip_grad_value(units: list[FlatUnit], clip_value: float, selected: Selection | None = None) -> None:
+    """Elementwise, so clipping each shard is clipping the whole (or the ``selected`` parameters' slices)."""
+    for shard in _shards(units, selected):
         shard.clamp_(-clip_value, clip_value)

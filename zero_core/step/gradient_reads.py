@@ -7,14 +7,20 @@ divide by the loss scale without touching them. Every rank calls each of them: t
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Iterable
+
 import torch
 
+from .. import agreement
 from ..collectives import CommContext
 from ..optim import grad_ops
 from ..optim.loss_scaling import DynamicLossScaler
 from ..unit import FlatUnit
 from .optimizer_step import OptimizerStep
 from .runtime import StepRuntime
+
+Parameters = torch.Tensor | Iterable[torch.Tensor] | None  # as torch.nn.utils.clip_grad_norm_ takes them
 
 
 class GradientReads:
@@ -28,16 +34,38 @@ class GradientReads:
     ):
         self._units, self._comm, self._runtime = units, comm, runtime
         self._optimizer_step, self._loss_scaler = optimizer_step, loss_scaler
+        self._slot_of = {id(p): (unit.index, i) for unit in units for i, p in enumerate(unit.params)}
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float) -> torch.Tensor:
+    def clip_grad_norm(self, max_norm: float, norm_type: float, parameters: Parameters = None) -> torch.Tensor:
+        selected = self._select(parameters, "clip_grad_norm_")
         self._runtime.settle_gradients()
         self._optimizer_step.unscale_grads_once()
-        return grad_ops.clip_grad_norm(self._units, self._comm, max_norm, norm_type)
+        return grad_ops.clip_grad_norm(self._units, self._comm, max_norm, norm_type, selected)
 
-    def clip_grad_value(self, clip_value: float) -> None:
+    def clip_grad_value(self, clip_value: float, parameters: Parameters = None) -> None:
+        selected = self._select(parameters, "clip_grad_value_")
         self._runtime.settle_gradients()
         self._optimizer_step.unscale_grads_once()
-        grad_ops.clip_grad_value(self._units, clip_value)
+        grad_ops.clip_grad_value(self._units, clip_value, selected)
+
+    def _select(self, parameters: Parameters, what: str) -> grad_ops.Selection | None:
+        """``parameters`` (some of the model's; all when None) as unit slots, the same on every rank: ranks
+        that picked different parameters would each clip by another norm, so that is refused on all of them."""
+        if parameters is None:
+            return None
+        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        unknown = [p for p in given if id(p) not in self._slot_of]
+        if unknown:
+            raise ValueError(
+                f"{what}: {len(unknown)} of the tensors given are not parameters of the sharded model; pass "
+                "model.parameters() or some of them (for example model.head.parameters())."
+            )
+        selected = frozenset(self._slot_of[id(p)] for p in given)
+        names = ",".join(sorted(f"{unit}.{slot}" for unit, slot in selected))
+        checks = {f"{what}: the parameters given, as a checksum of their slots": zlib.crc32(names.encode())}
+        agreement.agree_on_values(self._comm, checks, f"{what} of some parameters")
+        # The whole model (Accelerate passes model.parameters()): the shards as they are, as without parameters.
+        return None if len(selected) == len(self._slot_of) else selected
 
     def norms(self, norm_type: float) -> dict[str, torch.Tensor]:
         """``{"grad_<p>_norm/<name>": ..., "grad_<p>_norm_total": ...}``, Lightning's ``grad_norm`` keys,
