@@ -3,7 +3,8 @@
 
 As for the Trainer, it is DDP's process management with the ZeRO engine in
 place of the DDP wrapper; ``fabric.save``/``fabric.load`` write and read
-sharded DCP directories, at any world size and stage.
+sharded DCP directories, at any world size and stage; ``fabric.load`` also
+reads a file a DDP (or one-process) run saved, weights and optimizer state.
 """
 
 from __future__ import annotations
@@ -185,6 +186,8 @@ class ZeroFabricStrategy(DDPStrategy):
     ) -> dict[str, Any]:
         assert self.engine is not None
         path = Path(self.broadcast(str(path)))
+        if path.is_file():
+            return self._load_full_file(path, state, strict)
         if isinstance(state, nn.Module):
             state = {"model": state}
         state = state if isinstance(state, dict) else {}
@@ -205,6 +208,42 @@ class ZeroFabricStrategy(DDPStrategy):
             else:
                 state[key] = extra.pop(key)
         return extra
+
+    def _load_full_file(self, path: Path, state: nn.Module | Optimizer | dict[str, Any] | None, strict: bool) -> Any:
+        """A file of full state dicts (``fabric.save`` under DDP or one process): the module's weights and the
+        optimizer's state are read by every rank for its own parts, both or neither applied."""
+        assert self.engine is not None
+        file = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if not state:
+            return file
+        if isinstance(state, nn.Module):  # the file is the module's state dict itself
+            self.engine.load_full_state_dict(file, strict=strict)
+            return {}
+        if isinstance(state, Optimizer) or not isinstance(file, dict):
+            raise TypeError(
+                f"{path} holds a bare state dict; load it with the model: fabric.load(path, model), or save "
+                "{'model': model, 'optimizer': optimizer} together and pass the same dict to fabric.load."
+            )
+        missing = [key for key in state if key not in file]
+        if missing and strict:
+            raise KeyError(f"{path} holds no entries {missing}; pass strict=False to skip them.")
+        present = {key: value for key, value in state.items() if key in file}
+        modules = [key for key, value in present.items() if isinstance(value, nn.Module)]
+        optimizers = [key for key, value in present.items() if isinstance(value, Optimizer)]
+        if len(modules) > 1 or len(optimizers) > 1 or (optimizers and not modules):
+            raise ValueError(
+                f"fabric.load({path}, ...) under ZeRO restores one model and its optimizer together; "
+                f"got models {modules} and optimizers {optimizers}."
+            )
+        if modules:
+            optimizer_state = file.pop(optimizers[0]) if optimizers else None
+            self.engine.load_full_state_dict(file.pop(modules[0]), strict=strict, optimizer_state_dict=optimizer_state)
+        for key in present.keys() - {*modules, *optimizers}:
+            if _is_stateful(state[key]):
+                state[key].load_state_dict(file.pop(key))
+            else:
+                state[key] = file.pop(key)
+        return file
 
     def teardown(self) -> None:
         teardown_keeping_module(self, self.precision)

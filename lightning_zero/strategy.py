@@ -210,17 +210,37 @@ class ZeroStrategy(DDPStrategy):
             if with_optimizer:
                 checkpoint["optimizer_states"] = [{}]
             return checkpoint
-        # A consolidated file: its weights, read piecewise (agreed on every rank); optimizer state starts fresh.
+        # A consolidated file (zero-consolidate's, or a DDP run's): its weights and, when fitting, its optimizer
+        # state, each rank reading only its parts (agreed on every rank).
         file = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-        checkpoint = self._restoring_finetuning_groups(
-            fitting,
-            lambda: file.get("callbacks") or {},
-            lambda: (self.engine.load_full_state_dict(path, strict=self.lightning_module.strict_loading), file)[1],
-        )
+        optimizer_state = self._full_optimizer_state(file, path) if fitting else None
+
+        def load() -> dict[str, Any]:
+            strict = self.lightning_module.strict_loading
+            self.engine.load_full_state_dict(path, strict=strict, optimizer_state_dict=optimizer_state)
+            return file
+
+        checkpoint = self._restoring_finetuning_groups(fitting, lambda: file.get("callbacks") or {}, load)
         checkpoint["state_dict"] = {}
-        if fitting:
+        if optimizer_state is not None:
             checkpoint["optimizer_states"] = [{}]
         return checkpoint
+
+    def _full_optimizer_state(self, file: dict[str, Any], path: Path) -> dict[str, Any] | None:
+        """The file's one optimizer state, checked before anything is loaded: Lightning's own error for a
+        weights-only file (raised after the weights are in place otherwise), ours for several optimizers."""
+        if self.engine is None or self.engine.optimizer is None:
+            return None
+        states = file.get("optimizer_states")
+        if states is None:
+            raise KeyError(
+                f"Trying to restore optimizer state but checkpoint {path} contains only the model. This is "
+                "probably due to `ModelCheckpoint.save_weights_only` being set to `True`."
+            )
+        if not isinstance(states, list) or len(states) != 1:
+            count = len(states) if isinstance(states, list) else "malformed"
+            raise ValueError(f"{path} holds the state of {count} optimizers; ZeroStrategy trains with exactly one.")
+        return states[0]
 
     def _restoring_finetuning_groups(
         self, fitting: bool, saved_callbacks: Callable[[], dict[str, Any]], load: Callable[[], dict[str, Any]]

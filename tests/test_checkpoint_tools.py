@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from zero_core import ZeroEngine
-from zero_core.checkpoint import consolidate_checkpoint
+from zero_core.checkpoint import CheckpointError, consolidate_checkpoint
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
@@ -125,3 +126,71 @@ def test_full_weights_load_into_a_sharded_model(saved: tuple, tmp_path: Path) ->
     files = [str(tmp_path / name) for name in ("weights.safetensors", "weights.pt", "lightning.ckpt")]
     for errors in run_distributed(_start_from_full_weights, 2, files):
         assert errors == [0.0, 0.0, 0.0]
+
+
+def _one_process(steps: range, model: TinyTransformer, optimizer: torch.optim.Optimizer) -> list[float]:
+    """The reference: one process on both ranks' batches."""
+    losses = []
+    for step in steps:
+        ids = torch.cat([batch(step, 0), batch(step, 1)])
+        loss = lm_loss(model(ids), ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _resume_from_full_state_dicts(rank: int, world_size: int) -> dict[str, object]:
+    """A one-process run's state dicts (as a DDP run saves them) resume at every stage; bad ones are refused
+    on every rank, changing nothing."""
+    torch.manual_seed(0)
+    reference = TinyTransformer(batchnorm=False)
+    reference_optimizer = make_optimizer("adamw", reference)  # two groups, not in parameter order
+    _one_process(range(3), reference, reference_optimizer)
+    weights = {k: v.clone() for k, v in reference.state_dict().items()}
+    saved = copy.deepcopy(reference_optimizer.state_dict())  # its tensors are the live state's
+    _one_process(range(3, 5), reference, reference_optimizer)
+    results: dict[str, object] = {}
+    for stage in (1, 2, 3):
+        torch.manual_seed(123)
+        model = TinyTransformer(batchnorm=False)
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(stage))
+        engine.load_full_state_dict(weights, optimizer_state_dict=saved)
+        for step in range(3, 5):
+            ids = batch(step, rank)
+            engine.backward(lm_loss(model(ids), ids))
+            engine.step()
+        results[f"zero{stage}"] = relative_difference(engine.full_state_dict(), reference.state_dict())
+    bad = {
+        "one group": {**saved, "param_groups": saved["param_groups"][:1]},
+        "unknown index": {**saved, "state": {**saved["state"], 999: saved["state"][0]}},
+        # only rank 1's copy is bad: both ranks must refuse
+        "misshaped": {**saved, "state": {**saved["state"], 0: {**saved["state"][0], "exp_avg": torch.zeros(3)}}}
+        if rank == 1
+        else saved,
+    }
+    torch.manual_seed(123)
+    model = TinyTransformer(batchnorm=False)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
+    before = engine.full_state_dict()
+    for case, optimizer_state in bad.items():
+        try:
+            engine.load_full_state_dict(weights, optimizer_state_dict=optimizer_state)
+            results[case] = "loaded"
+        except CheckpointError as error:
+            results[case] = str(error)
+    results["unchanged"] = relative_difference(engine.full_state_dict(), before) == 0.0
+    results["no optimizer state"] = len(engine.optimizer.state) == 0
+    return results
+
+
+def test_full_optimizer_state_dicts_resume_like_one_process_and_bad_ones_change_nothing() -> None:
+    """DDP's files index parameters group by group, in order, as optimizer.load_state_dict matches them."""
+    results = run_distributed(_resume_from_full_state_dicts, 2)
+    for stage in (1, 2, 3):
+        assert all(r[f"zero{stage}"] <= 1e-5 for r in results), stage
+    assert all("3 param groups" not in r["one group"] and "1 param groups" in r["one group"] for r in results)
+    assert all("999" in r["unknown index"] for r in results)
+    assert results[0]["misshaped"] == results[1]["misshaped"] and "exp_avg" in results[0]["misshaped"]
+    assert all(r["unchanged"] and r["no optimizer state"] for r in results)

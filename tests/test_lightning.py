@@ -57,6 +57,7 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-16-mixed", "strategy": "zero3", "max_steps": 4, "plugin_precision": "16-mixed"},
     {"name": "zero3-fp32", "strategy": "zero3", "max_steps": 4},
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
+    {"name": "ddp-resumable", "strategy": "ddp_find_unused_parameters_true", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
     {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
     *(
@@ -76,6 +77,15 @@ ONE_DEVICE_RUNS = [
         "batch_size": 8,
         "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt",
     },
+    # Files, not directories: DDP's own (users move a run to ZeRO this way), and zero-consolidate's.
+    *(
+        {"name": name, "strategy": strategy, **RESUMABLE, "batch_size": 8, "ckpt_path": ckpt_path}
+        for name, strategy, ckpt_path in (
+            ("resumed-ddp", "ddp_find_unused_parameters_true", "ddp-resumable/epoch=2-step=3.ckpt"),
+            ("resumed-zero3-from-ddp", "zero3", "ddp-resumable/epoch=2-step=3.ckpt"),
+            ("resumed-zero2-from-consolidated", "zero2", "resumable-consolidated.ckpt"),
+        )
+    ),
     # DDP reduces no gradient of a parameter frozen when it was built, so one process on
     # the global batch is the reference for unfreezing (and its resume, for Lightning's own).
     {"name": "one-process-finetuning", "strategy": "auto", **FINETUNING, "batch_size": 8, "checkpoint_epochs": True},
@@ -116,9 +126,9 @@ def _launch(runs: list[dict], out: Path, devices: int) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("lightning")
     _launch(TWO_DEVICE_RUNS, out, 2)
-    consolidate_checkpoint(
-        out / "zero3-finetuning" / "epoch=3-step=4.ckpt", out / "finetuning-consolidated.ckpt", "lightning"
-    )
+    for run, checkpoint in (("zero3-finetuning", "epoch=3-step=4.ckpt"), ("zero3-resumable", "epoch=2-step=3.ckpt")):
+        consolidated_file = out / f"{run.removeprefix('zero3-')}-consolidated.ckpt"
+        consolidate_checkpoint(out / run / checkpoint, consolidated_file, "lightning")
     _launch(ONE_DEVICE_RUNS, out, 1)
     loaded = {
         run["name"]: torch.load(out / f"{run['name']}.pt", weights_only=False)
@@ -184,6 +194,18 @@ def test_resume_with_other_device_count_and_stage(results: tuple) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("run", ["resumed-zero3-from-ddp", "resumed-zero2-from-consolidated"])
+def test_resume_from_a_file_restores_the_optimizer_as_ddp_does(results: tuple, run: str) -> None:
+    """Trainer.fit(ckpt_path=<file>): DDP's own file, or a consolidated one, resumes weights and Adam's
+    state, at another stage and device count, as DDP resumes from its file (a fresh Adam would be far off)."""
+    _, runs = results
+    reference, ours = runs["resumed-ddp"], runs[run]
+    assert ours["global_step"] == reference["global_step"] == 6 and len(ours["losses"]) == 3
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+@pytest.mark.distributed
 def test_model_checkpoint_writes_directories_and_prunes(results: tuple) -> None:
     out, _ = results
     kept = sorted((out / "zero2-topk-topk").iterdir())
@@ -230,6 +252,10 @@ def test_fabric_trains_saves_and_resumes_exactly(tmp_path: Path) -> None:
     assert run["resumed"] == run["continued"]  # the scheduler's state came back too
     assert relative_difference(run["final"], run["uninterrupted"]) == 0.0
     assert "holds no entries ['epoch']" in run["refused"] and run["refused_changed_nothing"]
+    # A one-process (as a DDP) run's file: its optimizer state comes back too (a fresh Adam would be far off).
+    assert run["from_file_remainder"] == {}
+    assert run["from_file"] == pytest.approx(run["continued"], rel=1e-5)  # rank 0's losses, as it logged them
+    assert relative_difference(run["from_file_final"], run["one_process_final"]) <= 1e-5
 
 
 def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:
@@ -300,14 +326,15 @@ def test_backbone_finetuning_resumes_as_lightning_does_in_one_process(results: t
 
 @pytest.mark.distributed
 def test_backbone_finetuning_resumes_from_a_consolidated_file_with_its_group(results: tuple) -> None:
-    """Consolidated files give weights only here (the optimizer starts fresh, so the head's
-    rates restart), but the callback's backbone group comes back with its own rate, as in one
-    process. Lightning re-creates the group on resume, not ``requires_grad``, so in one process
-    too the backbone stays frozen after any resume: equal to the values it resumed with."""
+    """A consolidated file resumes like the one-process checkpoint: the callback's backbone group comes
+    back first, then the optimizer state of all three groups. Lightning re-creates the group on resume,
+    not ``requires_grad``, so in one process too the backbone stays frozen after any resume."""
     out, runs = results
     ours, one_process = runs["consolidated-zero3-finetuning"], runs["resumed-one-process-finetuning"]
     assert ours["global_step"] == 6 and len(ours["lrs"]) == 3 and ours["restarting"] == [False]
-    assert ours["lrs"][2] == pytest.approx(one_process["lrs"][2])
+    assert ours["lrs"] == pytest.approx(one_process["lrs"])
+    assert ours["losses"] == pytest.approx(one_process["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], one_process["weights"]) <= 1e-5
     resumed_from = torch.load(out / "finetuning-consolidated.ckpt", weights_only=True)["state_dict"]
     backbone = [key for key in resumed_from if key.startswith("net.blocks.0.")]
     assert relative_difference({k: ours["weights"][k] for k in backbone}, {k: resumed_from[k] for k in backbone}) == 0.0

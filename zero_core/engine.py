@@ -84,11 +84,8 @@ class ZeroEngine:
         _ENGINES.register(model, self)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Rebuild ``optimizer`` (made over the model's parameters) over this rank's shards.
-
-        The constructor does this for the optimizer it is given; call it to
-        train an engine built without one, or with a fresh optimizer.
-        """
+        """Rebuild ``optimizer`` (made over the model's parameters) over this rank's shards, as the constructor
+        does for its own: to train an engine built without one, or with a fresh optimizer."""
         self._optimizer.attach(optimizer)
 
     @property
@@ -99,9 +96,8 @@ class ZeroEngine:
     # --------------------------------------------------------------- facts
     @property
     def param_group_names(self) -> list[list[str]]:
-        """Each optimizer group's parameters by name (every rank alike): how checkpoints
-        refer to them. Read from the groups as they are now, so a save or load right
-        after ``optimizer.add_param_group`` sees the new group."""
+        """Each optimizer group's parameters by name (every rank alike), as checkpoints name them; read from
+        the groups as they are now, so a save or load right after ``add_param_group`` sees the new group."""
         return self._optimizer.read_groups()
 
     @property
@@ -390,7 +386,15 @@ class ZeroEngine:
         self._optimizer_step.steps_taken = resumed.steps
         return resumed.extra
 
-    def load_full_state_dict(self, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool = True) -> None:
-        """Load ordinary full weights (a state dict, or a .safetensors / torch file) into the shards; each rank
-        reads only the parts its shard covers (safetensors slices, or memory-mapped torch files)."""
-        training_state.load_full_state_dict(self._parts.checkpoints, source, strict)
+    def load_full_state_dict(
+        self,
+        source: Mapping[str, torch.Tensor] | str | os.PathLike,
+        strict: bool = True,
+        *,
+        optimizer_state_dict: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Full weights (a state dict, .safetensors or torch file) into the shards, each rank reading its parts;
+        with ``optimizer_state_dict`` (``optimizer.state_dict()`` of a DDP or one-process run, or
+        ``zero-consolidate``'s) the optimizer's state too, as ``optimizer.load_state_dict`` matches it. All or
+        nothing on every rank, at any stage and world size."""
+        training_state.load_full_state(self._parts.checkpoints, source, strict, optimizer_state_dict)

@@ -1,7 +1,9 @@
 """Fabric with strategy="zero3": train, save (model, optimizer, LR scheduler, a
 step count), keep training; then a fresh model refuses a load that asks for a
 missing entry (changing nothing), loads the checkpoint and trains the same
-steps. Rank 0 writes OUT/fabric.pt.
+steps. Last, a file a one-process run saved (as a DDP run saves one: full model
+and optimizer state dicts) is loaded into a fresh sharded model, and both go on.
+Rank 0 writes OUT/fabric.pt.
 
     python tests/scripts/fabric_run.py OUT_DIR
 """
@@ -41,6 +43,26 @@ def fresh(fabric: Fabric):  # type: ignore[no-untyped-def]
     return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
 
 
+def one_process(steps: range, model=None, optimizer=None, scheduler=None):  # type: ignore[no-untyped-def]
+    """The reference: one process on the global batch (both ranks' batches)."""
+    if model is None:
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        optimizer = make_optimizer("adamw", model)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    losses = []
+    for step in steps:
+        ids = torch.cat([batch(step, 0), batch(step, 1)])
+        loss = lm_loss(model(ids), ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+        losses.append(loss.item())
+    return model, optimizer, scheduler, losses
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     fabric = Fabric(accelerator="cpu", devices=2, strategy="zero3")
@@ -76,6 +98,19 @@ def main() -> None:
         "refused_changed_nothing": refused_changed_nothing,
         "lr": scheduler.get_last_lr(),
     }
+    plain, plain_optimizer, plain_scheduler, _ = one_process(range(3))
+    file = out / "one-process.ckpt"
+    if fabric.global_rank == 0:
+        saved = {"model": plain.state_dict(), "optimizer": plain_optimizer.state_dict(), "step": 3}
+        torch.save({**saved, "scheduler": plain_scheduler.state_dict()}, file)
+    fabric.barrier()
+    one_process(range(3, 5), plain, plain_optimizer, plain_scheduler)
+    result["one_process_final"] = {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    model, optimizer, scheduler = fresh(fabric)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    result["from_file_remainder"] = fabric.load(file, state)
+    result["from_file"] = train(fabric, model, optimizer, scheduler, range(state["step"], 5))
+    result["from_file_final"] = fabric.strategy.engine.full_state_dict()
     if fabric.global_rank == 0:
         torch.save(result, out / "fabric.pt")
 

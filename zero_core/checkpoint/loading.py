@@ -169,12 +169,12 @@ def _read(
         weights = LoadedWeights(shards, buffers)
     optimizer = None
     if load_optimizer:
-        settings = _group_settings(view, state[OPTIMIZER_KEY]["param_groups"], checkpoint.directory)
+        settings = group_settings(view, state[OPTIMIZER_KEY]["param_groups"], checkpoint.directory)
         optimizer = LoadedOptimizer(settings, installs)
     return LoadedCheckpoint(checkpoint.extra, checkpoint.record, weights, optimizer)
 
 
-def _group_settings(view: ShardedModel, saved_groups: Any, path: Path) -> list[dict[str, Any]]:
+def group_settings(view: ShardedModel, saved_groups: Any, path: Path | str) -> list[dict[str, Any]]:
     """The saved groups' hyperparameters, once their parameters and value types are known to match ours."""
     assert view.optimizer is not None
     valid = isinstance(saved_groups, list) and all(

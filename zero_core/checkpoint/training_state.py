@@ -25,6 +25,7 @@ from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
 from .agreement import RankAgreement
 from .errors import CheckpointError
+from .full_optimizer import read_full_optimizer_state
 from .full_weights import load_full_weights
 from .loading import LoadedCheckpoint, load_checkpoint, open_checkpoint
 from .records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
@@ -158,11 +159,24 @@ def load(
     return Resumed(loaded.extra, loaded.record.steps)
 
 
-def load_full_state_dict(
-    target: CheckpointTarget, source: Mapping[str, torch.Tensor] | str | os.PathLike, strict: bool
+def load_full_state(
+    target: CheckpointTarget,
+    source: Mapping[str, torch.Tensor] | str | os.PathLike,
+    strict: bool,
+    optimizer_state: Mapping[str, Any] | None,
 ) -> None:
+    """Full weights and, when given, a full optimizer state dict (torch's or FSDP's layout), all or nothing:
+    both are read and agreed on every rank before either is installed."""
+    if optimizer_state is not None and target.optimizer is None:
+        raise ValueError("optimizer_state_dict was given, but no optimizer is attached to load it into.")
     target.quiesce()
-    _install_weights(target, load_full_weights(sharded_view(target), source, strict=strict))
+    where = "a state dict" if isinstance(source, Mapping) else str(source)
+    view = sharded_view(target, None if optimizer_state is None else f"loading the optimizer state from {where}")
+    weights = load_full_weights(view, source, strict=strict)
+    optimizer = None if optimizer_state is None else read_full_optimizer_state(view, optimizer_state, where)
+    _install_weights(target, weights)
+    if optimizer is not None:
+        install_optimizer_state(target.optimizer, optimizer.group_settings, optimizer.state)
     target.refresh_parameters()
 
 
