@@ -96,7 +96,9 @@ def _mismatched_engine(rank: int) -> ZeroEngine:
 @pytest.fixture(scope="module")
 def grid() -> list[dict]:
     """One spawn for the file's two-rank cases: the refusals leave the process group usable."""
-    return run_distributed(run_each, 2, {"bad inputs": _bad_inputs, "meta": _meta_training})
+    return run_distributed(
+        run_each, 2, {"bad inputs": _bad_inputs, "meta": _meta_training, "meta like ddp": _meta_like_ddp}
+    )
 
 
 @pytest.mark.distributed
@@ -138,3 +140,60 @@ def test_meta_device_model_is_materialised_one_unit_at_a_time(grid: list[dict]) 
     assert all(torch.equal(first["initial"][k], second["initial"][k]) for k in first["initial"])
     assert first["initial"]["norm.running_var"].eq(1).all()  # BatchNorm.reset_parameters ran
     assert torch.isfinite(torch.tensor([first["loss"], second["loss"]])).all()
+
+
+def _examples_gpt():  # type: ignore[no-untyped-def]
+    """The examples' GPT: tied embeddings, a root reset_parameters() that re-initialises the tie."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import gpt
+
+    config = gpt.GPTConfig(vocab_size=64, seq_len=8, width=16, depth=3, heads=2)
+    return (lambda: gpt.GPT(config)), gpt.GPTBlock
+
+
+def _built(make, seed: int, meta: bool) -> nn.Module:  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    with torch.device("meta" if meta else "cpu"):
+        return make()
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    module.reset_parameters()  # type: ignore[operator]
+
+
+def _meta_like_ddp(rank: int, world_size: int) -> dict[str, object]:
+    """The same seed on the meta path (materialised by the engine) and eagerly under DDP:
+    the initial weights, and the random numbers drawn after, per model and stage."""
+    gpt, gpt_block = _examples_gpt()
+    out: dict[str, object] = {}
+    for name, make, block in [("tiny", TinyTransformer, Block), ("gpt", gpt, gpt_block)]:
+        reference = _built(make, seed=7, meta=False)
+        ddp = nn.parallel.DistributedDataParallel(reference)
+        after_eager = torch.rand(4)
+        expected = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+        # A param_init_fn is called in the same order, with the same tied tensors, as reset_parameters().
+        for stage, init_fn in [(1, None), (2, None), (3, None), (3, _reset_parameters)]:
+            model = _built(make, seed=7, meta=True)
+            config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(block,)))
+            engine = ZeroEngine(model, torch.optim.AdamW(model.parameters()), config, param_init_fn=init_fn)
+            after_meta = torch.rand(4)
+            weights = engine.full_state_dict()
+            out[f"{name} stage {stage}{' param_init_fn' if init_fn else ''}"] = {
+                "keys equal": sorted(weights) == sorted(expected),
+                "different": [k for k in expected if not torch.equal(weights[k], expected[k])],
+                "same random numbers after": torch.equal(after_meta, after_eager),
+            }
+    return out
+
+
+@pytest.mark.distributed
+def test_meta_device_model_gets_ddps_initial_weights_from_the_same_seed(grid: list[dict]) -> None:
+    """Materialised in construction order, bitwise what eager construction under DDP gives, at every
+    stage, for tied weights kept from the first module and re-initialised by the root; the random
+    numbers drawn afterwards (dropout) are the same too."""
+    for results in by_rank(grid, "meta like ddp"):
+        for case, result in results.items():
+            assert result == {"keys equal": True, "different": [], "same random numbers after": True}, case

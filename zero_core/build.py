@@ -18,7 +18,13 @@ from .collectives import CommContext, Position
 from .config import ZeroConfig
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
-from .model.meta_init import ParamInitFn, check_meta_initialisable, materialize_modules, model_is_on_meta
+from .model.meta_init import (
+    MetaMaterialiser,
+    ParamInitFn,
+    check_meta_initialisable,
+    construction_order,
+    model_is_on_meta,
+)
 from .model.state_dict_hooks import StateDictHooks
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import DynamicLossScaler
@@ -78,13 +84,21 @@ def build_units(
     if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
         comm.split(config.shard_group_size)
     units: dict[int, FlatUnit] = {}
-    # Children first: a parameter owned by an ancestor (shared between
-    # children) is materialised with the children before the ancestor flattens.
-    for plan in reversed(plans):
-        if on_meta:
-            materialize_modules(plan.modules, comm.device, param_init_fn)
-        numel = sum(p.numel() for p in plan.params)
-        units[plan.index] = FlatUnit(plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests)
+    plan_rooted_at = {id(plan.module): plan for plan in plans}
+    materialiser = MetaMaterialiser(model, comm.device, param_init_fn) if on_meta else None
+    # In construction order (children first, in registration order): a meta model's modules are
+    # initialised as eager construction initialises them (the same seed gives the same weights),
+    # and each unit is flattened once its root module is reached, everything under it initialised.
+    # Only the modules of enclosing units reached earlier (the root unit's embeddings) wait unsharded.
+    for module in construction_order(model):
+        if materialiser is not None:
+            materialiser.initialise(module)
+        plan = plan_rooted_at.get(id(module))
+        if plan is not None:
+            numel = sum(p.numel() for p in plan.params)
+            units[plan.index] = FlatUnit(
+                plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests
+            )
     digests.track([units[i] for i in range(len(plans))])
     return [units[i] for i in range(len(plans))]
 
