@@ -1,8 +1,9 @@
 """``ZeroAccelerator``: Accelerate's ``Accelerator`` with ZeRO in place of DDP.
 
-``prepare`` shards the model and rebuilds its optimizer (no DDP wrapper, no
-autocast: the engine computes in the policy's dtype with fp32 master
-weights); ``backward``, ``no_sync``/``accumulate``, clipping, state dicts and
+``prepare`` shards the model and rebuilds its optimizer (no DDP wrapper: the
+engine computes in the policy's dtype with fp32 master weights, and under
+mixed precision the forward runs in Accelerate's autocast and returns fp32
+outputs, as Accelerate's own DDP and FSDP do); ``backward``, ``no_sync``/``accumulate``, clipping, state dicts and
 ``save_state``/``load_state`` go through the engine. Accelerate keeps
 everything else: dataloaders, schedulers, RNG state, ``gather``, logging.
 """
@@ -16,11 +17,13 @@ import shutil
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from types import MethodType
 from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, convert_outputs_to_fp32, gather_object
+from accelerate.utils.modeling import get_mixed_precision_context_manager
 from torch import nn
 from torch.optim import Optimizer
 
@@ -46,15 +49,12 @@ class ZeroAccelerator(Accelerator):
                 f"use one of {sorted(MIXED_PRECISION_POLICIES)}."
             )
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
-        # Accelerate must not add autocast or a GradScaler on top: the engine owns precision.
-        super().__init__(mixed_precision="no", **kwargs)
-        self._zero_mixed_precision = requested
+        super().__init__(mixed_precision=requested, **kwargs)
+        # Accelerate's autocast stays (``accelerator.autocast()``, and the forward's in prepare_model);
+        # its GradScaler does not: the engine scales fp16 losses and unscales its own gradient shards.
+        self.scaler = None
         self.engine: ZeroEngine | None = None
         self._saving_state = False  # inside save_state: the weights Accelerate collects are dropped
-
-    @property
-    def mixed_precision(self) -> str:
-        return self._zero_mixed_precision
 
     def _require_engine(self) -> ZeroEngine:
         if self.engine is None:
@@ -69,7 +69,7 @@ class ZeroAccelerator(Accelerator):
             raise ValueError("ZeroAccelerator shards one model; prepare it with its optimizer.")
         optimizer = single_optimizer(optimizers)
         if models:
-            policy = MIXED_PRECISION_POLICIES[self._zero_mixed_precision]
+            policy = MIXED_PRECISION_POLICIES[self.mixed_precision]
             config = self.zero_plugin.zero_config(policy, models[0])
             self.engine = shard_module(models[0], optimizer, config, self.device)
         elif optimizer is not None:
@@ -79,11 +79,13 @@ class ZeroAccelerator(Accelerator):
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
     ) -> nn.Module:
-        # Sharded in prepare(): no DDP wrapper, no autocast, no device move. Accelerate has no
-        # public way to register a model it does not wrap; its private _models list is what
-        # save_state/load_state hand their pre-hooks (pinned in tests/test_accelerate.py).
+        # Sharded in prepare(): no DDP wrapper, no device move. Accelerate has no public way to
+        # register a model it does not wrap; its private _models list is what save_state/load_state
+        # hand their pre-hooks (pinned in tests/test_accelerate.py).
         if all(model is not known for known in self._models):
             self._models.append(model)
+            if self.native_amp:
+                _autocast_forward(model, get_mixed_precision_context_manager(True, self.autocast_handler))
         return model
 
     # ------------------------------------------------------------- backward
@@ -204,6 +206,17 @@ class ZeroAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         finally:
             handle.remove()
+
+
+def _autocast_forward(model: nn.Module, autocast: contextlib.AbstractContextManager) -> None:
+    """Accelerate's own wrapping of a prepared model's forward (``Accelerator.prepare_model``): autocast
+    inside, fp16/bf16 outputs converted to fp32, the original kept where ``unwrap_model`` restores it."""
+    model._original_forward = model.forward  # type: ignore[assignment]
+    if not hasattr(model.forward, "__func__"):  # already a plain function (wrapped by someone else)
+        model.forward = convert_outputs_to_fp32(autocast(model.forward))  # type: ignore[operator]
+        return
+    forward = MethodType(autocast(model.forward.__func__), model)  # type: ignore[operator]
+    model.forward = MethodType(convert_outputs_to_fp32(forward.__func__), model)  # type: ignore[method-assign]
 
 
 def _prune_automatic_checkpoints(root: Path, keep: int) -> None:

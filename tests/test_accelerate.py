@@ -28,7 +28,12 @@ RESUMABLE = ["--batchnorm", "0", "--steps", "6", "--save-at", "3", "--scheduler"
 
 
 def _launch(
-    out: Path, name: str, *script_args: str, zero: dict | None = None, processes: int = 2
+    out: Path,
+    name: str,
+    *script_args: str,
+    zero: dict | None = None,
+    processes: int = 2,
+    mixed_precision: str = "no",
 ) -> subprocess.CompletedProcess:
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
@@ -39,6 +44,7 @@ def _launch(
         config.write_text("".join(f"{k}: {v}\n" for k, v in zero.items()))
         launcher = [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(config)]
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
+    distribution += ["--mixed_precision", mixed_precision]
     return subprocess.run(
         [*launcher, *distribution, SCRIPT, str(out), name, *script_args],
         env=env,
@@ -75,7 +81,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
             processes=1,
         )
     )
-    names = ["ddp", "zero1", "zero3", "saved", "resumed-2", "resumed-1"]
+    for name, zero in (("ddp-bf16", None), ("zero3-bf16", {"stage": 3, "wrap_classes": "[Block]"})):
+        _checked(_launch(out, name, "--batchnorm", "0", "--steps", "8", zero=zero, mixed_precision="bf16"))
+    names = ["ddp", "zero1", "zero3", "saved", "resumed-2", "resumed-1", "ddp-bf16", "zero3-bf16"]
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
 
@@ -88,6 +96,19 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     assert len(ours["losses"]) == 12  # 6 steps of 2 micro-batches
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+@pytest.mark.distributed
+def test_bf16_mixed_precision_behaves_as_accelerates_own(runs: tuple) -> None:
+    """Outputs in fp32 and accelerator.autocast() active, as under Accelerate's DDP: the user's loss is
+    computed in fp32. The rest differs by the bf16 rounding of the weights (as under its FSDP); before,
+    outputs were bf16 and losses up to 25% apart within 8 steps."""
+    _, results = runs
+    reference, ours = results["ddp-bf16"], results["zero3-bf16"]
+    assert ours["mixed_precision"] == reference["mixed_precision"] == "bf16"
+    assert ours["output_dtypes"] == reference["output_dtypes"] == {"torch.float32"}
+    assert ours["autocast_enabled"] and reference["autocast_enabled"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=0.01)
 
 
 @pytest.mark.distributed

@@ -61,9 +61,14 @@ def main() -> None:
         first_step = args.save_at
         loader = accelerator.skip_first_batches(loader, first_step * args.accumulate)
     losses, step = [], first_step
+    output_dtypes, autocast_enabled = set(), []
     for ids in loader:
         with accelerator.accumulate(model):
-            loss = lm_loss(model(ids), ids)
+            logits = model(ids)
+            output_dtypes.add(str(logits.dtype))
+            with accelerator.autocast():
+                autocast_enabled.append(torch.is_autocast_enabled("cpu"))
+            loss = lm_loss(logits, ids)
             accelerator.backward(loss)
             if args.clip and accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), args.clip)
@@ -91,6 +96,8 @@ def main() -> None:
                 "loaded": loaded,
                 "accelerator": type(accelerator).__name__,
                 "mixed_precision": accelerator.mixed_precision,
+                "output_dtypes": output_dtypes,
+                "autocast_enabled": all(autocast_enabled),
                 "num_processes": accelerator.num_processes,
                 "shard_group_size": engine.shard_group_size if engine is not None else None,
             },
