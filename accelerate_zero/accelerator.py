@@ -27,7 +27,7 @@ from accelerate.utils.modeling import get_mixed_precision_context_manager
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_core import CheckpointError, ZeroEngine
+from zero_core import CheckpointError, ZeroEngine, meeting
 from zero_core.sharding import shard_module, single_optimizer
 
 from .plugin import MIXED_PRECISION_POLICIES, ZeroPlugin
@@ -107,6 +107,17 @@ class ZeroAccelerator(Accelerator):
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:
         self._require_engine().clip_grad_value_(clip_value, parameters=parameters)
+
+    # ---------------------------------------------------- meetings of every rank
+    def wait_for_everyone(self) -> None:
+        # A meeting: a process in get_state_dict or a state_dict() of the stage-3 model meanwhile (on the
+        # main process only) is named within milliseconds, on every process, instead of the timeout.
+        with meeting("wait_for_everyone()"):
+            super().wait_for_everyone()
+
+    def end_training(self) -> None:
+        with meeting("end_training()"):
+            super().end_training()
 
     # --------------------------------------------------------------- export
     def get_state_dict(self, model: nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:

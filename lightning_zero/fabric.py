@@ -23,7 +23,7 @@ from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_core import ZeroEngine
+from zero_core import ZeroEngine, meeting
 from zero_core.sharding import single_optimizer
 
 from ._sharding import (
@@ -134,6 +134,11 @@ class ZeroFabricStrategy(DDPStrategy):
     def module_sharded_context(self) -> Generator[None, None, None]:
         with torch.device("meta"):
             yield
+
+    def barrier(self, name: str | None = None) -> None:
+        # A meeting: a rank that is in state_dict() or a save meanwhile (on one rank only) is named at once.
+        with meeting("barrier"):
+            super().barrier(name)
 
     # ------------------------------------------------------------ gradients
     def clip_gradients_norm(

@@ -23,7 +23,7 @@ from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 
-from zero_core import ZeroEngine, engine_of
+from zero_core import ZeroEngine, engine_of, meeting
 from zero_core.checkpoint import is_sharded_checkpoint, remove_checkpoint
 from zero_core.sharding import move_real_tensors, single_optimizer
 
@@ -159,6 +159,11 @@ class ZeroStrategy(DDPStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
+
+    def barrier(self, name: str | None = None) -> None:
+        # A meeting: a rank that is in state_dict() or a save meanwhile (on one rank only) is named at once.
+        with meeting("barrier"):
+            super().barrier(name)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -264,3 +264,27 @@ def test_what_zero_accelerator_assumes_of_accelerates_save_and_load_state_holds(
         "Review ZeroAccelerator.prepare_model, get_state_dict, save_state and load_state "
         "(accelerate_zero/accelerator.py) against Accelerate's save_state/load_state."
     )
+
+
+@pytest.mark.distributed
+def test_a_read_on_the_main_process_only_fails_at_once_with_the_fix(tmp_path: Path) -> None:
+    """`if is_main_process: torch.save(unwrap_model(model).state_dict(), f)` then `wait_for_everyone()`
+    at stage 3 waited out the process group's timeout (30 minutes) before a bare gloo error. Now both
+    processes fail within seconds with one message naming get_state_dict, which then works; a process
+    that leaves while the main one reads is named at once too, and both exit normally."""
+    result = subprocess.run(
+        [*ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", str(Path(SCRIPT).parent / "rank0_reads.py")]
+        + [str(tmp_path)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    _checked(result)
+    main, other = (json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1))
+    assert main["main only"] == other["main only"]
+    assert "rank 0: state_dict() of" in main["main only"] and "rank 1: wait_for_everyone()" in main["main only"]
+    assert "accelerator.get_state_dict(model)" in main["main only"]
+    assert main["main only seconds"] < 10 and other["main only seconds"] < 10
+    assert main["fixed"] and other["fixed"]
+    assert "rank 1: exited" in main["after exit"] and main["after exit seconds"] < 10

@@ -10,7 +10,7 @@ is internal and may change shape.
 
 from .accounting import MemoryReport, UnitReport, expected_model_state_bytes
 from .checkpoint.errors import CheckpointError
-from .collectives import CollectiveFailed, CollectiveKind, CommStats
+from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDivergedError, meeting
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .model.changes import ModelChangedError
@@ -29,6 +29,7 @@ __all__ = [
     "MixedPrecision",
     "ModelChangedError",
     "ParameterAtRestError",
+    "RanksDivergedError",
     "Setting",
     "TrainingState",
     "WrapPolicy",
@@ -39,6 +40,7 @@ __all__ = [
     "engine_of",
     "engine_owning",
     "expected_model_state_bytes",
+    "meeting",
     "total_norm",
     "user_settings",
 ]

@@ -307,9 +307,9 @@ class ZeroEngine:
     def full_state_dict(self, *, to_cpu: bool = True, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The model's state dict with full fp32 parameters, gathered one unit at a time: ``model.state_dict()``'s
         keys and order (tied parameters under each of their names). Every rank must call it."""
-        self.sync_buffers_for_export()
         keep = not rank0_only or self.rank == 0
-        return full_params.full_state_dict(self.model, self._units, to_cpu=to_cpu, keep=keep)
+        sync_buffers = self.sync_buffers_for_export
+        return full_params.full_state_dict(self.model, self._units, sync_buffers, to_cpu=to_cpu, keep=keep)
 
     def unshard(self) -> None:
         """Give the model back as an ordinary module: full fp32 parameters, no hooks. The optimizer's state

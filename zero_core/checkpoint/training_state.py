@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ..collectives import CommContext
+from ..collectives import CommContext, meeting
 from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import DynamicLossScaler
 from ..optim.rebuild import install_optimizer_state
@@ -74,8 +74,9 @@ def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
 
 
 def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
-    view = sharded_view(target, "collecting the optimizer's state")
-    return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
+    with meeting("sharded_optimizer_state_dict()"):
+        view = sharded_view(target, "collecting the optimizer's state")
+        return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
 
 
 def save(
@@ -88,6 +89,18 @@ def save(
 ) -> Path:
     if not (include_model or include_optimizer):
         raise ValueError("Nothing to save: include the model, the optimizer or both.")
+    with meeting("save_checkpoint()"):
+        return _save(target, path, extra, include_optimizer=include_optimizer, include_model=include_model)
+
+
+def _save(
+    target: CheckpointTarget,
+    path: str | os.PathLike,
+    extra: dict[str, Any] | None,
+    *,
+    include_optimizer: bool,
+    include_model: bool,
+) -> Path:
     target.quiesce()
     target.sync_buffers()
     scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
@@ -103,7 +116,8 @@ def save(
 
 
 def read_extra(target: CheckpointTarget, path: str | os.PathLike) -> dict[str, Any]:
-    return open_checkpoint(RankAgreement(target.comm, f"reading the extra state of checkpoint {path}"), path).extra
+    with meeting("read_checkpoint_extra()"):
+        return open_checkpoint(RankAgreement(target.comm, f"reading the extra state of checkpoint {path}"), path).extra
 
 
 def _read(
@@ -144,6 +158,18 @@ def load(
     everything as it was (``extra`` is the same on every rank, so it raises on every rank alike).
     All or nothing: model, optimizer, loss scale and step count change only once every rank has read
     everything. Gradients accumulated before the load are discarded."""
+    with meeting("load_checkpoint()"):
+        return _load(target, path, load_optimizer, load_model, optimizer_path, check_extra)
+
+
+def _load(
+    target: CheckpointTarget,
+    path: str | os.PathLike,
+    load_optimizer: bool,
+    load_model: bool,
+    optimizer_path: str | os.PathLike | None,
+    check_extra: Callable[[dict[str, Any]], None] | None,
+) -> Resumed:
     target.quiesce()
     view = sharded_view(target, f"loading checkpoint {path}")
     loaded = _read(view, path, optimizer_path, load_model, load_optimizer and target.optimizer is not None)
@@ -169,6 +195,16 @@ def load_full_state(
     both are read and agreed on every rank before either is installed."""
     if optimizer_state is not None and target.optimizer is None:
         raise ValueError("optimizer_state_dict was given, but no optimizer is attached to load it into.")
+    with meeting("load_full_state_dict()"):
+        _load_full_state(target, source, strict, optimizer_state)
+
+
+def _load_full_state(
+    target: CheckpointTarget,
+    source: Mapping[str, torch.Tensor] | str | os.PathLike,
+    strict: bool,
+    optimizer_state: Mapping[str, Any] | None,
+) -> None:
     target.quiesce()
     where = "a state dict" if isinstance(source, Mapping) else str(source)
     view = sharded_view(target, None if optimizer_state is None else f"loading the optimizer state from {where}")

@@ -22,6 +22,7 @@ broadcasts and checkpoints span every rank.
 
 from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommContext, Position
 from .handle import Handle
+from .meetings import RanksDivergedError, meeting
 from .ops import all_gather, all_gather_objects, all_reduce, broadcast, reduce_scatter
 from .stats import CollectiveCount, CollectiveKind, CommStats, Span
 
@@ -35,10 +36,12 @@ __all__ = [
     "CommStats",
     "Handle",
     "Position",
+    "RanksDivergedError",
     "Span",
     "all_gather",
     "all_gather_objects",
     "all_reduce",
     "broadcast",
+    "meeting",
     "reduce_scatter",
 ]

@@ -59,7 +59,7 @@ class CollectiveLabel(NamedTuple):
 _SUBGROUPS: dict[tuple[object, int, object], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
 
 
-def _world_timeout(device: torch.device) -> datetime.timedelta | None:
+def world_timeout(device: torch.device) -> datetime.timedelta | None:
     """The timeout the world was initialised with (``init_process_group(timeout=...)``, Lightning's
     and Accelerate's timeout settings), for hybrid sharding's subgroups: ``new_group`` would give
     them the backend's default instead (30 minutes on gloo), so a rank that stopped would be
@@ -143,7 +143,7 @@ class CommContext:
         world = dist.group.WORLD
         for stale in [key for key in _SUBGROUPS if key[0] is not world]:
             del _SUBGROUPS[stale]  # of a world destroyed since: its groups are gone with it
-        timeout = _world_timeout(self.device)
+        timeout = world_timeout(self.device)
         key = (world, size, timeout)
         if key not in _SUBGROUPS:
             # Every rank creates every subgroup, in the same order, as new_group requires; engines

@@ -5,11 +5,12 @@ values are exact in every precision."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from ..collectives import meeting
 from ..unit import FlatUnit, StorageState
 from .pass_control import PassControl
 
@@ -22,11 +23,18 @@ def units_of(units: list[FlatUnit], module: nn.Module | None) -> list[FlatUnit]:
     return [u for u in units if any(id(p) in wanted for p in u.params)]
 
 
+def of_units(operation: str, units: list[FlatUnit]) -> str:
+    """``operation`` with the units it gathers: ranks gathering other units are in another operation."""
+    names = ", ".join(unit.label for unit in units[:3]) + (f" and {len(units) - 3} more" if len(units) > 3 else "")
+    return f"{operation} of {names}"
+
+
 @contextlib.contextmanager
 def gathered_parameters(units: list[FlatUnit], runtime: PassControl, writeback: bool) -> Iterator[None]:
     """Inside, the parameters of ``units`` are views of full fp32 master values (every rank enters)."""
-    runtime.quiesce()  # the parameters' data is swapped below: no all-gather may still write it
-    fulls = [unit.gather_full_master() for unit in units]
+    with meeting(of_units("gathered_parameters()", units)):
+        runtime.quiesce()  # the parameters' data is swapped below: no all-gather may still write it
+        fulls = [unit.gather_full_master() for unit in units]
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     for unit, full in zip(units, fulls):
         unit.set_guard(False)
@@ -46,16 +54,20 @@ def gathered_parameters(units: list[FlatUnit], runtime: PassControl, writeback: 
                 unit.load_full_master(full)
 
 
-def full_state_dict(model: nn.Module, units: list[FlatUnit], *, to_cpu: bool, keep: bool) -> dict[str, torch.Tensor]:
-    """Unit by unit: at most one gathered unit lives beyond the result itself. Every rank gathers;
-    only with ``keep`` does this one build the result (empty otherwise)."""
+def full_state_dict(
+    model: nn.Module, units: list[FlatUnit], sync_buffers: Callable[[], None], *, to_cpu: bool, keep: bool
+) -> dict[str, torch.Tensor]:
+    """Unit by unit: at most one gathered unit lives beyond the result itself. Every rank gathers (after
+    ``sync_buffers``: exports hold rank 0's buffers); only with ``keep`` does this one build the result."""
     full_values: dict[int, torch.Tensor] = {}
-    for unit in units:
-        full = unit.gather_full_master()
-        if keep:
-            for param, view in zip(unit.params, unit.full_param_views(full)):
-                full_values[id(param)] = view.to("cpu", copy=True) if to_cpu else view.clone()
-        del full
+    with meeting("full_state_dict()"):
+        sync_buffers()
+        for unit in units:
+            full = unit.gather_full_master()
+            if keep:
+                for param, view in zip(unit.params, unit.full_param_views(full)):
+                    full_values[id(param)] = view.to("cpu", copy=True) if to_cpu else view.clone()
+            del full
     if not keep:
         return {}
     result = {}
@@ -70,6 +82,11 @@ def full_state_dict(model: nn.Module, units: list[FlatUnit], *, to_cpu: bool, ke
 
 def unshard(units: list[FlatUnit]) -> None:
     """Every parameter becomes an ordinary fp32 tensor of its own again (after the hooks are gone)."""
+    with meeting("unshard()"):
+        _unshard(units)
+
+
+def _unshard(units: list[FlatUnit]) -> None:
     for unit in units:
         unit.stop_guarding()
         full = unit.gather_full_master()

@@ -25,7 +25,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..collectives import meeting
 from ..unit import FlatUnit
+from .full_params import of_units
 from .pass_control import PassControl
 
 
@@ -72,12 +74,14 @@ class StateDictHooks:
         ]  # fmt: skip
         if not units:
             return  # an enclosing module's state_dict() gathered them already
-        self.runtime.quiesce()
-        self.sync_buffers()
-        for unit in units:
-            full = unit.gather_full_master()
-            unit.guard.exported = {i: view.to("cpu", copy=True) for i, view in enumerate(unit.full_param_views(full))}
-            del full
+        with meeting(of_units("state_dict()", units)):  # it gathers: every rank must call it
+            self.runtime.quiesce()
+            self.sync_buffers()
+            for unit in units:
+                full = unit.gather_full_master()
+                exported = {i: view.to("cpu", copy=True) for i, view in enumerate(unit.full_param_views(full))}
+                unit.guard.exported = exported
+                del full
         self._exports[id(module)] = units
 
     def _after_state_dict(self, module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any) -> None:
