@@ -110,7 +110,10 @@ def run_distributed(
             process.join(timeout=5)
     if failures:
         first = min(failures)
-        raise RuntimeError(f"rank {first} of {world_size} failed:\n{failures[first]}")
+        others = "".join(
+            f"\n--- rank {rank} failed too:\n{failures[rank]}" for rank in sorted(failures) if rank != first
+        )
+        raise RuntimeError(f"rank {first} of {world_size} failed:\n{failures[first]}{others}")
     if len(results) < world_size:
         missing = sorted(set(range(world_size)) - set(results))
         raise TimeoutError(f"ranks {missing} of {world_size} gave no result within {timeout}s (hang or crash)")

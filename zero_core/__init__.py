@@ -15,6 +15,7 @@ from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm
+from .optim.nvme_state import OffloadError
 from .settings import Setting
 from .step.errors import UnscaledBackwardError
 from .step.state import TrainingState
@@ -28,6 +29,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "ModelChangedError",
+    "OffloadError",
     "ParameterAtRestError",
     "RanksDivergedError",
     "Setting",

@@ -18,6 +18,7 @@ class MemoryReport:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int  # includes the fp32 master shard when it is a separate tensor
+    nvme_bytes: int = 0  # optimizer state in offload_optimizer="nvme"'s files now (not in memory)
 
     @property
     def model_state_bytes(self) -> int:
@@ -71,7 +72,7 @@ class StorageCounter:
 
 
 def measure_model_state(
-    model: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer | None
+    model: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer | None, nvme_bytes: int = 0
 ) -> MemoryReport:
     """What this rank holds now, each storage counted once: every tensor the units, the model's
     ``.grad`` and the optimizer's state really keep alive, not what the formulas expect."""
@@ -86,7 +87,8 @@ def measure_model_state(
     state_tensors = [
         value for state in optimizer_state.values() for value in state.values() if isinstance(value, torch.Tensor)
     ]
-    return MemoryReport(params, grads, counter.count([u.master_shard for u in units] + state_tensors))
+    optimizer_bytes = counter.count([u.master_shard for u in units] + state_tensors)
+    return MemoryReport(params, grads, optimizer_bytes, nvme_bytes)
 
 
 def expected_model_state_bytes(

@@ -28,7 +28,9 @@ from .model.meta_init import (
 from .model.state_dict_hooks import StateDictHooks
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import DynamicLossScaler
+from .optim.nvme_state import NvmeOptimizerState
 from .optim.rebuild import canonical_names
+from .optim.scratch import ScratchDirectory
 from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
@@ -103,6 +105,21 @@ def build_units(
     return [units[i] for i in range(len(plans))]
 
 
+def build_nvme_state(units: list[FlatUnit], config: ZeroConfig, comm: CommContext) -> NvmeOptimizerState | None:
+    """offload_optimizer="nvme": this rank's scratch directory, checked on every rank (room for two fp32
+    moments per element of its shards, Adam's), and the tier over it."""
+    if config.offload_optimizer != "nvme":
+        return None
+    if comm.device.type != "cpu":
+        raise ValueError(
+            "offload_optimizer='nvme' runs on CPU devices in this version (the optimizer state is read into and "
+            "written from host memory); on GPUs leave it at 'none'."
+        )
+    needed = 2 * 4 * sum(unit.master_shard.numel() for unit in units)
+    scratch = ScratchDirectory(config.offload_dir, comm, needed)
+    return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory)
+
+
 def build_parts(
     model: nn.Module,
     config: ZeroConfig,
@@ -128,8 +145,9 @@ def build_parts(
         requires_scaled_backward=loss_scaler is not None,
         input_cast=floating_inputs_cast(precision.compute_dtype) if precision.compute_dtype != torch.float32 else None,
     )
+    nvme = build_nvme_state(units, config, comm)
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
-    optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch)
+    optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme)
     comm.position = lambda: Position(runtime.state.name.lower().replace("_", "-"), optimizer_step.steps_taken)
     runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
     buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
@@ -142,7 +160,7 @@ def build_parts(
     runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
     names = canonical_names(units)
     attachment = OptimizerAttachment(
-        units, comm, names, (optimizer_step.before, optimizer_step.after), agreed_at_setup=optimizer
+        units, comm, names, (optimizer_step.before, optimizer_step.after), agreed_at_setup=optimizer, nvme=nvme
     )
     # An optimizer.step() that raised midway left the groups showing the pieces.
     runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]

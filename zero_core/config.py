@@ -35,6 +35,9 @@ def _is_count(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+OFFLOAD_MODES = ("none", "nvme")
+
+
 @dataclass(frozen=True)
 class MixedPrecision:
     """Which dtypes parameters are computed and gradients reduced in.
@@ -254,6 +257,29 @@ class ZeroConfig:
         example=1000,
     )
 
+    # ZeRO-Infinity's NVMe tier for the optimizer state: each unit's per-element state (Adam's moments)
+    # lives in a file under offload_dir between steps; the step brings units in a few at a time
+    # (optim/nvme_state.py). The fp32 master shard and the gradients stay in memory.
+    offload_optimizer: str = setting(
+        "none",
+        doc='"nvme": keep the optimizer state in files under offload_dir between steps (CPU devices); '
+        '"none": in memory',
+        parse=str,
+        example="nvme",
+    )
+    offload_dir: str | None = setting(
+        None,
+        doc="with offload_optimizer='nvme': the directory (on a fast local disk) for the per-run scratch files",
+        parse=lambda text: None if text.strip().lower() in ("", "none") else text,
+        example="/local_nvme",
+    )
+    offload_units_in_memory: int = setting(
+        2,
+        doc="with offload_optimizer='nvme': the most units whose optimizer state is in memory at once",
+        parse=int,
+        example=3,
+    )
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(
@@ -287,6 +313,22 @@ class ZeroConfig:
                 "use a positive number of ranks that divides "
                 "the world size (usually the devices per node), or None to shard across every rank."
             )
+
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if self.offload_optimizer not in OFFLOAD_MODES:
+            hint = " (host-memory offload is not supported yet)" if self.offload_optimizer == "cpu" else ""
+            raise ValueError(
+                f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} is invalid{hint}: use "
+                f"{' or '.join(repr(m) for m in OFFLOAD_MODES)}."
+            )
+        if not _is_count(self.offload_units_in_memory, minimum=1):
+            raise ValueError(
+                f"ZeroConfig.offload_units_in_memory={self.offload_units_in_memory!r} is invalid: use an integer >= 1."
+            )
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
+            raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")
 
     @property
     def plan(self) -> StagePlan:

@@ -324,7 +324,7 @@ class ZeroEngine:
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state held by this rank now."""
-        return measure_model_state(self.model, self._units, self.optimizer)
+        return measure_model_state(self.model, self._units, self.optimizer, self._optimizer.bytes_on_disk())
 
     def remove_hooks(self) -> None:
         for handle in self._parts.hooks + self._runtime.late_handles:

@@ -75,6 +75,7 @@ def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
 
 def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
     with meeting("sharded_optimizer_state_dict()"):
+        target.attachment.make_state_resident()
         view = sharded_view(target, "collecting the optimizer's state")
         return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
 
@@ -103,6 +104,7 @@ def _save(
 ) -> Path:
     target.quiesce()
     target.sync_buffers()
+    target.attachment.make_state_resident()
     scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
     record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
     return save_checkpoint(
@@ -179,6 +181,7 @@ def _load(
         _install_weights(target, loaded.weights)
     if loaded.optimizer is not None:
         install_optimizer_state(target.optimizer, loaded.optimizer.group_settings, loaded.optimizer.state)
+        target.attachment.state_replaced()
     target.refresh_parameters()
     if target.loss_scaler is not None and loaded.record.loss_scaler is not None:
         target.loss_scaler.state = loaded.record.loss_scaler
@@ -213,6 +216,7 @@ def _load_full_state(
     _install_weights(target, weights)
     if optimizer is not None:
         install_optimizer_state(target.optimizer, optimizer.group_settings, optimizer.state)
+        target.attachment.state_replaced()
     target.refresh_parameters()
 
 

@@ -12,6 +12,7 @@ import torch
 from .. import agreement
 from ..collectives import CommContext
 from ..unit import FlatUnit
+from .nvme_state import NvmeOptimizerState, raw_step_of
 from .param_groups import OptimizerGroups
 from .rebuild import check_optimizer_supported, reset_optimizer_state
 
@@ -47,8 +48,10 @@ class OptimizerAttachment:
         canonical_names: dict[int, str],
         step_hooks: StepHooks,
         agreed_at_setup: torch.optim.Optimizer | None,
+        nvme: NvmeOptimizerState | None = None,
     ):
         self.units, self.comm, self.canonical_names = units, comm, canonical_names
+        self.nvme = nvme  # offload_optimizer="nvme": the state lives in files between steps
         self.step_hooks = step_hooks
         self._agreed_at_setup = agreed_at_setup  # attach need not ask the ranks again
         self.optimizer: torch.optim.Optimizer | None = None
@@ -57,6 +60,8 @@ class OptimizerAttachment:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer_supported(optimizer)
+        if self.nvme is not None:
+            raw_step_of(optimizer)  # refused now if it cannot be stepped one unit at a time
         for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again
             handle.remove()
         if optimizer is not self._agreed_at_setup:
@@ -66,14 +71,31 @@ class OptimizerAttachment:
         groups = OptimizerGroups(optimizer, self.units)  # refuses foreign or repeated tensors
         groups.show_pieces()
         reset_optimizer_state(optimizer)
+        self.state_replaced()
         groups.show_model_parameters()
         self.groups, self.optimizer = groups, optimizer
         before, after = self.step_hooks
         self.hooks = [
             optimizer.register_step_pre_hook(lambda _, args, kwargs: before(groups, args, kwargs)),
             optimizer.register_step_post_hook(lambda *_: after(groups)),
+            # Readers of optimizer.state_dict() see the whole state; a loaded one is the state from then on.
+            optimizer.register_state_dict_pre_hook(lambda _: self.make_state_resident()),
+            optimizer.register_load_state_dict_post_hook(lambda *_: self.state_replaced()),
             *groups.install_hooks(),
         ]
+
+    def make_state_resident(self) -> None:
+        """The whole optimizer state in memory (with the NVMe tier, until the next step writes it out)."""
+        if self.nvme is not None:
+            self.nvme.make_resident()
+
+    def bytes_on_disk(self) -> int:
+        return self.nvme.bytes_on_disk() if self.nvme is not None else 0
+
+    def state_replaced(self) -> None:
+        """``optimizer.state`` holds other tensors now (a load, a reset): the next step adopts them."""
+        if self.nvme is not None:
+            self.nvme.forget()
 
     def read_groups(self) -> list[list[str]]:
         """The groups as they are now (a group added since is read in, or refused with ValueError)."""

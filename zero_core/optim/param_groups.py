@@ -15,8 +15,10 @@ each of these, so a group added or replaced in between trains from then on.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from enum import Enum
 
 import torch
@@ -127,6 +129,24 @@ class OptimizerGroups:
             group["params"] = pieces
             self._shown_pieces.append((index, pieces, names))
         self.holding = GroupsHold.MASTER_PIECES
+
+    @contextlib.contextmanager
+    def restricted(self) -> Iterator[Callable[[FlatUnit], None]]:
+        """While the groups list master pieces: ``restrict_to(unit)`` makes each group list only that
+        unit's pieces (a step of one unit, for the NVMe tier); the full lists come back on exit."""
+        assert self.holding is GroupsHold.MASTER_PIECES
+        groups = self.optimizer.param_groups
+
+        def restrict_to(unit: FlatUnit) -> None:
+            own = {id(master.param) for master in unit.master_pieces}
+            for index, pieces, _ in self._shown_pieces:
+                groups[index]["params"] = [piece for piece in pieces if id(piece) in own]
+
+        try:
+            yield restrict_to
+        finally:
+            for index, pieces, _ in self._shown_pieces:
+                groups[index]["params"] = pieces
 
     def show_model_parameters(self) -> None:
         """Each group lists the model's parameters again. A group replaced meanwhile (by

@@ -25,6 +25,7 @@ from ..config import ZeroConfig
 from ..optim import grad_ops
 from ..optim.attachment import compare_param_groups
 from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.nvme_state import NvmeOptimizerState, raw_step_of
 from ..optim.param_groups import OptimizerGroups
 from ..unit import FlatUnit
 from .prefetch_tuning import AutoPrefetch
@@ -54,8 +55,10 @@ class OptimizerStep:
         config: ZeroConfig,
         loss_scaler: DynamicLossScaler | None,
         auto_prefetch: AutoPrefetch | None,
+        nvme: NvmeOptimizerState | None = None,
     ):
         self.units = units
+        self.nvme = nvme  # offload_optimizer="nvme": the step runs here, unit by unit
         self.comm = comm
         self.runtime = runtime
         self.config = config
@@ -122,8 +125,11 @@ class OptimizerStep:
             if depth is not None:
                 self.runtime.prefetch = depth
         self._attach_master_grads(agreed)
-        # Last, once nothing can raise: the optimizer's own step updates this rank's pieces.
+        # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
+        # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
+        if self.nvme is not None and not self._skip_refresh:
+            self.nvme.step(groups, raw_step_of(groups.optimizer))
 
     def _agree(self, groups: OptimizerGroups, refused: bool) -> agreement.StepAgreement:
         """One all-reduce: which parameters have a gradient anywhere, an overflow anywhere, and the

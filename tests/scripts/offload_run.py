@@ -1,0 +1,58 @@
+"""A torchrun job with offload_optimizer="nvme", for what only a real process exit shows.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/scripts/offload_run.py OFFLOAD_DIR OUT [--crash]
+
+Trains 3 steps in memory and 3 with the NVMe tier from the same start; rank 0 writes both runs'
+losses to OUT. With --crash every rank kills itself after one offloaded step (SIGKILL: no clean-up
+runs), leaving its scratch directory for the next run to recognise and remove.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.models import Block, TinyTransformer, batch, lm_loss, make_optimizer  # noqa: E402
+from zero_core import WrapPolicy, ZeroConfig, ZeroEngine  # noqa: E402
+
+
+def train(offload: str, directory: str, crash: bool) -> list[float]:
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    config = ZeroConfig(
+        stage=3, wrap_policy=WrapPolicy(module_classes=(Block,)), offload_optimizer=offload, offload_dir=directory
+    )
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    losses = []
+    for step in range(3):
+        ids = batch(step, dist.get_rank())
+        loss = lm_loss(model(ids), ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        if crash:
+            os.kill(os.getpid(), signal.SIGKILL)
+    return losses
+
+
+def main() -> None:
+    directory, out, crash = sys.argv[1], Path(sys.argv[2]), "--crash" in sys.argv
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    in_memory = train("none", directory, crash=False)
+    offloaded = train("nvme", directory, crash)
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"in memory": in_memory, "offloaded": offloaded}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

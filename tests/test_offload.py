@@ -1,0 +1,254 @@
+"""The NVMe tier of the optimizer state (offload_optimizer="nvme"): training equal to the in-memory
+run bit for bit, the state really out of memory between steps and bounded during them, checkpoints
+across modes, and its failure paths (a bad offload_dir at setup, a disk error mid-step, stale runs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zero_core.optim.nvme_state as nvme_state
+import zero_core.optim.scratch as scratch
+from zero_core import MixedPrecision, OffloadError, ZeroEngine
+from zero_core.accounting import StorageCounter
+
+from .distributed import run_distributed
+from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import config_for, relative_difference
+
+pytestmark = pytest.mark.distributed
+
+PRECISIONS = {
+    "fp32": None,
+    "bf16": MixedPrecision(compute_dtype=torch.bfloat16),
+    # A first scale that overflows: the first step is skipped, as the in-memory run skips it.
+    "fp16": MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**16),
+}
+
+
+def _engine(stage: int, offload: str, directory: str, optimizer: str = "adamw", **settings) -> ZeroEngine:
+    precision = PRECISIONS[settings.pop("precision", "fp32")]
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    config = dataclasses.replace(
+        config_for(stage, precision=precision), offload_optimizer=offload, offload_dir=directory, **settings
+    )
+    return ZeroEngine(model, make_optimizer(optimizer, model), config)
+
+
+def _train(engine: ZeroEngine, rank: int, steps: range, accumulate: int = 1) -> list[float]:
+    losses = []
+    for step in steps:
+        for micro in range(accumulate):
+            ids = batch(10 * step + micro, rank)
+            loss = lm_loss(engine.model(ids), ids)
+            engine.backward(loss / accumulate)
+            losses.append(loss.item())
+        engine.clip_grad_norm_(0.5)
+        engine.step()
+    return losses
+
+
+def _state_bytes_alive(optimizer: torch.optim.Optimizer) -> int:
+    return StorageCounter().count(
+        [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    )
+
+
+CASES = [
+    *({"stage": stage} for stage in (1, 2, 3)),
+    {"stage": 3, "optimizer": "sgd", "accumulate": 2},
+    {"stage": 2, "offload_units_in_memory": 1},
+    {"stage": 3, "offload_units_in_memory": 3, "precision": "bf16"},
+    {"stage": 3, "precision": "fp16"},
+]
+
+
+def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
+    results = []
+    original_adopt = nvme_state.NvmeOptimizerState._adopt
+    for case in CASES:
+        case = dict(case)
+        stage, accumulate = case.pop("stage"), case.pop("accumulate", 1)
+        reference = _engine(stage, "none", directory, **dict(case, offload_units_in_memory=2))
+        expected = _train(reference, rank, range(4), accumulate)
+        ours = _engine(stage, "nvme", directory, **case)
+        alive_in_step: list[int] = []
+
+        def adopt(self, index, optimizer, original=original_adopt):  # type: ignore[no-untyped-def]
+            alive_in_step.append(_state_bytes_alive(optimizer))  # right after a unit stepped, mid-step
+            return original(self, index, optimizer)
+
+        nvme_state.NvmeOptimizerState._adopt = adopt
+        try:
+            losses = _train(ours, rank, range(4), accumulate)
+        finally:
+            nvme_state.NvmeOptimizerState._adopt = original_adopt
+        unit_state = max(8 * u.master_shard.numel() for u in ours._units)  # two fp32 moments (SGD: one)
+        files = sorted(ours._optimizer.nvme.scratch.path.glob("unit*.bin"))
+        results.append(
+            {
+                "case": {"stage": stage, "accumulate": accumulate, **case},
+                "same losses": losses == expected,
+                "weights difference": relative_difference(ours.full_state_dict(), reference.full_state_dict()),
+                "resident after the step": _state_bytes_alive(ours.optimizer),
+                "scalar state bytes": 8 * len(ours.optimizer.state),
+                "most alive in a step": max(alive_in_step, default=0),
+                "steps taken": ours.steps_taken,
+                "bound in a step": case.get("offload_units_in_memory", 2) * unit_state + 8 * len(ours.optimizer.state),
+                "files": len(files),
+                "units": len(ours._units),
+                "bytes on disk": sum(f.stat().st_size for f in files),
+                "reported on disk": ours.memory_report().nvme_bytes,
+            }
+        )
+        del ours
+        gc.collect()
+    return results
+
+
+def test_nvme_optimizer_state_trains_bit_for_bit_like_memory_and_stays_out_of_memory(tmp_path: Path) -> None:
+    for rank_results in run_distributed(_parity, 2, str(tmp_path)):
+        for result in rank_results:
+            case = result["case"]
+            assert result["same losses"] and result["weights difference"] == 0.0, case
+            assert 0 < result["steps taken"] <= 4 and (result["steps taken"] < 4) == (case.get("precision") == "fp16")
+            assert result["resident after the step"] <= result["scalar state bytes"], case  # only Adam's step counts
+            assert result["most alive in a step"] <= result["bound in a step"], case
+            assert result["files"] == result["units"] and result["bytes on disk"] > 0, case
+            assert result["reported on disk"] == result["bytes on disk"], case
+
+
+def _round_trips(rank: int, world_size: int, directory: str) -> dict:
+    results = {}
+    uninterrupted = _engine(3, "none", directory)
+    _train(uninterrupted, rank, range(4))
+    expected = uninterrupted.full_state_dict()
+    for saved_with, loaded_with, stage in (("nvme", "none", 1), ("none", "nvme", 3), ("nvme", "nvme", 2)):
+        first = _engine(3, saved_with, directory)
+        _train(first, rank, range(2))
+        path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}"
+        first.save_checkpoint(path)
+        second = _engine(stage, loaded_with, directory)
+        second.load_checkpoint(path)
+        _train(second, rank, range(2, 4))
+        results[f"{saved_with} -> {loaded_with}"] = relative_difference(second.full_state_dict(), expected)
+    engine = _engine(3, "nvme", directory)
+    reference = _engine(3, "none", directory)
+    _train(engine, rank, range(2))
+    _train(reference, rank, range(2))
+    ours, theirs = engine.optimizer.state_dict(), reference.optimizer.state_dict()
+    results["state_dict equal"] = all(
+        torch.equal(ours["state"][k][key], value) for k in theirs["state"] for key, value in theirs["state"][k].items()
+    )
+    return results
+
+
+def test_checkpoints_resume_across_modes_and_state_dict_reads_the_whole_state(tmp_path: Path) -> None:
+    for results in run_distributed(_round_trips, 2, str(tmp_path)):
+        assert results.pop("state_dict equal")
+        assert all(difference == 0.0 for difference in results.values()), results
+
+
+def _failures(rank: int, world_size: int, directory: str) -> dict:
+    results = {}
+
+    def refused(**settings) -> str:  # type: ignore[no-untyped-def]
+        try:
+            _engine(3, "nvme", **settings)
+            return "built"
+        except ValueError as error:
+            return str(error)
+
+    results["no directory"] = refused(directory=None)
+    not_a_directory = Path(directory) / "file"
+    not_a_directory.write_text("x")
+    results["a file"] = refused(directory=str(not_a_directory))
+    original_usage = scratch.shutil.disk_usage
+    if rank == 1:  # one rank's disk is full: every rank refuses, naming it
+        scratch.shutil.disk_usage = lambda path: original_usage(path)._replace(free=1000)
+    results["too small"] = refused(directory=directory)
+    scratch.shutil.disk_usage = original_usage
+
+    # A stale run of a dead process is removed; a live one (ours) is kept.
+    stale = Path(directory) / "lightning-zero-dead" / f"rank{rank}"
+    stale.mkdir(parents=True)
+    (stale / "owner").write_text(f"{os.uname().nodename} 999999")
+    live = Path(directory) / "lightning-zero-live" / f"rank{rank}"
+    live.mkdir(parents=True)
+    (live / "owner").write_text(f"{os.uname().nodename} {os.getpid()}")
+    engine = _engine(3, "nvme", directory)
+    results["stale removed"] = not stale.exists() and live.exists()
+
+    _train(engine, rank, range(1))
+    engine.save_checkpoint(Path(directory) / "ckpt")
+    original_write = nvme_state._UnitState.write
+
+    def disk_full(self) -> None:  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
+
+    if rank == 1:
+        nvme_state._UnitState.write = disk_full
+    try:
+        _train(engine, rank, range(1, 2))
+        results["disk full"] = "trained"
+    except OffloadError as error:
+        results["disk full"] = str(error)
+    nvme_state._UnitState.write = original_write
+    engine.load_checkpoint(Path(directory) / "ckpt")  # the last checkpoint is loadable, and training goes on
+    _train(engine, rank, range(1, 3))
+    results["after the failure"] = engine.full_state_dict()
+    reference = _engine(3, "none", directory)
+    _train(reference, rank, range(3))
+    results["reference"] = reference.full_state_dict()
+    return results
+
+
+def test_bad_offload_dirs_and_disk_errors_fail_alike_on_every_rank(tmp_path: Path) -> None:
+    results = run_distributed(_failures, 2, str(tmp_path))
+    first, second = results
+    assert "needs offload_dir" in first["no directory"]
+    assert "is not a directory" in first["a file"]
+    assert first["too small"] == second["too small"] and "rank 1:" in first["too small"]
+    assert "GiB free; this rank's optimizer state needs" in first["too small"]
+    assert first["stale removed"] and second["stale removed"]
+    assert first["disk full"] == second["disk full"] and "No space left on device" in first["disk full"]
+    assert "on ranks [1]" in first["disk full"] and "the last checkpoint is untouched" in first["disk full"]
+    for result in results:
+        assert relative_difference(result["after the failure"], result["reference"]) == 0.0
+
+
+def _torchrun(directory: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    script = Path(__file__).parent / "scripts" / "offload_run.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    return subprocess.run(
+        [*command, str(directory), str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+
+
+def test_a_killed_runs_scratch_is_removed_by_the_next_run_and_a_finished_run_leaves_none(tmp_path: Path) -> None:
+    offload_dir = tmp_path / "nvme"
+    offload_dir.mkdir()
+    crashed = _torchrun(offload_dir, tmp_path / "crashed.json", "--crash")
+    assert crashed.returncode != 0
+    left = sorted(p.name for p in offload_dir.glob("lightning-zero-*/rank*"))
+    assert left == ["rank0", "rank1"]  # SIGKILL: nothing could clean up
+    finished = _torchrun(offload_dir, tmp_path / "finished.json")
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert "terminate called" not in finished.stderr
+    assert list(offload_dir.iterdir()) == []  # the dead run's directories and its own are gone
+    losses = json.loads((tmp_path / "finished.json").read_text())
+    assert losses["offloaded"] == losses["in memory"]

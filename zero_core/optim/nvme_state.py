@@ -1,0 +1,212 @@
+"""The optimizer's per-element state on NVMe (ZeRO-Infinity's tier), one file per unit.
+
+Between steps each unit's per-element state (Adam's two moments, SGD's momentum: every tensor shaped
+like a master piece) lives in ``<run dir>/unit<i>.bin``; in memory its tensors keep their identity,
+shapes and offsets, but their storage is resized to zero bytes (FSDP2's trick), so nothing holds them.
+The step runs unit by unit: the state of the next units is read by a thread pool while the current
+unit steps, each unit's state is written back behind it, and at most ``units_in_memory`` units are in
+memory at once. Scalar state (Adam's ``step``) stays in memory.
+
+Every reader of the state outside the step (``optimizer.state_dict()``, checkpoints) calls
+:meth:`NvmeOptimizerState.make_resident` first: the whole state comes back into memory until the next
+step writes it out again. A failed read or write raises the same error on every rank after the units
+were stepped (no collective runs in between), and the files of the run are removed at exit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..collectives import CommContext, all_gather_objects
+from ..unit import FlatUnit
+from .param_groups import OptimizerGroups
+from .scratch import ScratchDirectory
+
+RawStep = Callable[[torch.optim.Optimizer], object]
+
+
+class OffloadError(RuntimeError):
+    """Reading or writing the offloaded optimizer state failed (on some rank); raised alike on every rank.
+    The units whose state could not be read did not step; the last checkpoint is untouched."""
+
+
+@dataclass
+class _UnitState:
+    """One unit's per-element state: a flat buffer per state key, each piece's tensor a view of it."""
+
+    path: Path
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    resident: bool = True  # the buffers hold their bytes (else their storage is empty and the file holds them)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def free(self) -> None:
+        for buffer in self.buffers.values():
+            buffer.untyped_storage().resize_(0)
+        self.resident = False
+
+    def write(self) -> None:
+        with open(self.path, "wb") as file:
+            for buffer in self.buffers.values():
+                file.write(_bytes_of(buffer))
+
+    def read(self) -> None:
+        """Give the buffers their bytes back and fill them from the file."""
+        for buffer in self.buffers.values():
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+        with open(self.path, "rb") as file:
+            for buffer in self.buffers.values():
+                view = _bytes_of(buffer)
+                if file.readinto(view) != len(view):
+                    raise OSError(f"{self.path} is shorter than the state written to it")
+        self.resident = True
+
+
+def _bytes_of(buffer: torch.Tensor) -> memoryview:
+    """The buffer's memory as bytes, for file I/O. Not through ``.numpy()``: a storage shared with numpy
+    can no longer be resized, and freeing is resizing to zero."""
+    nbytes = buffer.numel() * buffer.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
+
+
+def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
+    """The optimizer class's own ``step``, under torch's hook wrapper: stepping one unit at a time must
+    not run the step hooks (ours and the user's) once per unit."""
+    hooked = type(optimizer).step
+    if not getattr(hooked, "hooked", False) or not callable(getattr(hooked, "__wrapped__", None)):
+        raise ValueError(
+            f"offload_optimizer='nvme' needs a torch.optim optimizer whose step torch wraps with its hooks; "
+            f"{type(optimizer).__name__}.step is not."
+        )
+    return hooked.__wrapped__
+
+
+class NvmeOptimizerState:
+    """The per-unit files, the step that brings units in and out, and reads of the whole state."""
+
+    def __init__(self, units: list[FlatUnit], comm: CommContext, scratch: ScratchDirectory, units_in_memory: int):
+        self.units, self.comm, self.scratch = units, comm, scratch
+        self.units_in_memory = units_in_memory
+        self._states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
+        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
+
+    # ----------------------------------------------------------------- stepping
+    def step(self, groups: OptimizerGroups, raw_step: RawStep) -> None:
+        """Step each unit's pieces with its state brought in; the groups then list every piece with no
+        gradient, so the optimizer's own step that follows changes nothing."""
+        optimizer = groups.optimizer
+        failures: list[str] = []
+        reads: dict[int, concurrent.futures.Future] = {}
+        writes: dict[int, concurrent.futures.Future] = {}
+        limit = self.units_in_memory
+        with groups.restricted() as restrict_to:
+            for index, unit in enumerate(self.units):
+                # In memory: this unit, the reads issued ahead and the writes not yet done; at most `limit`.
+                if index not in reads and self._needs_read(index):
+                    self._drain(writes, keep=max(0, limit - 1 - len(reads)), failures=failures)
+                    reads[index] = self._io.submit(self._states[index].read)
+                current = reads.pop(index, None)
+                self._drain(writes, keep=max(0, limit - 1 - len(reads)), failures=failures)
+                for ahead in range(index + 1, len(self.units)):
+                    if len(reads) + len(writes) + 1 >= limit:
+                        break
+                    if ahead not in reads and self._needs_read(ahead):
+                        reads[ahead] = self._io.submit(self._states[ahead].read)
+                if current is not None and not self._finished(current, failures):
+                    continue  # its state could not be read: it does not step (the error is raised below)
+                restrict_to(unit)
+                raw_step(optimizer)
+                self._adopt(index, optimizer)
+                writes[index] = self._io.submit(self._states[index].write)
+        self._drain(writes, keep=0, failures=failures)
+        for unit in self.units:
+            for master in unit.master_pieces:
+                master.param.grad = None  # stepped above: the optimizer's own step skips them
+        self._raise_if_any_rank_failed(failures)
+
+    def _needs_read(self, index: int) -> bool:
+        state = self._states[index]
+        return bool(state.buffers) and not state.resident
+
+    def _finished(self, future: concurrent.futures.Future, failures: list[str]) -> bool:
+        try:
+            future.result()
+            return True
+        except OSError as error:
+            failures.append(f"{error.strerror or error}: {error.filename or ''}".rstrip(": "))
+            return False
+
+    def _drain(self, writes: dict[int, concurrent.futures.Future], keep: int, failures: list[str]) -> None:
+        """Wait for the oldest writes until at most ``keep`` are in flight; a written unit's memory is freed
+        (one whose write failed stays in memory: it is the only copy)."""
+        while len(writes) > keep:
+            index = min(writes)
+            if self._finished(writes.pop(index), failures):
+                self._states[index].free()
+
+    def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
+        reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")
+        ranks = [rank for rank, failure in enumerate(reported) if failure]
+        if ranks:
+            raise OffloadError(
+                f"ZeRO: the optimizer state offloaded to {self.scratch.root} could not be read or written "
+                f"({reported[ranks[0]]}, on ranks {ranks}). Free disk space or choose another offload_dir; "
+                "the last checkpoint is untouched (resume from it)."
+            )
+
+    # ---------------------------------------------------------------- the state
+    def _adopt(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+        """The unit's per-element state as views of one flat buffer per key (made once, after the state
+        first exists or was replaced by a load)."""
+        state = self._states[index]
+        unit = self.units[index]
+        if state.buffers and all(self._is_view_of(state, optimizer, m) for m in unit.master_pieces):
+            return
+        numel = unit.master_shard.numel()
+        buffers: dict[str, torch.Tensor] = {}
+        for master in unit.master_pieces:
+            piece = master.piece
+            for key, value in optimizer.state.get(master.param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.numel:
+                    buffer = buffers.setdefault(key, torch.zeros(numel, dtype=value.dtype, device=value.device))
+                    view = buffer[piece.shard_start : piece.shard_start + piece.numel]
+                    view.copy_(value)
+                    optimizer.state[master.param][key] = view
+        state.buffers, state.resident = buffers, True
+
+    @staticmethod
+    def _is_view_of(state: _UnitState, optimizer: torch.optim.Optimizer, master) -> bool:  # type: ignore[no-untyped-def]
+        values = optimizer.state.get(master.param, {})
+        return all(
+            not (isinstance(v, torch.Tensor) and v.dim() == 1)
+            or any(v.untyped_storage() is b.untyped_storage() for b in state.buffers.values())
+            for v in values.values()
+        )
+
+    def make_resident(self) -> None:
+        """Every unit's state in memory (until the next step writes it out): for readers of the whole state."""
+        failures: list[str] = []
+        reads = [self._io.submit(s.read) for s in self._states if s.buffers and not s.resident]
+        for future in reads:
+            self._finished(future, failures)
+        if failures:
+            raise OffloadError(f"ZeRO: the offloaded optimizer state could not be read back ({failures[0]}).")
+
+    def forget(self) -> None:
+        """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds."""
+        self._states = [_UnitState(s.path) for s in self._states]
+
+    def bytes_on_disk(self) -> int:
+        return sum(s.nbytes for s in self._states if s.buffers and not s.resident)
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self.scratch.remove()

@@ -1,0 +1,104 @@
+"""The per-run, per-rank scratch directory of the NVMe tier: checked at setup, removed at exit.
+
+``<offload_dir>/lightning-zero-<run id>/rank<r>/`` with an ``owner`` file (host and process id). The
+run id is rank 0's, shared with every rank, so one run's ranks share one parent. A directory whose
+owner process is gone (a crashed run on this host) is removed when the next run starts; a live one is
+left alone. Nothing of another run is ever read: each run writes its own new directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import uuid
+import weakref
+from pathlib import Path
+
+from ..collectives import CommContext, all_gather_objects
+
+PREFIX = "lightning-zero-"
+
+
+def _owner_alive(directory: Path) -> bool:
+    try:
+        host, pid = (directory / "owner").read_text().split()
+    except (OSError, ValueError):
+        return False
+    if host != socket.gethostname():
+        return True  # another machine's (a shared disk): not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    return True
+
+
+def remove_stale_runs(root: Path) -> list[Path]:
+    """Remove rank directories of dead runs on this host (and their emptied parents); returns them."""
+    removed = []
+    for run in root.glob(PREFIX + "*"):
+        # Every rank of this host cleans up at once: what another rank removed first is not an error.
+        with contextlib.suppress(OSError):
+            for rank_dir in run.glob("rank*"):
+                if rank_dir.is_dir() and not _owner_alive(rank_dir):
+                    shutil.rmtree(rank_dir, ignore_errors=True)
+                    removed.append(rank_dir)
+            if not any(run.iterdir()):
+                run.rmdir()
+    return removed
+
+
+def _problem(root: Path, needed_bytes: int) -> str | None:
+    """Why ``root`` cannot hold ``needed_bytes`` of this rank's scratch files, or None."""
+    if not root.is_dir():
+        return f"{root} is not a directory (create it on a fast local disk)"
+    probe = root / f".{PREFIX}probe-{uuid.uuid4().hex}"
+    try:
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as error:
+        return f"{root} is not writable ({error.strerror})"
+    free = shutil.disk_usage(root).free
+    if free < needed_bytes:
+        needed = f"this rank's optimizer state needs {needed_bytes / 2**30:.2f} GiB"
+        return f"{root} has {free / 2**30:.2f} GiB free; {needed}"
+    return None
+
+
+class ScratchDirectory:
+    """This rank's directory of the run, made once every rank found its ``offload_dir`` usable."""
+
+    def __init__(self, root: str | os.PathLike | None, comm: CommContext, needed_bytes: int):
+        if root is None:
+            raise ValueError(
+                "offload_optimizer='nvme' needs offload_dir: a directory on a fast local disk for the run's "
+                "scratch files (ZeroConfig(offload_dir=...), or the adapters' offload_dir setting)."
+            )
+        self.root = Path(root)
+        problems = all_gather_objects(comm, _problem(self.root, needed_bytes), "checking offload_dir")
+        failing = {rank: problem for rank, problem in enumerate(problems) if problem}
+        if failing:
+            listed = "; ".join(f"rank {rank}: {problem}" for rank, problem in failing.items())
+            raise ValueError(f"offload_dir={str(root)!r} cannot hold the offloaded optimizer state: {listed}.")
+        run_id = all_gather_objects(comm, uuid.uuid4().hex, "naming the offload run")[0]  # rank 0's: one parent per run
+        remove_stale_runs(self.root)
+        self.path = self.root / f"{PREFIX}{run_id}" / f"rank{comm.rank}"
+        self.path.mkdir(parents=True)
+        (self.path / "owner").write_text(f"{socket.gethostname()} {os.getpid()}")
+        # At exit, or when the engine goes away first; a crash leaves it to the next run's clean-up.
+        self._finalizer = weakref.finalize(self, _remove, self.path)
+
+    def remove(self) -> None:
+        self._finalizer()
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.parent.rmdir()  # the run's parent, once its last rank is gone
+    except OSError:
+        pass
