@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,10 @@ class _UnitState:
         with open(self.path, "wb") as file:
             for buffer in self.buffers.values():
                 file.write(_bytes_of(buffer))
+            file.flush()
+            # On disk, not in the page cache: cached pages are memory too (a memory cap counts them).
+            os.fdatasync(file.fileno())
+            _drop_cached_pages(file.fileno())
 
     def read(self) -> None:
         """Give the buffers their bytes back and fill them from the file."""
@@ -67,7 +72,31 @@ class _UnitState:
                 view = _bytes_of(buffer)
                 if file.readinto(view) != len(view):
                     raise OSError(f"{self.path} is shorter than the state written to it")
+            _drop_cached_pages(file.fileno())
         self.resident = True
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc: its allocator returns memory by its own rules
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the memory of freed state back to the system now. glibc keeps freed blocks below its
+    (dynamic) mmap threshold in the heap, so without this a unit's state, freed, would still count
+    against the process's memory (and a memory cap) as if it were in memory."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _drop_cached_pages(descriptor: int) -> None:
+    if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the kernel keeps what it likes
+        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _bytes_of(buffer: torch.Tensor) -> memoryview:
@@ -151,6 +180,7 @@ class NvmeOptimizerState:
             index = min(writes)
             if self._finished(writes.pop(index), failures):
                 self._states[index].free()
+                release_freed_memory()
 
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
         reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")

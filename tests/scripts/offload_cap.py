@@ -1,0 +1,57 @@
+"""A stage-3 GPT job whose optimizer state decides whether it fits a memory cap.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/scripts/offload_cap.py MODE OFFLOAD_DIR OUT
+
+MODE is "none" or "nvme" (offload_optimizer, one unit's state in memory at a time). Trains 3 steps
+of a 71M-parameter GPT (10 blocks of width 768); rank 0 writes the losses and the bytes of optimizer
+state the in-memory run would hold on all ranks to OUT.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
+
+from zero_core import WrapPolicy, ZeroConfig, ZeroEngine  # noqa: E402
+
+
+def main() -> None:
+    mode, directory, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    config = GPTConfig(width=768, depth=10, heads=12)
+    with torch.device("meta"):  # materialised unit by unit: setup never holds the whole model
+        model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    settings = ZeroConfig(
+        stage=3,
+        wrap_policy=WrapPolicy(module_classes=(GPTBlock,)),
+        offload_optimizer=mode,
+        offload_dir=directory,
+        offload_units_in_memory=1,
+    )
+    engine = ZeroEngine(model, optimizer, settings)
+    losses = []
+    for step in range(3):
+        ids = synthetic_batch(config, 2, step, dist.get_rank())
+        loss = next_token_loss(model(ids), ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    if dist.get_rank() == 0:
+        state_bytes = 8 * engine.num_parameters  # Adam's two fp32 moments, over all ranks
+        out.write_text(json.dumps({"losses": losses, "state bytes": state_bytes}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
