@@ -8,6 +8,7 @@ gradients alive). DeepSpeed is optional: building it raises ``Unavailable``.
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,6 +32,11 @@ CONTESTANTS = (
     "zero1_overlap",
     "zero2_overlap",  # ZeroConfig(overlap_param_refresh=True)
 )
+# Run by benchmarks/offload.py beside their in-memory twins, not by run_all.py (they need a disk).
+OFFLOAD_CONTESTANTS = (
+    "zero1_nvme",  # ZeroConfig(offload_optimizer="nvme"), under ZERO_BENCH_OFFLOAD_DIR (default: the temp dir)
+    "zero3_nvme",
+)
 STAGE_OF = {
     "ddp": 0,
     "ddp_zero_optimizer": 1,
@@ -44,6 +50,8 @@ STAGE_OF = {
     "zero3": 3,
     "zero1_overlap": 1,
     "zero2_overlap": 2,
+    "zero1_nvme": 1,
+    "zero3_nvme": 3,
 }
 
 
@@ -138,7 +146,13 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
     if name.startswith("deepspeed"):
         return _deepspeed(int(name[-1]), model, loss_fn)
     stage = STAGE_OF[name]
-    config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=name.endswith("_overlap"))
+    offload = {}
+    if name.endswith("_nvme"):
+        directory = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
+        offload = {"offload_optimizer": "nvme", "offload_dir": directory}
+    config = ZeroConfig(
+        stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=name.endswith("_overlap"), **offload
+    )
     engine = ZeroEngine(model, _adamw(model.parameters()), config)
     return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)
 

@@ -165,6 +165,13 @@ def main() -> None:
         help="model sizes to run at world size 2 (default: all three; --quick: small)",
     )
     parser.add_argument(
+        "--contestants",
+        nargs="+",
+        choices=CONTESTANTS,
+        default=CONTESTANTS,
+        help="the contestants to run at each size (default: all)",
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="replace only these sizes' records in an existing all.json (no scaling or largest-model runs)",
@@ -203,11 +210,11 @@ def main() -> None:
     sizes = args.sizes or (["small"] if args.quick else ["small", "medium", "large"])
     records = []
     main_world = 1 if DEVICE == "cuda" else 2
-    PROGRESS.planned = len(sizes) * len(CONTESTANTS)
+    PROGRESS.planned = len(sizes) * len(args.contestants)
     if DEVICE != "cuda" and not args.merge:
         PROGRESS.planned += 2 * (1 + len(OURS)) + (0 if args.quick else 4 * 2)  # scaling; largest model (~2 each)
     for size in sizes:
-        for contestant in CONTESTANTS:
+        for contestant in args.contestants:
             records.append(run(contestant, size, main_world, out_dir, steps))
     if args.merge and DEVICE != "cuda":
         data = json.loads((out_dir / "all.json").read_text())

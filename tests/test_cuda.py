@@ -150,3 +150,41 @@ def test_cuda_lightning_applies_sync_batchnorm() -> None:
     converted = [m for m in module.modules() if isinstance(m, torch.nn.SyncBatchNorm)]
     assert converted and not any(type(m) is torch.nn.BatchNorm1d for m in module.modules())
     assert trainer.global_step == 2
+
+
+def _gpu_resume(rank: int, world_size: int, directory: str) -> dict:
+    """Stage 3 on CUDA saves a sharded checkpoint; stage 2 on CUDA resumes it (and a one-process
+    optimizer state loads into the shards): the resumed steps give the uninterrupted run's losses."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def engine_for(stage: int) -> tuple[torch.nn.Module, ZeroEngine]:
+        torch.manual_seed(0)
+        model = TinyTransformer().to(device)
+        return model, ZeroEngine(model, make_optimizer("adamw", model), config_for(stage))
+
+    def train(model: torch.nn.Module, engine: ZeroEngine, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            ids = batch(step % 2, rank).to(device)
+            loss = lm_loss(model(ids), ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    model, engine = engine_for(3)
+    train(model, engine, range(2))
+    engine.save_checkpoint(f"{directory}/ckpt")
+    uninterrupted = train(model, engine, range(2, 4))
+    model, engine = engine_for(2)
+    engine.load_checkpoint(f"{directory}/ckpt")
+    resumed = train(model, engine, range(2, 4))
+    return {"uninterrupted": uninterrupted, "resumed": resumed}
+
+
+def test_cuda_checkpoint_resumes_at_another_stage(tmp_path) -> None:
+    world_size = 2
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for result in run_distributed(_gpu_resume, world_size, str(tmp_path), backend=backend):
+        assert result["resumed"] == pytest.approx(result["uninterrupted"], rel=1e-5)

@@ -28,7 +28,7 @@ from .model.meta_init import (
 from .model.state_dict_hooks import StateDictHooks
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import DynamicLossScaler
-from .optim.nvme_state import NvmeOptimizerState
+from .optim.nvme_state import NvmeOptimizerState, units_to_offload
 from .optim.rebuild import canonical_names
 from .optim.scratch import ScratchDirectory
 from .step.gradient_reads import GradientReads
@@ -115,9 +115,10 @@ def build_nvme_state(units: list[FlatUnit], config: ZeroConfig, comm: CommContex
             "offload_optimizer='nvme' runs on CPU devices in this version (the optimizer state is read into and "
             "written from host memory); on GPUs leave it at 'none'."
         )
-    needed = 2 * 4 * sum(unit.master_shard.numel() for unit in units)
+    offloaded = units_to_offload(units, config.offload_fraction)
+    needed = 2 * 4 * sum(units[index].master_shard.numel() for index in offloaded)
     scratch = ScratchDirectory(config.offload_dir, comm, needed)
-    return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory)
+    return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory, offloaded)
 
 
 def build_parts(

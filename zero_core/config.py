@@ -273,6 +273,13 @@ class ZeroConfig:
         parse=lambda text: None if text.strip().lower() in ("", "none") else text,
         example="/local_nvme",
     )
+    offload_fraction: float = setting(
+        1.0,
+        doc="with offload_optimizer='nvme': the share of the optimizer state offloaded, largest units first; "
+        "the rest stays in memory",
+        parse=float,
+        example=0.5,
+    )
     offload_units_in_memory: int = setting(
         2,
         doc="with offload_optimizer='nvme': the most units whose optimizer state is in memory at once",
@@ -322,6 +329,11 @@ class ZeroConfig:
             raise ValueError(
                 f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} is invalid{hint}: use "
                 f"{' or '.join(repr(m) for m in OFFLOAD_MODES)}."
+            )
+        if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
+            raise ValueError(
+                f"ZeroConfig.offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1] "
+                "(1: the whole optimizer state; for none, leave offload_optimizer at 'none')."
             )
         if not _is_count(self.offload_units_in_memory, minimum=1):
             raise ValueError(

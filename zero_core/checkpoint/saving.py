@@ -79,8 +79,14 @@ def save_checkpoint(
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
         state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
         metadata, _ = agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
+        # Every rank checksums from the coordinator's list of files, the one `.metadata` holds: what DCP
+        # returns on the other ranks is not that in every torch version (on torch 2.11 with CUDA tensors a
+        # rank's own files only, so a file went unlisted and the checkpoint was refused at load).
+        _, listed = agreement.run(
+            "listing the files", lambda: data_file_ranges(metadata) if coordinator else None, share=True
+        )
         _, shares = agreement.run(
-            "checksumming the shards", lambda: checksum_share(dirs.partial, metadata, agreement), share=True
+            "checksumming the shards", lambda: checksum_share(dirs.partial, listed[0], agreement), share=True
         )
         digests: dict[str, FileDigest] = {name: digest for share in shares for name, digest in share.items()}
 
@@ -97,12 +103,19 @@ def save_checkpoint(
     return dirs.path
 
 
-def checksum_share(directory: Path, metadata: Metadata, agreement: RankAgreement) -> dict[str, FileDigest]:
-    """This rank's share of the files (each file once across ranks): synced, digested whole and
-    item by item."""
+def data_file_ranges(metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
+    """The files of a save (``.metadata`` too) and the (offset, length) of each item stored in them."""
     ranges: dict[str, list[tuple[int, int]]] = {METADATA_FILENAME: []}
     for info in (metadata.storage_data or {}).values():
         ranges.setdefault(info.relative_path, []).append((info.offset, info.length))
+    return ranges
+
+
+def checksum_share(
+    directory: Path, ranges: dict[str, list[tuple[int, int]]], agreement: RankAgreement
+) -> dict[str, FileDigest]:
+    """This rank's share of the files (each file once across ranks): synced, digested whole and
+    item by item."""
     mine = sorted(ranges)[agreement.rank :: agreement.world_size]
     return {name: digest_data_file(directory / name, ranges[name], sync=True) for name in mine}
 

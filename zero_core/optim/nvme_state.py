@@ -118,12 +118,34 @@ def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
     return hooked.__wrapped__
 
 
+def units_to_offload(units: list[FlatUnit], fraction: float) -> set[int]:
+    """The units whose state goes to disk: the largest first, as many as keep the offloaded share of the
+    state at most ``fraction`` (at least the largest one). Every rank's shards have the same sizes, so
+    every rank chooses the same units."""
+    sizes = [unit.master_shard.numel() for unit in units]
+    chosen: set[int] = set()
+    offloaded = 0
+    for index in sorted(range(len(units)), key=lambda i: (-sizes[i], i)):
+        if not chosen or offloaded + sizes[index] <= fraction * sum(sizes):
+            chosen.add(index)
+            offloaded += sizes[index]
+    return chosen
+
+
 class NvmeOptimizerState:
     """The per-unit files, the step that brings units in and out, and reads of the whole state."""
 
-    def __init__(self, units: list[FlatUnit], comm: CommContext, scratch: ScratchDirectory, units_in_memory: int):
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        comm: CommContext,
+        scratch: ScratchDirectory,
+        units_in_memory: int,
+        offloaded: set[int],
+    ):
         self.units, self.comm, self.scratch = units, comm, scratch
         self.units_in_memory = units_in_memory
+        self.offloaded = offloaded  # the others' state stays in memory and steps in place
         self._states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
 
@@ -153,8 +175,9 @@ class NvmeOptimizerState:
                     continue  # its state could not be read: it does not step (the error is raised below)
                 restrict_to(unit)
                 raw_step(optimizer)
-                self._adopt(index, optimizer)
-                writes[index] = self._io.submit(self._states[index].write)
+                if index in self.offloaded:
+                    self._adopt(index, optimizer)
+                    writes[index] = self._io.submit(self._states[index].write)
         self._drain(writes, keep=0, failures=failures)
         for unit in self.units:
             for master in unit.master_pieces:
