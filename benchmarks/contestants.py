@@ -34,6 +34,8 @@ CONTESTANTS = (
 )
 # Run by benchmarks/offload.py beside their in-memory twins, not by run_all.py (they need a disk).
 OFFLOAD_CONTESTANTS = (
+    "zero1_cpu",  # ZeroConfig(offload_optimizer="cpu"): the step on the host (here: the same memory), fused
+    "zero3_cpu",
     "zero1_nvme",  # ZeroConfig(offload_optimizer="nvme"), under ZERO_BENCH_OFFLOAD_DIR (default: the temp dir)
     "zero3_nvme",
 )
@@ -50,6 +52,8 @@ STAGE_OF = {
     "zero3": 3,
     "zero1_overlap": 1,
     "zero2_overlap": 2,
+    "zero1_cpu": 1,
+    "zero3_cpu": 3,
     "zero1_nvme": 1,
     "zero3_nvme": 3,
 }
@@ -150,6 +154,8 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
     if name.endswith("_nvme"):
         directory = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
         offload = {"offload_optimizer": "nvme", "offload_dir": directory}
+    elif name.endswith("_cpu"):
+        offload = {"offload_optimizer": "cpu"}
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=name.endswith("_overlap"), **offload
     )

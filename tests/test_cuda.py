@@ -10,6 +10,9 @@ each other and with plain training (they agree to rounding on the CPU).
 
 from __future__ import annotations
 
+import dataclasses
+import gc
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -188,3 +191,73 @@ def test_cuda_checkpoint_resumes_at_another_stage(tmp_path) -> None:
     backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
     for result in run_distributed(_gpu_resume, world_size, str(tmp_path), backend=backend):
         assert result["resumed"] == pytest.approx(result["uninterrupted"], rel=1e-5)
+
+
+def _gpu_offload(rank: int, world_size: int, directory: str) -> dict:
+    """offload_optimizer on a GPU: the offloaded units' master shards (pinned) and optimizer state in host
+    memory, their gradient shards copied there, stepped on the host; losses as the in-memory run's (the
+    host's fused kernel against the GPU's: rounding apart), the device holding less."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    for mode, stage, precision in [
+        ("none", 3, None), ("cpu", 3, None), ("none", 2, "bf16"), ("cpu", 2, "bf16"), ("cpu", 1, None),
+        ("nvme", 3, None),
+    ]:  # fmt: skip
+        gc.collect()
+        before = torch.cuda.memory_allocated(device)  # what earlier runs left (nothing of theirs is alive)
+        torch.manual_seed(0)
+        model = TinyTransformer(width=64).to(device)  # Adam's moments well above the allocator's rounding
+        mixed = MixedPrecision(compute_dtype=torch.bfloat16) if precision else None
+        config = config_for(stage, precision=mixed)
+        config = dataclasses.replace(config, offload_optimizer=mode, offload_dir=directory)
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+        losses = []
+        for step in range(4):
+            ids = batch(step % 2, rank).to(device)
+            loss = lm_loss(model(ids), ids)
+            engine.backward(loss)
+            engine.clip_grad_norm_(1.0)
+            engine.step()
+            losses.append(loss.item())
+        torch.cuda.synchronize()
+        report = engine.memory_report()
+        results[f"{mode}-{stage}-{precision}"] = {
+            "losses": losses,
+            "offloaded units": sum(unit.offloaded for unit in engine.unit_reports()),
+            "state on the host": all(
+                v.device.type == "cpu"
+                for state in engine.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+            "host bytes": report.host_bytes,
+            "device bytes": report.device_bytes,
+            "allocated on the device": torch.cuda.memory_allocated(device) - before,  # what is really alive there
+            "optimizer state bytes": sum(
+                v.untyped_storage().nbytes()
+                for state in engine.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+        }
+        del engine, model, loss, ids
+    return results
+
+
+def test_cuda_offload_steps_on_the_host_and_trains_like_the_device(tmp_path) -> None:
+    world_size = 2
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for results in run_distributed(_gpu_offload, world_size, str(tmp_path), backend=backend):
+        for name in ("cpu-3-None", "nvme-3-None"):
+            assert results[name]["losses"] == pytest.approx(results["none-3-None"]["losses"], rel=1e-4), name
+        assert results["cpu-2-bf16"]["losses"] == pytest.approx(results["none-2-bf16"]["losses"], rel=1e-2)
+        for name, result in results.items():
+            assert (result["offloaded units"] > 0) == (not name.startswith("none")), name
+            if not name.startswith("none"):
+                assert result["state on the host"] and result["host bytes"] > 0, name
+        assert results["cpu-3-None"]["device bytes"] < results["none-3-None"]["device bytes"] / 2
+        saved = results["none-3-None"]["allocated on the device"] - results["cpu-3-None"]["allocated on the device"]
+        # fp32 stage 3 in memory: the master shard is the compute shard; offloaded, the compute shard stays
+        # on the device and the optimizer's moments leave it.
+        assert saved >= results["cpu-3-None"]["optimizer state bytes"] * 0.9

@@ -80,7 +80,9 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
     for case in CASES:
         case = dict(case)
         stage, accumulate = case.pop("stage"), case.pop("accumulate", 1)
-        reference = _engine(stage, "none", directory, **dict(case, offload_units_in_memory=2))
+        # The offloaded step runs torch's fused CPU kernel where the user left the choice to torch.
+        fused = {"optimizer": "adamw-fused"} if case.get("optimizer", "adamw") == "adamw" else {}
+        reference = _engine(stage, "none", directory, **dict(case, offload_units_in_memory=2, **fused))
         expected = _train(reference, rank, range(4), accumulate)
         ours = _engine(stage, "nvme", directory, **case)
         alive_in_step: list[int] = []
@@ -142,20 +144,23 @@ def test_nvme_optimizer_state_trains_bit_for_bit_like_memory_and_stays_out_of_me
 
 def _round_trips(rank: int, world_size: int, directory: str) -> dict:
     results = {}
-    uninterrupted = _engine(3, "none", directory)
+    # One kernel everywhere (the offloaded step would pick the fused one, the in-memory step the loop).
+    uninterrupted = _engine(3, "none", directory, optimizer="adamw-fused")
     _train(uninterrupted, rank, range(4))
     expected = uninterrupted.full_state_dict()
-    for saved_with, loaded_with, stage in (("nvme", "none", 1), ("none", "nvme", 3), ("nvme", "nvme", 2)):
-        first = _engine(3, saved_with, directory)
+    modes = [("nvme", "none", 1), ("none", "nvme", 3), ("nvme", "nvme", 2)]
+    modes += [("cpu", "none", 3), ("none", "cpu", 2), ("cpu", "nvme", 1), ("nvme", "cpu", 3)]
+    for saved_with, loaded_with, stage in modes:
+        first = _engine(3, saved_with, directory, optimizer="adamw-fused")
         _train(first, rank, range(2))
         path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}"
         first.save_checkpoint(path)
-        second = _engine(stage, loaded_with, directory)
+        second = _engine(stage, loaded_with, directory, optimizer="adamw-fused")
         second.load_checkpoint(path)
         _train(second, rank, range(2, 4))
         results[f"{saved_with} -> {loaded_with}"] = relative_difference(second.full_state_dict(), expected)
     engine = _engine(3, "nvme", directory)
-    reference = _engine(3, "none", directory)
+    reference = _engine(3, "none", directory, optimizer="adamw-fused")
     _train(engine, rank, range(2))
     _train(reference, rank, range(2))
     ours, theirs = engine.optimizer.state_dict(), reference.optimizer.state_dict()
@@ -219,7 +224,7 @@ def _failures(rank: int, world_size: int, directory: str) -> dict:
     engine.load_checkpoint(Path(directory) / "ckpt")  # the last checkpoint is loadable, and training goes on
     _train(engine, rank, range(1, 3))
     results["after the failure"] = engine.full_state_dict()
-    reference = _engine(3, "none", directory)
+    reference = _engine(3, "none", directory, optimizer="adamw-fused")  # the kernel the offloaded step picks
     _train(reference, rank, range(3))
     results["reference"] = reference.full_state_dict()
     return results
@@ -313,3 +318,69 @@ def test_under_a_memory_cap_only_the_nvme_run_trains_and_exactly_as_in_memory(tm
     assert capped["losses"] == in_memory["losses"]
     killed, _, _ = _capped_run("none", cap, tmp_path)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout, "the in-memory run must not fit"
+
+
+HOST_CASES = [
+    *({"stage": stage} for stage in (1, 2, 3)),
+    {"stage": 3, "optimizer": "sgd", "accumulate": 2},
+    {"stage": 3, "precision": "bf16"},
+    {"stage": 2, "precision": "fp16"},
+    {"stage": 1, "offload_fraction": 0.5},
+    {"stage": 3, "offload_fraction": 0.3, "precision": "bf16"},
+    {"stage": 2, "shard_group_size": 1},  # hybrid sharding at 2 ranks: groups of one, replicated
+]
+
+
+def _host_parity(rank: int, world_size: int, directory: str) -> list[dict]:
+    results = []
+    for case in HOST_CASES:
+        case = dict(case)
+        stage, accumulate = case.pop("stage"), case.pop("accumulate", 1)
+        fused = {"optimizer": "adamw-fused"} if case.get("optimizer", "adamw") == "adamw" else {}
+        reference = _engine(stage, "none", directory, **dict(case, **fused))
+        expected = _train(reference, rank, range(4), accumulate)
+        ours = _engine(stage, "cpu", directory, **case)
+        losses = _train(ours, rank, range(4), accumulate)
+        units = ours._units
+        offloaded = [u for u in units if u.offloaded]
+        state_per_element = 4 if case.get("optimizer") == "sgd" else 8
+        report = ours.memory_report()
+        results.append(
+            {
+                "case": {"stage": stage, "accumulate": accumulate, **case},
+                "same losses": losses == expected,
+                "weights difference": relative_difference(ours.full_state_dict(), reference.full_state_dict()),
+                "groups as built": [g.get("fused") for g in ours.optimizer.param_groups],
+                "offloaded units": len(offloaded),
+                "reported offloaded": [report.offloaded for report in ours.unit_reports()],
+                "units": len(units),
+                "masters on the host": all(u.master_shard.device.type == "cpu" for u in offloaded),
+                "masters separate": all(u.master_shard.data_ptr() != u.compute_shard.data_ptr() for u in offloaded),
+                "host bytes": report.host_bytes,
+                # The master shard (fp32, padding included) and the per-element state of its pieces (on a CPU
+                # device the reduced gradient shard is host memory already: no copy).
+                "expected host bytes": sum(4 * u.master_shard.numel() for u in offloaded)
+                + state_per_element
+                * sum(m.piece.numel for u in offloaded for m in u.master_pieces if m.param in ours.optimizer.state),
+                "scalar state bytes": 8
+                * sum(1 for u in offloaded for m in u.master_pieces if m.param in ours.optimizer.state),
+            }
+        )
+    return results
+
+
+def test_host_offload_trains_like_memory_with_the_state_on_the_host(tmp_path: Path) -> None:
+    """offload_optimizer="cpu": the offloaded units' master shards, gradients and optimizer state in host
+    memory, stepped there, bit for bit the in-memory run with torch's fused kernel (which the host step
+    picks when the user left the implementation to torch; the groups the user sees keep fused=None)."""
+    for rank_results in run_distributed(_host_parity, 2, str(tmp_path)):
+        for result in rank_results:
+            case = result["case"]
+            assert result["same losses"] and result["weights difference"] == 0.0, case
+            assert result["groups as built"] == [None] * len(result["groups as built"]), case
+            assert result["masters on the host"] and result["masters separate"], case
+            assert (result["offloaded units"] < result["units"]) == ("offload_fraction" in case), case
+            assert sum(result["reported offloaded"]) == result["offloaded units"], case
+            # Adam's step counts are scalar tensors of their own (8 bytes each, storage counted once each).
+            expected = result["expected host bytes"]
+            assert expected <= result["host bytes"] <= expected + result["scalar state bytes"], case

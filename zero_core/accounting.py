@@ -19,10 +19,18 @@ class MemoryReport:
     gradient_bytes: int
     optimizer_state_bytes: int  # includes the fp32 master shard when it is a separate tensor
     nvme_bytes: int = 0  # optimizer state in offload_optimizer="nvme"'s files now (not in memory)
+    # Of the three above, what the offloaded units keep in host memory (offload_optimizer): their master
+    # shards, optimizer state and gradient copies. The rest is on the device.
+    host_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:
+        """In memory, device and host together (not the NVMe files)."""
         return self.parameter_bytes + self.gradient_bytes + self.optimizer_state_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        return self.model_state_bytes - self.host_bytes
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class UnitReport:
     padded_numel: int  # elements one all-gather or reduce-scatter of the whole unit moves
     persistent: bool  # stage 3: kept gathered between steps (persistence_threshold)
     refreshing: bool  # stages 1/2: the post-step all-gather may still be writing its parameters
+    offloaded: bool = False  # offload_optimizer: its master shard and optimizer state live on the host
 
 
 def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]:
@@ -47,6 +56,7 @@ def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]
             padded_numel=unit.layout.padded_numel,
             persistent=unit.stage_plan != plan,
             refreshing=unit.refreshing,
+            offloaded=unit.offloaded,
         )
         for unit in units
     ]
@@ -80,15 +90,24 @@ def measure_model_state(
     params = counter.count([u.gathered_params for u in units] + [u.compute_shard for u in units])
     grads = counter.count(
         [grad for u in units for grad in u.grads.tensors()]
+        + [u.host_grads for u in units]
         + [p.grad for p in model.parameters()]
         + [m.param.grad for u in units for m in u.master_pieces]
     )
     optimizer_state = optimizer.state if optimizer is not None else {}
-    state_tensors = [
-        value for state in optimizer_state.values() for value in state.values() if isinstance(value, torch.Tensor)
-    ]
-    optimizer_bytes = counter.count([u.master_shard for u in units] + state_tensors)
-    return MemoryReport(params, grads, optimizer_bytes, nvme_bytes)
+
+    def state_of(pieces: Iterable[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        keys = optimizer_state.keys() if pieces is None else [p for p in pieces if p in optimizer_state]
+        return [value for key in keys for value in optimizer_state[key].values() if isinstance(value, torch.Tensor)]
+
+    optimizer_bytes = counter.count([u.master_shard for u in units] + state_of())
+    offloaded = [u for u in units if u.offloaded]
+    on_host = StorageCounter().count(
+        [u.master_shard for u in offloaded]
+        + [u.host_grads for u in offloaded]
+        + state_of(m.param for u in offloaded for m in u.master_pieces)
+    )
+    return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host)
 
 
 def expected_model_state_bytes(

@@ -15,6 +15,7 @@ from torch import nn
 from . import agreement
 from .checkpoint.training_state import CheckpointTarget
 from .collectives import CommContext, Position
+from .collectives.shutdown import destroy_process_group_at_exit
 from .config import ZeroConfig
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
@@ -28,7 +29,8 @@ from .model.meta_init import (
 from .model.state_dict_hooks import StateDictHooks
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import DynamicLossScaler
-from .optim.nvme_state import NvmeOptimizerState, units_to_offload
+from .optim.nvme_state import NvmeOptimizerState
+from .optim.offload_plan import units_to_offload
 from .optim.rebuild import canonical_names
 from .optim.scratch import ScratchDirectory
 from .step.gradient_reads import GradientReads
@@ -87,6 +89,9 @@ def build_units(
         comm.split(config.shard_group_size)
     units: dict[int, FlatUnit] = {}
     plan_rooted_at = {id(plan.module): plan for plan in plans}
+    offloaded = set()
+    if config.offload_optimizer != "none":
+        offloaded = units_to_offload([sum(p.numel() for p in plan.params) for plan in plans], config.offload_fraction)
     materialiser = MetaMaterialiser(model, comm.device, param_init_fn) if on_meta else None
     # In construction order (children first, in registration order): a meta model's modules are
     # initialised as eager construction initialises them (the same seed gives the same weights),
@@ -99,23 +104,19 @@ def build_units(
         if plan is not None:
             numel = sum(p.numel() for p in plan.params)
             units[plan.index] = FlatUnit(
-                plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests
-            )
+                plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests,
+                offloaded=plan.index in offloaded,
+            )  # fmt: skip
     digests.track([units[i] for i in range(len(plans))])
     return [units[i] for i in range(len(plans))]
 
 
 def build_nvme_state(units: list[FlatUnit], config: ZeroConfig, comm: CommContext) -> NvmeOptimizerState | None:
     """offload_optimizer="nvme": this rank's scratch directory, checked on every rank (room for two fp32
-    moments per element of its shards, Adam's), and the tier over it."""
+    moments per element of its offloaded units' shards, Adam's), and the tier over it."""
     if config.offload_optimizer != "nvme":
         return None
-    if comm.device.type != "cpu":
-        raise ValueError(
-            "offload_optimizer='nvme' runs on CPU devices in this version (the optimizer state is read into and "
-            "written from host memory); on GPUs leave it at 'none'."
-        )
-    offloaded = units_to_offload(units, config.offload_fraction)
+    offloaded = {index for index, unit in enumerate(units) if unit.offloaded}
     needed = 2 * 4 * sum(units[index].master_shard.numel() for index in offloaded)
     scratch = ScratchDirectory(config.offload_dir, comm, needed)
     return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory, offloaded)
@@ -128,6 +129,7 @@ def build_parts(
     comm: CommContext,
     param_init_fn: ParamInitFn | None,
 ) -> EngineParts:
+    destroy_process_group_at_exit()  # a gloo group alive at interpreter exit can abort a finished run
     # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
     digests = ParameterDigests()
     units = build_units(model, config, optimizer, comm, digests, param_init_fn)
@@ -164,7 +166,8 @@ def build_parts(
         units, comm, names, (optimizer_step.before, optimizer_step.after), agreed_at_setup=optimizer, nvme=nvme
     )
     # An optimizer.step() that raised midway left the groups showing the pieces.
-    runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
+    before_forward = [attachment.show_model_parameters, optimizer_step.end_host_step, buffer_sync.before_root_forward]
+    runtime.before_root_forward += before_forward
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     checkpoints = CheckpointTarget(
         model, units, comm, attachment, loss_scaler, config.stage,

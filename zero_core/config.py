@@ -35,7 +35,7 @@ def _is_count(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
-OFFLOAD_MODES = ("none", "nvme")
+OFFLOAD_MODES = ("none", "cpu", "nvme")
 
 
 @dataclass(frozen=True)
@@ -257,13 +257,15 @@ class ZeroConfig:
         example=1000,
     )
 
-    # ZeRO-Infinity's NVMe tier for the optimizer state: each unit's per-element state (Adam's moments)
-    # lives in a file under offload_dir between steps; the step brings units in a few at a time
-    # (optim/nvme_state.py). The fp32 master shard and the gradients stay in memory.
+    # ZeRO-Offload: an offloaded unit's fp32 master shard, its optimizer state and a copy of its reduced
+    # gradient shard live in host memory (pinned on GPUs) and the optimizer steps it there; with "nvme"
+    # (ZeRO-Infinity) its per-element optimizer state lives in a file under offload_dir between steps and
+    # the step brings units in a few at a time (optim/nvme_state.py).
     offload_optimizer: str = setting(
         "none",
-        doc='"nvme": keep the optimizer state in files under offload_dir between steps (CPU devices); '
-        '"none": in memory',
+        doc='"cpu": the fp32 master shard, optimizer state and gradient shard in host memory, the step on the '
+        'host; "nvme": likewise, with the optimizer state in files under offload_dir between steps; '
+        '"none": on the device',
         parse=str,
         example="nvme",
     )
@@ -275,8 +277,8 @@ class ZeroConfig:
     )
     offload_fraction: float = setting(
         1.0,
-        doc="with offload_optimizer='nvme': the share of the optimizer state offloaded, largest units first; "
-        "the rest stays in memory",
+        doc="with offload_optimizer: the share of the optimizer state offloaded, largest units first; "
+        "the rest stays on the device (nvme: in memory)",
         parse=float,
         example=0.5,
     )
@@ -325,9 +327,8 @@ class ZeroConfig:
 
     def _check_offload(self) -> None:
         if self.offload_optimizer not in OFFLOAD_MODES:
-            hint = " (host-memory offload is not supported yet)" if self.offload_optimizer == "cpu" else ""
             raise ValueError(
-                f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} is invalid{hint}: use "
+                f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} is invalid: use "
                 f"{' or '.join(repr(m) for m in OFFLOAD_MODES)}."
             )
         if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:

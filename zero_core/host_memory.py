@@ -80,3 +80,16 @@ def advise_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     if last > first:
         madvise(first, last - first, _MADV_HUGEPAGE)  # advice: a refusal changes nothing
     return tensor
+
+
+def host_zeros(numel: int, dtype: torch.dtype, for_device: torch.device) -> torch.Tensor:
+    """A host buffer that copies to and from ``for_device`` go through (offload): page-locked when that is
+    a GPU, so the copies run asynchronously at the link's speed; plain memory when the device is the host."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=for_device.type == "cuda")
+
+
+def wait_for_host_copies(device: torch.device) -> None:
+    """The asynchronous device-to-host copies issued so far on ``device``'s current stream have landed
+    (nothing to wait for when the device is the host)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()

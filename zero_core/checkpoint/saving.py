@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
 
 from .agreement import RankAgreement
 from .errors import CheckpointError
@@ -41,7 +40,7 @@ from .storage import (
     replace_with_partial,
     write_shards,
 )
-from .unpickling import refusal_reason, weights_only_load
+from .unpickling import refusal_reason, unpickle_metadata, weights_only_load
 
 
 def sharded_state(view: ShardedModel, with_model: bool = True, with_optimizer: bool = True) -> dict[str, Any]:
@@ -78,12 +77,12 @@ def save_checkpoint(
         meta = {**extra, ZERO_KEY: dataclasses.replace(record, save_id=save_ids[0]).to_dict()}
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
         state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
-        metadata, _ = agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
-        # Every rank checksums from the coordinator's list of files, the one `.metadata` holds: what DCP
-        # returns on the other ranks is not that in every torch version (on torch 2.11 with CUDA tensors a
-        # rank's own files only, so a file went unlisted and the checkpoint was refused at load).
+        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
+        # Every rank checksums the files that the written `.metadata` names (read back by the coordinator),
+        # not those of the metadata DCP's save returns: on torch 2.11 that has no storage map (storage_data
+        # None), the manifest listed no data file, and every load refused the checkpoint.
         _, listed = agreement.run(
-            "listing the files", lambda: data_file_ranges(metadata) if coordinator else None, share=True
+            "listing the files", lambda: written_files(dirs.partial) if coordinator else None, share=True
         )
         _, shares = agreement.run(
             "checksumming the shards", lambda: checksum_share(dirs.partial, listed[0], agreement), share=True
@@ -103,8 +102,10 @@ def save_checkpoint(
     return dirs.path
 
 
-def data_file_ranges(metadata: Metadata) -> dict[str, list[tuple[int, int]]]:
-    """The files of a save (``.metadata`` too) and the (offset, length) of each item stored in them."""
+def written_files(directory: Path) -> dict[str, list[tuple[int, int]]]:
+    """The files of the save in ``directory`` (``.metadata`` too), as its ``.metadata`` names them, and the
+    (offset, length) of each item stored in them."""
+    metadata = unpickle_metadata((directory / METADATA_FILENAME).read_bytes(), directory / METADATA_FILENAME)
     ranges: dict[str, list[tuple[int, int]]] = {METADATA_FILENAME: []}
     for info in (metadata.storage_data or {}).values():
         ranges.setdefault(info.relative_path, []).append((info.offset, info.length))

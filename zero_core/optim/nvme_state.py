@@ -118,20 +118,6 @@ def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
     return hooked.__wrapped__
 
 
-def units_to_offload(units: list[FlatUnit], fraction: float) -> set[int]:
-    """The units whose state goes to disk: the largest first, as many as keep the offloaded share of the
-    state at most ``fraction`` (at least the largest one). Every rank's shards have the same sizes, so
-    every rank chooses the same units."""
-    sizes = [unit.master_shard.numel() for unit in units]
-    chosen: set[int] = set()
-    offloaded = 0
-    for index in sorted(range(len(units)), key=lambda i: (-sizes[i], i)):
-        if not chosen or offloaded + sizes[index] <= fraction * sum(sizes):
-            chosen.add(index)
-            offloaded += sizes[index]
-    return chosen
-
-
 class NvmeOptimizerState:
     """The per-unit files, the step that brings units in and out, and reads of the whole state."""
 

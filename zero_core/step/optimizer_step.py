@@ -22,8 +22,10 @@ import torch
 from .. import agreement
 from ..collectives import CommContext, CommStats
 from ..config import ZeroConfig
+from ..host_memory import wait_for_host_copies
 from ..optim import grad_ops
 from ..optim.attachment import compare_param_groups
+from ..optim.host_step import HostStepKernel
 from ..optim.loss_scaling import DynamicLossScaler
 from ..optim.nvme_state import NvmeOptimizerState, raw_step_of
 from ..optim.param_groups import OptimizerGroups
@@ -59,6 +61,8 @@ class OptimizerStep:
     ):
         self.units = units
         self.nvme = nvme  # offload_optimizer="nvme": the step runs here, unit by unit
+        # offload_optimizer: the offloaded units step on the host, with torch's fused CPU kernel where it applies.
+        self.host_kernel = HostStepKernel() if any(unit.offloaded for unit in units) else None
         self.comm = comm
         self.runtime = runtime
         self.config = config
@@ -128,6 +132,8 @@ class OptimizerStep:
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
+        if self.host_kernel is not None:
+            self.host_kernel.choose(groups.optimizer)
         if self.nvme is not None and not self._skip_refresh:
             self.nvme.step(groups, raw_step_of(groups.optimizer))
 
@@ -162,10 +168,13 @@ class OptimizerStep:
         if not self._skip_refresh:
             for unit, flags in zip(self.units, agreed.slot_flags):
                 unit.attach_master_grads(flags)
+            if self.host_kernel is not None:
+                wait_for_host_copies(self.comm.device)  # the offloaded units' gradient shards have landed
 
     # ------------------------------------------------------------------- after
     def after(self, groups: OptimizerGroups) -> None:
         """The optimizer's step post-hook: refresh the compute parameters, consume the gradients."""
+        self.end_host_step()
         groups.show_model_parameters()
         if not self._skip_refresh:
             # With overlap_param_refresh, issued and not waited for: each unit's next forward
@@ -181,6 +190,11 @@ class OptimizerStep:
             self.steps_taken += 1
         self.discard_grads()
         self._record_traffic()
+
+    def end_host_step(self) -> None:
+        """The groups' implementation flags as the user set them (after a step, or one that raised)."""
+        if self.host_kernel is not None:
+            self.host_kernel.restore()
 
     def _record_traffic(self) -> None:
         now = self.comm.stats.snapshot()

@@ -14,6 +14,7 @@ from torch import nn
 
 from ..collectives import CommContext, Handle
 from ..config import MixedPrecision, StagePlan
+from ..host_memory import host_zeros
 from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
 from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
@@ -36,6 +37,7 @@ class FlatUnit:
         precision: MixedPrecision,
         comm: CommContext,
         comparisons: Comparisons | None = None,
+        offloaded: bool = False,
     ):
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
@@ -48,9 +50,14 @@ class FlatUnit:
         self._slot_of_param = {id(p): i for i, p in enumerate(self.params)}
         # Stage 3 at rest: parameters take a guard class (guard.py) instead of their own.
         self.guard = ParameterGuard(self, self.params, stage_plan.params_sharded_at_rest, comparisons)
+        # Offloaded (offload_optimizer): the master shard, the optimizer state and a copy of the reduced
+        # gradient shard live in host memory, and the optimizer steps the unit there.
+        self.offloaded = offloaded
+        self.host_grads: torch.Tensor | None = None  # (S, fp32) pinned, made at the first step (GPU devices)
         self.storage = ParamStorage(
-            self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label
-        )
+            self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label,
+            host_master=offloaded,
+        )  # fmt: skip
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
@@ -188,9 +195,22 @@ class FlatUnit:
         the optimizer skips them exactly as it would without sharding.
         """
         sharded_grads = self.sharded_grads
+        if self.offloaded and sharded_grads is not None:
+            sharded_grads = self._copy_grads_to_host(sharded_grads)
         for master in self.master_pieces:
             if sharded_grads is None or not slot_has_grad[master.piece.slot.index]:
                 master.param.grad = None
                 continue
             grad = shard_view(sharded_grads, master.piece)
             master.param.grad = grad if grad.dtype == torch.float32 else grad.float()
+
+    def _copy_grads_to_host(self, sharded_grads: torch.Tensor) -> torch.Tensor:
+        """The reduced shard (after unscaling and clipping) into the unit's host buffer, in the optimizer's
+        fp32; from a GPU asynchronously: the step waits once for every unit's copy (wait_for_host_copies).
+        On a CPU device the shard is in host memory already: no copy, no second buffer."""
+        if sharded_grads.device.type == "cpu":
+            return sharded_grads
+        if self.host_grads is None:
+            self.host_grads = host_zeros(sharded_grads.numel(), torch.float32, sharded_grads.device)
+        self.host_grads.copy_(sharded_grads, non_blocking=self.host_grads.is_pinned())
+        return self.host_grads

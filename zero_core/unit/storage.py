@@ -11,7 +11,9 @@ unless hybrid sharding splits the ranks into groups):
   all-gather. Stages 1/2: this rank's slice of ``gathered_params``.
 - ``master_shard`` (S, fp32): what the optimizer updates, through one
   parameter view per (parameter ∩ shard) piece. It is ``compute_shard``
-  itself when computing in fp32.
+  itself when computing in fp32, unless the unit is offloaded
+  (``offload_optimizer``): then it lives in host memory (pinned on a GPU)
+  and each refresh copies it to the device.
 
 Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 ``_to_unsharded``): calling it in the state it leads to does nothing.
@@ -26,7 +28,7 @@ from torch import nn
 
 from ..collectives import CommContext, Handle, all_gather, broadcast
 from ..config import MixedPrecision
-from ..host_memory import advise_huge_pages
+from ..host_memory import advise_huge_pages, host_zeros
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
 
@@ -52,16 +54,17 @@ class ParamStorage:
         comm: CommContext,
         guard: ParameterGuard,
         label: str,
+        host_master: bool = False,
     ):
         self.layout, self.params, self.comm, self.label = layout, params, comm, label
         self.sharded_at_rest = sharded_at_rest
         self.guard = guard
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
-        self._flatten_parameters(precision.compute_dtype)
+        self._flatten_parameters(precision.compute_dtype, host_master)
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
 
-    def _flatten_parameters(self, compute_dtype: torch.dtype) -> None:
+    def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool) -> None:
         """Copy the parameters into the flat buffers and make them views of it.
 
         Rank 0's values win, as in DDP, so ranks seeded differently still agree.
@@ -73,7 +76,12 @@ class ParamStorage:
         broadcast(comm, padded_full, label=self.label).wait()
         lo, hi = layout.shard_range(comm.shard_rank)
         self.gathered_params = padded_full.to(compute_dtype)
-        if self.sharded_at_rest:
+        if host_master:
+            self.master_shard = host_zeros(hi - lo, torch.float32, comm.device)
+            self.master_shard.copy_(padded_full[lo:hi])
+            own = padded_full[lo:hi].to(compute_dtype, copy=True)
+            self.compute_shard = own if self.sharded_at_rest else self.gathered_params[lo:hi]
+        elif self.sharded_at_rest:
             self.master_shard = padded_full[lo:hi].clone()
             self.compute_shard = self.master_shard.to(compute_dtype)
         else:
@@ -132,7 +140,8 @@ class ParamStorage:
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
         if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
-            self.compute_shard.copy_(self.master_shard)
+            # From pinned host memory (offload) asynchronously, in stream order before the all-gather.
+            self.compute_shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned())
         if self.sharded_at_rest:
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
@@ -163,7 +172,7 @@ class ParamStorage:
     def gather_full_master(self) -> torch.Tensor:
         """The unit's full fp32 flat parameters (padded), gathered from the master shards."""
         full = torch.empty(self.layout.padded_numel, dtype=torch.float32, device=self.comm.device)
-        all_gather(self.comm, full, self.master_shard, label=self.label).wait()
+        all_gather(self.comm, full, self.master_shard.to(full.device), label=self.label).wait()
         return full
 
     def load_full_master(self, full: torch.Tensor) -> None:
