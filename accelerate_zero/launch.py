@@ -21,6 +21,7 @@ from typing import Any
 
 from zero_core import Setting, user_settings
 
+from .deepspeed_flags import take_deepspeed_flags
 from .plugin import ENV_PREFIX, ZeroPlugin, read_yaml
 
 GROUP_TITLE = "ZeRO (accelerate-zero)"
@@ -78,11 +79,14 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
     config_file = args.zero_config_file
     values = read_yaml(config_file) if config_file else {}
     del args.zero_config_file
+    given_our_way = set()
     for setting in user_settings():
         value = getattr(args, _dest(setting))
         delattr(args, _dest(setting))
         if value is not None:
             values[setting.text.name] = value
+            given_our_way.add(setting.text.name)
+    take_deepspeed_flags(args, values, given_our_way)  # --zero_stage 1 is honoured, never dropped
     return ZeroPlugin.from_mapping(values, config_file or "the ZeRO settings"), args
 
 

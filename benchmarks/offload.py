@@ -78,7 +78,8 @@ def main() -> None:
     parser.add_argument("--publish", action="store_true")
     args = parser.parse_args()
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    out_dir = HERE / "results" if args.publish else HERE / "out" / f"offload-{stamp}"
+    # Its own folder: the in-memory records beside the offloaded ones are this run's, not RESULTS.md's.
+    out_dir = HERE / "results" / "offload" if args.publish else HERE / "out" / f"offload-{stamp}"
     out_dir.mkdir(parents=True, exist_ok=True)
     os.environ["ZERO_BENCH_OFFLOAD_DIR"] = args.offload_dir
     write_bw, read_bw = disk_bandwidth(Path(args.offload_dir))

@@ -21,7 +21,7 @@ from zero_core import MixedPrecision, ZeroEngine
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import config_for
+from .workers import config_for, train_clipped
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -59,15 +59,7 @@ def _gpu_losses(rank: int, world_size: int) -> dict[str, list[float]]:
             side_streams = dist.get_backend() == "nccl"
             assert (engine.comm.all_gather_stream is not None) == side_streams
             assert (engine.comm.reduce_scatter_stream is not None) == side_streams
-            run = []
-            for step in range(6):
-                ids = batch(step % 2, rank).to(device)
-                loss = lm_loss(model(ids), ids)
-                engine.backward(loss)
-                engine.clip_grad_norm_(1.0)
-                engine.step()
-                run.append(loss.item())
-            losses[f"{stage}-{dtype}"] = run
+            losses[f"{stage}-{dtype}"] = train_clipped(model, engine, rank, range(6), device)
     return losses
 
 
@@ -156,8 +148,8 @@ def test_cuda_lightning_applies_sync_batchnorm() -> None:
 
 
 def _gpu_resume(rank: int, world_size: int, directory: str) -> dict:
-    """Stage 3 on CUDA saves a sharded checkpoint; stage 2 on CUDA resumes it (and a one-process
-    optimizer state loads into the shards): the resumed steps give the uninterrupted run's losses."""
+    """Stage 3 on CUDA saves a sharded checkpoint; stage 2 on CUDA resumes it: the resumed steps give
+    the uninterrupted run's losses."""
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.backends.cuda.matmul.allow_tf32 = False
 
@@ -166,23 +158,13 @@ def _gpu_resume(rank: int, world_size: int, directory: str) -> dict:
         model = TinyTransformer().to(device)
         return model, ZeroEngine(model, make_optimizer("adamw", model), config_for(stage))
 
-    def train(model: torch.nn.Module, engine: ZeroEngine, steps: range) -> list[float]:
-        losses = []
-        for step in steps:
-            ids = batch(step % 2, rank).to(device)
-            loss = lm_loss(model(ids), ids)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-        return losses
-
     model, engine = engine_for(3)
-    train(model, engine, range(2))
+    train_clipped(model, engine, rank, range(2), device)
     engine.save_checkpoint(f"{directory}/ckpt")
-    uninterrupted = train(model, engine, range(2, 4))
+    uninterrupted = train_clipped(model, engine, rank, range(2, 4), device)
     model, engine = engine_for(2)
     engine.load_checkpoint(f"{directory}/ckpt")
-    resumed = train(model, engine, range(2, 4))
+    resumed = train_clipped(model, engine, rank, range(2, 4), device)
     return {"uninterrupted": uninterrupted, "resumed": resumed}
 
 
@@ -212,14 +194,7 @@ def _gpu_offload(rank: int, world_size: int, directory: str) -> dict:
         config = config_for(stage, precision=mixed)
         config = dataclasses.replace(config, offload_optimizer=mode, offload_dir=directory)
         engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-        losses = []
-        for step in range(4):
-            ids = batch(step % 2, rank).to(device)
-            loss = lm_loss(model(ids), ids)
-            engine.backward(loss)
-            engine.clip_grad_norm_(1.0)
-            engine.step()
-            losses.append(loss.item())
+        losses = train_clipped(model, engine, rank, range(4), device)
         torch.cuda.synchronize()
         report = engine.memory_report()
         results[f"{mode}-{stage}-{precision}"] = {
@@ -241,7 +216,7 @@ def _gpu_offload(rank: int, world_size: int, directory: str) -> dict:
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             ),
         }
-        del engine, model, loss, ids
+        del engine, model
     return results
 
 

@@ -355,7 +355,6 @@ def _host_parity(rank: int, world_size: int, directory: str) -> list[dict]:
                 "reported offloaded": [report.offloaded for report in ours.unit_reports()],
                 "units": len(units),
                 "masters on the host": all(u.master_shard.device.type == "cpu" for u in offloaded),
-                "masters separate": all(u.master_shard.data_ptr() != u.compute_shard.data_ptr() for u in offloaded),
                 "host bytes": report.host_bytes,
                 # The master shard (fp32, padding included) and the per-element state of its pieces (on a CPU
                 # device the reduced gradient shard is host memory already: no copy).
@@ -378,7 +377,7 @@ def test_host_offload_trains_like_memory_with_the_state_on_the_host(tmp_path: Pa
             case = result["case"]
             assert result["same losses"] and result["weights difference"] == 0.0, case
             assert result["groups as built"] == [None] * len(result["groups as built"]), case
-            assert result["masters on the host"] and result["masters separate"], case
+            assert result["masters on the host"], case
             assert (result["offloaded units"] < result["units"]) == ("offload_fraction" in case), case
             assert sum(result["reported offloaded"]) == result["offloaded units"], case
             # Adam's step counts are scalar tensors of their own (8 bytes each, storage counted once each).

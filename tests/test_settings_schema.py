@@ -20,6 +20,7 @@ from jsonargparse import ArgumentParser
 from torch import nn
 
 from accelerate_zero import ZeroPlugin
+from accelerate_zero.deepspeed_flags import REFUSED
 from accelerate_zero.launch import main, plugin_from_arguments
 from accelerate_zero.plugin import ENV_PREFIX
 from lightning_zero import ZeroStrategy
@@ -220,3 +221,30 @@ def test_the_readme_documents_every_setting() -> None:
             assert f"`{setting.text.name}`" in configuration, setting.text.name
         if setting.text.flag != f"--zero_{setting.text.name}":
             assert f"`{setting.text.flag}`" in configuration, setting.text.flag
+
+
+def test_deepspeeds_flags_with_a_meaning_here_are_honoured() -> None:
+    """A DeepSpeed user types Accelerate's DeepSpeed flags; those that mean one of our settings set it
+    (Accelerate alone would drop them without --use_deepspeed, and the run would use stage 3)."""
+    flags = ["--zero_stage", "1", "--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path", "/nvme"]
+    plugin, launch_args = plugin_from_arguments([*flags, "train.py"])
+    assert (plugin.stage, plugin.offload_optimizer, plugin.offload_dir) == (1, "nvme", "/nvme")
+    assert launch_args.zero_stage is None and launch_args.offload_optimizer_device is None
+    assert plugin_from_arguments(["--zero_stage", "2", "--zero_sharding_stage", "2", "t.py"])[0].stage == 2
+    with pytest.raises(ValueError, match="--zero_stage 1 and --zero_sharding_stage 2 disagree"):
+        plugin_from_arguments(["--zero_stage", "1", "--zero_sharding_stage", "2", "t.py"])
+    with pytest.raises(ValueError, match="stage=0 is invalid"):
+        plugin_from_arguments(["--zero_stage", "0", "t.py"])
+
+
+@pytest.mark.parametrize("dest", sorted(REFUSED))
+def test_deepspeeds_other_flags_are_refused_with_what_to_do(dest: str) -> None:
+    value = "true" if dest.startswith("zero3_") else "1"
+    with pytest.raises(ValueError, match=f"--{dest}: {re.escape(REFUSED[dest])}"):
+        plugin_from_arguments([f"--{dest}", value, "train.py"])
+
+
+@pytest.mark.parametrize("flag", ["--use_deepspeed", "--use_fsdp"])
+def test_asking_accelerate_for_another_framework_is_refused(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["launch", flag, "train.py"]) == 2
+    assert f"{flag} asks Accelerate for" in capsys.readouterr().err

@@ -135,10 +135,16 @@ def train_precision(stage: int, compute_dtype: torch.dtype, steps: int = 8) -> l
     # A moderate initial scale: no overflow-skipped steps, so the runs stay comparable.
     precision = MixedPrecision(compute_dtype=compute_dtype, initial_loss_scale=2.0**10)
     engine = ZeroEngine(model, make_optimizer("adamw", model, lr=3e-3), config_for(stage, precision=precision))
-    rank = torch.distributed.get_rank()
+    return train_clipped(model, engine, torch.distributed.get_rank(), range(steps))
+
+
+def train_clipped(
+    model: torch.nn.Module, engine: ZeroEngine, rank: int, steps: range, device: torch.device | None = None
+) -> list[float]:
+    """Steps on each rank's own batches (two, repeated: the loss must fall), clipped at 1.0; their losses."""
     losses = []
-    for step in range(steps):
-        ids = batch(step % 2, rank)  # two batches, repeated: the loss must fall
+    for step in steps:
+        ids = batch(step % 2, rank).to(device or "cpu")
         loss = lm_loss(model(ids), ids)
         engine.backward(loss)
         engine.clip_grad_norm_(1.0)

@@ -102,10 +102,10 @@ def measure_model_state(
 
     optimizer_bytes = counter.count([u.master_shard for u in units] + state_of())
     offloaded = [u for u in units if u.offloaded]
-    on_host = StorageCounter().count(
-        [u.master_shard for u in offloaded]
-        + [u.host_grads for u in offloaded]
-        + state_of(m.param for u in offloaded for m in u.master_pieces)
+    # The master shard by its own bytes: on a CPU device it can be a slice of the full parameters' storage.
+    on_host = sum(u.master_shard.numel() * u.master_shard.element_size() for u in offloaded)
+    on_host += StorageCounter().count(
+        [u.host_grads for u in offloaded] + state_of(m.param for u in offloaded for m in u.master_pieces)
     )
     return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host)
 

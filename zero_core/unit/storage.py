@@ -12,7 +12,7 @@ unless hybrid sharding splits the ranks into groups):
 - ``master_shard`` (S, fp32): what the optimizer updates, through one
   parameter view per (parameter ∩ shard) piece. It is ``compute_shard``
   itself when computing in fp32, unless the unit is offloaded
-  (``offload_optimizer``): then it lives in host memory (pinned on a GPU)
+  (``offload_optimizer``) from a GPU: then it lives in pinned host memory
   and each refresh copies it to the device.
 
 Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
@@ -76,7 +76,7 @@ class ParamStorage:
         broadcast(comm, padded_full, label=self.label).wait()
         lo, hi = layout.shard_range(comm.shard_rank)
         self.gathered_params = padded_full.to(compute_dtype)
-        if host_master:
+        if host_master and comm.device.type != "cpu":  # on a CPU device the master is in host memory already
             self.master_shard = host_zeros(hi - lo, torch.float32, comm.device)
             self.master_shard.copy_(padded_full[lo:hi])
             own = padded_full[lo:hi].to(compute_dtype, copy=True)

@@ -1,0 +1,71 @@
+"""Accelerate's DeepSpeed flags given to ``accelerate-zero launch``: honoured where a ZeRO setting means the
+same thing, refused otherwise, never ignored.
+
+``accelerate launch`` reads them only with ``--use_deepspeed``; anywhere else its parser accepts them and
+drops them. A DeepSpeed user's ``accelerate-zero launch --zero_stage 1`` would then train at our default
+stage 3 without a word. So the ones with a meaning here become settings (a conflict with the same setting
+given our way is refused), and every other one, or asking Accelerate for another framework, stops the
+launch with what to do instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from zero_core import user_settings
+
+# Accelerate's flag (its argparse dest) -> the setting it means.
+HONOURED = {
+    "zero_stage": "stage",
+    "offload_optimizer_device": "offload_optimizer",
+    "offload_optimizer_nvme_path": "offload_dir",
+}
+
+_MULTINODE = "multi-node runs take Accelerate's --num_machines, --machine_rank and --main_process_ip"
+REFUSED = {
+    "deepspeed_config_file": "give the ZeRO settings as a YAML file with --zero_config_file (--help lists its keys)",
+    "offload_param_device": "parameter offload is not supported yet; leave it out",
+    "offload_param_nvme_path": "parameter offload is not supported yet; leave it out",
+    "gradient_accumulation_steps": "set it in the script: Accelerator(gradient_accumulation_steps=...)",
+    "gradient_clipping": "clip in the script: accelerator.clip_grad_norm_(model.parameters(), max_norm)",
+    "zero3_init_flag": "stage 3 shards a model built on the meta device unit by unit; leave it out",
+    "zero3_save_16bit_model": "accelerator.save_model gathers the full weights at any stage; leave it out",
+    "deepspeed_hostfile": _MULTINODE,
+    "deepspeed_exclusion_filter": _MULTINODE,
+    "deepspeed_inclusion_filter": _MULTINODE,
+    "deepspeed_multinode_launcher": _MULTINODE,
+    "deepspeed_moe_layer_cls_names": "name the layer classes to shard as units with --zero_wrap_classes",
+}
+OTHER_FRAMEWORKS = {"use_deepspeed": "DeepSpeed", "use_fsdp": "FSDP", "use_megatron_lm": "Megatron-LM"}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest
+
+
+def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given_our_way: set[str]) -> None:
+    """Move the honoured flags of ``args`` into ``values`` (settings by name), or raise ValueError."""
+    for dest, framework in OTHER_FRAMEWORKS.items():
+        if getattr(args, dest, False):
+            raise ValueError(
+                f"{_flag(dest)} asks Accelerate for {framework}, but accelerate-zero launch runs lightning-zero's "
+                f"ZeRO: drop {_flag(dest)} (or launch {framework} with `accelerate launch`)."
+            )
+    refused = [f"{_flag(dest)}: {why}" for dest, why in REFUSED.items() if getattr(args, dest, None) is not None]
+    if refused:
+        raise ValueError("DeepSpeed's flags have no meaning here; " + "; ".join(refused) + ".")
+    settings = {setting.text.name: setting for setting in user_settings()}
+    for dest, name in HONOURED.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        setattr(args, dest, None)  # ours now; Accelerate's launcher must not act on it either
+        setting = settings[name]
+        parsed = setting.text.parse(value) if isinstance(value, str) else value
+        if name in given_our_way and values[name] != parsed:
+            raise ValueError(
+                f"{_flag(dest)} {value} and {setting.text.flag} {setting.text.format(values[name])} disagree: "
+                f"give the {name} once."
+            )
+        values[name] = parsed
