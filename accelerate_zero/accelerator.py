@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.logging import get_logger
 from accelerate.utils import broadcast_object_list, convert_outputs_to_fp32, gather_object
 from accelerate.utils.modeling import get_mixed_precision_context_manager
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_core import CheckpointError, ZeroEngine, meeting
+from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
 from .plugin import MIXED_PRECISION_POLICIES, ZeroPlugin
@@ -72,6 +73,8 @@ class ZeroAccelerator(Accelerator):
             policy = MIXED_PRECISION_POLICIES[self.mixed_precision]
             config = self.zero_plugin.zero_config(policy, models[0])
             self.engine = shard_module(models[0], optimizer, config, self.device)
+            # At INFO, as Accelerate logs: shown where the user turned its logging on.
+            get_logger(__name__).info(setup_summary(self.engine), main_process_only=True)
         elif optimizer is not None:
             self._require_engine().attach_optimizer(optimizer)
         return super().prepare(*args, device_placement=device_placement)

@@ -10,10 +10,11 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
-from zero_core import ZeroConfig, ZeroEngine, user_settings
+from zero_core import ZeroConfig, ZeroEngine, setup_summary, user_settings
 from zero_core.sharding import shard_module
 
 from .precision import ZeroPrecisionSettings
@@ -99,6 +100,7 @@ def build_engine(
     """Shard ``module`` in the precision's dtypes and hand the engine to the precision plugin."""
     engine = shard_module(module, optimizer, replace(config, mixed_precision=precision.policy), device)
     precision.engine = engine
+    rank_zero_info(setup_summary(engine))  # one line, as Lightning logs its own strategies' setup
     return engine
 
 

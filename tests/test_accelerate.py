@@ -93,6 +93,10 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     _, results = runs
     reference, ours = results["ddp"], results[f"zero{stage}"]
     assert ours["accelerator"] == "ZeroAccelerator" and reference["accelerator"] == "Accelerator"
+    # One line at setup says what ZeRO does, through Accelerate's logger (main process).
+    setup_lines = [line for line in ours["logged"] if line.startswith("ZeRO stage")]
+    assert len(setup_lines) == 1 and setup_lines[0].startswith(f"ZeRO stage {stage}: "), ours["logged"]
+    assert "sharded over 2 of 2 ranks" in setup_lines[0] and "(DDP: " in setup_lines[0]
     assert len(ours["losses"]) == 12  # 6 steps of 2 micro-batches
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5

@@ -57,6 +57,9 @@ def test_lightning_example_trains_with_zero3() -> None:
     assert result.returncode == 0, result.stderr[-4000:]
     assert "final train_loss" in result.stdout and "val_perplexity" in result.stdout
     assert sum(line.startswith("rank ") for line in result.stdout.splitlines()) == 2
+    # One line at setup (rank 0, as Lightning logs its own strategies) says what ZeRO does.
+    setup_lines = [line for line in (result.stdout + result.stderr).splitlines() if "ZeRO stage 3: " in line]
+    assert len(setup_lines) == 1 and "sharded over 2 of 2 ranks" in setup_lines[0], result.stderr[-3000:]
 
 
 @contextlib.contextmanager

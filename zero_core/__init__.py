@@ -17,6 +17,7 @@ from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm
 from .optim.nvme_state import OffloadError
 from .settings import Setting
+from .setup_summary import setup_summary
 from .step.errors import UnscaledBackwardError
 from .step.state import TrainingState
 from .unit import ParameterAtRestError
@@ -43,6 +44,7 @@ __all__ = [
     "engine_owning",
     "expected_model_state_bytes",
     "meeting",
+    "setup_summary",
     "total_norm",
     "user_settings",
 ]

@@ -136,7 +136,7 @@ def build_parts(
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
     precision = config.mixed_precision
-    loss_scaler = DynamicLossScaler(precision) if precision.uses_loss_scaling else None
+    loss_scaler = DynamicLossScaler(precision, announce=comm.rank == 0) if precision.uses_loss_scaling else None
     auto_prefetch = None
     if config.prefetch == "auto":
         auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)

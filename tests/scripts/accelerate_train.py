@@ -11,6 +11,7 @@ Plain Accelerate (DDP) unless ACCELERATE_USE_ZERO is set, as it is by
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -45,6 +46,11 @@ def main() -> None:
     out = Path(args.out)
     torch.set_num_threads(1)
 
+    logged: list[str] = []  # what the adapter logs at INFO (Accelerate's way: shown where logging is on)
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("accelerate_zero").addHandler(handler)
+    logging.getLogger("accelerate_zero").setLevel(logging.INFO)
     accelerator_class = ZeroAccelerator if zero_requested() else Accelerator
     accelerator = accelerator_class(gradient_accumulation_steps=args.accumulate)
     torch.manual_seed(0)
@@ -100,6 +106,7 @@ def main() -> None:
                 "autocast_enabled": all(autocast_enabled),
                 "num_processes": accelerator.num_processes,
                 "shard_group_size": engine.shard_group_size if engine is not None else None,
+                "logged": logged,
             },
             out / f"{args.name}.pt",
         )

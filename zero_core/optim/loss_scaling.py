@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from ..config import MixedPrecision
+
+logger = logging.getLogger("zero_core")
 
 
 @dataclass
@@ -23,9 +26,10 @@ class DynamicLossScaler:
     GROWTH_FACTOR = 2.0
     BACKOFF_FACTOR = 0.5
 
-    def __init__(self, precision: MixedPrecision):
+    def __init__(self, precision: MixedPrecision, announce: bool = False):
         self.growth_interval = precision.loss_scale_growth_interval
         self.state = LossScalerState(scale=precision.initial_loss_scale)
+        self.announce = announce  # log each skipped step (rank 0), as DeepSpeed prints them
 
     @property
     def scale(self) -> float:
@@ -40,6 +44,11 @@ class DynamicLossScaler:
             state.scale *= self.BACKOFF_FACTOR
             state.steps_since_backoff = 0
             state.skipped_steps += 1
+            if self.announce:
+                logger.info(
+                    "ZeRO fp16: gradient overflow, optimizer step skipped (%d so far); loss scale %g -> %g",
+                    state.skipped_steps, state.scale / self.BACKOFF_FACTOR, state.scale,
+                )  # fmt: skip
             return
         state.steps_since_backoff += 1
         if state.steps_since_backoff >= self.growth_interval:

@@ -1,0 +1,48 @@
+"""One line that says what ZeRO is doing: the adapters log it at setup, on rank 0, through their
+framework's logger (Lightning's and Fabric's info lines, Accelerate's logger); a plain engine's user
+can print it."""
+
+from __future__ import annotations
+
+import torch
+
+from .accounting import expected_model_state_bytes
+from .engine import ZeroEngine
+
+ADAM_STATE_BYTES = 8  # per parameter: the formulas' assumption, said in the line
+
+
+def _mib(count: float) -> str:
+    return f"{count / 2**20:,.1f} MiB"
+
+
+def _count(count: float) -> str:
+    for limit, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if count >= limit:
+            return f"{count / limit:.2f}{suffix}"
+    return f"{count:.0f}"
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def setup_summary(engine: ZeroEngine) -> str:
+    """``ZeRO stage 3: 14 units (largest 12.60M parameters) of 168.07M parameters, ...``: the stage, the
+    units, the shard group, the precision, the prefetch, the offload and the model states per rank beside
+    DDP's (formulas)."""
+    reports = engine.unit_reports()
+    config, precision = engine.config, engine.config.mixed_precision
+    numel, shards = engine.num_parameters, engine.shard_group_size
+    ours = expected_model_state_bytes(engine.stage, numel, shards, precision, ADAM_STATE_BYTES)
+    ddp = expected_model_state_bytes(0, numel, shards, precision, ADAM_STATE_BYTES)
+    offload = config.offload_optimizer
+    if offload != "none":
+        offload += f" ({sum(report.offloaded for report in reports)} of the units)"
+    return (
+        f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
+        f"parameters) of {_count(numel)} parameters, sharded over {shards} of {engine.world_size} ranks; "
+        f"compute {_dtype(precision.compute_dtype)}, reduce {_dtype(precision.reduce_dtype)}; "
+        f"prefetch {config.prefetch}; offload_optimizer {offload}; model states per rank about "
+        f"{_mib(ours.model_state_bytes)} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of state)"
+    )
