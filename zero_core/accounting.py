@@ -136,8 +136,9 @@ def expected_model_state_bytes(
 
     ``offload_optimizer`` ("cpu" or "nvme", stages 1-3) moves ``offload_fraction`` of the elements'
     master and state into ``host_bytes``; "nvme" moves their optimizer state into ``nvme_bytes``
-    (between steps). ``host_gradient_copy``: offloaded reduced gradient shards are copied into fp32
-    host buffers (a GPU device; a CPU device steps on the shard in place).
+    (between steps; over the ``gradient_numel``, as the tier's files cover a unit's whole shard).
+    ``host_gradient_copy``: offloaded reduced gradient shards are copied into fp32 host buffers (a GPU
+    device; a CPU device steps on the shard in place).
     """
     compute = torch.empty(0, dtype=precision.compute_dtype).element_size()
     reduce = torch.empty(0, dtype=precision.reduce_dtype).element_size()
@@ -155,8 +156,11 @@ def expected_model_state_bytes(
     host_grads = 4 * offloaded * with_grads / world_size if host_gradient_copy else 0.0
     master = 4 * shard if low_precision else 4 * offloaded * shard
     state = trainable_shard * state_bytes
-    on_disk = offloaded * state if offload_optimizer == "nvme" else 0.0
-    host = 4 * offloaded * shard + host_grads + (offloaded * state - on_disk)
+    # The NVMe tier writes a unit's state as one flat file per key over its whole shard (frozen
+    # elements and padding too): as many elements as the gradient shard.
+    on_disk = offloaded * with_grads / world_size * state_bytes if offload_optimizer == "nvme" else 0.0
+    in_memory = (1 - offloaded) * state if offload_optimizer == "nvme" else state
+    host = 4 * offloaded * shard + host_grads + (offloaded * state if offload_optimizer == "cpu" else 0.0)
     return MemoryReport(
-        round(params), round(grads + host_grads), round(master + state - on_disk), round(on_disk), round(host)
+        round(params), round(grads + host_grads), round(master + in_memory), round(on_disk), round(host)
     )
