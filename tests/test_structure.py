@@ -4,7 +4,7 @@
 Layers, highest first (a module may import its own layer and those below it, never one above, and
 never a sibling of its layer):
 
-    engine -> build -> {model, checkpoint, step} -> optim -> agreement -> unit -> {collectives, config, ...}
+    engine -> build -> {model, checkpoint, step, estimate} -> optim -> agreement -> unit -> {collectives, config, ...}
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ CORE = Path(__file__).resolve().parent.parent / "zero_core"
 LAYERS: dict[str, tuple[int, str]] = {
     "sharding": (7, "sharding"),
     "engine": (6, "engine"),
+    "estimate": (4, "estimate"),  # before launch: plans units and offload as build.py does, then the formulas
+    "estimate_cli": (4, "estimate"),
     "build": (5, "build"),
     "model": (4, "model"),
     "checkpoint": (4, "checkpoint"),

@@ -13,6 +13,7 @@ from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDivergedError, meeting
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
+from .estimate import ZeroEstimate, estimate
 from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm
 from .optim.nvme_state import OffloadError
@@ -40,8 +41,10 @@ __all__ = [
     "UnscaledBackwardError",
     "ZeroConfig",
     "ZeroEngine",
+    "ZeroEstimate",
     "engine_of",
     "engine_owning",
+    "estimate",
     "expected_model_state_bytes",
     "meeting",
     "setup_summary",

@@ -116,19 +116,51 @@ def expected_model_state_bytes(
     world_size: int,
     precision: MixedPrecision,
     optimizer_state_bytes_per_param: int,
+    *,
+    trainable_numel: int | None = None,
+    gradient_numel: int | None = None,
+    offload_optimizer: str = "none",
+    offload_fraction: float = 1.0,
+    host_is_device: bool = False,
 ) -> MemoryReport:
-    """The README's formulas, padding aside. ``stage=0`` means DDP.
+    """The README's formulas, padding aside. ``stage=0`` means DDP; ``world_size``: the ranks a
+    shard divides over (the shard group's size under hybrid sharding).
 
-    The fp32 master copy exists only when computing in lower precision; in
-    fp32 the parameters (or their shard) are the master.
+    The fp32 master copy exists only when computing in lower precision, or for the offloaded share
+    (its master lives on the host, the compute shard stays on the device); otherwise the parameters
+    (or their shard) are the master. The master covers every parameter, frozen ones too (the engine
+    keeps a master piece for each, so unfreezing one trains it from its shard); optimizer state
+    covers the ``trainable_numel`` (default: all). Gradients: stage 1 keeps a full buffer for every
+    parameter; stages 2/3 a shard for the ``gradient_numel`` (default: the trainable ones; the engine
+    holds one for every element of a unit with any trainable parameter).
+
+    ``offload_optimizer`` ("cpu" or "nvme", stages 1-3) moves ``offload_fraction`` of the elements'
+    master and state into ``host_bytes``; "nvme" moves their optimizer state into ``nvme_bytes``
+    (between steps; over the ``gradient_numel``, as the tier's files cover a unit's whole shard).
+    On a GPU the offloaded reduced gradient shards are copied into fp32 host buffers; ``host_is_device``
+    (a CPU device) steps on the shard in place, and in fp32 the parameters' own shard is the master.
     """
     compute = torch.empty(0, dtype=precision.compute_dtype).element_size()
     reduce = torch.empty(0, dtype=precision.reduce_dtype).element_size()
-    master = 4 if precision.compute_dtype != torch.float32 else 0
-    shard = numel / world_size
+    low_precision = precision.compute_dtype != torch.float32
+    state_bytes = optimizer_state_bytes_per_param
+    trainable = numel if trainable_numel is None else trainable_numel
     if stage == 0:
-        return MemoryReport(numel * compute, numel * compute, int(numel * (optimizer_state_bytes_per_param + master)))
+        master = 4 * numel if low_precision else 0
+        return MemoryReport(numel * compute, trainable * compute, int(trainable * state_bytes + master))
+    with_grads = trainable if gradient_numel is None else gradient_numel
+    offloaded = 0.0 if offload_optimizer == "none" else offload_fraction
+    shard, trainable_shard = numel / world_size, trainable / world_size
     params = numel * compute if stage < 3 else shard * compute
-    grads = numel * reduce if stage == 1 else shard * reduce
-    optimizer = shard * (optimizer_state_bytes_per_param + master)
-    return MemoryReport(int(params), int(grads), int(optimizer))
+    grads = numel * reduce if stage == 1 else with_grads / world_size * reduce
+    host_grads = 0.0 if host_is_device else 4 * offloaded * with_grads / world_size
+    master = 4 * shard if low_precision else 0.0 if host_is_device else 4 * offloaded * shard
+    state = trainable_shard * state_bytes
+    # The NVMe tier writes a unit's state as one flat file per key over its whole shard (frozen
+    # elements and padding too): as many elements as the gradient shard.
+    on_disk = offloaded * with_grads / world_size * state_bytes if offload_optimizer == "nvme" else 0.0
+    in_memory = (1 - offloaded) * state if offload_optimizer == "nvme" else state
+    host = 4 * offloaded * shard + host_grads + (offloaded * state if offload_optimizer == "cpu" else 0.0)
+    return MemoryReport(
+        round(params), round(grads + host_grads), round(master + in_memory), round(on_disk), round(host)
+    )

@@ -1,0 +1,170 @@
+"""``zero_core.estimate`` before launch equals ``engine.memory_report()`` measured on real runs (stages
+1-3, fp32/bf16, offload to host and to disk, SGD), from the same model built on the meta device; the
+``zero-estimate`` command prints it; the largest model for a budget is the largest that fits."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_core import MemoryReport, MixedPrecision, WrapPolicy, ZeroEngine, estimate
+from zero_core.estimate import EstimateSettings, largest_fitting_model
+from zero_core.estimate_cli import main
+
+from .distributed import run_distributed
+from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .workers import config_for
+
+WORLD = 2
+BF16 = MixedPrecision(compute_dtype=torch.bfloat16)
+FIELDS = ("parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "nvme_bytes", "host_bytes")
+# (stage, precision, offload_optimizer, optimizer): the engine's shapes of memory, each once.
+CASES = [
+    *((stage, precision, "none", "adamw") for stage in (1, 2, 3) for precision in (None, BF16)),
+    *((stage, BF16, "cpu", "adamw") for stage in (1, 2, 3)),
+    (3, None, "cpu", "adamw"),  # fp32: the offloaded master is a second copy, on the host
+    (3, BF16, "nvme", "adamw"),
+    (2, None, "none", "sgd"),
+]
+STATE_BYTES = {"adamw": 8, "sgd": 4}  # per parameter: two fp32 moments, one momentum buffer
+
+
+def _measure(rank: int, world_size: int, directory: str) -> list[dict]:
+    """Each case: one step (the optimizer state exists), then the next backward: the estimate's moment."""
+    results = []
+    for stage, precision, offload, optimizer in CASES:
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        config = dataclasses.replace(
+            config_for(stage, precision=precision),
+            offload_optimizer=offload,
+            offload_dir=directory if offload == "nvme" else None,
+        )
+        engine = ZeroEngine(model, make_optimizer(optimizer, model), config)
+        for step in range(2):
+            ids = batch(step, rank)
+            engine.backward(lm_loss(model(ids), ids))
+            if step == 0:
+                engine.step()
+        results.append({"report": engine.memory_report(), "units": len(engine.unit_reports())})
+    return results
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory: pytest.TempPathFactory) -> list[list[dict]]:
+    """One spawn for every case."""
+    return run_distributed(_measure, WORLD, str(tmp_path_factory.mktemp("offload")))
+
+
+def _estimate(stage: int, precision: MixedPrecision | None, offload: str, optimizer: str) -> MemoryReport:
+    with torch.device("meta"):
+        model = TinyTransformer()
+    result = estimate(
+        model, WORLD, precision=precision, optimizer_state_bytes_per_param=STATE_BYTES[optimizer],
+        offload_optimizer=offload, wrap_policy=WrapPolicy(module_classes=(Block,)),
+        host_is_device=True,  # a CPU device: the offloaded master and gradient shard stay in place
+    )  # fmt: skip
+    return result[stage]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "index", range(len(CASES)), ids=[f"stage{s}-{p and 'bf16' or 'fp32'}-{o}-{n}" for s, p, o, n in CASES]
+)
+def test_estimate_equals_the_measured_report(measured: list[list[dict]], index: int) -> None:
+    """Padding is the engine's own (units planned alike), so what remains is Adam's scalar ``step``
+    per parameter piece (at most one per parameter tensor and unit, 4 bytes). Optimizer state is
+    compared as the mean over ranks: the frozen layer shares the root unit with trainable
+    parameters, and which rank's shard holds it is the layout's affair."""
+    expected = _estimate(*CASES[index])
+    reports = [per_rank[index]["report"] for per_rank in measured]
+    params = sum(1 for _ in TinyTransformer().parameters())
+    slack = 4 * (params + measured[0][index]["units"])
+    for name in FIELDS:
+        mean = sum(getattr(report, name) for report in reports) / len(reports)
+        want = getattr(expected, name)
+        assert abs(mean - want) <= slack, f"{name}: measured {mean} on average, estimated {want}"
+    for report in reports:  # parameters and gradients are the same on every rank
+        assert report.parameter_bytes == expected.parameter_bytes
+        assert report.gradient_bytes == expected.gradient_bytes
+    mean_device = sum(report.device_bytes for report in reports) / len(reports)
+    assert abs(mean_device - expected.device_bytes) <= 2 * slack
+
+
+def test_a_parameter_count_follows_the_readme() -> None:
+    """7B parameters on 8 ranks in bf16 with Adam: stage 3 holds 2Ψ/N + 4Ψ/N + 12Ψ/N."""
+    psi, n = 7 * 10**9, 8
+    result = estimate(psi, n, precision=BF16)
+    assert result[3] == MemoryReport(2 * psi // n, 4 * psi // n, 12 * psi // n)
+    assert result[1].gradient_bytes == 4 * psi  # stage 1: full fp32 gradients
+    assert result[0].model_state_bytes == (2 + 2 + 12) * psi  # DDP
+    hybrid = estimate(psi, 16, shard_group_size=8, precision=BF16)
+    assert hybrid[3] == result[3]  # shards divide over the group, not the world
+    offloaded = estimate(psi, n, precision=BF16, offload_optimizer="cpu")[3]
+    assert offloaded.device_bytes == (2 + 4) * psi // n  # compute shard, gradient shard
+    assert offloaded.host_bytes == (4 + 8 + 4) * psi // n  # master, Adam's moments, the gradient copy
+    on_disk = estimate(psi, n, precision=BF16, offload_optimizer="nvme", offload_fraction=0.5)[3]
+    assert on_disk.nvme_bytes == 8 * psi // n // 2
+
+
+@pytest.mark.parametrize("stage", (0, 1, 2, 3))
+def test_the_largest_model_fits_and_one_more_parameter_does_not(stage: int) -> None:
+    settings = EstimateSettings(world_size=8, precision=BF16, offload_optimizer="cpu", offload_fraction=0.5)
+    budget = 80 * 2**30
+    largest = largest_fitting_model(budget, stage, settings)
+    fits, one_more = (
+        estimate(n, 8, precision=BF16, offload_optimizer="cpu", offload_fraction=0.5)[stage]
+        for n in (largest, largest + 1)
+    )
+    assert fits.device_bytes <= budget < one_more.device_bytes
+    assert largest > 10**9  # not a degenerate answer
+
+
+def test_the_command_prints_every_stage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "7B", "--world-size", "8", "--precision", "bf16", "--budget", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    for row in ("DDP", "stage 1", "stage 2", "stage 3"):
+        assert row in out
+    assert "9.78 GiB" in out  # stage 3's 12Ψ/N: master and Adam's moments
+    assert "largest in 80.00 GiB" in out
+
+
+def test_the_command_reads_a_model_built_on_meta(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "tests.models:TinyTransformer", "--world-size", "2", "--wrap-classes", "Block"]
+    assert main([*argv, "--offload-optimizer", "nvme"]) == 0
+    out = capsys.readouterr().out
+    assert f"{sum(p.numel() for p in TinyTransformer().parameters()):,} parameters" in out  # the tie counted once
+    assert "in 4 unit(s)" in out and "nvme" in out
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--params", "7x", "--world-size", "8"], "7e9, 7B or 350M"),
+        (["--params", "7e9", "--world-size", "8", "--shard-group-size", "3"], "divisor of world_size=8"),
+        (["--params", "7e9", "--world-size", "8", "--budget", "lots"], "80GiB"),
+        (["--model", "tests.models", "--world-size", "8"], "module:factory"),
+        (["--params", "7e9", "--world-size", "8", "--offload-optimizer", "cpu", "--offload-fraction", "2"], "(0, 1]"),
+    ],
+)
+def test_bad_input_names_what_to_use(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_the_installed_entry_point_runs() -> None:
+    """``python -m zero_core.estimate_cli`` is what the ``zero-estimate`` script calls."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "zero_core.estimate_cli", "--params", "350M", "--world-size", "4"],
+        capture_output=True, text=True, cwd=root, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "350,000,000 parameters" in done.stdout

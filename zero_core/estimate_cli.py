@@ -1,0 +1,176 @@
+"""Model-state memory per rank before launch, for DDP and ZeRO stages 1-3.
+
+    zero-estimate --params 7e9 --world-size 8 [--precision bf16] [--budget 80GiB]
+    zero-estimate --model my_pkg.models:build_model --world-size 8 --offload-optimizer cpu
+
+``--model module:factory`` calls ``factory()`` under ``torch.device("meta")``: parameters are
+counted (frozen and shared ones as the engine holds them) without allocating them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import sys
+
+import torch
+from torch import nn
+
+from .config import OFFLOAD_MODES, MixedPrecision, WrapPolicy
+from .estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model
+
+PRECISIONS = {
+    "fp32": MixedPrecision(),
+    "bf16": MixedPrecision(compute_dtype=torch.bfloat16),
+    "fp16": MixedPrecision(compute_dtype=torch.float16),
+}
+_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_BYTE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def _quantity(text: str, units: dict[str, int], example: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if match is None or match.group(2) not in units:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use a number with an optional unit, e.g. {example}")
+    value = round(float(match.group(1)) * units[match.group(2)])
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not positive: use e.g. {example}")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``8.5e10`` (bytes)."""
+    return _quantity(text, _BYTE_UNITS, "80GiB, 40GB or 8e10")
+
+
+def parse_count(text: str) -> int:
+    """``7e9``, ``7B``, ``350M``, ``125000``."""
+    return _quantity(text, _COUNT_UNITS, "7e9, 7B or 350M")
+
+
+def load_model(spec: str) -> nn.Module:
+    """``module:factory`` -> ``factory()`` built on the meta device."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--model {spec!r}: use module:factory, e.g. my_pkg.models:build_model")
+    if os.getcwd() not in sys.path:  # a console script does not look in the current directory
+        sys.path.insert(0, os.getcwd())
+    factory = getattr(importlib.import_module(module_name), attribute, None)
+    if not callable(factory):
+        raise ValueError(f"--model {spec!r}: {module_name} has no callable {attribute!r}")
+    with torch.device("meta"):
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"--model {spec!r}: {attribute}() returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def wrap_policy_for(model: nn.Module, class_names: str) -> WrapPolicy:
+    """``GPTBlock,Other`` -> the model's module classes of those names (as Accelerate's wrap_classes)."""
+    names = [name.strip() for name in class_names.split(",") if name.strip()]
+    classes = {type(module).__name__: type(module) for module in model.modules()}
+    missing = [name for name in names if name not in classes]
+    if missing:
+        raise ValueError(f"--wrap-classes: the model has no module class {missing}; its classes: {sorted(classes)}")
+    return WrapPolicy(module_classes=tuple(classes[name] for name in names))
+
+
+def human(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.2f} TiB"
+
+
+def format_table(result: ZeroEstimate, budget: int | None) -> str:
+    settings = result.settings
+    precision = settings.precision
+    offload = settings.offload_optimizer != "none"
+    dtypes = {v.compute_dtype: k for k, v in PRECISIONS.items()}
+    lines = [
+        f"{result.numel:,} parameters ({result.trainable_numel:,} trainable) in {result.units} unit(s); "
+        f"{settings.world_size} ranks, shards over {settings.shard_size}",
+        f"compute {dtypes[precision.compute_dtype]}, reduce {dtypes[precision.reduce_dtype]}; "
+        f"optimizer state {settings.optimizer_state_bytes_per_param} bytes/parameter; "
+        f"offload_optimizer={settings.offload_optimizer!r}"
+        + (f", offload_fraction={settings.offload_fraction:g}" if offload else ""),
+        "model-state bytes per rank (optimizer: with the fp32 master where it is a separate copy):",
+    ]
+    header = ["", "params", "grads", "optimizer", "device"] + (["host", "nvme"] if offload else [])
+    if budget is not None:
+        header.append(f"largest in {human(budget)}")
+    rows = [header]
+    for stage in STAGES:
+        report = result[stage]
+        row = ["DDP" if stage == 0 else f"stage {stage}"]
+        row += [human(b) for b in (report.parameter_bytes, report.gradient_bytes, report.optimizer_state_bytes)]
+        row.append(human(report.device_bytes))
+        if offload:
+            row += [human(report.host_bytes), human(report.nvme_bytes)]
+        if budget is not None:
+            row.append(f"{largest_fitting_model(budget, stage, settings):,} params")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += [
+        "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows
+    ]
+    if offload:
+        lines.append("DDP: no offload. host: offloaded master, optimizer state and gradient copies; nvme: files.")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zero-estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=parse_count, help="a parameter count: 7e9, 7B, 350M")
+    source.add_argument("--model", help="module:factory, a callable returning the model (built on meta)")
+    parser.add_argument(
+        "--wrap-classes", default="", help="with --model: the block classes that become units, e.g. GPTBlock,Other"
+    )
+    parser.add_argument("--bucket-size-mb", type=float, default=25, help="without --wrap-classes: the unit size")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks (processes) in all")
+    parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding: ranks per shard group")
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="compute dtype (reduce: fp32)")
+    parser.add_argument(
+        "--optimizer-bytes", type=int, default=8, help="optimizer state bytes per parameter: Adam 8, SGD momentum 4"
+    )
+    parser.add_argument("--offload-optimizer", choices=OFFLOAD_MODES, default="none")
+    parser.add_argument("--offload-fraction", type=float, default=1.0, help="share offloaded, in (0, 1]")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="cpu: host and device are one memory (an offloaded unit's master and gradient shard stay in place)",
+    )
+    parser.add_argument("--budget", type=parse_bytes, default=None, help="device bytes per rank: 80GiB, 40GB, 8e10")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.wrap_classes and not args.model:
+            raise ValueError("--wrap-classes needs --model (a parameter count is one unit)")
+        model = load_model(args.model) if args.model else args.params
+        wrap = wrap_policy_for(model, args.wrap_classes) if args.wrap_classes else None
+        result = estimate(
+            model, args.world_size, shard_group_size=args.shard_group_size, precision=PRECISIONS[args.precision],
+            optimizer_state_bytes_per_param=args.optimizer_bytes, offload_optimizer=args.offload_optimizer,
+            offload_fraction=args.offload_fraction, host_is_device=args.device == "cpu",
+            wrap_policy=wrap, bucket_size_mb=args.bucket_size_mb,
+        )  # fmt: skip
+    except (ValueError, ImportError) as error:
+        parser.error(str(error))
+    print(format_table(result, args.budget))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
