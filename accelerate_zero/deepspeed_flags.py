@@ -1,5 +1,5 @@
-"""Accelerate's DeepSpeed flags given to ``accelerate-zero launch``: honoured where a ZeRO setting means the
-same thing, refused otherwise, never ignored.
+"""Accelerate's DeepSpeed flags given to ``accelerate-zero launch``, and a DeepSpeed JSON config given to
+``--zero_config_file``: honoured where a ZeRO setting means the same thing, refused otherwise, never ignored.
 
 ``accelerate launch`` reads them only with ``--use_deepspeed``; anywhere else its parser accepts them and
 drops them. A DeepSpeed user's ``accelerate-zero launch --zero_stage 1`` would then train at our default
@@ -11,9 +11,11 @@ launch with what to do instead.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from zero_core import user_settings
+from zero_core.deepspeed_config import from_deepspeed
 
 # Accelerate's flag (its argparse dest) -> the setting it means.
 HONOURED = {
@@ -69,3 +71,30 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
                 f"give the {name} once."
             )
         values[name] = parsed
+
+
+_PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # DeepSpeed's -> Accelerate's mixed_precision
+
+
+def settings_from_deepspeed_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``--zero_config_file ds_config.json``: the settings it means; its precision becomes the launch's
+    ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable; the
+    loop settings Accelerate leaves to the script are refused with where to set them."""
+    translated = from_deepspeed(path)
+    if translated.precision is not None:
+        wanted = _PRECISIONS[translated.precision]
+        given = getattr(args, "mixed_precision", None)
+        if given not in (None, wanted):
+            raise ValueError(f"{path} asks for {translated.precision}, --mixed_precision says {given}: give one.")
+        args.mixed_precision = wanted
+    loop = dict(translated.loop)
+    steps = loop.pop("gradient_accumulation_steps", None)
+    if steps is not None:
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(int(steps))  # Accelerator's default
+    where = {
+        "gradient_clipping": "call accelerator.clip_grad_norm_(model.parameters(), max_norm) in the script",
+        "train_micro_batch_size_per_gpu": 'the DataLoader\'s batch_size sets it; remove the key or make it "auto"',
+    }
+    if loop:
+        raise ValueError(f"{path}: " + "; ".join(f"{key}={value!r}: {where[key]}" for key, value in loop.items()) + ".")
+    return translated.settings

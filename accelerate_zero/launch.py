@@ -21,7 +21,7 @@ from typing import Any
 
 from zero_core import Setting, user_settings
 
-from .deepspeed_flags import take_deepspeed_flags
+from .deepspeed_flags import settings_from_deepspeed_file, take_deepspeed_flags
 from .plugin import ENV_PREFIX, ZeroPlugin, read_yaml
 
 GROUP_TITLE = "ZeRO (accelerate-zero)"
@@ -59,7 +59,11 @@ def launch_parser() -> argparse.ArgumentParser:
     parser.formatter_class = _showing_our_group(parser.formatter_class)
     group = parser.add_argument_group(GROUP_TITLE, "Flags override the file.")
     keys = ", ".join(s.text.name for s in user_settings())
-    group.add_argument("--zero_config_file", metavar="FILE", help=f"a YAML file of ZeRO settings; its keys: {keys}")
+    group.add_argument(
+        "--zero_config_file",
+        metavar="FILE",
+        help=f"a YAML file of ZeRO settings (its keys: {keys}), or a DeepSpeed JSON config",
+    )
     for setting in user_settings():
         name = setting.text.name
         group.add_argument(
@@ -77,7 +81,10 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
         if name.startswith(ENV_PREFIX):
             del os.environ[name]
     config_file = args.zero_config_file
-    values = read_yaml(config_file) if config_file else {}
+    if config_file and config_file.endswith(".json"):  # a DeepSpeed config, as DeepSpeed's users have it
+        values = settings_from_deepspeed_file(config_file, args)
+    else:
+        values = read_yaml(config_file) if config_file else {}
     del args.zero_config_file
     given_our_way = set()
     for setting in user_settings():

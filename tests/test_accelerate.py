@@ -32,6 +32,7 @@ def _launch(
     name: str,
     *script_args: str,
     zero: dict | None = None,
+    deepspeed: dict | None = None,
     processes: int = 2,
     mixed_precision: str = "no",
 ) -> subprocess.CompletedProcess:
@@ -42,6 +43,10 @@ def _launch(
     if zero is not None:
         config = out / f"{name}.yaml"
         config.write_text("".join(f"{k}: {v}\n" for k, v in zero.items()))
+        launcher = [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(config)]
+    if deepspeed is not None:  # a DeepSpeed user's own JSON config
+        config = out / f"{name}.json"
+        config.write_text(json.dumps(deepspeed))
         launcher = [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(config)]
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     distribution += ["--mixed_precision", mixed_precision]
@@ -66,6 +71,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     # between them (its parity with DDP is checked in the core and Lightning tests).
     for stage in (1, 3):
         _checked(_launch(out, f"zero{stage}", *PARITY, zero={"stage": stage, "wrap_classes": "[Block]"}))
+    _checked(_launch(out, "zero2-deepspeed-json", *PARITY, deepspeed=DEEPSPEED_ZERO2))
     _checked(_launch(out, "saved", *RESUMABLE, zero={"stage": 3, "wrap_classes": "[Block]"}))
     _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
     _checked(
@@ -83,8 +89,36 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     )
     for name, zero in (("ddp-bf16", None), ("zero3-bf16", {"stage": 3, "wrap_classes": "[Block]"})):
         _checked(_launch(out, name, "--batchnorm", "0", "--steps", "8", zero=zero, mixed_precision="bf16"))
-    names = ["ddp", "zero1", "zero3", "saved", "resumed-2", "resumed-1", "ddp-bf16", "zero3-bf16"]
+    names = [
+        "ddp",
+        "zero1",
+        "zero3",
+        "zero2-deepspeed-json",
+        "saved",
+        "resumed-2",
+        "resumed-1",
+        "ddp-bf16",
+        "zero3-bf16",
+    ]
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
+
+
+# A DeepSpeed user's config, as DeepSpeed's docs give it ("auto": the framework's own values).
+DEEPSPEED_ZERO2 = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True, "reduce_scatter": True},
+}
+
+
+@pytest.mark.distributed
+def test_a_deepspeed_config_file_trains_like_plain_accelerate(runs: tuple) -> None:
+    _, results = runs
+    reference, ours = results["ddp"], results["zero2-deepspeed-json"]
+    assert ours["accelerator"] == "ZeroAccelerator"
+    assert [line for line in ours["logged"] if "ZeRO stage 2: " in line]  # the file's stage, not the default 3
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 
 @pytest.mark.distributed
@@ -94,8 +128,8 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     reference, ours = results["ddp"], results[f"zero{stage}"]
     assert ours["accelerator"] == "ZeroAccelerator" and reference["accelerator"] == "Accelerator"
     # One line at setup says what ZeRO does, through Accelerate's logger (main process).
-    setup_lines = [line for line in ours["logged"] if line.startswith("ZeRO stage")]
-    assert len(setup_lines) == 1 and setup_lines[0].startswith(f"ZeRO stage {stage}: "), ours["logged"]
+    setup_lines = [line for line in ours["logged"] if "ZeRO stage" in line]  # Accelerate prefixes "[RANK 0] "
+    assert len(setup_lines) == 1 and f"ZeRO stage {stage}: " in setup_lines[0], ours["logged"]
     assert "sharded over 2 of 2 ranks" in setup_lines[0] and "(DDP: " in setup_lines[0]
     assert len(ours["losses"]) == 12  # 6 steps of 2 micro-batches
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)

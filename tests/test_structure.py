@@ -19,6 +19,7 @@ CORE = Path(__file__).resolve().parent.parent / "zero_core"
 # Top-level module or package of zero_core -> (layer rank, sibling group). Higher ranks import lower ones.
 LAYERS: dict[str, tuple[int, str]] = {
     "sharding": (7, "sharding"),
+    "setup_summary": (7, "setup_summary"),  # reads an engine: above it, as sharding is
     "engine": (6, "engine"),
     "estimate": (4, "estimate"),  # before launch: plans units and offload as build.py does, then the formulas
     "estimate_cli": (4, "estimate"),
@@ -33,6 +34,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "collectives": (0, "collectives"),
     "config": (0, "config"),
     "settings": (0, "config"),  # the records config.py declares its fields with
+    "deepspeed_config": (1, "deepspeed_config"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
 }
 MAX_FILE_LINES = 400

@@ -1,10 +1,11 @@
 """ZeRO stages 1-3 for PyTorch: the framework-free core of lightning-zero.
 
 Imports neither Lightning nor Accelerate; both adapters build on it, through
-the names below and three public submodules only: ``zero_core.checkpoint``
+the names below and four public submodules only: ``zero_core.checkpoint``
 (sharded checkpoints, consolidation), ``zero_core.sharding`` (sharding a
-module once, for adapters asked to set it up again) and ``zero_core.settings``
-(the settings schema the adapters are generated from). Every other submodule
+module once, for adapters asked to set it up again), ``zero_core.settings``
+(the settings schema the adapters are generated from) and
+``zero_core.deepspeed_config`` (a DeepSpeed config read as settings). Every other submodule
 is internal and may change shape.
 """
 

@@ -1,0 +1,93 @@
+"""A DeepSpeed config read as our settings: what has a meaning here mapped, everything else refused at once
+(before any process starts), each key with what to do instead; the launcher takes the JSON file."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from accelerate_zero.launch import plugin_from_arguments
+from zero_core.deepspeed_config import from_deepspeed
+
+# What DeepSpeed's docs and Hugging Face's examples give ZeRO-3 users (values chosen to differ from ours).
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": 4,
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        "stage3_prefetch_bucket_size": 1e7,
+        "stage3_param_persistence_threshold": 1e5,
+        "stage3_gather_16bit_weights_on_model_save": True,
+        "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "ratio": 0.5},
+        "offload_param": {"device": "none"},
+    },
+}
+
+
+def test_a_zero3_config_maps_to_our_settings() -> None:
+    translated = from_deepspeed(ZERO3)
+    assert translated.settings == {
+        "stage": 3,
+        "bucket_size_mb": pytest.approx(5e8 * 4 / 2**20),
+        "prefetch": "auto",
+        "prefetch_cap_mb": pytest.approx(1e7 * 4 / 2**20),
+        "persistence_threshold": 100000,
+        "offload_optimizer": "nvme",
+        "offload_dir": "/local_nvme",
+        "offload_fraction": 0.5,
+    }
+    assert translated.precision == "bf16"
+    assert translated.loop == {"gradient_accumulation_steps": 4}  # "auto" leaves it to the framework
+
+
+def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() -> None:
+    config = {
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {
+            "stage": 2,
+            "overlap_comm": False,
+            "sub_group_size": 1e9,
+            "offload_param": {"device": "cpu"},
+        },
+        "fp16": {"enabled": True, "loss_scale_window": 1000},
+        "flops_profiler": {"enabled": True},
+    }
+    with pytest.raises(ValueError) as refused:
+        from_deepspeed(config)
+    message = str(refused.value)
+    for expected in (
+        "optimizer={'type': 'AdamW', 'params': {'lr': 0.0001}} (build the optimizer in the script",
+        "zero_optimization.overlap_comm=False (collectives always overlap here",
+        "zero_optimization.sub_group_size=1000000000.0 (the offloaded step already runs unit by unit)",
+        "zero_optimization.offload_param.device='cpu' (parameter offload is not supported yet)",
+        "fp16.loss_scale_window=1000 (our dynamic loss scaler has loss_scale_window 2000)",
+        "flops_profiler={'enabled': True} (",
+    ):
+        assert expected in message
+    with pytest.raises(ValueError, match="stages 1, 2 and 3; for stage 0 use plain DDP"):
+        from_deepspeed({"zero_optimization": {"stage": 0}})
+
+
+def test_the_launcher_takes_a_deepspeed_json_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    file = tmp_path / "ds_config.json"
+    file.write_text(json.dumps(ZERO3))
+    plugin, args = plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
+    assert (plugin.stage, plugin.offload_optimizer, plugin.offload_fraction) == (3, "nvme", 0.5)
+    assert args.mixed_precision == "bf16"  # the config's precision becomes the launch's
+    assert os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"  # Accelerator's default from then on
+    with pytest.raises(ValueError, match="asks for bf16, --mixed_precision says fp16: give one"):
+        plugin_from_arguments(["--zero_config_file", str(file), "--mixed_precision", "fp16", "train.py"])
+    file.write_text(json.dumps({**ZERO3, "gradient_clipping": 1.0}))
+    with pytest.raises(ValueError, match=r"gradient_clipping=1.0: call accelerator.clip_grad_norm_"):
+        plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
+    file.write_text("{not json")
+    with pytest.raises(ValueError, match="not a readable DeepSpeed JSON config"):
+        plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
