@@ -69,7 +69,13 @@ class ZeroTrainer(Trainer):
                 "ZeroTrainer was launched with DeepSpeed or FSDP enabled; launch it with "
                 "accelerate-zero launch (or plain accelerate launch without --use_deepspeed/--use_fsdp)."
             )
-        assert self._accelerator_arguments is not None  # set by _build_accelerator_args above
+        if self._accelerator_arguments is None:  # set by _build_accelerator_args, on transformers 5
+            import transformers
+
+            raise RuntimeError(
+                f"transformers {transformers.__version__} built its Accelerator without _build_accelerator_args, "
+                "which ZeroTrainer builds on (tested with transformers 5.24): upgrade transformers."
+            )
         self.accelerator = ZeroAccelerator(zero_plugin=self.zero_plugin, **self._accelerator_arguments)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:

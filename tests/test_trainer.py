@@ -48,8 +48,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2")
     # Stage 3's step-3 checkpoint resumed by 1 process at stage 1 (the same global batch).
     checkpoint = str(out / "zero-run" / "checkpoint-3")
-    _launch([*ACCELERATE_ZERO, "--zero_stage", "1"], 1, str(out), "one", "--batch-size", "4", "--resume", checkpoint)
-    names = ["ddp", "zero", "zero1", "zero2", "one"]
+    _launch(
+        [*ACCELERATE_ZERO, "--zero_stage", "1"],
+        1,
+        *[str(out), "one", "--batch-size", "4", "--resume", checkpoint],
+        *["--refused", str(out / "ddp-run" / "checkpoint-3")],
+    )
+    names = ["ddp", "zero", "zero1", "zero2", "one", "refused"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -140,7 +145,26 @@ def test_resume_with_another_process_count_and_stage(runs: tuple) -> None:
     _equal_weights(_tensors(resumed["weights"]), _tensors(reference["weights"]))
 
 
+def test_a_checkpoint_of_plain_trainer_is_refused_with_what_to_do(runs: tuple) -> None:
+    """ZeroTrainer reads its own sharded optimizer_zero/, not Trainer's optimizer.pt: refused before training."""
+    _, results = runs
+    message = results["refused"]["message"]
+    assert message is not None and "holds Trainer's optimizer.pt" in message and "from_pretrained" in message
+
+
 def test_importing_accelerate_zero_does_not_import_transformers() -> None:
     code = "import sys, accelerate_zero; print('transformers' in sys.modules, accelerate_zero.ZeroTrainer.__name__)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.split() == ["False", "ZeroTrainer"]
+
+
+def test_fsdp_in_training_arguments_is_refused(tmp_path: Path) -> None:
+    """In this process (no process starts): Trainer's own FSDP would shard the model a second time."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from accelerate_zero import ZeroTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    arguments = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fsdp=True, report_to="none")
+    with pytest.raises(ValueError, match="leave out TrainingArguments' deepspeed= and fsdp="):
+        ZeroTrainer(model=model, args=arguments)

@@ -4,10 +4,11 @@ Plain ``Trainer`` (DDP) unless ACCELERATE_USE_ZERO is set, as it is by ``acceler
 ``ZeroTrainer``, with the launcher's settings for the first case and ``ZeroPlugin(stage=N)`` for a case
 named ``zeroN``. Each case trains 6 steps (a checkpoint at step 3), evaluates, predicts, saves the model
 (``save_model`` and ``model.save_pretrained`` on every process), then a second trainer resumes from the
-step-3 checkpoint. ``--resume DIR`` runs only a resume from DIR.
+step-3 checkpoint. ``--resume DIR`` runs only a resume from DIR; ``--refused DIR`` then tries to resume from
+plain Trainer's checkpoint DIR and records the error.
 
     ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
-        tests/scripts/trainer_run.py OUT CASE [CASE ...] [--batch-size 2] [--resume DIR]
+        tests/scripts/trainer_run.py OUT CASE [CASE ...] [--batch-size 2] [--resume DIR] [--refused DIR]
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def main() -> None:
     parser.add_argument("cases", nargs="+")
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--resume", default=None)
+    parser.add_argument("--refused", default=None, help="a checkpoint of plain Trainer's, to resume from (refused)")
     args = parser.parse_args()
     out = Path(args.out)
     torch.set_num_threads(1)
@@ -125,6 +127,14 @@ def main() -> None:
         if PartialState().is_main_process:
             (out / f"{case}.json").write_text(json.dumps(result))
             print(f"{case}: losses {result.get('losses')} resumed {result['resumed']['losses']}")
+    if args.refused:
+        try:
+            trainer("refused", out / "refused-run", args.batch_size).train(resume_from_checkpoint=args.refused)
+            message = None
+        except ValueError as error:
+            message = str(error)
+        if PartialState().is_main_process:
+            (out / "refused.json").write_text(json.dumps({"message": message}))
 
 
 if __name__ == "__main__":
