@@ -326,3 +326,32 @@ def test_a_read_on_the_main_process_only_fails_at_once_with_the_fix(tmp_path: Pa
     assert main["main only seconds"] < 10 and other["main only seconds"] < 10
     assert main["fixed"] and other["fixed"]
     assert "rank 1: exited" in main["after exit"] and main["after exit seconds"] < 10
+
+
+def test_launcher_warns_at_once_about_a_script_that_does_not_import_accelerate_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A plain Accelerator or Trainer would ignore the ZeRO settings and train with DDP: the launcher says so
+    before any process starts, with what to change; a script importing accelerate_zero gets no warning."""
+    from accelerate_zero.launch import plugin_from_arguments, script_imports_us, warn_about_a_plain_script
+
+    plain, ours, helper = tmp_path / "plain.py", tmp_path / "ours.py", tmp_path / "helper.py"
+    plain.write_text("from transformers import Trainer\nimport accelerate\n")
+    ours.write_text("import torch\nfrom accelerate_zero import ZeroTrainer\n")
+    helper.write_text("def main():\n    import accelerate_zero.trainer\n")
+    assert (script_imports_us(str(plain)), script_imports_us(str(ours)), script_imports_us(str(helper))) == (
+        False,
+        True,
+        True,
+    )
+    assert script_imports_us(str(tmp_path / "missing.py")) is None
+    for script, warned in ((plain, True), (ours, False), (tmp_path / "missing.py", False)):
+        _, launch_args = plugin_from_arguments(["--zero_stage", "3", "--num_processes", "2", str(script), "x"])
+        warn_about_a_plain_script(launch_args)
+        message = capsys.readouterr().err
+        assert ("does not import accelerate_zero" in message) == warned
+        if warned:
+            assert "accelerate_zero.ZeroTrainer instead of Trainer" in message and str(script) in message
+    _, as_module = plugin_from_arguments(["--num_processes", "2", "-m", "some.module"])
+    warn_about_a_plain_script(as_module)
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,129 @@
+"""``ZeroTrainer``: Hugging Face's ``transformers.Trainer`` with ZeRO in place of DDP.
+
+Only Trainer's own extension points are overridden: the accelerator it builds
+(``create_accelerator_and_postprocess``: a ``ZeroAccelerator`` with the same
+arguments, so ``prepare`` shards the model and rebuilds its optimizer), the
+model save (``_save``: the full weights gathered on every process, written by
+the saving one) and the optimizer's part of a checkpoint
+(``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler``: a
+sharded directory beside Trainer's own files, loadable at another number of
+processes or stage). Training, evaluation and prediction are Trainer's own.
+
+Imported lazily by ``accelerate_zero`` (``from accelerate_zero import ZeroTrainer``), so importing the package
+does not import transformers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+
+from zero_core import ZeroEngine
+
+from .accelerator import ZeroAccelerator
+from .plugin import ZeroPlugin
+
+OPTIMIZER_DIR = "optimizer_zero"  # beside Trainer's model, scheduler, RNG and trainer_state.json files
+
+
+class ZeroTrainer(Trainer):
+    """``ZeroTrainer(model=..., args=TrainingArguments(...), ...)``: every argument is ``Trainer``'s, plus
+    ``zero_plugin`` (default: the settings ``accelerate-zero launch`` exports, as for ``ZeroAccelerator``).
+
+    ``save_model()`` and ``model.save_pretrained()`` gather the full weights, so under stage 3 every
+    process calls them (as under DeepSpeed ZeRO-3); checkpoints hold the optimizer as a sharded
+    directory (``optimizer_zero/``) instead of ``optimizer.pt``, and ``resume_from_checkpoint`` reads it
+    at any number of processes and stage.
+    """
+
+    def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
+        self.zero_plugin = zero_plugin  # read by create_accelerator_and_postprocess, inside Trainer.__init__
+        self._accelerator_arguments: dict[str, Any] | None = None
+        super().__init__(*args, **kwargs)
+
+    # ----------------------------------------------------------- accelerator
+    def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
+        arguments = super()._build_accelerator_args(**kwargs)
+        if arguments.get("deepspeed_plugin") is not None or arguments.get("fsdp_plugin") is not None:
+            raise ValueError(
+                "ZeroTrainer shards the model itself: leave out TrainingArguments' deepspeed= and fsdp= "
+                "(the ZeRO settings come from accelerate-zero launch or zero_plugin=)."
+            )
+        # The DDP kwargs handler Trainer adds configures a wrapper ZeroAccelerator never builds: harmless.
+        self._accelerator_arguments = dict(arguments)
+        return arguments
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """Trainer's own setup (its arguments for the accelerator, its checks), then the accelerator it built
+        replaced by a ``ZeroAccelerator`` built from the same arguments plus the ZeRO settings."""
+        super().create_accelerator_and_postprocess()
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError(
+                "ZeroTrainer was launched with DeepSpeed or FSDP enabled; launch it with "
+                "accelerate-zero launch (or plain accelerate launch without --use_deepspeed/--use_fsdp)."
+            )
+        if self._accelerator_arguments is None:  # set by _build_accelerator_args, on transformers 5
+            import transformers
+
+            raise RuntimeError(
+                f"transformers {transformers.__version__} built its Accelerator without _build_accelerator_args, "
+                "which ZeroTrainer builds on (tested with transformers 5.24): upgrade transformers."
+            )
+        self.accelerator = ZeroAccelerator(zero_plugin=self.zero_plugin, **self._accelerator_arguments)
+        self.gather_function = self.accelerator.gather_for_metrics
+        if "use_gather_object" in inspect.signature(self.gather_function).parameters:
+            self.gather_function = functools.partial(
+                self.gather_function, use_gather_object=self.args.eval_use_gather_object
+            )
+
+    @property
+    def zero_engine(self) -> ZeroEngine | None:
+        """The engine sharding the model once training has prepared it (None before)."""
+        return getattr(self.accelerator, "engine", None)
+
+    # ------------------------------------------------------------- saving
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every process gathers the full weights (stage 3 needs them all); Trainer's ``_save`` writes them
+        from the saving process and returns on the others."""
+        if state_dict is None and self.zero_engine is not None:
+            state_dict = self.accelerator.get_state_dict(self.model)
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every process writes its optimizer shard into ``optimizer_zero/`` (Trainer's ``optimizer.pt`` would
+        hold the saving process's share only); the scheduler as Trainer saves it."""
+        engine = self.zero_engine
+        if engine is None:
+            super()._save_optimizer_and_scheduler(output_dir)
+            return
+        engine.save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, include_model=False)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer from ``optimizer_zero/`` (any number of processes, any stage; the weights were loaded
+        from the checkpoint's model file by Trainer before sharding), the scheduler as Trainer loads it."""
+        engine = self.zero_engine
+        if checkpoint is None or engine is None:
+            super()._load_optimizer_and_scheduler(checkpoint)
+            return
+        folder = Path(checkpoint)
+        if not (folder / OPTIMIZER_DIR).is_dir():
+            if (folder / OPTIMIZER_NAME).is_file():
+                raise ValueError(
+                    f"{checkpoint} holds Trainer's {OPTIMIZER_NAME}, not a ZeroTrainer checkpoint "
+                    f"({OPTIMIZER_DIR}/): resume it with the Trainer that wrote it, or start from its weights "
+                    "(ZeroTrainer(model=AutoModel.from_pretrained(checkpoint)))."
+                )
+            return  # as Trainer: a checkpoint without optimizer state (save_only_model) resumes the weights only
+        engine.load_checkpoint(folder / OPTIMIZER_DIR, load_model=False)
+        scheduler_file = folder / SCHEDULER_NAME
+        if scheduler_file.is_file():
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))

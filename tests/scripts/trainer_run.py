@@ -1,0 +1,141 @@
+"""Hugging Face Trainer runs on a tiny GPT-2 built from a config; rank 0 writes OUT/NAME.json per case.
+
+Plain ``Trainer`` (DDP) unless ACCELERATE_USE_ZERO is set, as it is by ``accelerate-zero launch``: then
+``ZeroTrainer``, with the launcher's settings for the first case and ``ZeroPlugin(stage=N)`` for a case
+named ``zeroN``. Each case trains 6 steps (a checkpoint at step 3), evaluates, predicts, saves the model
+(``save_model`` and ``model.save_pretrained`` on every process), then a second trainer resumes from the
+step-3 checkpoint. ``--resume DIR`` runs only a resume from DIR; ``--refused DIR`` then tries to resume from
+plain Trainer's checkpoint DIR and records the error.
+
+    ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
+        tests/scripts/trainer_run.py OUT CASE [CASE ...] [--batch-size 2] [--resume DIR] [--refused DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from accelerate_zero import ZeroPlugin, ZeroTrainer  # noqa: E402
+from accelerate_zero.plugin import zero_requested  # noqa: E402
+
+STEPS, SAVE_AT, ACCUMULATE = 6, 3, 2
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int, seed: int) -> None:
+        self.ids = torch.randint(0, 64, (count, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
+    arguments = TrainingArguments(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        per_device_train_batch_size=batch_size,
+        per_device_eval_batch_size=4,
+        gradient_accumulation_steps=ACCUMULATE,
+        max_steps=STEPS,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=SAVE_AT,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    kwargs = {"model": model(), "args": arguments, "train_dataset": Tokens(48, 1), "eval_dataset": Tokens(8, 2)}
+    if not zero_requested():
+        return Trainer(**kwargs)
+    plugin = ZeroPlugin(stage=int(case[4:])) if case.startswith("zero") and case[4:].isdigit() else None
+    return ZeroTrainer(zero_plugin=plugin, **kwargs)
+
+
+def history(run: Trainer, after: int = 0) -> dict[str, list[float]]:
+    """The steps' losses and gradient norms (a resumed run's history starts with its checkpoint's: left out)."""
+    logged = [e for e in run.state.log_history if "loss" in e and "grad_norm" in e and e["step"] > after]
+    return {"losses": [e["loss"] for e in logged], "grad_norms": [e["grad_norm"] for e in logged]}
+
+
+def weights(run: Trainer) -> dict[str, list]:
+    state = run.accelerator.get_state_dict(run.model)  # every process: gathers under stage 3
+    return {name: tensor.float().flatten().tolist() for name, tensor in state.items()}
+
+
+def describe(run: Trainer) -> dict:
+    engine = getattr(run.accelerator, "engine", None)
+    return {
+        "trainer": type(run).__name__,
+        "stage": engine.stage if engine is not None else None,
+        "num_processes": run.accelerator.num_processes,
+    }
+
+
+def full_case(out: Path, case: str, batch_size: int) -> dict:
+    run = trainer(case, out / f"{case}-run", batch_size)
+    run.train()
+    result = {**describe(run), **history(run), "weights": weights(run)}
+    result["eval_loss"] = run.evaluate()["eval_loss"]
+    result["predictions"] = run.predict(Tokens(8, 2)).predictions.flatten().tolist()
+    run.save_model(str(out / f"{case}-model"))
+    run.model.save_pretrained(str(out / f"{case}-pretrained"), is_main_process=run.args.should_save)
+    resumed = trainer(case, out / f"{case}-resumed", batch_size)
+    resumed.train(resume_from_checkpoint=str(out / f"{case}-run" / f"checkpoint-{SAVE_AT}"))
+    result["resumed"] = {**describe(resumed), **history(resumed, SAVE_AT), "weights": weights(resumed)}
+    result["checkpoint_files"] = sorted(p.name for p in (out / f"{case}-run" / f"checkpoint-{SAVE_AT}").iterdir())
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("cases", nargs="+")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--refused", default=None, help="a checkpoint of plain Trainer's, to resume from (refused)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    torch.set_num_threads(1)
+    for case in args.cases:
+        if args.resume:
+            run = trainer(case, out / f"{case}-run", args.batch_size)
+            run.train(resume_from_checkpoint=args.resume)
+            result = {"resumed": {**describe(run), **history(run, SAVE_AT), "weights": weights(run)}}
+        else:
+            result = full_case(out, case, args.batch_size)
+        if PartialState().is_main_process:
+            (out / f"{case}.json").write_text(json.dumps(result))
+            print(f"{case}: losses {result.get('losses')} resumed {result['resumed']['losses']}")
+    if args.refused:
+        try:
+            trainer("refused", out / "refused-run", args.batch_size).train(resume_from_checkpoint=args.refused)
+            message = None
+        except ValueError as error:
+            message = str(error)
+        if PartialState().is_main_process:
+            (out / "refused.json").write_text(json.dumps({"message": message}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""Hugging Face's Trainer end to end: ``ZeroTrainer`` under ``accelerate-zero launch`` (2 CPU processes)
+against plain ``Trainer`` under ``accelerate launch`` (DDP): training, evaluation, prediction, the saved
+model, and resuming from a checkpoint at the same and at another process count and stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from .workers import relative_difference  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "trainer_run.py")
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch"]
+ACCELERATE_ZERO = [sys.executable, "-m", "accelerate_zero.launch", "launch"]
+STAGES = (1, 2, 3)
+
+
+def _launch(launcher: list[str], processes: int, *script_args: str) -> None:
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
+        del env[key]
+    distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
+    result = subprocess.run(
+        [*launcher, *distribution, "--mixed_precision", "no", SCRIPT, *script_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("trainer")
+    _launch(ACCELERATE, 2, str(out), "ddp")
+    # One launch, as users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
+    _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2")
+    # Stage 3's step-3 checkpoint resumed by 1 process at stage 1 (the same global batch).
+    checkpoint = str(out / "zero-run" / "checkpoint-3")
+    _launch(
+        [*ACCELERATE_ZERO, "--zero_stage", "1"],
+        1,
+        *[str(out), "one", "--batch-size", "4", "--resume", checkpoint],
+        *["--refused", str(out / "ddp-run" / "checkpoint-3")],
+    )
+    names = ["ddp", "zero", "zero1", "zero2", "one", "refused"]
+    return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
+
+
+def _tensors(weights: dict[str, list]) -> dict[str, torch.Tensor]:
+    return {name: torch.tensor(values) for name, values in weights.items()}
+
+
+def _flat(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().flatten() for name, tensor in state.items()}
+
+
+def _weights_differ(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(the largest difference relative to each tensor's largest value, the largest absolute difference of
+    the attention's key biases). Those (the middle third of ``c_attn.bias``) are compared apart: their
+    gradient is zero in exact arithmetic (softmax ignores a shift shared by all keys), and AdamW normalises
+    its rounding noise (~1e-10, which differs with the order of the sums) into steps of up to the learning
+    rate, under DDP as under ZeRO; they stay near 1e-5 in size, the other weights near 3e-2."""
+    relative = key_bias = 0.0
+    for name, expected in reference.items():
+        actual = ours[name]
+        if name.endswith("attn.c_attn.bias"):
+            third = len(expected) // 3
+            key_bias = max(key_bias, float((actual[third : 2 * third] - expected[third : 2 * third]).abs().max()))
+            actual = torch.cat([actual[:third], actual[2 * third :]])
+            expected = torch.cat([expected[:third], expected[2 * third :]])
+        relative = max(relative, relative_difference({name: actual}, {name: expected}))
+    return relative, key_bias
+
+
+def _equal_weights(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
+    relative, key_bias = _weights_differ(ours, reference)
+    assert relative <= 1e-5 and key_bias <= 1e-4, (relative, key_bias)
+
+
+def _case(stage: int) -> str:
+    return "zero" if stage == 3 else f"zero{stage}"
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_train_evaluate_predict_equal_trainer_under_ddp(runs: tuple, stage: int) -> None:
+    _, results = runs
+    reference, ours = results["ddp"], results[_case(stage)]
+    assert (reference["trainer"], ours["trainer"]) == ("Trainer", "ZeroTrainer")
+    assert (ours["stage"], ours["num_processes"]) == (stage, 2)
+    assert len(ours["losses"]) == 6
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-4)
+    _equal_weights(_tensors(ours["weights"]), _tensors(reference["weights"]))
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    assert ours["predictions"] == pytest.approx(reference["predictions"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_saved_model_loads_with_from_pretrained_and_equals_ddps(runs: tuple, stage: int) -> None:
+    """``trainer.save_model()`` and ``model.save_pretrained()`` on every process; stage 3 gathers the weights."""
+    from transformers import GPT2LMHeadModel
+
+    out, results = runs
+    for saved in ("model", "pretrained"):
+        ours = _flat(GPT2LMHeadModel.from_pretrained(out / f"{_case(stage)}-{saved}").state_dict())
+        reference = _flat(GPT2LMHeadModel.from_pretrained(out / f"ddp-{saved}").state_dict())
+        _equal_weights(ours, reference)
+        assert relative_difference(ours, _tensors(results[_case(stage)]["weights"])) == 0.0
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_resume_from_checkpoint_equals_ddps_resume(runs: tuple, stage: int) -> None:
+    _, results = runs
+    reference, ours = results["ddp"], results[_case(stage)]
+    assert "optimizer_zero" in ours["checkpoint_files"] and "optimizer.pt" not in ours["checkpoint_files"]
+    assert {"trainer_state.json", "scheduler.pt", "rng_state_0.pth", "model.safetensors"} <= set(
+        ours["checkpoint_files"]
+    )
+    resumed = ours["resumed"]
+    assert reference["resumed"]["losses"] == reference["losses"][3:]  # DDP resumes exactly
+    assert resumed["losses"] == pytest.approx(reference["resumed"]["losses"], rel=1e-5)
+    weights = _tensors(resumed["weights"])
+    _equal_weights(weights, _tensors(reference["resumed"]["weights"]))
+    assert relative_difference(weights, _tensors(ours["weights"])) <= 1e-6  # as if never interrupted
+
+
+def test_resume_with_another_process_count_and_stage(runs: tuple) -> None:
+    _, results = runs
+    resumed = results["one"]["resumed"]
+    assert (resumed["trainer"], resumed["stage"], resumed["num_processes"]) == ("ZeroTrainer", 1, 1)
+    reference = results["ddp"]["resumed"]
+    assert resumed["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    _equal_weights(_tensors(resumed["weights"]), _tensors(reference["weights"]))
+
+
+def test_a_checkpoint_of_plain_trainer_is_refused_with_what_to_do(runs: tuple) -> None:
+    """ZeroTrainer reads its own sharded optimizer_zero/, not Trainer's optimizer.pt: refused before training."""
+    _, results = runs
+    message = results["refused"]["message"]
+    assert message is not None and "holds Trainer's optimizer.pt" in message and "from_pretrained" in message
+
+
+def test_importing_accelerate_zero_does_not_import_transformers() -> None:
+    code = "import sys, accelerate_zero; print('transformers' in sys.modules, accelerate_zero.ZeroTrainer.__name__)"
+    output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert output.split() == ["False", "ZeroTrainer"]
+
+
+def test_fsdp_in_training_arguments_is_refused(tmp_path: Path) -> None:
+    """In this process (no process starts): Trainer's own FSDP would shard the model a second time."""
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from accelerate_zero import ZeroTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    arguments = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, fsdp=True, report_to="none")
+    with pytest.raises(ValueError, match="leave out TrainingArguments' deepspeed= and fsdp="):
+        ZeroTrainer(model=model, args=arguments)
