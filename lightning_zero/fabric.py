@@ -36,6 +36,7 @@ from ._sharding import (
     with_settings_signature,
     zero_settings,
 )
+from .deepspeed_config import Config, check_precision, refuse_loop_keys_under_fabric, settings_with_config
 from .precision import ZeroPrecisionSettings
 
 
@@ -78,9 +79,13 @@ class ZeroFabricStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        config: Config = None,
         **settings: Any,
     ) -> None:
-        self.zero_config = zero_settings(bind_settings(type(self), args, settings))
+        # ``config``: a DeepSpeed config (dict or JSON file); its loop keys are the loop's business here.
+        explicit, self._deepspeed = settings_with_config(config, bind_settings(type(self), args, settings))
+        refuse_loop_keys_under_fabric(self._deepspeed)
+        self.zero_config = zero_settings(explicit)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -110,6 +115,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- setup
     def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+        check_precision(self._deepspeed, self.precision.precision, "Fabric")
         self.engine = build_engine(module, optimizer, self.zero_config, self.precision, self.root_device)
         return module
 

@@ -39,6 +39,7 @@ from ._sharding import (
     with_settings_signature,
     zero_settings,
 )
+from .deepspeed_config import Config, apply_to_trainer, check_precision, settings_with_config
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
 from .unsupported_callbacks import refuse_unsupported_callbacks
@@ -73,10 +74,13 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        config: Config = None,
         **settings: Any,
     ) -> None:
-        # Validate now, before Lightning launches any process.
-        self.zero_config = zero_settings(bind_settings(type(self), args, settings))
+        # Validate now, before Lightning launches any process. ``config``: a DeepSpeed config (dict or JSON
+        # file), as strategy="deepspeed_stage_3" takes it.
+        explicit, self._deepspeed = settings_with_config(config, bind_settings(type(self), args, settings))
+        self.zero_config = zero_settings(explicit)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -111,6 +115,8 @@ class ZeroStrategy(DDPStrategy):
         self.accelerator.setup(trainer)
         optimizer = None
         refuse_unsupported_callbacks(trainer.callbacks)
+        check_precision(self._deepspeed, self.precision_plugin.precision, "Trainer")
+        apply_to_trainer(self._deepspeed, trainer)
         make_parameters_comparable(finetuning_callbacks(trainer))
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync is not None:

@@ -8,9 +8,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from accelerate_zero.launch import plugin_from_arguments
 from zero_core.deepspeed_config import from_deepspeed
+
+from .distributed import run_distributed
 
 # What DeepSpeed's docs and Hugging Face's examples give ZeRO-3 users (values chosen to differ from ours).
 ZERO3 = {
@@ -91,3 +94,67 @@ def test_the_launcher_takes_a_deepspeed_json_file(tmp_path: Path, monkeypatch: p
     file.write_text("{not json")
     with pytest.raises(ValueError, match="not a readable DeepSpeed JSON config"):
         plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
+
+
+# A Lightning DeepSpeed user's config: the strategy maps the ZeRO part, the Trainer gets the loop part.
+LIGHTNING_DS = {
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_accumulation_steps": 2,
+    "gradient_clipping": 0.5,
+    "bf16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+}
+
+
+def _fit(strategy, **trainer_args):  # type: ignore[no-untyped-def]
+    import lightning.pytorch as pl
+
+    from .lightning_module import TinyLM
+
+    module = TinyLM(batchnorm=False, dataset_size=32)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **trainer_args,
+    )  # fmt: skip
+    trainer.fit(module)
+    weights = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return trainer, weights
+
+
+def _lightning_with_config(rank: int, world_size: int) -> dict:
+    from lightning_zero import ZeroStrategy
+
+    with_config, ours = _fit(ZeroStrategy(config=LIGHTNING_DS), precision="bf16-mixed")
+    native, theirs = _fit(
+        ZeroStrategy(stage=2), precision="bf16-mixed", gradient_clip_val=0.5, accumulate_grad_batches=2
+    )
+    try:
+        _fit(ZeroStrategy(config=LIGHTNING_DS), precision="32-true")
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {
+        "loop": (with_config.gradient_clip_val, with_config.accumulate_grad_batches),
+        "same weights": all(torch.equal(ours[k], theirs[k]) for k in theirs),
+        "precision refused": refused,
+    }
+
+
+@pytest.mark.distributed
+def test_the_trainer_strategy_takes_a_deepspeed_config_and_trains_as_the_native_settings() -> None:
+    (result,) = run_distributed(_lightning_with_config, 1)
+    assert result["loop"] == (0.5, 2)  # the config's clipping and accumulation became the Trainer's
+    assert result["same weights"]
+    assert "asks for bf16, Trainer(precision='32-true')" in result["precision refused"]
+    assert "pass Trainer(precision='bf16-mixed')" in result["precision refused"]
+
+
+def test_fabric_refuses_the_configs_loop_keys_and_a_contradicting_setting() -> None:
+    from lightning_zero import ZeroStrategy
+    from lightning_zero.fabric import ZeroFabricStrategy
+
+    with pytest.raises(ValueError, match=r"gradient_clipping=1.0: call fabric.clip_gradients"):
+        ZeroFabricStrategy(config={"gradient_clipping": 1.0})
+    with pytest.raises(ValueError, match="stage=3 against the config's 2"):
+        ZeroStrategy(stage=3, config={"zero_optimization": {"stage": 2}})
+    assert ZeroFabricStrategy(config={"zero_optimization": {"stage": 1}}).zero_config.stage == 1

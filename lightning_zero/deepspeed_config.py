@@ -1,0 +1,82 @@
+"""``ZeroStrategy(config=...)`` and ``ZeroFabricStrategy(config=...)``: the DeepSpeed config a user of
+``strategy="deepspeed_stage_3"`` passes, read as our settings (``zero_core.deepspeed_config``: what has no
+equivalent is refused when the strategy is built, before any process starts).
+
+What DeepSpeed's engine did with the loop keys, the framework does here: under the Trainer,
+``gradient_clipping`` and ``gradient_accumulation_steps`` become the Trainer's own (a different value given
+to the Trainer is refused); under Fabric the loop is the user's, so they are refused with what to call.
+The config's precision must agree with the framework's precision flag, which decides it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from zero_core.deepspeed_config import DeepSpeedSettings, from_deepspeed
+
+Config = Mapping[str, Any] | str | os.PathLike | None
+_FLAGS = {"fp32": ("32-true",), "bf16": ("bf16-mixed", "bf16-true"), "fp16": ("16-mixed",)}
+_SUGGESTED = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
+
+
+def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict[str, Any], DeepSpeedSettings | None]:
+    """The settings: the config's, then the keyword arguments (which must not contradict it)."""
+    if config is None:
+        return explicit, None
+    translated = from_deepspeed(config)
+    clashes = [
+        f"{name}={explicit[name]!r} against the config's {value!r}"
+        for name, value in translated.settings.items()
+        if name in explicit and explicit[name] != value
+    ]
+    if clashes:
+        raise ValueError(
+            f"The DeepSpeed config and the keyword arguments disagree: {'; '.join(clashes)}. Give each once."
+        )
+    return {**translated.settings, **explicit}, translated
+
+
+def check_precision(translated: DeepSpeedSettings | None, flag: str, owner: str) -> None:
+    if translated is None or translated.precision is None or flag in _FLAGS[translated.precision]:
+        return
+    raise ValueError(
+        f"The DeepSpeed config asks for {translated.precision}, {owner}(precision={flag!r}) for another: "
+        f"pass {owner}(precision={_SUGGESTED[translated.precision]!r}) (the framework's flag decides here)."
+    )
+
+
+def apply_to_trainer(translated: DeepSpeedSettings | None, trainer: Any) -> None:
+    """The config's clipping and accumulation as the Trainer's own, unless the Trainer was given others."""
+    loop = translated.loop if translated is not None else {}
+    clip = loop.get("gradient_clipping")
+    if clip is not None and clip != 0:
+        if trainer.gradient_clip_val not in (None, 0, clip):
+            raise ValueError(
+                f"The DeepSpeed config clips at {clip}, Trainer(gradient_clip_val={trainer.gradient_clip_val}): "
+                "give it once."
+            )
+        trainer.gradient_clip_val = float(clip)  # by norm, as DeepSpeed clips
+    steps = loop.get("gradient_accumulation_steps")
+    if steps is not None:
+        if trainer.accumulate_grad_batches not in (1, steps):
+            raise ValueError(
+                f"The DeepSpeed config accumulates {steps} micro-batches, Trainer(accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): give it once."
+            )
+        trainer.accumulate_grad_batches = int(steps)
+    # train_micro_batch_size_per_gpu: the DataLoader's batch size decides, as under Lightning's DeepSpeed
+    # strategy, where DeepSpeed only reports it.
+
+
+def refuse_loop_keys_under_fabric(translated: DeepSpeedSettings | None) -> None:
+    where = {
+        "gradient_clipping": "call fabric.clip_gradients(model, optimizer, max_norm=...) in the loop",
+        "gradient_accumulation_steps": "accumulate in the loop (with fabric.no_backward_sync)",
+    }
+    loop = {k: v for k, v in (translated.loop if translated else {}).items() if k in where}
+    if loop:
+        raise ValueError(
+            "Under Fabric the training loop is yours: " + "; ".join(f"{k}={v!r}: {where[k]}" for k, v in loop.items())
+        )
