@@ -50,6 +50,7 @@ class ZeroAccelerator(Accelerator):
                 f"use one of {sorted(MIXED_PRECISION_POLICIES)}."
             )
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
+        check_deepspeed_config(self.zero_plugin, requested, kwargs.get("gradient_accumulation_steps", 1))
         super().__init__(mixed_precision=requested, **kwargs)
         # Accelerate's autocast stays (``accelerator.autocast()``, and the forward's in prepare_model);
         # its GradScaler does not: the engine scales fp16 losses and unscales its own gradient shards.
@@ -242,3 +243,25 @@ def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
     )
     for _, folder in numbered[: max(0, len(numbered) - keep)]:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+_PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # DeepSpeed's -> Accelerate's mixed_precision
+
+
+def check_deepspeed_config(plugin: ZeroPlugin, mixed_precision: str, accumulation: int) -> None:
+    """``ZeroPlugin.from_deepspeed``: the config's precision and accumulation are the Accelerator's
+    arguments, which must say the same (Accelerate's own DeepSpeed plugin takes them from there too)."""
+    translated = getattr(plugin, "deepspeed_loop", None)
+    if translated is None:
+        return
+    if translated.precision is not None and _PRECISIONS[translated.precision] != mixed_precision:
+        raise ValueError(
+            f"The DeepSpeed config asks for {translated.precision}: pass "
+            f"ZeroAccelerator(mixed_precision={_PRECISIONS[translated.precision]!r}, ...) (got {mixed_precision!r})."
+        )
+    steps = translated.loop.get("gradient_accumulation_steps")
+    if steps is not None and steps != accumulation:
+        raise ValueError(
+            f"The DeepSpeed config accumulates {steps} micro-batches: pass "
+            f"ZeroAccelerator(gradient_accumulation_steps={steps}, ...) (got {accumulation})."
+        )

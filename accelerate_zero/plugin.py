@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zero_core import MixedPrecision, Setting, ZeroConfig, user_settings
+from zero_core.deepspeed_config import from_deepspeed
 from zero_core.settings import parse_bool
 
 USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
@@ -54,6 +55,22 @@ class _PluginBehaviour:
         if unknown:
             raise ValueError(f"{source}: unknown key(s) {unknown}; the keys are {sorted(known)}.")
         return cls(**values)
+
+    @classmethod
+    def from_deepspeed(cls, config: Any) -> ZeroPlugin:
+        """A DeepSpeed config (dict or JSON file) as the plugin; keys without an equivalent are refused
+        (``zero_core.deepspeed_config``). Its precision and accumulation are the Accelerator's:
+        ``ZeroAccelerator(zero_plugin=...)`` checks them against its own arguments; clipping is refused here
+        (call ``accelerator.clip_grad_norm_`` in the loop)."""
+        translated = from_deepspeed(config)
+        if "gradient_clipping" in translated.loop:
+            raise ValueError(
+                f"gradient_clipping={translated.loop['gradient_clipping']!r}: Accelerate leaves clipping to the "
+                "loop; call accelerator.clip_grad_norm_(model.parameters(), max_norm) there and drop the key."
+            )
+        plugin = cls(**translated.settings)
+        object.__setattr__(plugin, "deepspeed_loop", translated)  # read by ZeroAccelerator
+        return plugin
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike) -> ZeroPlugin:

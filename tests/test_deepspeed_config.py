@@ -158,3 +158,16 @@ def test_fabric_refuses_the_configs_loop_keys_and_a_contradicting_setting() -> N
     with pytest.raises(ValueError, match="stage=3 against the config's 2"):
         ZeroStrategy(stage=3, config={"zero_optimization": {"stage": 2}})
     assert ZeroFabricStrategy(config={"zero_optimization": {"stage": 1}}).zero_config.stage == 1
+
+
+def test_zero_plugin_from_deepspeed_and_the_accelerator_agree_or_refuse() -> None:
+    from accelerate_zero import ZeroAccelerator, ZeroPlugin
+
+    plugin = ZeroPlugin.from_deepspeed(ZERO3)
+    assert (plugin.stage, plugin.offload_optimizer, plugin.offload_dir) == (3, "nvme", "/local_nvme")
+    with pytest.raises(ValueError, match=r"pass ZeroAccelerator\(mixed_precision='bf16', ...\) \(got 'no'\)"):
+        ZeroAccelerator(zero_plugin=plugin, cpu=True, gradient_accumulation_steps=4)
+    with pytest.raises(ValueError, match=r"pass ZeroAccelerator\(gradient_accumulation_steps=4, ...\) \(got 1\)"):
+        ZeroAccelerator(zero_plugin=plugin, cpu=True, mixed_precision="bf16")
+    with pytest.raises(ValueError, match="call accelerator.clip_grad_norm_"):
+        ZeroPlugin.from_deepspeed({**ZERO3, "gradient_clipping": 1.0})
