@@ -50,8 +50,10 @@ class ZeroAccelerator(Accelerator):
                 f"use one of {sorted(MIXED_PRECISION_POLICIES)}."
             )
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
-        check_deepspeed_config(self.zero_plugin, requested, kwargs.get("gradient_accumulation_steps", 1))
+        check_deepspeed_precision(self.zero_plugin, requested)  # before Accelerate's state is made
         super().__init__(mixed_precision=requested, **kwargs)
+        # Against what Accelerate settled on (the keyword, a GradientAccumulationPlugin or its variable).
+        check_deepspeed_accumulation(self.zero_plugin, self.gradient_accumulation_steps)
         # Accelerate's autocast stays (``accelerator.autocast()``, and the forward's in prepare_model);
         # its GradScaler does not: the engine scales fp16 losses and unscales its own gradient shards.
         self.scaler = None
@@ -248,17 +250,23 @@ def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
 _PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # DeepSpeed's -> Accelerate's mixed_precision
 
 
-def check_deepspeed_config(plugin: ZeroPlugin, mixed_precision: str, accumulation: int) -> None:
-    """``ZeroPlugin.from_deepspeed``: the config's precision and accumulation are the Accelerator's
-    arguments, which must say the same (Accelerate's own DeepSpeed plugin takes them from there too)."""
+def check_deepspeed_precision(plugin: ZeroPlugin, mixed_precision: str) -> None:
+    """``ZeroPlugin.from_deepspeed``: the config's precision is the Accelerator's argument, which must say
+    the same (Accelerate's own DeepSpeed plugin takes it from there too)."""
+    translated = getattr(plugin, "deepspeed_loop", None)
+    if translated is not None and translated.precision is not None:
+        if _PRECISIONS[translated.precision] != mixed_precision:
+            raise ValueError(
+                f"The DeepSpeed config asks for {translated.precision}: pass ZeroAccelerator(mixed_precision="
+                f"{_PRECISIONS[translated.precision]!r}, ...) (got {mixed_precision!r})."
+            )
+
+
+def check_deepspeed_accumulation(plugin: ZeroPlugin, accumulation: int) -> None:
+    """Likewise for the micro-batches accumulated per step."""
     translated = getattr(plugin, "deepspeed_loop", None)
     if translated is None:
         return
-    if translated.precision is not None and _PRECISIONS[translated.precision] != mixed_precision:
-        raise ValueError(
-            f"The DeepSpeed config asks for {translated.precision}: pass "
-            f"ZeroAccelerator(mixed_precision={_PRECISIONS[translated.precision]!r}, ...) (got {mixed_precision!r})."
-        )
     steps = translated.loop.get("gradient_accumulation_steps")
     if steps is not None and steps != accumulation:
         raise ValueError(

@@ -91,10 +91,8 @@ def settings_from_deepspeed_file(path: str, args: argparse.Namespace) -> dict[st
     steps = loop.pop("gradient_accumulation_steps", None)
     if steps is not None:
         os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(int(steps))  # Accelerator's default
-    where = {
-        "gradient_clipping": "call accelerator.clip_grad_norm_(model.parameters(), max_norm) in the script",
-        "train_micro_batch_size_per_gpu": 'the DataLoader\'s batch_size sets it; remove the key or make it "auto"',
-    }
+    loop.pop("train_micro_batch_size_per_gpu", None)  # the DataLoader's batch size decides, as under DeepSpeed
+    where = {"gradient_clipping": "call accelerator.clip_grad_norm_(model.parameters(), max_norm) in the script"}
     if loop:
         raise ValueError(f"{path}: " + "; ".join(f"{key}={value!r}: {where[key]}" for key, value in loop.items()) + ".")
     return translated.settings

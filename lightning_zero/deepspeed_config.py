@@ -51,6 +51,11 @@ def apply_to_trainer(translated: DeepSpeedSettings | None, trainer: Any) -> None
     """The config's clipping and accumulation as the Trainer's own, unless the Trainer was given others."""
     loop = translated.loop if translated is not None else {}
     clip = loop.get("gradient_clipping")
+    if clip is not None and clip != 0 and str(trainer.gradient_clip_algorithm) == "value":
+        raise ValueError(
+            f"The DeepSpeed config clips the gradient norm at {clip}, Trainer(gradient_clip_algorithm='value') "
+            "clips values: leave the algorithm at 'norm' or drop gradient_clipping from the config."
+        )
     if clip is not None and clip != 0:
         if trainer.gradient_clip_val not in (None, 0, clip):
             raise ValueError(

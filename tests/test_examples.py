@@ -92,10 +92,12 @@ def test_runs_exit_cleanly_every_time_under_load(trained: subprocess.CompletedPr
 _LEFT_ALIVE = """
 import atexit, os, sys
 import torch, torch.distributed as dist
+atexit.register(lambda: print("group alive after zero_core's exit handler:", dist.is_initialized(), flush=True))
 sys.path.insert(0, {root!r})
 from tests.models import TinyTransformer, make_optimizer
 from zero_core import ZeroConfig, ZeroEngine
-atexit.register(lambda: print("group alive after the engine's exit handler:", dist.is_initialized(), flush=True))
+# A handler registered after the import runs before zero_core's: the group is still there for it.
+atexit.register(lambda: print("group alive for the script's own handler:", dist.is_initialized(), flush=True))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
 model = TinyTransformer()
@@ -112,5 +114,6 @@ def test_a_group_left_alive_is_destroyed_at_exit_before_the_interpreter_goes() -
     script = _LEFT_ALIVE.format(root=str(EXAMPLES.parent), port=port)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    # The probe was registered before the engine's handler, so it runs after it (atexit is last in, first out).
-    assert "group alive after the engine's exit handler: False" in result.stdout, result.stdout + result.stderr
+    # atexit is last in, first out: the first probe runs after zero_core's handler, the second before it.
+    assert "group alive after zero_core's exit handler: False" in result.stdout, result.stdout + result.stderr
+    assert "group alive for the script's own handler: True" in result.stdout, result.stdout + result.stderr

@@ -383,3 +383,47 @@ def test_host_offload_trains_like_memory_with_the_state_on_the_host(tmp_path: Pa
             # Adam's step counts are scalar tensors of their own (8 bytes each, storage counted once each).
             expected = result["expected host bytes"]
             assert expected <= result["host bytes"] <= expected + result["scalar state bytes"], case
+
+
+class _AdamWFailingOnce(torch.optim.AdamW):
+    """AdamW whose step raises once armed (a NaN check, an interrupted step)."""
+
+    armed = False
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        if type(self).armed:
+            type(self).armed = False
+            raise RuntimeError("step interrupted")
+        return super().step(closure)
+
+
+def _kernel_flag_and_frozen_units(rank: int, world_size: int, directory: str) -> dict:
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    config = dataclasses.replace(config_for(1), offload_optimizer="cpu")
+    engine = ZeroEngine(model, _AdamWFailingOnce(model.parameters(), lr=1e-2), config)
+    _train(engine, rank, range(1))
+    _AdamWFailingOnce.armed = True
+    try:
+        _train(engine, rank, range(1, 2))
+        raised = False
+    except RuntimeError:
+        raised = True
+    flags = [group.get("fused") for group in engine.optimizer.param_groups]
+    saved = [group.get("fused") for group in engine.optimizer.state_dict()["param_groups"]]
+    # A unit with nothing to train holds no optimizer state: offload_fraction never spends its share on it.
+    torch.manual_seed(0)
+    frozen = TinyTransformer(batchnorm=False)
+    frozen.blocks[0].requires_grad_(False)
+    config = dataclasses.replace(config_for(3), offload_optimizer="cpu", offload_fraction=0.3)
+    offloaded = {
+        r.name: r.offloaded for r in ZeroEngine(frozen, make_optimizer("adamw", frozen), config).unit_reports()
+    }
+    return {"raised": raised, "flags": flags, "saved": saved, "offloaded": offloaded}
+
+
+def test_a_step_that_raises_leaves_the_users_kernel_flag_and_frozen_units_are_not_offloaded(tmp_path: Path) -> None:
+    for result in run_distributed(_kernel_flag_and_frozen_units, 2, str(tmp_path)):
+        assert result["raised"]
+        assert result["flags"] == [None] and result["saved"] == [None]  # never the fused=True of the host step
+        assert result["offloaded"]["blocks.0"] is False and any(result["offloaded"].values())

@@ -91,7 +91,8 @@ def build_units(
     plan_rooted_at = {id(plan.module): plan for plan in plans}
     offloaded = set()
     if config.offload_optimizer != "none":
-        offloaded = units_to_offload([sum(p.numel() for p in plan.params) for plan in plans], config.offload_fraction)
+        trainable = [sum(p.numel() for p in plan.params if p.requires_grad) for plan in plans]
+        offloaded = units_to_offload(trainable, config.offload_fraction)
     materialiser = MetaMaterialiser(model, comm.device, param_init_fn) if on_meta else None
     # In construction order (children first, in registration order): a meta model's modules are
     # initialised as eager construction initialises them (the same seed gives the same weights),
@@ -166,8 +167,7 @@ def build_parts(
         units, comm, names, (optimizer_step.before, optimizer_step.after), agreed_at_setup=optimizer, nvme=nvme
     )
     # An optimizer.step() that raised midway left the groups showing the pieces.
-    before_forward = [attachment.show_model_parameters, optimizer_step.end_host_step, buffer_sync.before_root_forward]
-    runtime.before_root_forward += before_forward
+    runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     checkpoints = CheckpointTarget(
         model, units, comm, attachment, loss_scaler, config.stage,

@@ -2,7 +2,7 @@
 mapped, every other key is refused, all at once, before any process starts, each with the nearest setting.
 
 DeepSpeed's keys fall in four kinds:
-- settings of ours (``zero_optimization.stage``, offload, persistence, prefetch and bucket sizes);
+- settings of ours (``zero_optimization.stage``, offload, persistence, the prefetch size);
 - the precision (``bf16``/``fp16``), which each framework takes from its own precision flag: returned for
   the adapter to apply or check;
 - loop settings the framework owns (``gradient_clipping``, ``gradient_accumulation_steps``,
@@ -54,6 +54,8 @@ class DeepSpeedSettings:
 def read_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return dict(source)
+    if not isinstance(source, (str, os.PathLike)):
+        raise ValueError(f"A DeepSpeed config is a dict or a JSON file's path, not {type(source).__name__}.")
     try:
         config = json.loads(Path(source).read_text())
     except (OSError, json.JSONDecodeError) as error:
@@ -74,7 +76,7 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedSe
             _precision_section(key, value, result, refused)
         elif key in _LOOP_KEYS:
             if value != AUTO:
-                result.loop[key] = value
+                _loop_value(key, value, result, refused)
         elif key == "train_batch_size":
             pass  # micro-batch x accumulation x world size: implied by the others and the launch
         elif key in _TOP_ALWAYS and (_TOP_ALWAYS[key] is None or value == _TOP_ALWAYS[key]):
@@ -96,7 +98,7 @@ def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -
     for key, value in section.items():
         name = f"zero_optimization.{key}"
         if key == "stage":
-            if value not in (1, 2, 3):
+            if isinstance(value, bool) or value not in (1, 2, 3):
                 refused.append(f"{name}={value!r} (stages 1, 2 and 3; for stage 0 use plain DDP)")
             else:
                 result.settings["stage"] = value
@@ -107,14 +109,17 @@ def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -
             if device not in ("none", None):
                 refused.append(f"{name}.device={device!r} (parameter offload is not supported yet)")
         elif key == "stage3_param_persistence_threshold":
-            result.settings["persistence_threshold"] = int(value)
+            if value != AUTO:
+                _number(name, value, lambda n: result.settings.__setitem__("persistence_threshold", int(n)), refused)
         elif key == "stage3_prefetch_bucket_size":
             if value != AUTO:
-                result.settings["prefetch"] = "auto"
-                result.settings["prefetch_cap_mb"] = float(value) * _FP32_MB
+                _number(name, value, lambda n: _prefetch_cap(n, result), refused)
         elif key in ("reduce_bucket_size", "allgather_bucket_size"):
+            # DeepSpeed's communication buffers; ours are the units (wrap classes or bucket_size_mb), which
+            # these must not resize (a 5e8-element unit would be gathered whole at stage 3). Training is the
+            # same whatever they are.
             if value != AUTO:
-                result.settings["bucket_size_mb"] = float(value) * _FP32_MB
+                _number(name, value, lambda n: None, refused)
         elif key in _ALWAYS and value == _ALWAYS[key]:
             pass
         else:
@@ -134,7 +139,8 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
         elif key == "nvme_path":
             result.settings["offload_dir"] = str(value)
         elif key == "ratio":  # Twin-Flow: the share of the optimizer offloaded
-            result.settings["offload_fraction"] = float(value)
+            if value != AUTO:
+                _number(f"{name}.ratio", value, lambda n: result.settings.__setitem__("offload_fraction", n), refused)
         elif key in ("pin_memory", "fast_init") or (key == "buffer_count" and isinstance(value, int)):
             pass  # host buffers are pinned on GPUs; the NVMe tier's reads ahead are offload_units_in_memory
         else:
@@ -143,23 +149,22 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
 
 def _precision_section(key: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
     enabled = section.get("enabled", False) if isinstance(section, Mapping) else section
-    if enabled == AUTO:
-        return
-    if not enabled:
-        result.precision = result.precision or "fp32"
+    if not isinstance(enabled, bool) and enabled != AUTO:
+        refused.append(f'{key}.enabled={enabled!r} (true, false or "auto")')
         return
     dtype = "fp16" if key == "fp16" else "bf16"
-    if result.precision not in (None, "fp32", dtype):
-        refused.append(f"{key}.enabled with {result.precision} enabled too (one precision)")
-    result.precision = dtype
-    if dtype == "fp16" and isinstance(section, Mapping):
+    if enabled is True:  # disabled or "auto": the framework's precision flag decides
+        if result.precision not in (None, dtype):
+            refused.append(f"{key}.enabled with {result.precision} enabled too (one precision)")
+        result.precision = dtype
+    if dtype == "fp16" and isinstance(section, Mapping):  # whether enabled now or by the flag later
         # Our scaler: dynamic, starts at 2**16, halves on an overflow, doubles after 2000 clean steps.
         ours = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000, "hysteresis": 1}
         for option, value in section.items():
             # Inputs are cast to the compute dtype (auto_cast); with hysteresis 1 the others change nothing
             # unless the scale falls below 1.
             if option in ("enabled", "auto_cast", "consecutive_hysteresis") or (
-                option == "min_loss_scale" and value <= 1
+                option == "min_loss_scale" and isinstance(value, (int, float)) and value <= 1
             ):
                 continue
             if option not in ours or value != ours[option]:
@@ -178,6 +183,29 @@ _HINTS = {
     "activation_checkpointing": "use torch.utils.checkpoint in the model (apply_activation_checkpointing)",
     "zero_allow_untested_optimizer": "any torch optimizer whose state is per element works",
 }
+
+
+def _number(name: str, value: Any, apply: Any, refused: list[str]) -> None:
+    """``apply(value)`` for a real number, or the key refused with its name (not a bare conversion error)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        refused.append(f'{name}={value!r} (a number >= 0, or "auto")')
+    else:
+        apply(value)
+
+
+def _prefetch_cap(elements: float, result: DeepSpeedSettings) -> None:
+    result.settings["prefetch"] = "auto"  # as many units ahead as fit the cap (measured)
+    result.settings["prefetch_cap_mb"] = float(elements) * _FP32_MB
+
+
+def _loop_value(key: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    """The loop keys, checked here so every adapter gets a clean value: a count >= 1 or a clip >= 0."""
+    if key == "gradient_clipping":
+        _number(key, value, lambda n: result.loop.__setitem__(key, float(n)), refused)
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        refused.append(f'{key}={value!r} (an integer >= 1, or "auto")')
+    else:
+        result.loop[key] = value
 
 
 def _refusal(name: str, value: Any) -> str:

@@ -142,7 +142,7 @@ def estimate_units(units: list[UnitCount], settings: EstimateSettings, whole_uni
     if settings.offload_optimizer == "none":
         offloaded = [0.0] * len(units)
     elif whole_units:
-        chosen = units_to_offload([u.numel for u in units], settings.offload_fraction)
+        chosen = units_to_offload([u.trainable_numel for u in units], settings.offload_fraction)
         offloaded = [1.0 if index in chosen else 0.0 for index in range(len(units))]
     else:
         offloaded = [settings.offload_fraction] * len(units)

@@ -34,8 +34,16 @@ def setup_summary(engine: ZeroEngine) -> str:
     reports = engine.unit_reports()
     config, precision = engine.config, engine.config.mixed_precision
     numel, shards = engine.num_parameters, engine.shard_group_size
-    ours = expected_model_state_bytes(engine.stage, numel, shards, precision, ADAM_STATE_BYTES)
+    ours = expected_model_state_bytes(
+        engine.stage, numel, shards, precision, ADAM_STATE_BYTES,
+        offload_optimizer=config.offload_optimizer, offload_fraction=config.offload_fraction,
+        host_is_device=engine.comm.device.type == "cpu",
+    )  # fmt: skip
     ddp = expected_model_state_bytes(0, numel, shards, precision, ADAM_STATE_BYTES)
+    where = ""
+    if ours.host_bytes or ours.nvme_bytes:
+        where = f" ({_mib(ours.device_bytes)} on the device, {_mib(ours.host_bytes)} on the host"
+        where += f", {_mib(ours.nvme_bytes)} on disk)" if ours.nvme_bytes else ")"
     offload = config.offload_optimizer
     if offload != "none":
         offload += f" ({sum(report.offloaded for report in reports)} of the units)"
@@ -44,5 +52,5 @@ def setup_summary(engine: ZeroEngine) -> str:
         f"parameters) of {_count(numel)} parameters, sharded over {shards} of {engine.world_size} ranks; "
         f"compute {_dtype(precision.compute_dtype)}, reduce {_dtype(precision.reduce_dtype)}; "
         f"prefetch {config.prefetch}; offload_optimizer {offload}; model states per rank about "
-        f"{_mib(ours.model_state_bytes)} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of state)"
+        f"{_mib(ours.model_state_bytes)}{where} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of state)"
     )

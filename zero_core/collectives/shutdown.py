@@ -4,10 +4,12 @@ A gloo process group still alive when the interpreter finalizes is destroyed wit
 threads can then release work objects that hold tensors (a GIL taken during finalization) or be
 destroyed unjoined, and a run that finished every step ends in SIGABRT ("terminate called without an
 active exception"), which torchrun reports as a failed job. torch destroys nothing at exit (pytorch
-#179291 proposed it), and Lightning destroys the group at exit for NCCL only. Every engine registers
-this once, so runs under any adapter, or none, end cleanly; a script that destroys the group itself
-is unaffected (the handler then finds nothing to do). It runs after the meetings' own exit handler
-(registered later, run earlier), which still needs the group's store.
+#179291 proposed it), and Lightning destroys the group at exit for NCCL only. It is registered when
+``zero_core`` is imported, so runs under any adapter, or none, end cleanly, and it runs after every exit
+handler the script registers later (atexit runs the last registered first): a user's own
+``atexit.register(dist.destroy_process_group)`` or a last metric's all-reduce still finds the group. A
+script that destroys the group itself is unaffected (the handler then finds nothing to do). The
+meetings' own exit handler, registered at the first meeting, runs before it and still has the store.
 """
 
 from __future__ import annotations

@@ -60,8 +60,8 @@ class OptimizerAttachment:
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer_supported(optimizer)
-        if self.nvme is not None:
-            raw_step_of(optimizer)  # refused now if it cannot be stepped one unit at a time
+        if self.nvme is not None or any(unit.offloaded for unit in self.units):
+            raw_step_of(optimizer)  # refused now if the offloaded step cannot run it without its hooks
         for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again
             handle.remove()
         if optimizer is not self._agreed_at_setup:

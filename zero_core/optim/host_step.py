@@ -4,12 +4,14 @@ implementation to torch.
 torch's default for CPU tensors is the per-tensor loop; its fused CPU Adam/AdamW computes the same update
 4-5x faster (benchmarks/host_adam.py: 13 ms against 49-61 ms for 20M elements on 2 cores, 16 against 88-97 ms
 for 84M on 16; the weights differ from the loop's by one rounding at most). A group that names ``foreach`` or
-``fused`` itself keeps its choice. The flag is set for the step only (``choose`` ... ``restore``), so the
-groups the user, schedulers and ``state_dict()`` see are the ones the user built.
+``fused`` itself keeps its choice. The flag is set for the step only (``chosen``: restored even when the
+step raises), so the groups the user, schedulers and ``state_dict()`` see are the ones the user built.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,15 @@ class HostStepKernel:
             if left_to_torch and on_host and not group.get("differentiable", False):
                 group["fused"] = True
                 self._chosen.append(group)
+
+    @contextlib.contextmanager
+    def chosen(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+        """The fused kernel for what runs inside; the user's flags back whatever happens there."""
+        self.choose(optimizer)
+        try:
+            yield
+        finally:
+            self.restore()
 
     def restore(self) -> None:
         """The groups as the user built them (after the step, or before the next forward if it raised)."""

@@ -112,7 +112,7 @@ def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
     hooked = type(optimizer).step
     if not getattr(hooked, "hooked", False) or not callable(getattr(hooked, "__wrapped__", None)):
         raise ValueError(
-            f"offload_optimizer='nvme' needs a torch.optim optimizer whose step torch wraps with its hooks; "
+            f"offload_optimizer needs a torch.optim optimizer whose step torch wraps with its hooks; "
             f"{type(optimizer).__name__}.step is not."
         )
     return hooked.__wrapped__

@@ -17,6 +17,8 @@ and the step's traffic recorded.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import agreement
@@ -132,10 +134,22 @@ class OptimizerStep:
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
-        if self.host_kernel is not None:
-            self.host_kernel.choose(groups.optimizer)
-        if self.nvme is not None and not self._skip_refresh:
-            self.nvme.step(groups, raw_step_of(groups.optimizer))
+        if not self._skip_refresh and (self.nvme is not None or self.host_kernel is not None):
+            self._step_offloaded(groups)
+
+    def _step_offloaded(self, groups: OptimizerGroups) -> None:
+        """Offload: the step runs here (unit by unit with the NVMe tier), under the host's fused kernel, whose
+        flag is restored whatever happens; the optimizer's own step that follows finds no gradient."""
+        optimizer = groups.optimizer
+        kernel = self.host_kernel.chosen(optimizer) if self.host_kernel is not None else contextlib.nullcontext()
+        with kernel:
+            if self.nvme is not None:
+                self.nvme.step(groups, raw_step_of(optimizer))
+            else:
+                raw_step_of(optimizer)(optimizer)
+        for unit in self.units:
+            for master in unit.master_pieces:
+                master.param.grad = None
 
     def _agree(self, groups: OptimizerGroups, refused: bool) -> agreement.StepAgreement:
         """One all-reduce: which parameters have a gradient anywhere, an overflow anywhere, and the
@@ -174,7 +188,6 @@ class OptimizerStep:
     # ------------------------------------------------------------------- after
     def after(self, groups: OptimizerGroups) -> None:
         """The optimizer's step post-hook: refresh the compute parameters, consume the gradients."""
-        self.end_host_step()
         groups.show_model_parameters()
         if not self._skip_refresh:
             # With overlap_param_refresh, issued and not waited for: each unit's next forward
@@ -190,11 +203,6 @@ class OptimizerStep:
             self.steps_taken += 1
         self.discard_grads()
         self._record_traffic()
-
-    def end_host_step(self) -> None:
-        """The groups' implementation flags as the user set them (after a step, or one that raised)."""
-        if self.host_kernel is not None:
-            self.host_kernel.restore()
 
     def _record_traffic(self) -> None:
         now = self.comm.stats.snapshot()
