@@ -64,6 +64,7 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         report_to="none",
         disable_tqdm=True,
         seed=0,
+        bf16="bf16" in case,  # Trainer's own mixed-precision flag
     )
     kwargs = {"model": model(), "args": arguments, "train_dataset": Tokens(48, 1), "eval_dataset": Tokens(8, 2)}
     if not zero_requested():
