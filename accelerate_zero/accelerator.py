@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
-from .plugin import MIXED_PRECISION_POLICIES, ZeroPlugin
+from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
 
 MODEL_DIR = "pytorch_model_zero_{}"  # beside Accelerate's own files, as its FSDP layout does
 OPTIMIZER_DIR = "optimizer_zero_{}"
@@ -247,18 +247,15 @@ def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-_PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # DeepSpeed's -> Accelerate's mixed_precision
-
-
 def check_deepspeed_precision(plugin: ZeroPlugin, mixed_precision: str) -> None:
     """``ZeroPlugin.from_deepspeed``: the config's precision is the Accelerator's argument, which must say
     the same (Accelerate's own DeepSpeed plugin takes it from there too)."""
     translated = getattr(plugin, "deepspeed_loop", None)
     if translated is not None and translated.precision is not None:
-        if _PRECISIONS[translated.precision] != mixed_precision:
+        if MIXED_PRECISION_OF_DEEPSPEED[translated.precision] != mixed_precision:
             raise ValueError(
                 f"The DeepSpeed config asks for {translated.precision}: pass ZeroAccelerator(mixed_precision="
-                f"{_PRECISIONS[translated.precision]!r}, ...) (got {mixed_precision!r})."
+                f"{MIXED_PRECISION_OF_DEEPSPEED[translated.precision]!r}, ...) (got {mixed_precision!r})."
             )
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from zero_core import user_settings
 from zero_core.deepspeed_config import from_deepspeed
 
+from .plugin import MIXED_PRECISION_OF_DEEPSPEED, refuse_clipping
+
 # Accelerate's flag (its argparse dest) -> the setting it means.
 HONOURED = {
     "zero_stage": "stage",
@@ -73,26 +75,20 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
         values[name] = parsed
 
 
-_PRECISIONS = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}  # DeepSpeed's -> Accelerate's mixed_precision
-
-
 def settings_from_deepspeed_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """``--zero_config_file ds_config.json``: the settings it means; its precision becomes the launch's
     ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable; the
     loop settings Accelerate leaves to the script are refused with where to set them."""
     translated = from_deepspeed(path)
     if translated.precision is not None:
-        wanted = _PRECISIONS[translated.precision]
+        wanted = MIXED_PRECISION_OF_DEEPSPEED[translated.precision]
         given = getattr(args, "mixed_precision", None)
         if given not in (None, wanted):
             raise ValueError(f"{path} asks for {translated.precision}, --mixed_precision says {given}: give one.")
         args.mixed_precision = wanted
-    loop = dict(translated.loop)
-    steps = loop.pop("gradient_accumulation_steps", None)
+    refuse_clipping(translated, path)
+    steps = translated.loop.get("gradient_accumulation_steps")
     if steps is not None:
-        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(int(steps))  # Accelerator's default
-    loop.pop("train_micro_batch_size_per_gpu", None)  # the DataLoader's batch size decides, as under DeepSpeed
-    where = {"gradient_clipping": "call accelerator.clip_grad_norm_(model.parameters(), max_norm) in the script"}
-    if loop:
-        raise ValueError(f"{path}: " + "; ".join(f"{key}={value!r}: {where[key]}" for key, value in loop.items()) + ".")
+        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(steps)  # Accelerator's default
+    # train_micro_batch_size_per_gpu: the DataLoader's batch size decides, as under DeepSpeed.
     return translated.settings

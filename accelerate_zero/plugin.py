@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zero_core import MixedPrecision, Setting, ZeroConfig, user_settings
-from zero_core.deepspeed_config import from_deepspeed
+from zero_core.deepspeed_config import DeepSpeedSettings, from_deepspeed
 from zero_core.settings import parse_bool
 
 USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
@@ -30,6 +30,9 @@ MIXED_PRECISION_POLICIES = {
     "fp16": MixedPrecision(compute_dtype=torch.float16),
 }
 
+
+# A DeepSpeed config's precision -> Accelerate's mixed_precision.
+MIXED_PRECISION_OF_DEEPSPEED = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 _SETTINGS = user_settings()
 
@@ -63,11 +66,7 @@ class _PluginBehaviour:
         ``ZeroAccelerator(zero_plugin=...)`` checks them against its own arguments; clipping is refused here
         (call ``accelerator.clip_grad_norm_`` in the loop)."""
         translated = from_deepspeed(config)
-        if "gradient_clipping" in translated.loop:
-            raise ValueError(
-                f"gradient_clipping={translated.loop['gradient_clipping']!r}: Accelerate leaves clipping to the "
-                "loop; call accelerator.clip_grad_norm_(model.parameters(), max_norm) there and drop the key."
-            )
+        refuse_clipping(translated, "the DeepSpeed config")
         plugin = cls(**translated.settings)
         object.__setattr__(plugin, "deepspeed_loop", translated)  # read by ZeroAccelerator
         return plugin
@@ -86,6 +85,16 @@ class _PluginBehaviour:
     def zero_config(self, mixed_precision: MixedPrecision, model: nn.Module | None = None) -> ZeroConfig:
         values = {s.name: s.text.resolve(getattr(self, s.text.name), model) for s in _SETTINGS}
         return ZeroConfig(mixed_precision=mixed_precision, **values)
+
+
+def refuse_clipping(translated: DeepSpeedSettings, source: str) -> None:
+    """DeepSpeed's engine clips by the config; Accelerate leaves clipping to the loop."""
+    if "gradient_clipping" in translated.loop:
+        raise ValueError(
+            f"{source}: gradient_clipping={translated.loop['gradient_clipping']!r}: call "
+            "accelerator.clip_grad_norm_(model.parameters(), max_norm) in the loop (Accelerate leaves clipping to "
+            "it) and drop the key."
+        )
 
 
 def env_variable(setting: Setting) -> str:

@@ -17,8 +17,8 @@ from typing import Any
 from zero_core.deepspeed_config import DeepSpeedSettings, from_deepspeed
 
 Config = Mapping[str, Any] | str | os.PathLike | None
+# A DeepSpeed config's precision -> the framework's flags that mean it (the first one suggested).
 _FLAGS = {"fp32": ("32-true",), "bf16": ("bf16-mixed", "bf16-true"), "fp16": ("16-mixed",)}
-_SUGGESTED = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
 
 
 def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict[str, Any], DeepSpeedSettings | None]:
@@ -43,7 +43,7 @@ def check_precision(translated: DeepSpeedSettings | None, flag: str, owner: str)
         return
     raise ValueError(
         f"The DeepSpeed config asks for {translated.precision}, {owner}(precision={flag!r}) for another: "
-        f"pass {owner}(precision={_SUGGESTED[translated.precision]!r}) (the framework's flag decides here)."
+        f"pass {owner}(precision={_FLAGS[translated.precision][0]!r}) (the framework's flag decides here)."
     )
 
 

@@ -15,7 +15,6 @@ from torch import nn
 from . import agreement
 from .checkpoint.training_state import CheckpointTarget
 from .collectives import CommContext, Position
-from .collectives.shutdown import destroy_process_group_at_exit
 from .config import ZeroConfig
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
@@ -117,10 +116,9 @@ def build_nvme_state(units: list[FlatUnit], config: ZeroConfig, comm: CommContex
     moments per element of its offloaded units' shards, Adam's), and the tier over it."""
     if config.offload_optimizer != "nvme":
         return None
-    offloaded = {index for index, unit in enumerate(units) if unit.offloaded}
-    needed = 2 * 4 * sum(units[index].master_shard.numel() for index in offloaded)
+    needed = 2 * 4 * sum(unit.master_shard.numel() for unit in units if unit.offloaded)
     scratch = ScratchDirectory(config.offload_dir, comm, needed)
-    return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory, offloaded)
+    return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory)
 
 
 def build_parts(
@@ -130,7 +128,6 @@ def build_parts(
     comm: CommContext,
     param_init_fn: ParamInitFn | None,
 ) -> EngineParts:
-    destroy_process_group_at_exit()  # a gloo group alive at interpreter exit can abort a finished run
     # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
     digests = ParameterDigests()
     units = build_units(model, config, optimizer, comm, digests, param_init_fn)

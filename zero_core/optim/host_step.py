@@ -4,8 +4,8 @@ implementation to torch.
 torch's default for CPU tensors is the per-tensor loop; its fused CPU Adam/AdamW computes the same update
 4-5x faster (benchmarks/host_adam.py: 13 ms against 49-61 ms for 20M elements on 2 cores, 16 against 88-97 ms
 for 84M on 16; the weights differ from the loop's by one rounding at most). A group that names ``foreach`` or
-``fused`` itself keeps its choice. The flag is set for the step only (``chosen``: restored even when the
-step raises), so the groups the user, schedulers and ``state_dict()`` see are the ones the user built.
+``fused`` itself keeps its choice. The flag is set for the step only (restored even when the step raises),
+so the groups the user, schedulers and ``state_dict()`` see are the ones the user built.
 """
 
 from __future__ import annotations
@@ -20,33 +20,21 @@ import torch
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW)
 
 
-class HostStepKernel:
-    def __init__(self) -> None:
-        self._chosen: list[dict[str, Any]] = []
+def _takes_fused(group: dict[str, Any]) -> bool:
+    left_to_torch = group.get("fused") is None and group.get("foreach") is None
+    on_host = bool(group["params"]) and all(p.device.type == "cpu" for p in group["params"])
+    return left_to_torch and on_host and not group.get("differentiable", False)
 
-    def choose(self, optimizer: torch.optim.Optimizer) -> None:
-        """For the step about to run: groups whose pieces all live on the host take the fused kernel."""
-        self.restore()
-        if not isinstance(optimizer, FUSED_ON_HOST):
-            return
-        for group in optimizer.param_groups:
-            left_to_torch = group.get("fused") is None and group.get("foreach") is None
-            on_host = bool(group["params"]) and all(p.device.type == "cpu" for p in group["params"])
-            if left_to_torch and on_host and not group.get("differentiable", False):
-                group["fused"] = True
-                self._chosen.append(group)
 
-    @contextlib.contextmanager
-    def chosen(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-        """The fused kernel for what runs inside; the user's flags back whatever happens there."""
-        self.choose(optimizer)
-        try:
-            yield
-        finally:
-            self.restore()
-
-    def restore(self) -> None:
-        """The groups as the user built them (after the step, or before the next forward if it raised)."""
-        for group in self._chosen:
+@contextlib.contextmanager
+def fused_on_host(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """For what runs inside: the groups whose pieces all live on the host take the fused kernel; the
+    user's flags come back whatever happens there."""
+    chosen = [g for g in optimizer.param_groups if _takes_fused(g)] if isinstance(optimizer, FUSED_ON_HOST) else []
+    for group in chosen:
+        group["fused"] = True
+    try:
+        yield
+    finally:
+        for group in chosen:
             group["fused"] = None
-        self._chosen = []

@@ -121,24 +121,18 @@ def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
 class NvmeOptimizerState:
     """The per-unit files, the step that brings units in and out, and reads of the whole state."""
 
-    def __init__(
-        self,
-        units: list[FlatUnit],
-        comm: CommContext,
-        scratch: ScratchDirectory,
-        units_in_memory: int,
-        offloaded: set[int],
-    ):
+    def __init__(self, units: list[FlatUnit], comm: CommContext, scratch: ScratchDirectory, units_in_memory: int):
         self.units, self.comm, self.scratch = units, comm, scratch
         self.units_in_memory = units_in_memory
-        self.offloaded = offloaded  # the others' state stays in memory and steps in place
+        # The units whose state goes to disk (offload_fraction); the others' stays in memory and steps in place.
+        self.offloaded = {index for index, unit in enumerate(units) if unit.offloaded}
         self._states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
         self._io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
 
     # ----------------------------------------------------------------- stepping
     def step(self, groups: OptimizerGroups, raw_step: RawStep) -> None:
-        """Step each unit's pieces with its state brought in; the groups then list every piece with no
-        gradient, so the optimizer's own step that follows changes nothing."""
+        """Step each unit's pieces with its state brought in (the caller then takes the pieces' gradients
+        away, so the optimizer's own step that follows changes nothing)."""
         optimizer = groups.optimizer
         failures: list[str] = []
         reads: dict[int, concurrent.futures.Future] = {}
@@ -165,9 +159,6 @@ class NvmeOptimizerState:
                     self._adopt(index, optimizer)
                     writes[index] = self._io.submit(self._states[index].write)
         self._drain(writes, keep=0, failures=failures)
-        for unit in self.units:
-            for master in unit.master_pieces:
-                master.param.grad = None  # stepped above: the optimizer's own step skips them
         self._raise_if_any_rank_failed(failures)
 
     def _needs_read(self, index: int) -> bool:

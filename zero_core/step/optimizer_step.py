@@ -27,7 +27,7 @@ from ..config import ZeroConfig
 from ..host_memory import wait_for_host_copies
 from ..optim import grad_ops
 from ..optim.attachment import compare_param_groups
-from ..optim.host_step import HostStepKernel
+from ..optim.host_step import fused_on_host
 from ..optim.loss_scaling import DynamicLossScaler
 from ..optim.nvme_state import NvmeOptimizerState, raw_step_of
 from ..optim.param_groups import OptimizerGroups
@@ -64,7 +64,7 @@ class OptimizerStep:
         self.units = units
         self.nvme = nvme  # offload_optimizer="nvme": the step runs here, unit by unit
         # offload_optimizer: the offloaded units step on the host, with torch's fused CPU kernel where it applies.
-        self.host_kernel = HostStepKernel() if any(unit.offloaded for unit in units) else None
+        self.steps_on_host = any(unit.offloaded for unit in units)
         self.comm = comm
         self.runtime = runtime
         self.config = config
@@ -134,22 +134,23 @@ class OptimizerStep:
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
-        if not self._skip_refresh and (self.nvme is not None or self.host_kernel is not None):
+        if not self._skip_refresh and (self.nvme is not None or self.steps_on_host):
             self._step_offloaded(groups)
 
     def _step_offloaded(self, groups: OptimizerGroups) -> None:
         """Offload: the step runs here (unit by unit with the NVMe tier), under the host's fused kernel, whose
         flag is restored whatever happens; the optimizer's own step that follows finds no gradient."""
         optimizer = groups.optimizer
-        kernel = self.host_kernel.chosen(optimizer) if self.host_kernel is not None else contextlib.nullcontext()
-        with kernel:
-            if self.nvme is not None:
-                self.nvme.step(groups, raw_step_of(optimizer))
-            else:
-                raw_step_of(optimizer)(optimizer)
-        for unit in self.units:
-            for master in unit.master_pieces:
-                master.param.grad = None
+        try:
+            with fused_on_host(optimizer) if self.steps_on_host else contextlib.nullcontext():
+                if self.nvme is not None:
+                    self.nvme.step(groups, raw_step_of(optimizer))
+                else:
+                    raw_step_of(optimizer)(optimizer)
+        finally:
+            for unit in self.units:
+                for master in unit.master_pieces:
+                    master.param.grad = None  # stepped (or failed) here: the optimizer's own step skips them
 
     def _agree(self, groups: OptimizerGroups, refused: bool) -> agreement.StepAgreement:
         """One all-reduce: which parameters have a gradient anywhere, an overflow anywhere, and the
@@ -182,7 +183,7 @@ class OptimizerStep:
         if not self._skip_refresh:
             for unit, flags in zip(self.units, agreed.slot_flags):
                 unit.attach_master_grads(flags)
-            if self.host_kernel is not None:
+            if self.steps_on_host:
                 wait_for_host_copies(self.comm.device)  # the offloaded units' gradient shards have landed
 
     # ------------------------------------------------------------------- after
