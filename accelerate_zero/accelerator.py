@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
+from .plain_training import zero_model_prepared
 from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
 
 MODEL_DIR = "pytorch_model_zero_{}"  # beside Accelerate's own files, as its FSDP layout does
@@ -76,6 +77,7 @@ class ZeroAccelerator(Accelerator):
             policy = MIXED_PRECISION_POLICIES[self.mixed_precision]
             config = self.zero_plugin.zero_config(policy, models[0])
             self.engine = shard_module(models[0], optimizer, config, self.device)
+            zero_model_prepared()  # accelerate-zero launch's check: this process trains with ZeRO
             # At INFO, as Accelerate logs: shown where the user turned its logging on.
             get_logger(__name__).info(setup_summary(self.engine), main_process_only=True)
         elif optimizer is not None:

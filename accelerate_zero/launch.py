@@ -15,10 +15,8 @@ override the file. On CPU:
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 from zero_core import Setting, user_settings
@@ -99,42 +97,16 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
     return ZeroPlugin.from_mapping(values, config_file or "the ZeRO settings"), args
 
 
-def script_imports_us(script: str) -> bool | None:
-    """Whether the script file itself imports ``accelerate_zero`` (None: not a file we can read as Python).
-
-    A plain ``accelerate.Accelerator`` or ``transformers.Trainer`` never reads the ZeRO settings and trains with
-    DDP; nothing in Accelerate lets the launched process notice that without patching it, so the launcher looks
-    at the script instead, before any process starts (a module the script imports is not read)."""
-    try:
-        tree = ast.parse(Path(script).read_text(encoding="utf-8"), filename=script)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
-        return None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            names = [node.module or ""]
-        else:
-            continue
-        if any(name == "accelerate_zero" or name.startswith("accelerate_zero.") for name in names):
-            return True
-    return False
-
-
-PLAIN_SCRIPT_WARNING = (
-    "accelerate-zero: warning: {script} does not import accelerate_zero: a plain accelerate.Accelerator or "
-    "transformers.Trainer ignores the ZeRO settings and trains with DDP. Build accelerate_zero.ZeroAccelerator "
-    "instead of Accelerator, or accelerate_zero.ZeroTrainer instead of Trainer (the same arguments). If a module "
-    "the script imports builds one of them, ignore this warning."
-)
-
-
-def warn_about_a_plain_script(launch_args: argparse.Namespace) -> None:
-    if getattr(launch_args, "module", False) or getattr(launch_args, "no_python", False):
-        return  # a module or a command, not a Python file to read
-    script = launch_args.training_script
-    if script_imports_us(script) is False:
-        print(PLAIN_SCRIPT_WARNING.format(script=script), file=sys.stderr)
+def run_through_the_check(launch_args: argparse.Namespace) -> None:
+    """Each process runs the script under ``accelerate_zero.launched``, which refuses training that a plain
+    Accelerator or Trainer would do without the ZeRO settings (``plain_training.py``). A command launched
+    with ``--no_python`` is not Python to watch and runs as given."""
+    if getattr(launch_args, "no_python", False):
+        return
+    as_module = ["--module"] if getattr(launch_args, "module", False) else []
+    launch_args.training_script_args = [*as_module, launch_args.training_script, *launch_args.training_script_args]
+    launch_args.training_script = "accelerate_zero.launched"
+    launch_args.module = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as error:
         print(f"accelerate-zero: {error}", file=sys.stderr)
         return 2
-    warn_about_a_plain_script(launch_args)
+    run_through_the_check(launch_args)
     os.environ.update(plugin.environment())
     from accelerate.commands.launch import launch_command
 

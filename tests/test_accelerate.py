@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from accelerate_zero import ZeroPlugin
 
+from .distributed import _free_port
 from .workers import relative_difference
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_train.py")
@@ -328,30 +329,43 @@ def test_a_read_on_the_main_process_only_fails_at_once_with_the_fix(tmp_path: Pa
     assert "rank 1: exited" in main["after exit"] and main["after exit seconds"] < 10
 
 
-def test_launcher_warns_at_once_about_a_script_that_does_not_import_accelerate_zero(
-    tmp_path: Path, capsys: pytest.CaptureFixture
-) -> None:
-    """A plain Accelerator or Trainer would ignore the ZeRO settings and train with DDP: the launcher says so
-    before any process starts, with what to change; a script importing accelerate_zero gets no warning."""
-    from accelerate_zero.launch import plugin_from_arguments, script_imports_us, warn_about_a_plain_script
+@pytest.mark.distributed
+def test_a_plain_accelerator_or_trainer_under_the_zero_launcher_fails_before_any_step(tmp_path: Path) -> None:
+    """A plain Accelerator or Trainer ignores the ZeRO settings and would train with DDP: every process fails
+    at its first training forward with what to change; ZeroAccelerator passes, an evaluation forward on the
+    model before prepare too. Without the check the plain cases train (a step file per process)."""
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    script = str(Path(SCRIPT).parent / "plain_training.py")
+    outcomes = {}
+    for case in ("accelerator", "trainer", "zero"):
+        outcomes[case] = subprocess.run(
+            [*ACCELERATE_ZERO, "launch", "--zero_stage", "3", "--multi_gpu", "--num_processes", "2"]
+            + ["--main_process_port", str(_free_port()), script, str(tmp_path), case],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    _checked(outcomes["zero"])
+    assert sorted(p.name for p in tmp_path.glob("*.rank*")) == ["zero.rank0", "zero.rank1"]
+    for case in ("accelerator", "trainer"):
+        result = outcomes[case]
+        assert result.returncode != 0
+        for rank in (0, 1):
+            assert f"[rank{rank}]: RuntimeError: accelerate-zero launch: this process started training" in result.stderr
+        assert "accelerate_zero.ZeroTrainer instead of Trainer" in result.stderr
 
-    plain, ours, helper = tmp_path / "plain.py", tmp_path / "ours.py", tmp_path / "helper.py"
-    plain.write_text("from transformers import Trainer\nimport accelerate\n")
-    ours.write_text("import torch\nfrom accelerate_zero import ZeroTrainer\n")
-    helper.write_text("def main():\n    import accelerate_zero.trainer\n")
-    assert (script_imports_us(str(plain)), script_imports_us(str(ours)), script_imports_us(str(helper))) == (
-        False,
-        True,
-        True,
-    )
-    assert script_imports_us(str(tmp_path / "missing.py")) is None
-    for script, warned in ((plain, True), (ours, False), (tmp_path / "missing.py", False)):
-        _, launch_args = plugin_from_arguments(["--zero_stage", "3", "--num_processes", "2", str(script), "x"])
-        warn_about_a_plain_script(launch_args)
-        message = capsys.readouterr().err
-        assert ("does not import accelerate_zero" in message) == warned
-        if warned:
-            assert "accelerate_zero.ZeroTrainer instead of Trainer" in message and str(script) in message
-    _, as_module = plugin_from_arguments(["--num_processes", "2", "-m", "some.module"])
-    warn_about_a_plain_script(as_module)
-    assert capsys.readouterr().err == ""
+
+def test_the_launcher_runs_scripts_and_modules_through_the_check() -> None:
+    from accelerate_zero.launch import plugin_from_arguments, run_through_the_check
+
+    _, script = plugin_from_arguments(["--num_processes", "2", "train.py", "--lr", "1"])
+    _, module = plugin_from_arguments(["--num_processes", "2", "-m", "pkg.train", "--lr", "1"])
+    _, command = plugin_from_arguments(["--num_processes", "2", "--no_python", "train.sh"])
+    for launch_args in (script, module, command):
+        run_through_the_check(launch_args)
+    assert (script.module, script.training_script, script.training_script_args) == (
+        True, "accelerate_zero.launched", ["train.py", "--lr", "1"],
+    )  # fmt: skip
+    assert module.training_script_args == ["--module", "pkg.train", "--lr", "1"]
+    assert (command.training_script, command.training_script_args) == ("train.sh", [])
