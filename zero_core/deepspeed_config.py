@@ -83,6 +83,13 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedSe
             pass
         else:
             refused.append(_refusal(key, value))
+    zero_section = config.get("zero_optimization")
+    if not isinstance(zero_section, Mapping) or "stage" not in zero_section:
+        # DeepSpeed's default is stage 0 (no ZeRO at all): running any stage of ours would differ silently.
+        refused.append(
+            "zero_optimization.stage is not set (DeepSpeed then trains without ZeRO, stage 0; set it to 1, 2 or "
+            "3, or train with plain DDP)"
+        )
     if refused:
         raise ValueError(
             f"{source if not isinstance(source, Mapping) else 'the DeepSpeed config'}: these keys have no "

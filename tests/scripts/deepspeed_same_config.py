@@ -1,0 +1,128 @@
+"""One DeepSpeed config file, trained by DeepSpeed itself and by ``ZeroStrategy(config=file)`` under Lightning's
+Trainer: the switch a DeepSpeed user makes. Same model, data, optimizer and loop keys (accumulation, clipping);
+rank 0 writes OUT/<case>.json with both runs' per-micro-batch losses and final full weights.
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/scripts/deepspeed_same_config.py OUT CASE [CASE ...]
+
+CASE: a stage (1, 2, 3), with bf16 after it for a bf16 config (3bf16).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.lightning_module import TokenDataset  # noqa: E402
+from tests.models import TinyTransformer, lm_loss  # noqa: E402
+
+MICRO_BATCH, ACCUMULATE, STEPS, LR = 2, 2, 4, 1e-2
+
+
+def config(stage: int, bf16: bool) -> dict:
+    """What a DeepSpeed user writes."""
+    return {
+        "bf16": {"enabled": bf16},
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "gradient_accumulation_steps": ACCUMULATE,
+        "gradient_clipping": 0.5,
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": 5e8,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+
+
+def model() -> TinyTransformer:
+    torch.manual_seed(0)
+    return TinyTransformer(blocks=2, batchnorm=False)
+
+
+def data(rank: int, world_size: int) -> DataLoader:
+    dataset = TokenDataset(MICRO_BATCH * ACCUMULATE * STEPS * world_size)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    return DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler)
+
+
+def deepspeed_run(config_file: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import deepspeed
+
+    net = model()
+    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR)
+    engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=str(config_file))
+    losses = []
+    for ids in data(torch.distributed.get_rank(), torch.distributed.get_world_size()):
+        loss = lm_loss(engine(ids), ids)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    return losses, weights
+
+
+def ours(config_file: Path, precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import lightning.pytorch as pl
+
+    from lightning_zero import ZeroStrategy
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model()
+            self.losses: list[float] = []
+
+        def training_step(self, ids: torch.Tensor, index: int) -> torch.Tensor:
+            loss = lm_loss(self.net(ids), ids)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW([p for p in self.net.parameters() if p.requires_grad], lr=LR)
+
+        def train_dataloader(self) -> DataLoader:
+            return data(self.global_rank, self.trainer.world_size)
+
+    module = Module()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=ZeroStrategy(config=str(config_file)),
+        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=False, precision=precision,
+    )  # fmt: skip
+    trainer.fit(module)
+    weights = {name.removeprefix("net."): value for name, value in module.state_dict().items()}  # gathered
+    return module.losses, weights
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    import deepspeed
+
+    deepspeed.init_distributed("gloo")
+    rank = torch.distributed.get_rank()
+    for case in sys.argv[2:]:  # "3" or "3bf16"
+        stage, bf16 = int(case[0]), case.endswith("bf16")
+        config_file = out / f"ds_config_{case}.json"
+        if rank == 0:
+            config_file.write_text(json.dumps(config(stage, bf16)))
+        torch.distributed.barrier()
+        ds_losses, ds_weights = deepspeed_run(config_file)
+        our_losses, our_weights = ours(config_file, "bf16-mixed" if bf16 else "32-true")
+        if rank == 0:
+            weights = {k: (v.flatten().tolist(), our_weights[k].flatten().tolist()) for k, v in ds_weights.items()}
+            report = {"deepspeed": ds_losses, "ours": our_losses, "weights": weights}
+            (out / f"{case}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
