@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.logging import get_logger
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import broadcast_object_list, convert_outputs_to_fp32, gather_object
 from accelerate.utils.modeling import get_mixed_precision_context_manager
 from torch import nn
@@ -36,6 +37,18 @@ from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, Zero
 
 MODEL_DIR = "pytorch_model_zero_{}"  # beside Accelerate's own files, as its FSDP layout does
 OPTIMIZER_DIR = "optimizer_zero_{}"
+
+
+class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper whose ``step_was_skipped`` is the engine's (an fp16 overflow)."""
+
+    def __init__(self, optimizer: Optimizer, engine: ZeroEngine, device_placement: bool):
+        super().__init__(optimizer, device_placement=device_placement, scaler=None)
+        self.engine = engine
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.engine.last_step_skipped
 
 
 class ZeroAccelerator(Accelerator):
@@ -83,6 +96,17 @@ class ZeroAccelerator(Accelerator):
         elif optimizer is not None:
             self._require_engine().attach_optimizer(optimizer)
         return super().prepare(*args, device_placement=device_placement)
+
+    def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Optimizer:
+        """Accelerate's wrapper, told by the engine when a step was skipped: the engine's fp16 loss scaler,
+        not Accelerate's GradScaler, skips steps, and Accelerate's schedulers (and Trainer) read this to skip
+        theirs as under Accelerate's own fp16."""
+        if self.engine is None or getattr(optimizer, "_is_accelerate_prepared", False):
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        placement = self.device_placement if device_placement is None else device_placement
+        wrapped = ZeroAcceleratedOptimizer(optimizer, self.engine, device_placement=placement)
+        self._optimizers.append(wrapped)  # where Accelerate's own prepare_optimizer registers it
+        return wrapped
 
     def prepare_model(
         self, model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False

@@ -369,3 +369,45 @@ def test_the_launcher_runs_scripts_and_modules_through_the_check() -> None:
     )  # fmt: skip
     assert module.training_script_args == ["--module", "pkg.train", "--lr", "1"]
     assert (command.training_script, command.training_script_args) == ("train.sh", [])
+
+
+FP16_SKIPS = """
+import json, torch
+from accelerate_zero import ZeroAccelerator, ZeroPlugin
+from tests.models import TinyTransformer, batch, lm_loss
+accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3), cpu=True, mixed_precision="fp16")
+torch.manual_seed(0)
+model = TinyTransformer(batchnorm=False)
+optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+seen = []
+for step in range(5):
+    ids = batch(step, 0)
+    loss = lm_loss(model(ids), ids)
+    accelerator.backward(loss * float("inf") if step == 0 else loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    seen.append((accelerator.optimizer_step_was_skipped, optimizer.param_groups[0]["lr"]))
+print(json.dumps({"seen": seen, "steps taken": accelerator.engine.steps_taken}))
+"""
+
+
+@pytest.mark.distributed  # a process of its own for Accelerate's once-per-process state
+def test_an_fp16_step_skipped_on_overflow_leaves_the_scheduler_as_accelerates_own_fp16_does() -> None:
+    """Accelerate's GradScaler path reports a skipped step (``optimizer_step_was_skipped``) and its scheduler
+    wrapper (and Hugging Face's Trainer) then do not step the schedule; the engine's loss scaler skips the
+    steps here, so the accelerator reports the engine's decision (before, the schedule ran ahead)."""
+    result = subprocess.run(
+        [sys.executable, "-c", FP16_SKIPS], capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[1]
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    seen = report["seen"]
+    assert seen[0] == [True, 1e-2]  # an inf loss: skipped, the learning rate unchanged
+    applied = 0
+    for skipped, lr in seen:
+        applied += not skipped
+        assert lr == pytest.approx(1e-2 * 0.5**applied)
+    assert applied == report["steps taken"] >= 1

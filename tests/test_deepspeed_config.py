@@ -191,7 +191,8 @@ def test_the_same_config_file_trains_as_deepspeed_itself(tmp_path: Path) -> None
     """The switch from DeepSpeed to ``ZeroStrategy(config=file)`` keeps the training: DeepSpeed's own engine and
     our Lightning strategy, given one ds_config.json (accumulation 2, clipping 0.5), on the same data. In fp32
     the losses are equal and the final weights equal to rounding at stages 1-3; in bf16 (DeepSpeed runs the
-    whole module in bf16, we compute in bf16 under autocast) the first loss is equal and the rest within 1% (0.5% measured)."""
+    whole module in bf16, we compute in bf16 under autocast) the first loss is equal and the rest within 1%
+    (0.5% measured)."""
     pytest.importorskip("deepspeed")
     script = Path(__file__).parent / "scripts" / "deepspeed_same_config.py"
     result = subprocess.run(

@@ -281,6 +281,12 @@ class ZeroEngine:
         return self._optimizer_step.steps_taken
 
     @property
+    def last_step_skipped(self) -> bool:
+        """The last optimizer step was skipped on an fp16 overflow (on any rank; every rank agrees), as
+        ``GradScaler`` skips one: Accelerate and Hugging Face's Trainer then leave the scheduler alone."""
+        return self._optimizer_step.last_step_skipped
+
+    @property
     def last_step_traffic(self) -> dict[str, CollectiveCount]:
         """Collective traffic of the last optimizer step per kind (see ``comm_stats``)."""
         return self._optimizer_step.last_step_traffic

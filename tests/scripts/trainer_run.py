@@ -65,6 +65,7 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         disable_tqdm=True,
         seed=0,
         bf16="bf16" in case,  # Trainer's own mixed-precision flag
+        fp16="fp16" in case,
     )
     kwargs = {"model": model(), "args": arguments, "train_dataset": Tokens(48, 1), "eval_dataset": Tokens(8, 2)}
     if not zero_requested():

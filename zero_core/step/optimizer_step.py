@@ -73,7 +73,9 @@ class OptimizerStep:
         self.grads_unscaled = False  # fp16: the accumulated gradients were divided by the loss scale
         self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
-        self._skip_refresh = False  # this step was skipped (an overflow): the parameters did not change
+        # The last step was skipped (an fp16 overflow on some rank): the parameters did not change. Reset when
+        # each step starts; read by the step's post-hook and by the adapters (schedulers skip that step too).
+        self.last_step_skipped = False
         self._traffic_at_last_step = comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
         self._span_traffic_at_last_step = comm.stats.span_snapshot()
@@ -107,7 +109,7 @@ class OptimizerStep:
         # A forward whose backward never ran (a skipped batch) ends here.
         # A step with no forward since the last waits here for that step's all-gathers.
         self.runtime.settle_gradients(drop_pending_forward=True)
-        self._skip_refresh = False
+        self.last_step_skipped = False
         self._step_calls += 1
         # Groups added or replaced since the last step train from this one. A refused group is reported
         # after the step agreement, so a rank that alone added one does not leave the others waiting.
@@ -134,7 +136,7 @@ class OptimizerStep:
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
-        if not self._skip_refresh and (self.nvme is not None or self.steps_on_host):
+        if not self.last_step_skipped and (self.nvme is not None or self.steps_on_host):
             self._step_offloaded(groups)
 
     def _step_offloaded(self, groups: OptimizerGroups) -> None:
@@ -179,8 +181,8 @@ class OptimizerStep:
                 # With no .grad anywhere the optimizer leaves every parameter alone.
                 for unit in self.units:
                     unit.attach_master_grads([False] * len(unit.slot_has_grad))
-                self._skip_refresh = True
-        if not self._skip_refresh:
+                self.last_step_skipped = True
+        if not self.last_step_skipped:
             for unit, flags in zip(self.units, agreed.slot_flags):
                 unit.attach_master_grads(flags)
             if self.steps_on_host:
@@ -190,7 +192,7 @@ class OptimizerStep:
     def after(self, groups: OptimizerGroups) -> None:
         """The optimizer's step post-hook: refresh the compute parameters, consume the gradients."""
         groups.show_model_parameters()
-        if not self._skip_refresh:
+        if not self.last_step_skipped:
             # With overlap_param_refresh, issued and not waited for: each unit's next forward
             # waits for its own all-gather, so the later ones run while the first units compute.
             # Not while a torch profiler records: a collective issued under it and waited for
