@@ -48,7 +48,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     out = tmp_path_factory.mktemp("trainer")
     _launch(ACCELERATE, 2, str(out), "ddp")
     # One launch, as users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
-    _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2")
+    _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2", "zero_evalfirst")
     # Stage 3's step-3 checkpoint resumed by 1 process at stage 1 (the same global batch).
     checkpoint = str(out / "zero-run" / "checkpoint-3")
     _launch(
@@ -61,7 +61,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     _launch(ACCELERATE, 2, str(out), "ddp_bf16")
     # fp16 through TrainingArguments(fp16=True) (Trainer's own fp16 under DDP computes in fp32 on a CPU).
     _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero_bf16", "zero_fp16")
-    names = ["ddp", "zero", "zero1", "zero2", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
+    names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -203,3 +203,14 @@ def test_fp16_training_args_train_with_the_engines_loss_scaling_and_resume_exact
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-3)
     assert ours["resumed"]["losses"] == ours["losses"][3:]
     assert ours["resumed"]["grad_norms"] == ours["grad_norms"][3:]
+
+
+def test_evaluate_before_train_then_trains_as_without_it(runs: tuple) -> None:
+    """evaluate() before train() prepares the model for evaluation first; training then equals the run
+    without it (and Trainer under DDP's plain run). Trainer's own DDP is not the reference here: after an
+    evaluate() first it leaves the model unwrapped and each process trains alone (transformers 5.24)."""
+    _, results = runs
+    ours, reference = results["zero_evalfirst"], results["ddp"]
+    assert ours["trainer"] == "ZeroTrainer" and ours["stage"] == 3
+    assert ours["losses"] == reference["losses"]
+    assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)

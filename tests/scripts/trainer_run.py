@@ -96,6 +96,8 @@ def describe(run: Trainer) -> dict:
 
 def full_case(out: Path, case: str, batch_size: int) -> dict:
     run = trainer(case, out / f"{case}-run", batch_size)
+    if "evalfirst" in case:  # evaluate() before train(): the model is prepared for evaluation first
+        run.evaluate()
     run.train()
     result = {**describe(run), **history(run), "weights": weights(run)}
     result["eval_loss"] = run.evaluate()["eval_loss"]
