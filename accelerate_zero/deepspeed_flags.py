@@ -24,13 +24,13 @@ HONOURED = {
     "zero_stage": "stage",
     "offload_optimizer_device": "offload_optimizer",
     "offload_optimizer_nvme_path": "offload_dir",
+    "offload_param_device": "offload_params",  # "nvme" is then refused by the setting's own check
 }
 
 _MULTINODE = "multi-node runs take Accelerate's --num_machines, --machine_rank and --main_process_ip"
 REFUSED = {
     "deepspeed_config_file": "give the ZeRO settings as a YAML file with --zero_config_file (--help lists its keys)",
-    "offload_param_device": "parameter offload is not supported yet; leave it out",
-    "offload_param_nvme_path": "parameter offload is not supported yet; leave it out",
+    "offload_param_nvme_path": "parameters offload to the host only yet (--offload_param_device cpu)",
     "gradient_accumulation_steps": "set it in the script: Accelerator(gradient_accumulation_steps=...)",
     "gradient_clipping": "clip in the script: accelerator.clip_grad_norm_(model.parameters(), max_norm)",
     "zero3_init_flag": "stage 3 shards a model built on the meta device unit by unit; leave it out",

@@ -236,3 +236,67 @@ def test_cuda_offload_steps_on_the_host_and_trains_like_the_device(tmp_path) -> 
         # fp32 stage 3 in memory: the master shard is the compute shard; offloaded, the compute shard stays
         # on the device and the optimizer's moments leave it.
         assert saved >= results["cpu-3-None"]["optimizer state bytes"] * 0.9
+
+
+def _gpu_param_offload(rank: int, world_size: int, directory: str) -> dict:
+    """offload_params="cpu" on a GPU: the parameter shards rest in pinned host memory and are staged to the
+    device on the all-gather's stream for each gather; with offload_optimizer="cpu" too, the device keeps no
+    model state between steps."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    for optimizer_mode, params_mode, precision in [
+        ("none", "none", None), ("none", "cpu", None), ("cpu", "cpu", None), ("none", "none", "bf16"),
+        ("none", "cpu", "bf16"),
+    ]:  # fmt: skip
+        gc.collect()
+        before = torch.cuda.memory_allocated(device)
+        torch.manual_seed(0)
+        model = TinyTransformer(width=64).to(device)
+        mixed = MixedPrecision(compute_dtype=torch.bfloat16) if precision else None
+        config = dataclasses.replace(
+            config_for(3, prefetch=2, precision=mixed), offload_optimizer=optimizer_mode, offload_params=params_mode
+        )
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+        losses = train_clipped(model, engine, rank, range(4), device)
+        torch.cuda.synchronize()
+        report = engine.memory_report()
+        reports = engine.unit_reports()
+        results[f"{optimizer_mode}-{params_mode}-{precision}"] = {
+            "losses": losses,
+            "units offloaded": sum(r.params_offloaded for r in reports)
+            == (len(reports) if params_mode == "cpu" else 0),
+            "shard bytes": sum(r.padded_numel // engine.shard_group_size for r in reports) * (2 if precision else 4),
+            "allocated on the device": torch.cuda.memory_allocated(device) - before,  # what is really alive there
+            "pinned on the host": torch.cuda.host_memory_stats().get("active_bytes.current", 0),  # in use now
+            "host bytes": report.host_bytes,
+            "device bytes": report.device_bytes,
+        }
+        del engine, model
+    return results
+
+
+def test_cuda_parameter_shards_rest_pinned_on_the_host_and_train_like_the_device(tmp_path) -> None:
+    world_size = 2
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for results in run_distributed(_gpu_param_offload, world_size, str(tmp_path), backend=backend):
+        # The same arithmetic on the device (the staged copy is exact): equal losses; the host step rounds apart.
+        assert results["none-cpu-None"]["losses"] == results["none-none-None"]["losses"]
+        assert results["none-cpu-bf16"]["losses"] == results["none-none-bf16"]["losses"]
+        assert results["cpu-cpu-None"]["losses"] == pytest.approx(results["none-none-None"]["losses"], rel=1e-4)
+        for name, result in results.items():
+            assert result["units offloaded"], name
+            if "-cpu-" in name:
+                assert result["host bytes"] >= result["shard bytes"], name
+                assert result["pinned on the host"] >= result["shard bytes"], name  # the host shards are pinned
+        # bf16: the device keeps the fp32 master and no longer the bf16 shard.
+        saved = (
+            results["none-none-bf16"]["allocated on the device"] - results["none-cpu-bf16"]["allocated on the device"]
+        )
+        assert saved >= 0.9 * results["none-cpu-bf16"]["shard bytes"]
+        # Both offloads: between steps no parameter shard, master or optimizer state is on the device (no staging
+        # buffer left alive either: the allocation is what is really there).
+        assert (
+            results["cpu-cpu-None"]["allocated on the device"]
+            < 0.1 * results["none-none-None"]["allocated on the device"]
+        )

@@ -31,7 +31,7 @@ ZERO3 = {
         "stage3_param_persistence_threshold": 1e5,
         "stage3_gather_16bit_weights_on_model_save": True,
         "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": True, "ratio": 0.5},
-        "offload_param": {"device": "none"},
+        "offload_param": {"device": "cpu", "pin_memory": True},
     },
 }
 
@@ -46,6 +46,7 @@ def test_a_zero3_config_maps_to_our_settings() -> None:
         "offload_optimizer": "nvme",
         "offload_dir": "/local_nvme",
         "offload_fraction": 0.5,
+        "offload_params": "cpu",
     }
     assert translated.precision == "bf16"
     assert translated.loop == {"gradient_accumulation_steps": 4}  # "auto" leaves it to the framework
@@ -58,7 +59,7 @@ def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() ->
             "stage": 2,
             "overlap_comm": False,
             "sub_group_size": 1e9,
-            "offload_param": {"device": "cpu"},
+            "offload_param": {"device": "nvme"},
         },
         "fp16": {"enabled": True, "loss_scale_window": 1000},
         "flops_profiler": {"enabled": True},
@@ -70,7 +71,7 @@ def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() ->
         "optimizer={'type': 'AdamW', 'params': {'lr': 0.0001}} (build the optimizer in the script",
         "zero_optimization.overlap_comm=False (collectives always overlap here",
         "zero_optimization.sub_group_size=1000000000.0 (the offloaded step already runs unit by unit)",
-        "zero_optimization.offload_param.device='cpu' (parameter offload is not supported yet)",
+        "zero_optimization.offload_param.device='nvme' (parameters offload to 'cpu' only yet",
         "fp16.loss_scale_window=1000 (our dynamic loss scaler has loss_scale_window 2000)",
         "flops_profiler={'enabled': True} (",
     ):

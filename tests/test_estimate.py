@@ -30,7 +30,14 @@ CASES = [
     (3, None, "cpu", "adamw"),  # fp32: the offloaded master is a second copy, on the host
     (3, BF16, "nvme", "adamw"),
     (2, None, "none", "sgd"),
+    # offload_params="cpu": in fp32 the shard is the master (on a CPU device); in bf16 a host copy of its own.
+    (3, None, "params", "adamw"),
+    (3, BF16, "params", "adamw"),
+    (3, None, "cpu+params", "adamw"),
 ]
+# The offload column: offload_optimizer, then "+params" for offload_params="cpu" ("params" alone: only that).
+OFFLOADS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "nvme": ("nvme", "none")}
+OFFLOADS |= {"params": ("none", "cpu"), "cpu+params": ("cpu", "cpu")}
 STATE_BYTES = {"adamw": 8, "sgd": 4}  # per parameter: two fp32 moments, one momentum buffer
 
 
@@ -40,9 +47,11 @@ def _measure(rank: int, world_size: int, directory: str) -> list[dict]:
     for stage, precision, offload, optimizer in CASES:
         torch.manual_seed(0)
         model = TinyTransformer()
+        offload_optimizer, offload_params = OFFLOADS[offload]
         config = dataclasses.replace(
             config_for(stage, precision=precision),
-            offload_optimizer=offload,
+            offload_optimizer=offload_optimizer,
+            offload_params=offload_params,
             offload_dir=directory if offload == "nvme" else None,
         )
         engine = ZeroEngine(model, make_optimizer(optimizer, model), config)
@@ -66,7 +75,8 @@ def _estimate(stage: int, precision: MixedPrecision | None, offload: str, optimi
         model = TinyTransformer()
     result = estimate(
         model, WORLD, precision=precision, optimizer_state_bytes_per_param=STATE_BYTES[optimizer],
-        offload_optimizer=offload, wrap_policy=WrapPolicy(module_classes=(Block,)),
+        offload_optimizer=OFFLOADS[offload][0], offload_params=OFFLOADS[offload][1],
+        wrap_policy=WrapPolicy(module_classes=(Block,)),
         host_is_device=True,  # a CPU device: the offloaded master and gradient shard stay in place
     )  # fmt: skip
     return result[stage]

@@ -43,6 +43,11 @@ def _ids(setting: Setting) -> str:
     return setting.name
 
 
+# Every setting's example at once, but the stage's: its example (2) and offload_params' ("cpu", stage 3 only)
+# do not go together. Each is also checked alone.
+TOGETHER = [s for s in SETTINGS if s.name != "stage"]
+
+
 def _config_value(setting: Setting) -> Any:
     """What ZeroConfig holds when the setting is set to its example."""
     return setting.text.resolve(setting.text.example, MODEL)
@@ -112,7 +117,7 @@ def test_jsonargparse_sees_and_parses_every_setting(strategy: type) -> None:
     is parsed from a config and reaches the strategy's config."""
     parser = ArgumentParser(exit_on_error=False)
     parser.add_argument("--strategy", type=strategy)
-    values = {s.name: _config_value(s) for s in SETTINGS}
+    values = {s.name: _config_value(s) for s in TOGETHER}
     class_path = f"{strategy.__module__}.{strategy.__qualname__}"
     init_args = {name: _cli_value(value) for name, value in values.items()}
     parsed = parser.parse_object({"strategy": {"class_path": class_path, "init_args": init_args}})
@@ -123,7 +128,7 @@ def test_jsonargparse_sees_and_parses_every_setting(strategy: type) -> None:
 
 
 def _all_examples() -> dict[str, Any]:
-    return {s.text.name: s.text.example for s in SETTINGS}
+    return {s.text.name: s.text.example for s in TOGETHER}
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=_ids)
@@ -149,7 +154,7 @@ def test_all_settings_at_once_round_trip_through_the_environment(monkeypatch: py
     for name, value in plugin.environment().items():
         monkeypatch.setenv(name, value)
     assert ZeroPlugin() == plugin
-    assert ZeroPlugin(stage=1) == dataclasses.replace(plugin, stage=1)  # explicit arguments win
+    assert ZeroPlugin(stage=3, prefetch=5) == dataclasses.replace(plugin, stage=3, prefetch=5)  # explicit ones win
 
 
 def _yaml_value(value: Any) -> Any:
@@ -167,7 +172,7 @@ def test_settings_round_trip_through_a_yaml_file(setting: Setting | None, tmp_pa
 
 @pytest.mark.parametrize("setting", [*SETTINGS, None], ids=lambda s: "all" if s is None else s.name)
 def test_settings_round_trip_through_the_launchers_flags(setting: Setting | None) -> None:
-    chosen = SETTINGS if setting is None else [setting]
+    chosen = TOGETHER if setting is None else [setting]
     flags = [word for s in chosen for word in (s.text.flag, s.text.format(s.text.example))]
     plugin, launch_args = plugin_from_arguments([*flags, "--num_processes", "2", "train.py", "--lr", "1"])
     assert plugin == ZeroPlugin(**{s.text.name: s.text.example for s in chosen})
@@ -235,6 +240,10 @@ def test_deepspeeds_flags_with_a_meaning_here_are_honoured() -> None:
         plugin_from_arguments(["--zero_stage", "1", "--zero_sharding_stage", "2", "t.py"])
     with pytest.raises(ValueError, match="stage=0 is invalid"):
         plugin_from_arguments(["--zero_stage", "0", "t.py"])
+    plugin, _ = plugin_from_arguments(["--zero_stage", "3", "--offload_param_device", "cpu", "t.py"])
+    assert plugin.offload_params == "cpu"
+    with pytest.raises(ValueError, match="offload_params='cpu' needs stage=3"):
+        plugin_from_arguments(["--zero_stage", "2", "--offload_param_device", "cpu", "t.py"])
 
 
 @pytest.mark.parametrize("dest", sorted(REFUSED))

@@ -19,8 +19,9 @@ class MemoryReport:
     gradient_bytes: int
     optimizer_state_bytes: int  # includes the fp32 master shard when it is a separate tensor
     nvme_bytes: int = 0  # optimizer state in offload_optimizer="nvme"'s files now (not in memory)
-    # Of the three above, what the offloaded units keep in host memory (offload_optimizer): their master
-    # shards, optimizer state and gradient copies. The rest is on the device.
+    # Of the three above, what the offloaded units keep in host memory: their master shards, optimizer state
+    # and gradient copies (offload_optimizer) and their parameter shards at rest (offload_params). The rest
+    # is on the device.
     host_bytes: int = 0
 
     @property
@@ -44,6 +45,7 @@ class UnitReport:
     persistent: bool  # stage 3: kept gathered between steps (persistence_threshold)
     refreshing: bool  # stages 1/2: the post-step all-gather may still be writing its parameters
     offloaded: bool = False  # offload_optimizer: its master shard and optimizer state live on the host
+    params_offloaded: bool = False  # offload_params: its parameter shard rests on the host between gathers
 
 
 def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]:
@@ -57,6 +59,7 @@ def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]
             persistent=unit.stage_plan != plan,
             refreshing=unit.refreshing,
             offloaded=unit.offloaded,
+            params_offloaded=unit.params_offloaded,
         )
         for unit in units
     ]
@@ -87,7 +90,9 @@ def measure_model_state(
     """What this rank holds now, each storage counted once: every tensor the units, the model's
     ``.grad`` and the optimizer's state really keep alive, not what the formulas expect."""
     counter = StorageCounter()
-    params = counter.count([u.gathered_params for u in units] + [u.compute_shard for u in units])
+    params = counter.count(
+        [u.gathered_params for u in units] + [u.compute_shard for u in units] + [u.host_shard for u in units]
+    )
     grads = counter.count(
         [grad for u in units for grad in u.grads.tensors()]
         + [u.host_grads for u in units]
@@ -104,10 +109,30 @@ def measure_model_state(
     offloaded = [u for u in units if u.offloaded]
     # The master shard by its own bytes: on a CPU device it can be a slice of the full parameters' storage.
     on_host = sum(u.master_shard.numel() * u.master_shard.element_size() for u in offloaded)
+    # offload_params: the parameter shards at rest, unless one is an offloaded master itself (counted above).
+    masters_on_host = {u.master_shard.untyped_storage().data_ptr() for u in offloaded}
+    on_host += sum(
+        u.host_shard.numel() * u.host_shard.element_size()
+        for u in units
+        if u.host_shard is not None and u.host_shard.untyped_storage().data_ptr() not in masters_on_host
+    )
     on_host += StorageCounter().count(
         [u.host_grads for u in offloaded] + state_of(m.param for u in offloaded for m in u.master_pieces)
     )
     return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host)
+
+
+def _parameter_shards_on_host(
+    shard: float, compute_bytes: int, offloaded: float, host_is_device: bool, master: float
+) -> tuple[float, float]:
+    """offload_params: (the parameter bytes that move to the host, the master bytes after the move). In fp32
+    an offloaded master on the host is the parameter shard itself (one tensor, counted as parameters);
+    every other unit keeps its master where it was and gets a host copy of its shard."""
+    if compute_bytes != 4:
+        return shard * compute_bytes, master  # a host copy in the compute dtype; the master is unchanged
+    # fp32: the offloaded share's host master is its shard; the rest gets a host copy, and on a GPU its
+    # master (the shard until now) stays on the device as a tensor of its own.
+    return 4 * (1 - offloaded) * shard, 0.0 if host_is_device else 4 * (1 - offloaded) * shard
 
 
 def expected_model_state_bytes(
@@ -122,6 +147,7 @@ def expected_model_state_bytes(
     offload_optimizer: str = "none",
     offload_fraction: float = 1.0,
     host_is_device: bool = False,
+    offload_params: str = "none",
 ) -> MemoryReport:
     """The README's formulas, padding aside. ``stage=0`` means DDP; ``world_size``: the ranks a
     shard divides over (the shard group's size under hybrid sharding).
@@ -139,6 +165,7 @@ def expected_model_state_bytes(
     (between steps; over the ``gradient_numel``, as the tier's files cover a unit's whole shard).
     On a GPU the offloaded reduced gradient shards are copied into fp32 host buffers; ``host_is_device``
     (a CPU device) steps on the shard in place, and in fp32 the parameters' own shard is the master.
+    ``offload_params="cpu"`` (stage 3) moves the parameter shards into ``host_bytes`` (see the helper).
     """
     compute = torch.empty(0, dtype=precision.compute_dtype).element_size()
     reduce = torch.empty(0, dtype=precision.reduce_dtype).element_size()
@@ -160,7 +187,11 @@ def expected_model_state_bytes(
     # elements and padding too): as many elements as the gradient shard.
     on_disk = offloaded * with_grads / world_size * state_bytes if offload_optimizer == "nvme" else 0.0
     in_memory = (1 - offloaded) * state if offload_optimizer == "nvme" else state
+    params_on_host = 0.0
+    if offload_params != "none" and stage == 3:
+        params_on_host, master = _parameter_shards_on_host(shard, compute, offloaded, host_is_device, master)
     host = 4 * offloaded * shard + host_grads + (offloaded * state if offload_optimizer == "cpu" else 0.0)
+    host += params_on_host
     return MemoryReport(
         round(params), round(grads + host_grads), round(master + in_memory), round(on_disk), round(host)
     )

@@ -105,7 +105,7 @@ def build_units(
             numel = sum(p.numel() for p in plan.params)
             units[plan.index] = FlatUnit(
                 plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests,
-                offloaded=plan.index in offloaded,
+                offloaded=plan.index in offloaded, params_offloaded=config.offload_params != "none",
             )  # fmt: skip
     digests.track([units[i] for i in range(len(plans))])
     return [units[i] for i in range(len(plans))]

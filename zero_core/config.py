@@ -269,6 +269,16 @@ class ZeroConfig:
         parse=str,
         example="nvme",
     )
+    # ZeRO-Offload/Infinity's parameter offload (stage 3): a sharded unit's parameter shard (compute dtype)
+    # rests in host memory, pinned on GPUs, and is copied to the device on the all-gather's stream right
+    # before each gather; the refreshed shard goes back to the host after each step (unit/storage.py).
+    offload_params: str = setting(
+        "none",
+        doc='stage 3: "cpu": the parameter shards at rest in host memory, copied to the device for each '
+        'gather; "none": on the device',
+        parse=str,
+        example="cpu",
+    )
     offload_dir: str | None = setting(
         None,
         doc="with offload_optimizer='nvme': the directory (on a fast local disk) for the per-run scratch files",
@@ -339,6 +349,22 @@ class ZeroConfig:
         if not _is_count(self.offload_units_in_memory, minimum=1):
             raise ValueError(
                 f"ZeroConfig.offload_units_in_memory={self.offload_units_in_memory!r} is invalid: use an integer >= 1."
+            )
+        if self.offload_params not in OFFLOAD_MODES:
+            raise ValueError(
+                f"ZeroConfig.offload_params={self.offload_params!r} is invalid: use "
+                f"{' or '.join(repr(m) for m in OFFLOAD_MODES)}."
+            )
+        if self.offload_params == "nvme":
+            raise ValueError(
+                "ZeroConfig.offload_params='nvme' is not supported yet: use offload_params='cpu' (the parameter "
+                "shards in host memory) with offload_optimizer='nvme' (the optimizer state on disk)."
+            )
+        if self.offload_params != "none" and self.stage != 3:
+            raise ValueError(
+                f"ZeroConfig.offload_params={self.offload_params!r} needs stage=3: at stage {self.stage} every rank "
+                "keeps the full parameters on the device to compute with. Use stage=3, or offload_optimizer to "
+                "move the optimizer's part off the device."
             )
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")

@@ -112,9 +112,7 @@ def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -
         elif key == "offload_optimizer":
             _offload(name, value, result, refused)
         elif key == "offload_param":
-            device = value.get("device", "none") if isinstance(value, Mapping) else value
-            if device not in ("none", None):
-                refused.append(f"{name}.device={device!r} (parameter offload is not supported yet)")
+            _offload_param(name, value, result, refused)
         elif key == "stage3_param_persistence_threshold":
             if value != AUTO:
                 _number(name, value, lambda n: result.settings.__setitem__("persistence_threshold", int(n)), refused)
@@ -150,6 +148,24 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
                 _number(f"{name}.ratio", value, lambda n: result.settings.__setitem__("offload_fraction", n), refused)
         elif key in ("pin_memory", "fast_init") or (key == "buffer_count" and isinstance(value, int)):
             pass  # host buffers are pinned on GPUs; the NVMe tier's reads ahead are offload_units_in_memory
+        else:
+            refused.append(_refusal(f"{name}.{key}", value))
+
+
+def _offload_param(name: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if not isinstance(section, Mapping):
+        refused.append(f"{name}={section!r} (a JSON object with device)")
+        return
+    for key, value in section.items():
+        if key == "device":
+            if value == "nvme":
+                refused.append(f"{name}.device='nvme' (parameters offload to 'cpu' only yet; nvme: the optimizer)")
+            elif value not in ("none", "cpu"):
+                refused.append(f"{name}.device={value!r} (none or cpu)")
+            elif value == "cpu":
+                result.settings["offload_params"] = "cpu"
+        elif key in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
+            pass  # pinned on GPUs; DeepSpeed's NVMe staging buffers, which have no counterpart with "cpu"
         else:
             refused.append(_refusal(f"{name}.{key}", value))
 

@@ -282,8 +282,7 @@ class ZeroEngine:
 
     @property
     def last_step_skipped(self) -> bool:
-        """The last optimizer step was skipped on an fp16 overflow (on any rank; every rank agrees), as
-        ``GradScaler`` skips one: Accelerate and Hugging Face's Trainer then leave the scheduler alone."""
+        """The last step was skipped on an fp16 overflow (every rank agrees), as ``GradScaler`` skips one."""
         return self._optimizer_step.last_step_skipped
 
     @property
@@ -346,19 +345,14 @@ class ZeroEngine:
         return training_state.sharded_model_state_dict(self._parts.checkpoints)
 
     def sharded_optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard).
-
-        Every rank calls it: param groups added since the last step are compared across ranks first."""
+        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard). Every
+        rank calls it: param groups added since the last step are compared across ranks first."""
         return training_state.sharded_optimizer_state_dict(self._parts.checkpoints)
 
     def save_checkpoint(
-        self,
-        path: str | os.PathLike,
-        extra: dict[str, Any] | None = None,
-        *,
-        include_optimizer: bool = True,
+        self, path: str | os.PathLike, extra: dict[str, Any] | None = None, *, include_optimizer: bool = True,
         include_model: bool = True,
-    ) -> Path:
+    ) -> Path:  # fmt: skip
         """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically: every rank writes its own
         pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
         ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates."""
@@ -366,9 +360,8 @@ class ZeroEngine:
         return training_state.save(self._parts.checkpoints, path, extra, **targets)
 
     def read_checkpoint_extra(self, path: str | os.PathLike) -> dict[str, Any]:
-        """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every
-        rank, without loading anything. Every rank calls it; a bad checkpoint raises the same
-        ``CheckpointError`` everywhere."""
+        """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every rank, without
+        loading anything. Every rank calls it; a bad checkpoint raises the same ``CheckpointError`` everywhere."""
         return training_state.read_extra(self._parts.checkpoints, path)
 
     def load_checkpoint(

@@ -11,7 +11,8 @@ of units with frozen parameters and the offloaded units are the engine's own; a 
 taken as one unit whose ``offload_fraction`` of elements is offloaded (the engine offloads whole
 units, the largest first). Optimizer state is each rank's average share: where a unit mixes frozen
 and trainable parameters, which rank holds how many of the trainable elements depends on the layout.
-Stage 3's ``persistence_threshold`` is not modelled (every unit sharded).
+Stage 3's ``persistence_threshold`` is not modelled (every unit sharded); ``offload_params`` applies
+to stage 3's row only.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class EstimateSettings:
     offload_optimizer: str = "none"
     offload_fraction: float = 1.0
     host_is_device: bool = False  # a CPU device: an offloaded unit's master and gradient shard stay in place
+    offload_params: str = "none"  # stage 3: the parameter shards at rest in host memory ("cpu")
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -62,6 +64,8 @@ class EstimateSettings:
             raise ValueError(f"offload_optimizer={self.offload_optimizer!r} is invalid: use {modes}.")
         if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1].")
+        if self.offload_params not in ("none", "cpu"):
+            raise ValueError(f"offload_params={self.offload_params!r} is invalid: use 'none' or 'cpu'.")
         if not isinstance(self.optimizer_state_bytes_per_param, int) or self.optimizer_state_bytes_per_param < 0:
             raise ValueError(
                 f"optimizer_state_bytes_per_param={self.optimizer_state_bytes_per_param!r} is invalid: use 8 "
@@ -131,6 +135,7 @@ def _stage_bytes(
                 offload_optimizer=settings.offload_optimizer if fraction else "none",
                 offload_fraction=fraction or 1.0,
                 host_is_device=settings.host_is_device,
+                offload_params=settings.offload_params,  # stage 3's alone (the formula ignores it below)
             )  # fmt: skip
         )
     return _sum(reports)
@@ -161,6 +166,7 @@ def estimate(
     offload_optimizer: str = "none",
     offload_fraction: float = 1.0,
     host_is_device: bool = False,
+    offload_params: str = "none",
     wrap_policy: WrapPolicy | None = None,
     bucket_size_mb: float = 25,
 ) -> ZeroEstimate:
@@ -170,7 +176,7 @@ def estimate(
     parameter count (every parameter trainable)."""
     settings = EstimateSettings(
         world_size, shard_group_size, precision or MixedPrecision(), optimizer_state_bytes_per_param,
-        offload_optimizer, offload_fraction, host_is_device,
+        offload_optimizer, offload_fraction, host_is_device, offload_params,
     )  # fmt: skip
     if isinstance(model, nn.Module):
         return estimate_units(count_units(model, wrap_policy, bucket_size_mb), settings)

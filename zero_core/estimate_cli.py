@@ -89,7 +89,7 @@ def human(nbytes: float) -> str:
 def format_table(result: ZeroEstimate, budget: int | None) -> str:
     settings = result.settings
     precision = settings.precision
-    offload = settings.offload_optimizer != "none"
+    offload = settings.offload_optimizer != "none" or settings.offload_params != "none"
     dtypes = {v.compute_dtype: k for k, v in PRECISIONS.items()}
     lines = [
         f"{result.numel:,} parameters ({result.trainable_numel:,} trainable) in {result.units} unit(s); "
@@ -97,7 +97,8 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
         f"compute {dtypes[precision.compute_dtype]}, reduce {dtypes[precision.reduce_dtype]}; "
         f"optimizer state {settings.optimizer_state_bytes_per_param} bytes/parameter; "
         f"offload_optimizer={settings.offload_optimizer!r}"
-        + (f", offload_fraction={settings.offload_fraction:g}" if offload else ""),
+        + (f", offload_fraction={settings.offload_fraction:g}" if settings.offload_optimizer != "none" else "")
+        + (f", offload_params={settings.offload_params!r} (stage 3)" if settings.offload_params != "none" else ""),
         "model-state bytes per rank (optimizer: with the fp32 master where it is a separate copy):",
     ]
     header = ["", "params", "grads", "optimizer", "device"] + (["host", "nvme"] if offload else [])
@@ -119,7 +120,10 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
         "  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))) for row in rows
     ]
     if offload:
-        lines.append("DDP: no offload. host: offloaded master, optimizer state and gradient copies; nvme: files.")
+        lines.append(
+            "DDP: no offload. host: offloaded master, optimizer state and gradient copies, and (stage 3, "
+            "offload_params) the parameter shards; nvme: files."
+        )
     return "\n".join(lines)
 
 
@@ -143,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offload-optimizer", choices=OFFLOAD_MODES, default="none")
     parser.add_argument("--offload-fraction", type=float, default=1.0, help="share offloaded, in (0, 1]")
     parser.add_argument(
+        "--offload-params", choices=("none", "cpu"), default="none", help="stage 3: parameter shards on the host"
+    )
+    parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
@@ -164,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             model, args.world_size, shard_group_size=args.shard_group_size, precision=PRECISIONS[args.precision],
             optimizer_state_bytes_per_param=args.optimizer_bytes, offload_optimizer=args.offload_optimizer,
             offload_fraction=args.offload_fraction, host_is_device=args.device == "cpu",
-            wrap_policy=wrap, bucket_size_mb=args.bucket_size_mb,
+            offload_params=args.offload_params, wrap_policy=wrap, bucket_size_mb=args.bucket_size_mb,
         )  # fmt: skip
     except (ValueError, ImportError) as error:
         parser.error(str(error))

@@ -93,3 +93,16 @@ def wait_for_host_copies(device: torch.device) -> None:
     (nothing to wait for when the device is the host)."""
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
+
+
+def copy_to_device(device_shard: torch.Tensor, host_shard: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """A parameter shard from host memory into its device buffer ahead of its all-gather (offload_params). On
+    a GPU the copy runs on ``stream``, the all-gather's side stream, after what the compute stream issued
+    (the buffer was just allocated there): it overlaps compute, and the all-gather issued next on that stream
+    runs after it. On a CPU device, a plain copy."""
+    if stream is None or not device_shard.is_cuda:
+        device_shard.copy_(host_shard)
+        return
+    stream.wait_stream(torch.cuda.current_stream(device_shard.device))
+    with torch.cuda.stream(stream):
+        device_shard.copy_(host_shard, non_blocking=host_shard.is_pinned())

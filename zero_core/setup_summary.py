@@ -37,7 +37,7 @@ def setup_summary(engine: ZeroEngine) -> str:
     ours = expected_model_state_bytes(
         engine.stage, numel, shards, precision, ADAM_STATE_BYTES,
         offload_optimizer=config.offload_optimizer, offload_fraction=config.offload_fraction,
-        host_is_device=engine.comm.device.type == "cpu",
+        host_is_device=engine.comm.device.type == "cpu", offload_params=config.offload_params,
     )  # fmt: skip
     ddp = expected_model_state_bytes(0, numel, shards, precision, ADAM_STATE_BYTES)
     where = ""
@@ -47,6 +47,8 @@ def setup_summary(engine: ZeroEngine) -> str:
     offload = config.offload_optimizer
     if offload != "none":
         offload += f" ({sum(report.offloaded for report in reports)} of the units)"
+    if config.offload_params != "none":
+        offload += f"; offload_params {config.offload_params} ({sum(r.params_offloaded for r in reports)} of the units)"
     return (
         f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
         f"parameters) of {_count(numel)} parameters, sharded over {shards} of {engine.world_size} ranks; "

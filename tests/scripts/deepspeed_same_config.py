@@ -58,15 +58,15 @@ def deepspeed_run(config_file: Path) -> tuple[list[float], dict[str, torch.Tenso
 
     net = model()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR)
-    engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=str(config_file))
+    ds_model, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=str(config_file))
     losses = []
     for ids in data(torch.distributed.get_rank(), torch.distributed.get_world_size()):
-        loss = lm_loss(engine(ids), ids)
-        engine.backward(loss)
-        engine.step()
+        loss = lm_loss(ds_model(ids), ids)
+        ds_model.backward(loss)
+        ds_model.step()
         losses.append(loss.item())
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        weights = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    with deepspeed.zero.GatheredParameters(list(ds_model.module.parameters())):
+        weights = {name: p.detach().clone() for name, p in ds_model.module.named_parameters()}
     return losses, weights
 
 

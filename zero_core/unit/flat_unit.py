@@ -38,6 +38,7 @@ class FlatUnit:
         comm: CommContext,
         comparisons: Comparisons | None = None,
         offloaded: bool = False,
+        params_offloaded: bool = False,
     ):
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
@@ -56,8 +57,10 @@ class FlatUnit:
         self.host_grads: torch.Tensor | None = None  # (S, fp32) pinned, made at the first step (GPU devices)
         self.storage = ParamStorage(
             self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label,
-            host_master=offloaded,
+            host_master=offloaded, host_params=params_offloaded,
         )  # fmt: skip
+        # offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers.
+        self.params_offloaded = self.storage.params_on_host
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
@@ -83,6 +86,11 @@ class FlatUnit:
     @property
     def master_shard(self) -> torch.Tensor:
         return self.storage.master_shard
+
+    @property
+    def host_shard(self) -> torch.Tensor | None:
+        """offload_params: the parameter shard at rest in host memory (None: it rests in ``compute_shard``)."""
+        return self.storage.host_shard
 
     @property
     def state(self) -> StorageState:

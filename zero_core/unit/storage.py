@@ -14,6 +14,12 @@ unless hybrid sharding splits the ranks into groups):
   itself when computing in fp32, unless the unit is offloaded
   (``offload_optimizer``) from a GPU: then it lives in pinned host memory
   and each refresh copies it to the device.
+- ``host_shard`` (S, compute dtype), stage 3 with ``offload_params``: the
+  parameter shard at rest, in host memory (pinned on a GPU; the master
+  itself where that is a host fp32 shard). ``compute_shard`` is then only a
+  staging buffer on the device: filled from ``host_shard`` on the
+  all-gather's stream right before each gather, freed once the gather
+  landed. On a CPU device the same path runs, host and device the same memory.
 
 Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 ``_to_unsharded``): calling it in the state it leads to does nothing.
@@ -28,7 +34,7 @@ from torch import nn
 
 from ..collectives import CommContext, Handle, all_gather, broadcast
 from ..config import MixedPrecision
-from ..host_memory import advise_huge_pages, host_zeros
+from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
 
@@ -55,6 +61,7 @@ class ParamStorage:
         guard: ParameterGuard,
         label: str,
         host_master: bool = False,
+        host_params: bool = False,
     ):
         self.layout, self.params, self.comm, self.label = layout, params, comm, label
         self.sharded_at_rest = sharded_at_rest
@@ -62,6 +69,9 @@ class ParamStorage:
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
         self._flatten_parameters(precision.compute_dtype, host_master)
+        self.host_shard: torch.Tensor | None = None
+        if host_params and sharded_at_rest:
+            self._move_shard_to_host(precision.compute_dtype)
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
 
     def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool) -> None:
@@ -91,6 +101,28 @@ class ParamStorage:
         for slot, param in zip(layout.slots, self.params):
             param.data = slot_view(self.gathered_params, slot)
 
+    def _move_shard_to_host(self, compute_dtype: torch.dtype) -> None:
+        """offload_params: the parameter shard rests in host memory; the device keeps an empty staging buffer."""
+        on_host = self.master_shard.device.type == "cpu" and compute_dtype == torch.float32
+        if on_host:
+            self.host_shard = self.master_shard  # the host fp32 master is the shard itself: no second copy
+        elif self.compute_shard.device.type == "cpu":
+            self.host_shard = self.compute_shard
+        else:
+            self.host_shard = host_zeros(self.compute_shard.numel(), compute_dtype, self.comm.device)
+            self.host_shard.copy_(self.compute_shard)
+        self.compute_shard = torch.empty(self.host_shard.numel(), dtype=compute_dtype, device=self.comm.device)
+        self._staging_nbytes = self.compute_shard.untyped_storage().nbytes()
+        self.compute_shard.untyped_storage().resize_(0)
+
+    @property
+    def params_on_host(self) -> bool:
+        return self.host_shard is not None
+
+    def _shard_values(self) -> torch.Tensor:
+        """Where this rank's parameter shard (compute dtype) lives between gathers."""
+        return self.host_shard if self.host_shard is not None else self.compute_shard
+
     # ------------------------------------------------------------ transitions
     @property
     def refreshing(self) -> bool:
@@ -108,6 +140,9 @@ class ParamStorage:
             return
         self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
         advise_huge_pages(self.gathered_params)
+        if self.host_shard is not None:
+            self.compute_shard.untyped_storage().resize_(self._staging_nbytes)
+            copy_to_device(self.compute_shard, self.host_shard, self.comm.all_gather_stream)
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = StorageState.PREFETCHING
 
@@ -117,6 +152,8 @@ class ParamStorage:
         if self.state in (StorageState.PREFETCHING, StorageState.REFRESHING):
             self._gather_handle.wait()
             self._gather_handle = None
+            if self.host_shard is not None:
+                self.compute_shard.untyped_storage().resize_(0)  # landed: the staging copy is not needed
             self.state = StorageState.GATHERED
             self.guard.guard(False)
 
@@ -139,9 +176,11 @@ class ParamStorage:
         """
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
-        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
-            # From pinned host memory (offload) asynchronously, in stream order before the all-gather.
-            self.compute_shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned())
+        shard = self._shard_values()
+        if shard.data_ptr() != self.master_shard.data_ptr():
+            # From pinned host memory (offload) asynchronously, in stream order before the all-gather;
+            # into host memory (offload_params) from a device master, which waits for the step.
+            shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned() and shard.is_cuda)
         if self.sharded_at_rest:
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
@@ -165,8 +204,9 @@ class ParamStorage:
             return True  # no part of it lies in this rank's shard
         source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
         shard_view(self.master_shard, piece).copy_(source)
-        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
-            shard_view(self.compute_shard, piece).copy_(source)
+        shard = self._shard_values()
+        if shard.data_ptr() != self.master_shard.data_ptr():
+            shard_view(shard, piece).copy_(source)
         return True
 
     def gather_full_master(self) -> torch.Tensor:
@@ -179,7 +219,8 @@ class ParamStorage:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
         self.master_shard.copy_(full[lo:hi])
-        if self.compute_shard.data_ptr() != self.master_shard.data_ptr():
-            self.compute_shard.copy_(self.master_shard)
+        shard = self._shard_values()
+        if shard.data_ptr() != self.master_shard.data_ptr():
+            shard.copy_(self.master_shard)
         if not self.sharded_at_rest:
             self.gathered_params.copy_(full)
