@@ -300,3 +300,39 @@ def test_cuda_parameter_shards_rest_pinned_on_the_host_and_train_like_the_device
             results["cpu-cpu-None"]["allocated on the device"]
             < 0.1 * results["none-none-None"]["allocated on the device"]
         )
+
+
+def _gpu_activation_offload(rank: int, world_size: int) -> dict:
+    """offload_activations on a GPU: what the forward saves for backward waits in pinned host memory, so the
+    device holds less after the forward; the backward brings it back exactly."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    results = {}
+    for offload in (False, True):
+        gc.collect()
+        torch.manual_seed(0)
+        model = TinyTransformer(width=256, blocks=4).to(device)
+        config = dataclasses.replace(config_for(3), offload_activations=offload)
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+        losses, after_forward = [], []
+        for step in range(3):
+            ids = batch(step, rank, batch_size=64).to(device)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            loss = lm_loss(model(ids), ids)
+            torch.cuda.synchronize()
+            after_forward.append(torch.cuda.memory_allocated(device) - before)  # what the forward left alive
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results[offload] = {"losses": losses, "saved on the device": max(after_forward)}
+        del engine, model
+    return results
+
+
+def test_cuda_activation_offload_keeps_saved_tensors_on_the_host() -> None:
+    world_size = 2
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for results in run_distributed(_gpu_activation_offload, world_size, backend=backend):
+        assert results[True]["losses"] == results[False]["losses"]  # exact copies out and back
+        assert results[True]["saved on the device"] < 0.5 * results[False]["saved on the device"], results

@@ -32,6 +32,7 @@ from .optim.nvme_state import NvmeOptimizerState
 from .optim.offload_plan import units_to_offload
 from .optim.rebuild import canonical_names
 from .optim.scratch import ScratchDirectory
+from .step.activation_offload import ActivationOffload
 from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
@@ -154,6 +155,8 @@ def build_parts(
     buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
     runtime.after_root_forward.append(buffer_sync.after_root_forward)
     hooks = runtime.install()
+    if config.offload_activations:  # after the runtime's hooks: each unit's forward body runs under the context
+        hooks += ActivationOffload(units).install()
     sharded_at_rest = config.plan.params_sharded_at_rest
     state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
     hooks += state_dict_hooks.install()

@@ -257,10 +257,8 @@ class ZeroConfig:
         example=1000,
     )
 
-    # ZeRO-Offload: an offloaded unit's fp32 master shard, its optimizer state and a copy of its reduced
-    # gradient shard live in host memory (pinned on GPUs) and the optimizer steps it there; with "nvme"
-    # (ZeRO-Infinity) its per-element optimizer state lives in a file under offload_dir between steps and
-    # the step brings units in a few at a time (optim/nvme_state.py).
+    # ZeRO-Offload: the optimizer steps offloaded units on the host; "nvme" (ZeRO-Infinity): their per-element
+    # state lives in files between steps, a few units in memory during it (optim/nvme_state.py).
     offload_optimizer: str = setting(
         "none",
         doc='"cpu": the fp32 master shard, optimizer state and gradient shard in host memory, the step on the '
@@ -269,15 +267,21 @@ class ZeroConfig:
         parse=str,
         example="nvme",
     )
-    # ZeRO-Offload/Infinity's parameter offload (stage 3): a sharded unit's parameter shard (compute dtype)
-    # rests in host memory, pinned on GPUs, and is copied to the device on the all-gather's stream right
-    # before each gather; the refreshed shard goes back to the host after each step (unit/storage.py).
+    # Stage 3: a sharded unit's parameter shard rests on the host, staged to the device per gather (unit/storage.py).
     offload_params: str = setting(
         "none",
         doc='stage 3: "cpu": the parameter shards at rest in host memory, copied to the device for each '
         'gather; "none": on the device',
         parse=str,
         example="cpu",
+    )
+    # The paper's P_a+cpu, without the tensor-parallel partitioning (step/activation_offload.py).
+    offload_activations: bool = setting(
+        False,
+        doc="keep what each unit's forward saves for backward in host memory until backward needs it "
+        "(a CPU device: nothing moves)",
+        parse=parse_bool,
+        example=True,
     )
     offload_dir: str | None = setting(
         None,
@@ -336,11 +340,10 @@ class ZeroConfig:
         self._check_offload()
 
     def _check_offload(self) -> None:
-        if self.offload_optimizer not in OFFLOAD_MODES:
-            raise ValueError(
-                f"ZeroConfig.offload_optimizer={self.offload_optimizer!r} is invalid: use "
-                f"{' or '.join(repr(m) for m in OFFLOAD_MODES)}."
-            )
+        for name in ("offload_optimizer", "offload_params"):
+            if getattr(self, name) not in OFFLOAD_MODES:
+                modes = " or ".join(repr(m) for m in OFFLOAD_MODES)
+                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: use {modes}.")
         if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
             raise ValueError(
                 f"ZeroConfig.offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1] "
@@ -349,11 +352,6 @@ class ZeroConfig:
         if not _is_count(self.offload_units_in_memory, minimum=1):
             raise ValueError(
                 f"ZeroConfig.offload_units_in_memory={self.offload_units_in_memory!r} is invalid: use an integer >= 1."
-            )
-        if self.offload_params not in OFFLOAD_MODES:
-            raise ValueError(
-                f"ZeroConfig.offload_params={self.offload_params!r} is invalid: use "
-                f"{' or '.join(repr(m) for m in OFFLOAD_MODES)}."
             )
         if self.offload_params == "nvme":
             raise ValueError(
@@ -366,6 +364,8 @@ class ZeroConfig:
                 "keeps the full parameters on the device to compute with. Use stage=3, or offload_optimizer to "
                 "move the optimizer's part off the device."
             )
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError("ZeroConfig.offload_activations must be True or False.")
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")
 

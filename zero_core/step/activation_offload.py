@@ -1,0 +1,71 @@
+"""``offload_activations``: what each unit's forward saves for backward waits in host memory (the paper's
+P_a+cpu, without its partitioning across tensor-parallel ranks).
+
+Each unit's forward runs under saved-tensor hooks (torch's ``save_on_cpu``, less what must not move): a
+tensor autograd saves is copied into pinned host memory when it is saved and copied back to the device when
+backward needs it. Parameters are not copied: autograd saves views of a unit's gathered parameters, which
+stage 3 gathers again for backward anyway. The hooks are entered by a forward pre-hook and left by a forward
+hook that also runs when the forward raised (``always_call``), so a failed forward never leaves them active
+for code outside the model; nested units nest their contexts. On a CPU device the hooks run and keep every
+tensor as it is: nothing moves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils.hooks import RemovableHandle
+
+from ..unit import FlatUnit
+from .hooks import eager
+
+
+class SavedOnHost(saved_tensors_hooks):
+    """Saved tensors of the device copied to pinned host memory, back to the device when unpacked; the
+    tensors ``keep`` names (a unit's parameters) and host tensors are kept as they are."""
+
+    def __init__(self, keep: Any) -> None:
+        def pack(tensor: torch.Tensor) -> Any:
+            if tensor.device.type == "cpu" or tensor.layout != torch.strided or keep(tensor):
+                return tensor
+            on_host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+            on_host.copy_(tensor)  # strides are not kept: what autograd gets back is contiguous
+            return tensor.device, on_host
+
+        def unpack(packed: Any) -> torch.Tensor:
+            if isinstance(packed, torch.Tensor):
+                return packed
+            device, on_host = packed
+            return on_host.to(device, non_blocking=True)
+
+        super().__init__(pack, unpack)
+
+
+class ActivationOffload:
+    def __init__(self, units: list[FlatUnit]):
+        self.units = units
+        self._open: list[SavedOnHost] = []  # the contexts of the unit forwards running now, innermost last
+
+    def install(self) -> list[RemovableHandle]:
+        handles = []
+        for unit in self.units:
+            module: nn.Module = unit.module
+            handles.append(module.register_forward_pre_hook(eager(self._enter)))
+            handles.append(module.register_forward_hook(eager(self._leave), always_call=True))
+        return handles
+
+    def _is_parameter(self, tensor: torch.Tensor) -> bool:
+        storage = tensor.untyped_storage().data_ptr()
+        return any(storage == unit.gathered_params.untyped_storage().data_ptr() for unit in self.units)
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        context = SavedOnHost(self._is_parameter)
+        context.__enter__()
+        self._open.append(context)
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._open:  # a hook installed while the unit's forward was already running has nothing to leave
+            self._open.pop().__exit__(None, None, None)
