@@ -38,6 +38,9 @@ OFFLOAD_CONTESTANTS = (
     "zero3_cpu",
     "zero1_nvme",  # ZeroConfig(offload_optimizer="nvme"), under ZERO_BENCH_OFFLOAD_DIR (default: the temp dir)
     "zero3_nvme",
+    "zero3_params",  # ZeroConfig(offload_params="cpu"): the parameter shards on the host, staged per gather
+    "zero3_cpu_params",  # both offloads
+    "deepspeed3_nvme",  # DeepSpeed ZeRO-3 with offload_optimizer nvme (its async I/O op needs libaio-dev)
 )
 STAGE_OF = {
     "ddp": 0,
@@ -56,6 +59,9 @@ STAGE_OF = {
     "zero3_cpu": 3,
     "zero1_nvme": 1,
     "zero3_nvme": 3,
+    "zero3_params": 3,
+    "zero3_cpu_params": 3,
+    "deepspeed3_nvme": 3,
 }
 
 
@@ -147,15 +153,17 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
             lambda loss: loss.backward(),
             lambda: (optimizer.step(), optimizer.zero_grad(set_to_none=True)),
         )
+    directory = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
     if name.startswith("deepspeed"):
-        return _deepspeed(int(name[-1]), model, loss_fn)
+        return _deepspeed(STAGE_OF[name], model, loss_fn, nvme_path=directory if name.endswith("_nvme") else None)
     stage = STAGE_OF[name]
     offload = {}
     if name.endswith("_nvme"):
-        directory = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
         offload = {"offload_optimizer": "nvme", "offload_dir": directory}
-    elif name.endswith("_cpu"):
+    elif "_cpu" in name:
         offload = {"offload_optimizer": "cpu"}
+    if name.endswith("_params"):
+        offload["offload_params"] = "cpu"
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=name.endswith("_overlap"), **offload
     )
@@ -163,7 +171,7 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
     return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)
 
 
-def _deepspeed(stage: int, model: nn.Module, loss_fn: Callable) -> Contestant:
+def _deepspeed(stage: int, model: nn.Module, loss_fn: Callable, nvme_path: str | None = None) -> Contestant:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
@@ -176,5 +184,15 @@ def _deepspeed(stage: int, model: nn.Module, loss_fn: Callable) -> Contestant:
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
     }
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=_adamw(model.parameters()), config=config)
-    return Contestant(f"deepspeed{stage}", engine, lambda ids: loss_fn(engine(ids), ids), engine.backward, engine.step)
+    name = f"deepspeed{stage}"
+    if nvme_path is not None:  # ZeRO-Infinity: the optimizer state through DeepSpeed's async I/O swapper
+        name += "_nvme"
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+        config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    optimizer = _adamw(model.parameters())
+    if nvme_path is not None:  # DeepSpeed's own fast path for an offloaded step: its SIMD CPU Adam(W)
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        optimizer = DeepSpeedCPUAdam(model.parameters(), lr=LEARNING_RATE, weight_decay=0.0, adamw_mode=True)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return Contestant(name, engine, lambda ids: loss_fn(engine(ids), ids), engine.backward, engine.step)

@@ -3,8 +3,9 @@
     python benchmarks/offload.py [--size large] [--steps 3] [--offload-dir DIR] [--publish]
 
 Measures the offload directory's write (synced) and read (page cache dropped) bandwidth, then runs
-zero1, zero1_cpu, zero1_nvme, zero3, zero3_cpu and zero3_nvme side by side (2 ranks, the same machine
-state), and writes a
+zero1, zero1_cpu, zero1_nvme, zero3, zero3_cpu, zero3_nvme, zero3_params (offload_params="cpu"),
+zero3_cpu_params (both) and DeepSpeed's ZeRO-3 in memory and with its NVMe optimizer offload side by side
+(2 ranks, the same machine state), and writes a
 table: the median step, the optimizer step alone, the bytes each step moves to and from disk (all
 ranks) and the disk bound (those bytes over the measured bandwidth). ``--publish`` writes the tracked
 benchmarks/OFFLOAD.md; otherwise a new folder under benchmarks/out/.
@@ -24,7 +25,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import run_all  # noqa: E402
 
-PAIRS = (("zero1", "zero1_cpu"), ("zero1", "zero1_nvme"), ("zero3", "zero3_cpu"), ("zero3", "zero3_nvme"))
+PAIRS = (
+    ("zero1", "zero1_cpu"),
+    ("zero1", "zero1_nvme"),
+    ("zero3", "zero3_cpu"),
+    ("zero3", "zero3_nvme"),
+    ("zero3", "zero3_params"),
+    ("zero3", "zero3_cpu_params"),
+    ("deepspeed3", "deepspeed3_nvme"),
+)
 PROBE_BYTES = 512 * 2**20
 
 
@@ -57,16 +66,21 @@ def row(in_memory: dict, offloaded: dict, write_bw: float, read_bw: float) -> st
         failure = in_memory.get("failed") or offloaded.get("failed")
         return f"| {offloaded['contestant']} | failed: {failure[-200:]!r} |"
     ranks = offloaded["world_size"]
-    on_disk = offloaded["breakdown"]["nvme_bytes"] * ranks  # written once and read once per step
+    if offloaded["breakdown"] is not None:
+        on_disk = offloaded["breakdown"]["nvme_bytes"] * ranks  # written once and read once per step
+        before = in_memory["breakdown"]["optimizer_state_bytes"] / 2**20
+        state = f"{before:.0f} -> {offloaded['breakdown']['optimizer_state_bytes'] / 2**20:.0f} MiB"
+    else:  # DeepSpeed: its optimizer swapper moves each fp32 partition with its two moments (12 bytes each)
+        on_disk = 12 * offloaded["numel"] if offloaded["contestant"].endswith("_nvme") else 0
+        state = "not reported"
     bound = on_disk / write_bw + on_disk / read_bw
     step, base = offloaded["median_step_s"], in_memory["median_step_s"]
     optimizer = offloaded["phase_median_s"]["optimizer step"]
     base_optimizer = in_memory["phase_median_s"]["optimizer step"]
-    state = in_memory["breakdown"]["optimizer_state_bytes"]
     return (
         f"| {offloaded['contestant']} | {base:.2f} | {step:.2f} | {base_optimizer:.2f} -> {optimizer:.2f} | "
         f"{on_disk / 2**20:.0f} MiB + {on_disk / 2**20:.0f} MiB | {bound:.2f} | {step / max(base, bound):.2f}x | "
-        f"{state / 2**20:.0f} -> {offloaded['breakdown']['optimizer_state_bytes'] / 2**20:.0f} MiB |"
+        f"{state} |"
     )
 
 
