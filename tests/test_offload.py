@@ -22,8 +22,8 @@ from zero_core import MixedPrecision, OffloadError, ZeroEngine
 from zero_core.accounting import StorageCounter
 
 from .distributed import run_distributed
-from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import config_for, relative_difference
+from .models import TinyTransformer, make_optimizer
+from .workers import config_for, relative_difference, train_accumulated
 
 pytestmark = pytest.mark.distributed
 
@@ -43,19 +43,6 @@ def _engine(stage: int, offload: str, directory: str, optimizer: str = "adamw", 
         config_for(stage, precision=precision), offload_optimizer=offload, offload_dir=directory, **settings
     )
     return ZeroEngine(model, make_optimizer(optimizer, model), config)
-
-
-def _train(engine: ZeroEngine, rank: int, steps: range, accumulate: int = 1) -> list[float]:
-    losses = []
-    for step in steps:
-        for micro in range(accumulate):
-            ids = batch(10 * step + micro, rank)
-            loss = lm_loss(engine.model(ids), ids)
-            engine.backward(loss / accumulate)
-            losses.append(loss.item())
-        engine.clip_grad_norm_(0.5)
-        engine.step()
-    return losses
 
 
 def _state_bytes_alive(optimizer: torch.optim.Optimizer) -> int:
@@ -83,7 +70,7 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         # The offloaded step runs torch's fused CPU kernel where the user left the choice to torch.
         fused = {"optimizer": "adamw-fused"} if case.get("optimizer", "adamw") == "adamw" else {}
         reference = _engine(stage, "none", directory, **dict(case, offload_units_in_memory=2, **fused))
-        expected = _train(reference, rank, range(4), accumulate)
+        expected = train_accumulated(reference, rank, range(4), accumulate)
         ours = _engine(stage, "nvme", directory, **case)
         alive_in_step: list[int] = []
 
@@ -93,7 +80,7 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
 
         nvme_state.NvmeOptimizerState._adopt = adopt
         try:
-            losses = _train(ours, rank, range(4), accumulate)
+            losses = train_accumulated(ours, rank, range(4), accumulate)
         finally:
             nvme_state.NvmeOptimizerState._adopt = original_adopt
         unit_state = max(8 * u.master_shard.numel() for u in ours._units)  # two fp32 moments (SGD: one)
@@ -146,23 +133,23 @@ def _round_trips(rank: int, world_size: int, directory: str) -> dict:
     results = {}
     # One kernel everywhere (the offloaded step would pick the fused one, the in-memory step the loop).
     uninterrupted = _engine(3, "none", directory, optimizer="adamw-fused")
-    _train(uninterrupted, rank, range(4))
+    train_accumulated(uninterrupted, rank, range(4))
     expected = uninterrupted.full_state_dict()
     modes = [("nvme", "none", 1), ("none", "nvme", 3), ("nvme", "nvme", 2)]
     modes += [("cpu", "none", 3), ("none", "cpu", 2), ("cpu", "nvme", 1), ("nvme", "cpu", 3)]
     for saved_with, loaded_with, stage in modes:
         first = _engine(3, saved_with, directory, optimizer="adamw-fused")
-        _train(first, rank, range(2))
+        train_accumulated(first, rank, range(2))
         path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}"
         first.save_checkpoint(path)
         second = _engine(stage, loaded_with, directory, optimizer="adamw-fused")
         second.load_checkpoint(path)
-        _train(second, rank, range(2, 4))
+        train_accumulated(second, rank, range(2, 4))
         results[f"{saved_with} -> {loaded_with}"] = relative_difference(second.full_state_dict(), expected)
     engine = _engine(3, "nvme", directory)
     reference = _engine(3, "none", directory, optimizer="adamw-fused")
-    _train(engine, rank, range(2))
-    _train(reference, rank, range(2))
+    train_accumulated(engine, rank, range(2))
+    train_accumulated(reference, rank, range(2))
     ours, theirs = engine.optimizer.state_dict(), reference.optimizer.state_dict()
     results["state_dict equal"] = all(
         torch.equal(ours["state"][k][key], value) for k in theirs["state"] for key, value in theirs["state"][k].items()
@@ -206,7 +193,7 @@ def _failures(rank: int, world_size: int, directory: str) -> dict:
     engine = _engine(3, "nvme", directory)
     results["stale removed"] = not stale.exists() and live.exists()
 
-    _train(engine, rank, range(1))
+    train_accumulated(engine, rank, range(1))
     engine.save_checkpoint(Path(directory) / "ckpt")
     original_write = nvme_state._UnitState.write
 
@@ -216,16 +203,16 @@ def _failures(rank: int, world_size: int, directory: str) -> dict:
     if rank == 1:
         nvme_state._UnitState.write = disk_full
     try:
-        _train(engine, rank, range(1, 2))
+        train_accumulated(engine, rank, range(1, 2))
         results["disk full"] = "trained"
     except OffloadError as error:
         results["disk full"] = str(error)
     nvme_state._UnitState.write = original_write
     engine.load_checkpoint(Path(directory) / "ckpt")  # the last checkpoint is loadable, and training goes on
-    _train(engine, rank, range(1, 3))
+    train_accumulated(engine, rank, range(1, 3))
     results["after the failure"] = engine.full_state_dict()
     reference = _engine(3, "none", directory, optimizer="adamw-fused")  # the kernel the offloaded step picks
-    _train(reference, rank, range(3))
+    train_accumulated(reference, rank, range(3))
     results["reference"] = reference.full_state_dict()
     return results
 
@@ -338,9 +325,9 @@ def _host_parity(rank: int, world_size: int, directory: str) -> list[dict]:
         stage, accumulate = case.pop("stage"), case.pop("accumulate", 1)
         fused = {"optimizer": "adamw-fused"} if case.get("optimizer", "adamw") == "adamw" else {}
         reference = _engine(stage, "none", directory, **dict(case, **fused))
-        expected = _train(reference, rank, range(4), accumulate)
+        expected = train_accumulated(reference, rank, range(4), accumulate)
         ours = _engine(stage, "cpu", directory, **case)
-        losses = _train(ours, rank, range(4), accumulate)
+        losses = train_accumulated(ours, rank, range(4), accumulate)
         units = ours._units
         offloaded = [u for u in units if u.offloaded]
         state_per_element = 4 if case.get("optimizer") == "sgd" else 8
@@ -402,10 +389,10 @@ def _kernel_flag_and_frozen_units(rank: int, world_size: int, directory: str) ->
     model = TinyTransformer(batchnorm=False)
     config = dataclasses.replace(config_for(1), offload_optimizer="cpu")
     engine = ZeroEngine(model, _AdamWFailingOnce(model.parameters(), lr=1e-2), config)
-    _train(engine, rank, range(1))
+    train_accumulated(engine, rank, range(1))
     _AdamWFailingOnce.armed = True
     try:
-        _train(engine, rank, range(1, 2))
+        train_accumulated(engine, rank, range(1, 2))
         raised = False
     except RuntimeError:
         raised = True

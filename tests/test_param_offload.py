@@ -17,8 +17,8 @@ from zero_core import MixedPrecision, UnitReport, ZeroConfig, ZeroEngine, estima
 from zero_core.estimate import EstimateSettings, UnitCount, estimate_units
 
 from .distributed import run_distributed
-from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import config_for, relative_difference
+from .models import TinyTransformer, batch, make_optimizer
+from .workers import config_for, relative_difference, train_accumulated
 
 PRECISIONS = {
     "fp32": None,
@@ -40,19 +40,6 @@ def _engine(offload_params: str, directory: str, optimizer: str = "adamw", **set
         **settings,
     )
     return ZeroEngine(model, make_optimizer(optimizer, model), config)
-
-
-def _train(engine: ZeroEngine, rank: int, steps: range, accumulate: int = 1) -> list[float]:
-    losses = []
-    for step in steps:
-        for micro in range(accumulate):
-            ids = batch(10 * step + micro, rank)
-            loss = lm_loss(engine.model(ids), ids)
-            engine.backward(loss / accumulate)
-            losses.append(loss.item())
-        engine.clip_grad_norm_(0.5)
-        engine.step()
-    return losses
 
 
 CASES = [
@@ -103,11 +90,11 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         try:
             engines["reference"] = reference = _engine("none", directory, **dict(case, **fused))
             training.append("reference")
-            expected = _train(reference, rank, range(4), accumulate)
+            expected = train_accumulated(reference, rank, range(4), accumulate)
             training.clear()
             engines["ours"] = ours = _engine("cpu", directory, **case)
             training.append("ours")
-            losses = _train(ours, rank, range(4), accumulate)
+            losses = train_accumulated(ours, rank, range(4), accumulate)
         finally:
             storage.ParamStorage.wait_gathered = original_wait  # type: ignore[method-assign]
             storage.ParamStorage.start_gather = original_start  # type: ignore[method-assign]
@@ -160,16 +147,16 @@ def test_parameter_shards_rest_on_the_host_and_training_is_bit_for_bit_the_same(
 def _round_trips(rank: int, world_size: int, directory: str) -> dict:
     results = {}
     uninterrupted = _engine("none", directory)
-    _train(uninterrupted, rank, range(4))
+    train_accumulated(uninterrupted, rank, range(4))
     expected = uninterrupted.full_state_dict()
     for saved_with, loaded_with, stage in (("cpu", "none", 3), ("none", "cpu", 3), ("cpu", "none", 2)):
         first = _engine(saved_with, directory)
-        _train(first, rank, range(2))
+        train_accumulated(first, rank, range(2))
         path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}-{stage}"
         first.save_checkpoint(path)
         second = _engine(loaded_with, directory, stage=stage)
         second.load_checkpoint(path)
-        _train(second, rank, range(2, 4))
+        train_accumulated(second, rank, range(2, 4))
         results[f"{saved_with} -> {loaded_with} at stage {stage}"] = relative_difference(
             second.full_state_dict(), expected
         )

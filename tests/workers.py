@@ -138,6 +138,21 @@ def train_precision(stage: int, compute_dtype: torch.dtype, steps: int = 8) -> l
     return train_clipped(model, engine, torch.distributed.get_rank(), range(steps))
 
 
+def train_accumulated(engine: ZeroEngine, rank: int, steps: range, accumulate: int = 1) -> list[float]:
+    """Each step: ``accumulate`` micro-batches of each rank's own, clipped at 0.5, one optimizer step; the
+    micro-batches' losses."""
+    losses = []
+    for step in steps:
+        for micro in range(accumulate):
+            ids = batch(10 * step + micro, rank)
+            loss = lm_loss(engine.model(ids), ids)
+            engine.backward(loss / accumulate)
+            losses.append(loss.item())
+        engine.clip_grad_norm_(0.5)
+        engine.step()
+    return losses
+
+
 def train_clipped(
     model: torch.nn.Module, engine: ZeroEngine, rank: int, steps: range, device: torch.device | None = None
 ) -> list[float]:
