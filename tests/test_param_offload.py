@@ -58,8 +58,7 @@ CASES = [
 
 def _shard_bytes(engine: ZeroEngine, report: UnitReport) -> int:
     """One rank's parameter shard of a unit, in the compute dtype."""
-    element = torch.empty(0, dtype=engine.config.mixed_precision.compute_dtype).element_size()
-    return report.padded_numel // engine.shard_group_size * element
+    return report.shard_numel * torch.empty(0, dtype=engine.config.mixed_precision.compute_dtype).element_size()
 
 
 def _parity(rank: int, world_size: int, directory: str) -> list[dict]:

@@ -36,6 +36,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "settings": (0, "config"),  # the records config.py declares its fields with
     "deepspeed_config": (1, "deepspeed_config"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
+    "hook_copies": (0, "hook_copies"),  # the engine's hooks, inert in a deep copy of the model
 }
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60

@@ -46,6 +46,8 @@ class UnitReport:
     refreshing: bool  # stages 1/2: the post-step all-gather may still be writing its parameters
     offloaded: bool = False  # offload_optimizer: its master shard and optimizer state live on the host
     params_offloaded: bool = False  # offload_params: its parameter shard rests on the host between gathers
+    shard_numel: int = 0  # this rank's shard of it (padded_numel / shard group size)
+    trainable_shard_numel: int = 0  # of this rank's shard, the elements of parameters that require grad now
 
 
 def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]:
@@ -60,6 +62,10 @@ def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]
             refreshing=unit.refreshing,
             offloaded=unit.offloaded,
             params_offloaded=unit.params_offloaded,
+            shard_numel=unit.master_shard.numel(),
+            trainable_shard_numel=sum(
+                m.piece.numel for m in unit.master_pieces if unit.params[m.piece.slot.index].requires_grad
+            ),
         )
         for unit in units
     ]

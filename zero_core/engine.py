@@ -81,6 +81,7 @@ class ZeroEngine:
         self._optimizer, self._optimizer_step = parts.optimizer, parts.optimizer_step
         if optimizer is not None:
             self.attach_optimizer(optimizer)
+        self._runtime.owner = self  # alive while the model's hooks are (the registry holds it weakly)
         _ENGINES.register(model, self)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..collectives import meeting
+from ..hook_copies import InertWhenCopied
 from ..unit import FlatUnit
 from .full_params import of_units
 from .pass_control import PassControl
@@ -52,12 +53,14 @@ class StateDictHooks:
         handles = []
         for module in self.model.modules():
             if any(id(p) in self.unit_of for p in module.parameters(recurse=False)):
-                handles.append(module.register_load_state_dict_pre_hook(self._before_load))
+                handles.append(module.register_load_state_dict_pre_hook(InertWhenCopied(self._before_load)))
             if self.params_sharded_at_rest and any(True for _ in module.parameters()):
-                handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+                handles.append(module.register_state_dict_pre_hook(InertWhenCopied(self._before_state_dict)))
                 # torch marks post-hooks with an attribute, which a bound method cannot take.
                 handles.append(
-                    module.register_state_dict_post_hook(functools.partial(StateDictHooks._after_state_dict, self))
+                    module.register_state_dict_post_hook(
+                        InertWhenCopied(functools.partial(StateDictHooks._after_state_dict, self))
+                    )
                 )
         return handles
 

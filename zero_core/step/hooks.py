@@ -13,6 +13,7 @@ them holds step state: what a pass keeps lives in ``state.PassState``.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -22,6 +23,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from ..hook_copies import InertWhenCopied, no_hook
 from ..unit import FlatUnit
 
 
@@ -105,10 +107,17 @@ def at_end_of_backward(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+class _EagerHook(InertWhenCopied):
+    """A module hook run as plain Python under torch.compile (a graph break each), as FSDP2's are: it gathers,
+    releases and keeps step state, none of which belongs in a graph. A deep copy of the module gets an inert
+    hook (``hook_copies.py``)."""
+
+    def __init__(self, hook: Any):
+        super().__init__(torch.compiler.disable(hook, recursive=True))
+
+
 def eager(hook: Any) -> Any:
-    """Hooks run as plain Python under torch.compile (a graph break each), as FSDP2's do:
-    they gather, release and keep step state, none of which belongs in a graph."""
-    return torch.compiler.disable(hook, recursive=True)
+    return _EagerHook(hook)
 
 
 def profiled(label: str) -> Any:
@@ -124,6 +133,26 @@ def profiled(label: str) -> Any:
         return profiled
 
     return decorate
+
+
+class _GradHook:
+    """A parameter's post-accumulate-grad hook, holding the runtime and the unit weakly. Torch keeps the hook
+    in the parameter's C++ side, where the garbage collector cannot see it: a strong reference from there
+    back to the runtime (and through it to the model and the engine) would keep a dropped engine and its
+    model alive until the process exits."""
+
+    def __init__(self, events: PassEvents, unit: FlatUnit, slot_index: int):
+        self.on_grad = weakref.WeakMethod(events.on_grad)
+        self.unit = weakref.ref(unit)
+        self.slot_index = slot_index
+
+    def __call__(self, param: nn.Parameter) -> None:
+        on_grad, unit = self.on_grad(), self.unit()
+        if on_grad is not None and unit is not None:
+            on_grad(unit, self.slot_index, param)
+
+    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
+        return no_hook  # a deep copy of the parameter is an ordinary tensor: its gradients are its own
 
 
 class StepHooks:
@@ -165,7 +194,7 @@ class StepHooks:
         still_frozen = []
         for unit, slot_index, param in self._unhooked:
             if param.requires_grad:
-                hook = functools.partial(self.events.on_grad, unit, slot_index)
+                hook = _GradHook(self.events, unit, slot_index)
                 self.late_handles.append(param.register_post_accumulate_grad_hook(hook))
             else:
                 still_frozen.append((unit, slot_index, param))

@@ -83,6 +83,7 @@ class StepRuntime:
         self.before_root_forward: list[Callable[[], None]] = []  # the model's own forward, not a unit's
         self.input_cast = input_cast  # applied to every unit call (mixed precision)
         self.after_root_forward: list[Callable[[], None]] = []
+        self.owner: object | None = None  # the engine over these parts: a model in use keeps it alive (owners.py)
 
     # ----------------------------------------------------------- reports
     @property
