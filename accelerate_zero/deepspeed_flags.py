@@ -75,11 +75,11 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
         values[name] = parsed
 
 
-def settings_from_deepspeed_file(path: str, args: argparse.Namespace) -> dict[str, Any]:
+def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_given: bool = False) -> dict[str, Any]:
     """``--zero_config_file ds_config.json``: the settings it means; its precision becomes the launch's
     ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable; the
     loop settings Accelerate leaves to the script are refused with where to set them."""
-    translated = from_deepspeed(path)
+    translated = from_deepspeed(path, stage_given=stage_given)
     if translated.precision is not None:
         wanted = MIXED_PRECISION_OF_DEEPSPEED[translated.precision]
         given = getattr(args, "mixed_precision", None)

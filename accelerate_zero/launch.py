@@ -82,7 +82,9 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
             del os.environ[name]
     config_file = args.zero_config_file
     if config_file and config_file.endswith(".json"):  # a DeepSpeed config, as DeepSpeed's users have it
-        values = settings_from_deepspeed_file(config_file, args)
+        stage_flag = next(_dest(s) for s in user_settings() if s.name == "stage")
+        stage_given = args.zero_stage is not None or getattr(args, stage_flag) is not None  # DeepSpeed's or ours
+        values = settings_from_deepspeed_file(config_file, args, stage_given)
     else:
         values = read_yaml(config_file) if config_file else {}
     del args.zero_config_file

@@ -26,8 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     if as_module:
         runpy.run_module(target, run_name="__main__", alter_sys=True)
     else:
-        # As `python script.py` would: the script's folder first on the import path.
-        sys.path[0] = os.path.dirname(os.path.abspath(target))
+        # As `python script.py` would: the script's folder (links resolved) first on the import path, unless
+        # Python runs with a safe path (-P), which adds none.
+        if not sys.flags.safe_path:
+            sys.path[0] = os.path.dirname(os.path.realpath(target))
         runpy.run_path(target, run_name="__main__")
 
 

@@ -2,11 +2,11 @@
 
 A plain ``accelerate.Accelerator`` or ``transformers.Trainer`` never reads the ZeRO settings: launched with
 them it would train with plain DDP and nothing would say so. Accelerate has no hook for "an accelerator was
-built", so the check watches for training itself, through torch's public global forward pre-hook: the first
-forward of a module in training mode with gradients enabled, while no ``ZeroAccelerator`` has prepared a model
-in this process, raises on every process (each runs the same script to the same point) before any step.
-Evaluation or generation before ``prepare`` (``eval()`` or ``no_grad``) passes; the hook is removed at the
-first ``prepare`` of a model, so it costs nothing afterwards.
+built", so the check watches for training itself, through torch's public global optimizer-step pre-hook: the
+first ``optimizer.step()`` while no ``ZeroAccelerator`` has prepared a model in this process raises on every
+process (each runs the same script to the same point), before the optimizer changes anything. Forwards and
+backwards before it (evaluation, lazy initialisation, transforms and metrics in training mode) pass; the hook
+is removed at the first ``prepare`` of a model, so it costs nothing afterwards.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from __future__ import annotations
 from enum import Enum, auto
 from typing import Any
 
-import torch
-from torch import nn
-from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim import Optimizer
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 PLAIN_TRAINING_ERROR = (
-    "accelerate-zero launch: this process started training ({module} ran a forward in training mode) but no "
+    "accelerate-zero launch: this process started training ({optimizer}.step() was called) but no "
     "ZeroAccelerator has prepared a model: a plain accelerate.Accelerator or transformers.Trainer ignores the "
     "ZeRO settings and would train with DDP. Build accelerate_zero.ZeroAccelerator instead of Accelerator, or "
     "accelerate_zero.ZeroTrainer instead of Trainer (the same arguments), and prepare the model before "
@@ -32,7 +31,7 @@ class Check(Enum):
     """Where this process's check stands (read by the hook; set at install and at the first prepare)."""
 
     OFF = auto()  # not launched by accelerate-zero (or already decided): nothing is watched
-    WATCHING = auto()  # launched with ZeRO settings, no model prepared yet: a training forward is refused
+    WATCHING = auto()  # launched with ZeRO settings, no model prepared yet: an optimizer step is refused
     ZERO_IN_USE = auto()  # a ZeroAccelerator prepared a model: training is ZeRO's
 
 
@@ -40,10 +39,10 @@ _check = Check.OFF
 _handle: RemovableHandle | None = None
 
 
-def _on_forward(module: nn.Module, args: Any) -> None:
-    if _check is Check.WATCHING and module.training and torch.is_grad_enabled():
-        _stop_watching(Check.OFF)  # said once: a script that catches it is not stopped at every forward
-        raise RuntimeError(PLAIN_TRAINING_ERROR.format(module=type(module).__name__))
+def _on_step(optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+    if _check is Check.WATCHING:
+        _stop_watching(Check.OFF)  # said once: a script that catches it is not stopped at every step
+        raise RuntimeError(PLAIN_TRAINING_ERROR.format(optimizer=type(optimizer).__name__))
 
 
 def _stop_watching(outcome: Check) -> None:
@@ -57,7 +56,7 @@ def _stop_watching(outcome: Check) -> None:
 def watch_for_plain_training() -> None:
     global _check, _handle
     if _handle is None:
-        _handle = register_module_forward_pre_hook(_on_forward)
+        _handle = register_optimizer_step_pre_hook(_on_step)
     _check = Check.WATCHING
 
 

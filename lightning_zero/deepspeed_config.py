@@ -25,7 +25,7 @@ def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict
     """The settings: the config's, then the keyword arguments (which must not contradict it)."""
     if config is None:
         return explicit, None
-    translated = from_deepspeed(config)
+    translated = from_deepspeed(config, stage_given="stage" in explicit)
     clashes = [
         f"{name}={explicit[name]!r} against the config's {value!r}"
         for name, value in translated.settings.items()

@@ -332,8 +332,9 @@ def test_a_read_on_the_main_process_only_fails_at_once_with_the_fix(tmp_path: Pa
 @pytest.mark.distributed
 def test_a_plain_accelerator_or_trainer_under_the_zero_launcher_fails_before_any_step(tmp_path: Path) -> None:
     """A plain Accelerator or Trainer ignores the ZeRO settings and would train with DDP: every process fails
-    at its first training forward with what to change; ZeroAccelerator passes, an evaluation forward on the
-    model before prepare too. Without the check the plain cases train (a step file per process)."""
+    at its first optimizer step, before any update, with what to change; ZeroAccelerator passes, and so do an
+    evaluation forward and a training-mode forward and backward on the model before prepare. Without the check
+    the plain cases train (a step file per process)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     script = str(Path(SCRIPT).parent / "plain_training.py")
     outcomes = {}

@@ -1,6 +1,7 @@
 """offload_activations: each unit's forward runs under saved-tensor hooks (what it saves for backward waits in
 host memory; on a CPU device the saved tensor is kept as it is). Training is unchanged, every saved tensor of
-a unit's forward goes through the hooks, and a forward that raises leaves no hook active."""
+a unit's forward goes through the hooks, a forward that raises leaves no hook active, and activation
+checkpoints around the blocks keep checkpointing them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from zero_core import ZeroConfig, ZeroEngine
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .test_activation_checkpointing import _apply as apply_checkpoints
 from .workers import config_for
 
 
@@ -89,16 +91,37 @@ def _run(rank: int, world_size: int) -> dict:
             Counting.entered == Counting.left and Counting.packed == before
         )
         results[f"stage {stage}"]["trains after it"] = len(_train(engines[True], rank)) == 3
+    # Activation checkpointing around the blocks keeps checkpointing them: only what runs outside the blocks
+    # goes through our hooks (fewer packs than without checkpoints), and training is unchanged.
+    packs_per_run = {}
+    for form in ("none", "wrapper", "wrapper-reentrant"):
+        losses = {}
+        for offload in (False, True):
+            torch.manual_seed(0)
+            model = TinyTransformer(batchnorm=False)
+            if form != "none":
+                apply_checkpoints(form, model)
+            config = dataclasses.replace(config_for(3), offload_activations=offload)
+            before = Counting.packed
+            losses[offload] = _train(ZeroEngine(model, make_optimizer("adamw", model), config), rank)
+            packs_per_run[form] = Counting.packed - before
+        results[f"checkpoints {form}"] = {"same losses": losses[True] == losses[False]}
+    results["fewer packs with checkpoints"] = all(
+        0 < packs_per_run[form] < packs_per_run["none"] for form in ("wrapper", "wrapper-reentrant")
+    )
     return results
 
 
 @pytest.mark.distributed
 def test_activation_offload_trains_the_same_and_leaves_no_hook_behind() -> None:
     for results in run_distributed(_run, 2):
-        for stage, result in results.items():
-            assert result["same losses"], stage
-            assert result["packed without"] == 0 and result["packed with"] > 0, stage
-            assert result["balanced"] and result["after a failed forward"] and result["trains after it"], stage
+        assert results.pop("fewer packs with checkpoints")
+        for case, result in results.items():
+            assert result["same losses"], case
+            if case.startswith("checkpoints"):
+                continue
+            assert result["packed without"] == 0 and result["packed with"] > 0, case
+            assert result["balanced"] and result["after a failed forward"] and result["trains after it"], case
 
 
 def test_the_setting_is_a_boolean() -> None:

@@ -82,6 +82,9 @@ def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() ->
     for no_stage in ({"bf16": {"enabled": True}}, {"zero_optimization": {"overlap_comm": True}}):
         with pytest.raises(ValueError, match=r"zero_optimization.stage is not set \(DeepSpeed then trains without"):
             from_deepspeed(no_stage)
+        assert "stage" not in from_deepspeed(no_stage, stage_given=True).settings  # the stage comes from elsewhere
+    # DeepSpeed reads a null offload_param as none.
+    assert "offload_params" not in from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": None}}).settings
 
 
 def test_the_launcher_takes_a_deepspeed_json_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -96,6 +99,10 @@ def test_the_launcher_takes_a_deepspeed_json_file(tmp_path: Path, monkeypatch: p
         plugin_from_arguments(["--zero_config_file", str(file), "--mixed_precision", "fp16", "train.py"])
     file.write_text(json.dumps({**ZERO3, "gradient_clipping": 1.0}))
     with pytest.raises(ValueError, match=r"gradient_clipping=1.0: call accelerator.clip_grad_norm_"):
+        plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
+    file.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}}))  # the stage from a flag
+    assert plugin_from_arguments(["--zero_config_file", str(file), "--zero_stage", "2", "train.py"])[0].stage == 2
+    with pytest.raises(ValueError, match="zero_optimization.stage is not set"):
         plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
     file.write_text("{not json")
     with pytest.raises(ValueError, match="not a readable DeepSpeed JSON config"):
@@ -163,6 +170,7 @@ def test_fabric_refuses_the_configs_loop_keys_and_a_contradicting_setting() -> N
         ZeroFabricStrategy(config={"gradient_clipping": 1.0, "zero_optimization": {"stage": 3}})
     with pytest.raises(ValueError, match="stage=3 against the config's 2"):
         ZeroStrategy(stage=3, config={"zero_optimization": {"stage": 2}})
+    assert ZeroStrategy(stage=2, config={"zero_optimization": {"overlap_comm": True}}).zero_config.stage == 2
     assert ZeroFabricStrategy(config={"zero_optimization": {"stage": 1}}).zero_config.stage == 1
 
 

@@ -65,8 +65,10 @@ def read_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> dict
     return config
 
 
-def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedSettings:
-    """The settings a DeepSpeed config means, or ValueError listing every key that cannot be honoured."""
+def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike, stage_given: bool = False) -> DeepSpeedSettings:
+    """The settings a DeepSpeed config means, or ValueError listing every key that cannot be honoured.
+    ``stage_given``: the caller has the stage from elsewhere (a keyword or a flag), so a config without one
+    is not refused for it."""
     config = read_deepspeed_config(source)
     result, refused = DeepSpeedSettings(), []
     for key, value in config.items():
@@ -84,7 +86,7 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike) -> DeepSpeedSe
         else:
             refused.append(_refusal(key, value))
     zero_section = config.get("zero_optimization")
-    if not isinstance(zero_section, Mapping) or "stage" not in zero_section:
+    if not stage_given and (not isinstance(zero_section, Mapping) or "stage" not in zero_section):
         # DeepSpeed's default is stage 0 (no ZeRO at all): running any stage of ours would differ silently.
         refused.append(
             "zero_optimization.stage is not set (DeepSpeed then trains without ZeRO, stage 0; set it to 1, 2 or "
@@ -153,6 +155,8 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
 
 
 def _offload_param(name: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if section is None:
+        return  # DeepSpeed reads null as no parameter offload
     if not isinstance(section, Mapping):
         refused.append(f"{name}={section!r} (a JSON object with device)")
         return

@@ -95,14 +95,18 @@ def wait_for_host_copies(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def copy_to_device(device_shard: torch.Tensor, host_shard: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+def copy_to_device(
+    device_shard: torch.Tensor, host_shard: torch.Tensor, stream: torch.cuda.Stream | None
+) -> torch.cuda.Event | None:
     """A parameter shard from host memory into its device buffer ahead of its all-gather (offload_params). On
     a GPU the copy runs on ``stream``, the all-gather's side stream, after what the compute stream issued
     (the buffer was just allocated there): it overlaps compute, and the all-gather issued next on that stream
-    runs after it. On a CPU device, a plain copy."""
+    runs after it. Returns an event recorded after the copy, which the host waits for before it writes
+    ``host_shard`` again (None: the copy is done). On a CPU device, a plain copy."""
     if stream is None or not device_shard.is_cuda:
         device_shard.copy_(host_shard)
-        return
+        return None
     stream.wait_stream(torch.cuda.current_stream(device_shard.device))
     with torch.cuda.stream(stream):
         device_shard.copy_(host_shard, non_blocking=host_shard.is_pinned())
+        return stream.record_event()

@@ -27,6 +27,8 @@ def accelerate_loop(accelerator, out: Path, case: str) -> None:  # type: ignore[
     model = TinyTransformer(blocks=2, width=16)
     with torch.no_grad():  # evaluating before prepare is not training: it passes the check
         model(batch(0, 0))
+    model(batch(0, 0)).sum().backward()  # nor is a forward and backward without a step (a lazy init, a probe)
+    model.zero_grad(set_to_none=True)
     model, optimizer = accelerator.prepare(model, make_optimizer("adamw", model))
     ids = batch(1, accelerator.process_index)
     accelerator.backward(lm_loss(model(ids), ids))

@@ -224,7 +224,7 @@ def _install_weights(target: CheckpointTarget, weights: LoadedWeights) -> None:
     """Put weights every rank loaded in place; gradients of the old weights are dropped."""
     target.discard_grads()
     for unit, shard in zip(target.units, weights.master_shards):
-        unit.master_shard.copy_(shard)
+        unit.load_master_shard(shard)
     live = target.model.state_dict(keep_vars=True)
     for key, value in weights.buffers.items():
         live[key].detach().copy_(value)

@@ -4,10 +4,12 @@ P_a+cpu, without its partitioning across tensor-parallel ranks).
 Each unit's forward runs under saved-tensor hooks (torch's ``save_on_cpu``, less what must not move): a
 tensor autograd saves is copied into pinned host memory when it is saved and copied back to the device when
 backward needs it. Parameters are not copied: autograd saves views of a unit's gathered parameters, which
-stage 3 gathers again for backward anyway. The hooks are entered by a forward pre-hook and left by a forward
-hook that also runs when the forward raised (``always_call``), so a failed forward never leaves them active
-for code outside the model; nested units nest their contexts. On a CPU device the hooks run and keep every
-tensor as it is: nothing moves.
+stage 3 gathers again for backward anyway. The hooks are entered by the outermost unit forward running (the
+root's, or a unit called directly) and left by its forward hook, which also runs when the forward raised
+(``always_call``), so a failed forward never leaves them active for code outside the model. Units inside run
+under that one context, so an activation checkpoint around a block (``torch.utils.checkpoint``) pushes its own
+hooks above it and keeps checkpointing the block; its recompute in backward gets no context of ours. On a CPU
+device the hooks run and keep every tensor as it is: nothing moves.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..unit import FlatUnit
 from .hooks import eager
+from .state import inside_autograd
 
 
 class SavedOnHost(saved_tensors_hooks):
@@ -47,7 +50,7 @@ class SavedOnHost(saved_tensors_hooks):
 class ActivationOffload:
     def __init__(self, units: list[FlatUnit]):
         self.units = units
-        self._open: list[SavedOnHost] = []  # the contexts of the unit forwards running now, innermost last
+        self._open: tuple[nn.Module, SavedOnHost] | None = None  # the outermost unit forward running, its context
 
     def install(self) -> list[RemovableHandle]:
         handles = []
@@ -62,10 +65,13 @@ class ActivationOffload:
         return any(storage == unit.gathered_params.untyped_storage().data_ptr() for unit in self.units)
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
+        if self._open is not None or inside_autograd():
+            return  # inside the outermost unit's context already, or a checkpoint's recompute in backward
         context = SavedOnHost(self._is_parameter)
         context.__enter__()
-        self._open.append(context)
+        self._open = (module, context)
 
     def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._open:  # a hook installed while the unit's forward was already running has nothing to leave
-            self._open.pop().__exit__(None, None, None)
+        if self._open is not None and self._open[0] is module:  # only the forward that entered it leaves it
+            self._open[1].__exit__(None, None, None)
+            self._open = None

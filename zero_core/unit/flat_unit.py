@@ -119,6 +119,9 @@ class FlatUnit:
     def load_full_master(self, full: torch.Tensor) -> None:
         self.storage.load_full_master(full)
 
+    def load_master_shard(self, shard: torch.Tensor) -> None:
+        self.storage.load_master_shard(shard)
+
     def full_param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         return [slot_view(full, slot) for slot in self.layout.slots]
 

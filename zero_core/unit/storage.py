@@ -70,6 +70,7 @@ class ParamStorage:
         self._gather_handle: Handle | None = None
         self._flatten_parameters(precision.compute_dtype, host_master)
         self.host_shard: torch.Tensor | None = None
+        self._host_shard_read: torch.cuda.Event | None = None  # the last asynchronous copy out of host_shard
         if host_params and sharded_at_rest:
             self._move_shard_to_host(precision.compute_dtype)
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
@@ -120,7 +121,11 @@ class ParamStorage:
         return self.host_shard is not None
 
     def _shard_values(self) -> torch.Tensor:
-        """Where this rank's parameter shard (compute dtype) lives between gathers."""
+        """Where this rank's parameter shard (compute dtype) lives between gathers, ready to be written: a copy
+        still reading the host shard (to the device, for a gather) is waited for first."""
+        if self._host_shard_read is not None:
+            self._host_shard_read.synchronize()
+            self._host_shard_read = None
         return self.host_shard if self.host_shard is not None else self.compute_shard
 
     # ------------------------------------------------------------ transitions
@@ -142,7 +147,7 @@ class ParamStorage:
         advise_huge_pages(self.gathered_params)
         if self.host_shard is not None:
             self.compute_shard.untyped_storage().resize_(self._staging_nbytes)
-            copy_to_device(self.compute_shard, self.host_shard, self.comm.all_gather_stream)
+            self._host_shard_read = copy_to_device(self.compute_shard, self.host_shard, self.comm.all_gather_stream)
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = StorageState.PREFETCHING
 
@@ -203,8 +208,8 @@ class ParamStorage:
         if piece is None:
             return True  # no part of it lies in this rank's shard
         source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
+        shard = self._shard_values()  # first: the master may be the host shard a copy still reads
         shard_view(self.master_shard, piece).copy_(source)
-        shard = self._shard_values()
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard_view(shard, piece).copy_(source)
         return True
@@ -215,11 +220,16 @@ class ParamStorage:
         all_gather(self.comm, full, self.master_shard.to(full.device), label=self.label).wait()
         return full
 
+    def load_master_shard(self, shard: torch.Tensor) -> None:
+        """This rank's new fp32 master shard; the compute copies follow at the next refresh."""
+        self._shard_values()  # first: the master may be the host shard a copy still reads
+        self.master_shard.copy_(shard)
+
     def load_full_master(self, full: torch.Tensor) -> None:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
+        shard = self._shard_values()  # first: the master may be the host shard a copy still reads
         self.master_shard.copy_(full[lo:hi])
-        shard = self._shard_values()
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard.copy_(self.master_shard)
         if not self.sharded_at_rest:
