@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_core import MixedPrecision, ZeroEngine
+from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
@@ -186,16 +186,9 @@ def _gpu_offload(rank: int, world_size: int, directory: str) -> dict:
         ("none", 3, None), ("cpu", 3, None), ("none", 2, "bf16"), ("cpu", 2, "bf16"), ("cpu", 1, None),
         ("nvme", 3, None),
     ]:  # fmt: skip
-        gc.collect()
-        before = torch.cuda.memory_allocated(device)  # what earlier runs left (nothing of theirs is alive)
-        torch.manual_seed(0)
-        model = TinyTransformer(width=64).to(device)  # Adam's moments well above the allocator's rounding
-        mixed = MixedPrecision(compute_dtype=torch.bfloat16) if precision else None
-        config = config_for(stage, precision=mixed)
-        config = dataclasses.replace(config, offload_optimizer=mode, offload_dir=directory)
-        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-        losses = train_clipped(model, engine, rank, range(4), device)
-        torch.cuda.synchronize()
+        engine, losses, before = _offloaded_run(
+            device, rank, config_for(stage), precision, offload_optimizer=mode, offload_dir=directory
+        )
         report = engine.memory_report()
         results[f"{mode}-{stage}-{precision}"] = {
             "losses": losses,
@@ -216,8 +209,25 @@ def _gpu_offload(rank: int, world_size: int, directory: str) -> dict:
                 if isinstance(v, torch.Tensor) and v.dim() > 0
             ),
         }
-        del engine, model
+        del engine
     return results
+
+
+def _offloaded_run(
+    device: torch.device, rank: int, config: ZeroConfig, precision: str | None, **offload: object
+) -> tuple[ZeroEngine, list[float], int]:
+    """Four clipped steps of the small model with ``config`` and the offload settings on ``device``: the engine,
+    its losses, and what was allocated on the device before (what earlier runs left: nothing of theirs)."""
+    gc.collect()
+    before = torch.cuda.memory_allocated(device)
+    torch.manual_seed(0)
+    model = TinyTransformer(width=64).to(device)  # Adam's moments well above the allocator's rounding
+    mixed = MixedPrecision(compute_dtype=torch.bfloat16) if precision else MixedPrecision()
+    config = dataclasses.replace(config, mixed_precision=mixed, **offload)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    losses = train_clipped(model, engine, rank, range(4), device)
+    torch.cuda.synchronize()
+    return engine, losses, before
 
 
 def test_cuda_offload_steps_on_the_host_and_trains_like_the_device(tmp_path) -> None:
@@ -249,30 +259,23 @@ def _gpu_param_offload(rank: int, world_size: int, directory: str) -> dict:
         ("none", "none", None), ("none", "cpu", None), ("cpu", "cpu", None), ("none", "none", "bf16"),
         ("none", "cpu", "bf16"),
     ]:  # fmt: skip
-        gc.collect()
-        before = torch.cuda.memory_allocated(device)
-        torch.manual_seed(0)
-        model = TinyTransformer(width=64).to(device)
-        mixed = MixedPrecision(compute_dtype=torch.bfloat16) if precision else None
-        config = dataclasses.replace(
-            config_for(3, prefetch=2, precision=mixed), offload_optimizer=optimizer_mode, offload_params=params_mode
-        )
-        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-        losses = train_clipped(model, engine, rank, range(4), device)
-        torch.cuda.synchronize()
+        engine, losses, before = _offloaded_run(
+            device, rank, config_for(3, prefetch=2), precision, offload_optimizer=optimizer_mode,
+            offload_params=params_mode,
+        )  # fmt: skip
         report = engine.memory_report()
         reports = engine.unit_reports()
         results[f"{optimizer_mode}-{params_mode}-{precision}"] = {
             "losses": losses,
             "units offloaded": sum(r.params_offloaded for r in reports)
             == (len(reports) if params_mode == "cpu" else 0),
-            "shard bytes": sum(r.padded_numel // engine.shard_group_size for r in reports) * (2 if precision else 4),
+            "shard bytes": sum(r.shard_numel for r in reports) * (2 if precision else 4),
             "allocated on the device": torch.cuda.memory_allocated(device) - before,  # what is really alive there
             "pinned on the host": torch.cuda.host_memory_stats().get("active_bytes.current", 0),  # in use now
             "host bytes": report.host_bytes,
             "device bytes": report.device_bytes,
         }
-        del engine, model
+        del engine
     return results
 
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.autograd.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from ..hook_copies import InertWhenCopied, no_hook
+from ..hook_copies import InertWhenCopied
 from ..unit import FlatUnit
 
 
@@ -139,7 +139,7 @@ class _GradHook:
     """A parameter's post-accumulate-grad hook, holding the runtime and the unit weakly. Torch keeps the hook
     in the parameter's C++ side, where the garbage collector cannot see it: a strong reference from there
     back to the runtime (and through it to the model and the engine) would keep a dropped engine and its
-    model alive until the process exits."""
+    model alive until the process exits. Registered inside ``InertWhenCopied``, as every hook of ours is."""
 
     def __init__(self, events: PassEvents, unit: FlatUnit, slot_index: int):
         self.on_grad = weakref.WeakMethod(events.on_grad)
@@ -150,9 +150,6 @@ class _GradHook:
         on_grad, unit = self.on_grad(), self.unit()
         if on_grad is not None and unit is not None:
             on_grad(unit, self.slot_index, param)
-
-    def __deepcopy__(self, memo: dict) -> Callable[..., None]:
-        return no_hook  # a deep copy of the parameter is an ordinary tensor: its gradients are its own
 
 
 class StepHooks:
@@ -194,7 +191,7 @@ class StepHooks:
         still_frozen = []
         for unit, slot_index, param in self._unhooked:
             if param.requires_grad:
-                hook = _GradHook(self.events, unit, slot_index)
+                hook = InertWhenCopied(_GradHook(self.events, unit, slot_index))
                 self.late_handles.append(param.register_post_accumulate_grad_hook(hook))
             else:
                 still_frozen.append((unit, slot_index, param))

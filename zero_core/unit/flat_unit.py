@@ -59,8 +59,6 @@ class FlatUnit:
             self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label,
             host_master=offloaded, host_params=params_offloaded,
         )  # fmt: skip
-        # offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers.
-        self.params_offloaded = self.storage.params_on_host
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
@@ -86,6 +84,11 @@ class FlatUnit:
     @property
     def master_shard(self) -> torch.Tensor:
         return self.storage.master_shard
+
+    @property
+    def params_offloaded(self) -> bool:
+        """offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers."""
+        return self.storage.params_on_host
 
     @property
     def host_shard(self) -> torch.Tensor | None:

@@ -120,7 +120,7 @@ class ParamStorage:
     def params_on_host(self) -> bool:
         return self.host_shard is not None
 
-    def _shard_values(self) -> torch.Tensor:
+    def _shard_for_writing(self) -> torch.Tensor:
         """Where this rank's parameter shard (compute dtype) lives between gathers, ready to be written: a copy
         still reading the host shard (to the device, for a gather) is waited for first."""
         if self._host_shard_read is not None:
@@ -181,7 +181,7 @@ class ParamStorage:
         """
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
-        shard = self._shard_values()
+        shard = self._shard_for_writing()
         if shard.data_ptr() != self.master_shard.data_ptr():
             # From pinned host memory (offload) asynchronously, in stream order before the all-gather;
             # into host memory (offload_params) from a device master, which waits for the step.
@@ -208,7 +208,7 @@ class ParamStorage:
         if piece is None:
             return True  # no part of it lies in this rank's shard
         source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
-        shard = self._shard_values()  # first: the master may be the host shard a copy still reads
+        shard = self._shard_for_writing()  # first: the master may be the host shard a copy still reads
         shard_view(self.master_shard, piece).copy_(source)
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard_view(shard, piece).copy_(source)
@@ -222,13 +222,13 @@ class ParamStorage:
 
     def load_master_shard(self, shard: torch.Tensor) -> None:
         """This rank's new fp32 master shard; the compute copies follow at the next refresh."""
-        self._shard_values()  # first: the master may be the host shard a copy still reads
+        self._shard_for_writing()  # first: the master may be the host shard a copy still reads
         self.master_shard.copy_(shard)
 
     def load_full_master(self, full: torch.Tensor) -> None:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
-        shard = self._shard_values()  # first: the master may be the host shard a copy still reads
+        shard = self._shard_for_writing()  # first: the master may be the host shard a copy still reads
         self.master_shard.copy_(full[lo:hi])
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard.copy_(self.master_shard)
