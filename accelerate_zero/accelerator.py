@@ -33,7 +33,7 @@ from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
 from .plain_training import zero_model_prepared
-from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
+from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin, refuse_tensor_parallel
 
 MODEL_DIR = "pytorch_model_zero_{}"  # beside Accelerate's own files, as its FSDP layout does
 OPTIMIZER_DIR = "optimizer_zero_{}"
@@ -64,6 +64,7 @@ class ZeroAccelerator(Accelerator):
                 f"use one of {sorted(MIXED_PRECISION_POLICIES)}."
             )
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
+        refuse_tensor_parallel(self.zero_plugin)
         check_deepspeed_precision(self.zero_plugin, requested)  # before Accelerate's state is made
         super().__init__(mixed_precision=requested, **kwargs)
         # Against what Accelerate settled on (the keyword, a GradientAccumulationPlugin or its variable).

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from zero_core import ZeroConfig, ZeroEngine, setup_summary, user_settings
@@ -96,12 +97,24 @@ def build_engine(
     config: ZeroConfig,
     precision: ZeroPrecisionSettings,
     device: torch.device,
+    device_mesh: DeviceMesh | None = None,
 ) -> ZeroEngine:
     """Shard ``module`` in the precision's dtypes and hand the engine to the precision plugin."""
-    engine = shard_module(module, optimizer, replace(config, mixed_precision=precision.policy), device)
+    config = replace(config, mixed_precision=precision.policy)
+    engine = shard_module(module, optimizer, config, device, device_mesh=device_mesh)
     precision.engine = engine
     rank_zero_info(setup_summary(engine))  # one line, as Lightning logs its own strategies' setup
     return engine
+
+
+def refuse_checkpoint_callbacks(trainer: Any) -> None:
+    """Checkpoints of a 2-D mesh are not built yet: refused before training, not at the first save."""
+    if trainer.checkpoint_callbacks:
+        raise ValueError(
+            "ZeroStrategy(tensor_parallel_size=...) cannot save checkpoints yet: pass "
+            "Trainer(enable_checkpointing=False) (and no ModelCheckpoint callback). Whole weights can be taken "
+            "at the end with strategy.engine.full_state_dict() on every rank."
+        )
 
 
 def teardown_keeping_module(strategy: Any, precision: Any) -> None:

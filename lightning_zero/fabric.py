@@ -115,6 +115,11 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- setup
     def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+        if self.zero_config.tensor_parallel_size != 1:
+            raise ValueError(
+                "ZeroFabricStrategy(tensor_parallel_size=...) is not supported yet: use the Trainer's "
+                "ZeroStrategy(tensor_parallel_size=...), or zero_core.ZeroEngine(device_mesh=...) directly."
+            )
         check_precision(self._deepspeed, self.precision.precision, "Fabric")
         self.engine = build_engine(module, optimizer, self.zero_config, self.precision, self.root_device)
         return module

@@ -194,6 +194,7 @@ def test_bytes_per_link_class_match_the_formulas(grid: list, stage: int) -> None
         assert sent["SHARD_GROUP"] == (gathers + 1) * padded * 4
         assert sent["ACROSS_GROUPS"] == padded // GROUP * 4
         assert 0 < sent["WORLD"] < 0.01 * sent["SHARD_GROUP"], "only agreements and buffers cross every link"
+        assert reported.pop("TENSOR_PARALLEL") == 0, "no tensor-parallel ranks on a 1-D layout"
         assert sent == reported, f"rank {rank}: the traffic report differs from what was sent"
         accumulated = result["accumulated_sent"]
         assert accumulated["ACROSS_GROUPS"] == padded // GROUP * 4, "gradient shards cross groups once per step"

@@ -30,10 +30,12 @@ LAYERS: dict[str, tuple[int, str]] = {
     "optim": (3, "optim"),
     "accounting": (3, "accounting"),
     "agreement": (2, "agreement"),
+    "mesh": (2, "mesh"),  # the engine's groups on a device mesh (tensor parallelism), and what it refuses there
     "unit": (1, "unit"),
     "collectives": (0, "collectives"),
     "config": (0, "config"),
-    "settings": (0, "config"),  # the records config.py declares its fields with
+    "settings": (0, "config"),
+    "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms  # the records config.py declares its fields with
     "deepspeed_config": (1, "deepspeed_config"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
     "hook_copies": (0, "hook_copies"),  # the engine's hooks, inert in a deep copy of the model

@@ -16,6 +16,7 @@ from .collectives.shutdown import destroy_process_group_at_exit
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .estimate import ZeroEstimate, estimate
+from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm
 from .optim.nvme_state import OffloadError
@@ -54,6 +55,7 @@ __all__ = [
     "expected_model_state_bytes",
     "meeting",
     "setup_summary",
+    "tensor_parallel_mesh",
     "total_norm",
     "user_settings",
 ]

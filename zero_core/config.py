@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, fields
 from functools import cache
 
 import torch
-from torch import nn
 
 from .settings import (
     SETTING_KEY,
@@ -26,6 +25,7 @@ from .settings import (
     parse_prefetch,
     setting,
 )
+from .wrap_policy import WrapPolicy, WrapPolicyLike, as_wrap_policy, wrap_policy_of_names
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,30 +83,6 @@ class MixedPrecision:
 
 
 @dataclass(frozen=True)
-class WrapPolicy:
-    """Which module subtrees become units (flattened, gathered, reduced together).
-
-    ``module_classes``: every module of these classes becomes a unit (the
-    transformer-block policy). Without classes, units are chosen by size: a
-    module whose not-yet-claimed parameters reach ``min_unit_numel`` (default:
-    the bucket size) becomes a unit. Whatever no unit claims belongs to the
-    root unit, the whole model.
-    """
-
-    module_classes: tuple[type[nn.Module], ...] = ()
-    min_unit_numel: int | None = None
-
-    def __post_init__(self) -> None:
-        classes = self.module_classes
-        if not isinstance(classes, tuple) or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
-            raise ValueError(
-                "WrapPolicy.module_classes must be a tuple of nn.Module subclasses, for example (MyTransformerBlock,)."
-            )
-        if self.min_unit_numel is not None and self.min_unit_numel < 1:
-            raise ValueError("WrapPolicy.min_unit_numel must be a positive number of parameters.")
-
-
-@dataclass(frozen=True)
 class StagePlan:
     """What a ZeRO stage means for the runtime, derived once from ``stage``.
 
@@ -132,32 +108,6 @@ class StagePlan:
     @classmethod
     def for_stage(cls, stage: int) -> "StagePlan":
         return cls(params_sharded_at_rest=stage == 3, grads_sharded=stage >= 2, reduce_inside_no_sync=stage >= 2)
-
-
-WrapPolicyLike = WrapPolicy | type[nn.Module] | set | tuple | list | None
-
-
-def as_wrap_policy(policy: WrapPolicyLike) -> WrapPolicy:
-    """Accept what users write: a policy, one block class, or a collection of them."""
-    if policy is None:
-        return WrapPolicy()
-    if isinstance(policy, WrapPolicy):
-        return policy
-    if isinstance(policy, type):
-        return WrapPolicy(module_classes=(policy,))
-    return WrapPolicy(module_classes=tuple(policy))
-
-
-def wrap_policy_of_names(names: tuple[str, ...], model: nn.Module | None) -> WrapPolicy:
-    """Class names (Accelerate's ``wrap_classes``) as the classes of ``model`` that bear them;
-    without a model yet (checking a plugin), the default policy."""
-    if not names or model is None:
-        return WrapPolicy()
-    by_name = {type(m).__name__: type(m) for m in model.modules()}
-    missing = [name for name in names if name not in by_name]
-    if missing:
-        raise ValueError(f"wrap_classes: the model has no module class named {missing}; it has {sorted(by_name)[:20]}.")
-    return WrapPolicy(module_classes=tuple(by_name[name] for name in names))
 
 
 @dataclass(frozen=True)
@@ -244,6 +194,16 @@ class ZeroConfig:
         doc="hybrid sharding: shard inside groups of this many consecutive ranks (usually one node's) and "
         "replicate across them; None: one group of every rank",
         parse=parse_optional_int,
+        example=2,
+    )
+    # A 2-D mesh (data_parallel × tensor_parallel, mesh.py): each layer split across this many consecutive
+    # ranks by the model's own parallelize_module, ZeRO sharding across the other dimension. The core takes
+    # the mesh itself (ZeroEngine(device_mesh=...)); the Lightning strategy builds it from this size.
+    tensor_parallel_size: int = setting(
+        1,
+        doc="tensor parallelism: split each layer across this many consecutive ranks (a 2-D device mesh, "
+        "handed to configure_model as self.device_mesh) and shard across the rest; 1: none",
+        parse=int,
         example=2,
     )
     # DeepSpeed's stage3_param_persistence_threshold: no all-gathers in forward or backward
@@ -336,7 +296,11 @@ class ZeroConfig:
                 "use a positive number of ranks that divides "
                 "the world size (usually the devices per node), or None to shard across every rank."
             )
-
+        if not _is_count(self.tensor_parallel_size, minimum=1):
+            raise ValueError(
+                f"ZeroConfig.tensor_parallel_size={self.tensor_parallel_size!r} is invalid: use a positive "
+                "number of ranks that divides the world size (usually at most the devices per node); 1: none."
+            )
         self._check_offload()
 
     def _check_offload(self) -> None:

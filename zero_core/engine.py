@@ -23,6 +23,7 @@ from .build import build_parts, model_device
 from .checkpoint import training_state
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
+from .mesh import DeviceMesh, engine_comm
 from .model import full_params
 from .model.meta_init import ParamInitFn
 from .model.owners import ModelOwners
@@ -59,6 +60,7 @@ class ZeroEngine:
         config: ZeroConfig | None = None,
         *,
         process_group: dist.ProcessGroup | None = None,
+        device_mesh: DeviceMesh | None = None,  # data_parallel × tensor_parallel (tensor parallelism: mesh.py)
         device: torch.device | str | None = None,
         param_init_fn: ParamInitFn | None = None,
     ):
@@ -73,10 +75,8 @@ class ZeroEngine:
         if optimizer is not None:
             check_optimizer_supported(optimizer)
         self.model = model
-        parts = build_parts(
-            model, config, optimizer, CommContext.create(process_group, model_device(model, device)), param_init_fn
-        )
-        self._parts = parts
+        comm = engine_comm(model, config, process_group, device_mesh, model_device(model, device))
+        self._parts = parts = build_parts(model, config, optimizer, comm, param_init_fn)
         self._units, self._runtime, self._loss_scaler = parts.units, parts.runtime, parts.loss_scaler
         self._optimizer, self._optimizer_step = parts.optimizer, parts.optimizer_step
         if optimizer is not None:
@@ -134,7 +134,7 @@ class ZeroEngine:
 
     @property
     def num_parameters(self) -> int:
-        """Unique parameters of the model (its true size, also in stage 3)."""
+        """Unique parameters of the model (its true size, also in stage 3; tensor parallelism: this rank's pieces)."""
         return sum(report.numel for report in self.unit_reports())
 
     @property

@@ -27,6 +27,11 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _split(engine: ZeroEngine) -> str:
+    size = engine.comm.tensor_parallel_size
+    return f" on each of {size} tensor-parallel ranks" if size > 1 else ""
+
+
 def setup_summary(engine: ZeroEngine) -> str:
     """``ZeRO stage 3: 14 units (largest 12.60M parameters) of 168.07M parameters, ...``: the stage, the
     units, the shard group, the precision, the prefetch, the offload and the model states per rank beside
@@ -51,7 +56,8 @@ def setup_summary(engine: ZeroEngine) -> str:
         offload += f"; offload_params {config.offload_params} ({sum(r.params_offloaded for r in reports)} of the units)"
     return (
         f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
-        f"parameters) of {_count(numel)} parameters, sharded over {shards} of {engine.world_size} ranks; "
+        f"parameters) of {_count(numel)} parameters{_split(engine)}, sharded over {shards} of {engine.world_size} "
+        f"{'data-parallel ' if engine.comm.tensor_parallel_size > 1 else ''}ranks; "
         f"compute {_dtype(precision.compute_dtype)}, reduce {_dtype(precision.reduce_dtype)}; "
         f"prefetch {config.prefetch}; offload_optimizer {offload}; model states per rank about "
         f"{_mib(ours.model_state_bytes)}{where} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of state)"

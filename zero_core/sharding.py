@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from .config import ZeroConfig
@@ -19,7 +20,11 @@ def move_real_tensors(module: nn.Module, device: torch.device) -> None:
 
 
 def shard_module(
-    module: nn.Module, optimizer: Optimizer | None, config: ZeroConfig, device: torch.device
+    module: nn.Module,
+    optimizer: Optimizer | None,
+    config: ZeroConfig,
+    device: torch.device,
+    device_mesh: DeviceMesh | None = None,
 ) -> ZeroEngine:
     """The module's engine: reused if it was sharded alike before, rebuilt if
     it was sharded with other settings, created otherwise."""
@@ -29,7 +34,7 @@ def shard_module(
         engine = None
     if engine is None:
         move_real_tensors(module, device)
-        return ZeroEngine(module, optimizer, config, device=device)
+        return ZeroEngine(module, optimizer, config, device=device, device_mesh=device_mesh)
     if optimizer is not None and optimizer is not engine.optimizer:
         engine.attach_optimizer(optimizer)
     return engine

@@ -47,7 +47,13 @@ def agree_on_step(
     if shards:
         # On the device, into the all-reduced tensor: no host synchronisation per shard.
         tensor[0] = torch.stack([~torch.isfinite(shard).all() for shard in shards]).any().to(tensor.dtype)
-    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label="the optimizer-step agreement").wait()
+    label = "the optimizer-step agreement"
+    collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label=label).wait()
+    # A 2-D mesh: the tensor-parallel ranks hold other pieces of the layers, so an overflow in one
+    # rank's piece must skip the step on every rank that shares the layers too.
+    if comm.tensor_parallel_size > 1:
+        span = collectives.Span.TENSOR_PARALLEL
+        collectives.all_reduce(comm, tensor, dist.ReduceOp.MAX, label=label, span=span).wait()
     reduced = tensor.tolist()
     differing = ", ".join(differing_values(counters, reduced))
     if differing:

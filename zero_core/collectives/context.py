@@ -95,6 +95,11 @@ class CommContext:
     shard_size: int = 1
     replicate_group: dist.ProcessGroup | None = None  # the ranks holding this rank's shard, one per group
     replicas: int = 1  # how many shard groups hold a copy of the model state
+    # A 2-D mesh: the ranks that split each layer with this one (tensor parallelism). ``group`` is then
+    # this rank's data-parallel group; the tensor-parallel ranks hold different model states.
+    tensor_parallel_group: dist.ProcessGroup | None = None
+    tensor_parallel_rank: int = 0
+    tensor_parallel_size: int = 1
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
@@ -161,6 +166,8 @@ class CommContext:
             return self.shard_group, self.shard_size
         if span is Span.ACROSS_GROUPS:
             return self.replicate_group, self.replicas
+        if span is Span.TENSOR_PARALLEL:
+            return self.tensor_parallel_group, self.tensor_parallel_size
         return self.group, self.world_size
 
     def rank_in(self, span: "Span") -> int:
@@ -169,6 +176,8 @@ class CommContext:
             return self.shard_rank
         if span is Span.ACROSS_GROUPS:
             return self.rank // self.shard_size
+        if span is Span.TENSOR_PARALLEL:
+            return self.tensor_parallel_rank
         return self.rank
 
     @property

@@ -22,6 +22,7 @@ class Span(str, Enum):
     WORLD = "every rank"
     SHARD_GROUP = "inside the shard group"  # the ranks that together hold one copy of the model state
     ACROSS_GROUPS = "across shard groups"  # the ranks holding the same shard, one per group
+    TENSOR_PARALLEL = "across the tensor-parallel group"  # the ranks splitting each layer (a 2-D mesh)
 
 
 @dataclass

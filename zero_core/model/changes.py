@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..unit import FlatUnit, StorageState
+from ..unit.tensor_parallel import is_dtensor, local_values
 from .pass_control import PassControl
 
 
@@ -32,7 +33,8 @@ class Registration(NamedTuple):
     param: nn.Parameter
     unit: FlatUnit
     slot_index: int
-    shape: torch.Size
+    shape: torch.Size  # the parameter's own (a DTensor's global shape)
+    dtensor: bool  # tensor parallelism: its data is its local piece's
 
 
 _ADVICE = (
@@ -58,8 +60,9 @@ class RegisteredParameters:
             for name, param in module.named_parameters(recurse=False):
                 unit, slot_index = slot_of[id(param)]
                 fqn = f"{module_name}.{name}" if module_name else name
-                shape = unit.layout.slots[slot_index].shape
-                self.registrations.append(Registration(module._parameters, name, fqn, param, unit, slot_index, shape))
+                self.registrations.append(
+                    Registration(module._parameters, name, fqn, param, unit, slot_index, param.shape, is_dtensor(param))
+                )
         self.by_unit = [
             (unit, [(e, unit.slot_byte_offsets[e.slot_index]) for e in self.registrations if e.unit is unit])
             for unit in units
@@ -82,11 +85,12 @@ class RegisteredParameters:
                 base = unit.gathered_params.data_ptr() if unit.state is not StorageState.SHARDED else None
                 for entry, offset in entries:
                     param = entry.param
+                    data = local_values(param) if entry.dtensor else param
                     if (
                         entry.registry.get(entry.name) is not param
                         or param.dtype is not dtype
                         or param.shape != entry.shape
-                        or (base is not None and param.data_ptr() != base + offset and param.numel())
+                        or (base is not None and data.data_ptr() != base + offset and data.numel())
                     ):
                         self._refuse(entry)
 

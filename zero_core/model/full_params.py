@@ -12,6 +12,7 @@ from torch import nn
 
 from ..collectives import meeting
 from ..unit import FlatUnit, StorageState
+from ..unit.tensor_parallel import global_value, local_values, point_at
 from .pass_control import PassControl
 
 
@@ -39,14 +40,14 @@ def gathered_parameters(units: list[FlatUnit], runtime: PassControl, writeback: 
     for unit, full in zip(units, fulls):
         unit.set_guard(False)
         for param, view in zip(unit.params, unit.full_param_views(full)):
-            saved.append((param, param.data))
-            param.data = view
+            saved.append((param, local_values(param)))
+            point_at(param, view)
     try:
         with runtime.suspend():
             yield
     finally:
         for param, data in saved:
-            param.data = data
+            point_at(param, data)
         for unit in units:
             unit.set_guard(unit.state is StorageState.SHARDED)
         if writeback:
@@ -64,9 +65,12 @@ def full_state_dict(
         sync_buffers()
         for unit in units:
             full = unit.gather_full_master()
-            if keep:
-                for param, view in zip(unit.params, unit.full_param_views(full)):
-                    full_values[id(param)] = view.to("cpu", copy=True) if to_cpu else view.clone()
+            for param, view in zip(unit.params, unit.full_param_views(full)):
+                # Tensor parallelism: the whole parameter from every tensor-parallel rank's piece; each
+                # of them takes part in that gather, kept or not.
+                value = global_value(param, view)
+                if keep:
+                    full_values[id(param)] = value.to("cpu", copy=True) if to_cpu else value.clone()
             del full
     if not keep:
         return {}
@@ -91,6 +95,6 @@ def _unshard(units: list[FlatUnit]) -> None:
         unit.stop_guarding()
         full = unit.gather_full_master()
         for param, view in zip(unit.params, unit.full_param_views(full)):
-            param.data = view.clone()
+            point_at(param, view.clone())
             param.grad = None
         unit.release()

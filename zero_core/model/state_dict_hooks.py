@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from ..collectives import meeting
 from ..hook_copies import InertWhenCopied
 from ..unit import FlatUnit
+from ..unit.tensor_parallel import exported_copy
 from .full_params import of_units
 from .pass_control import PassControl
 
@@ -82,7 +83,11 @@ class StateDictHooks:
             self.sync_buffers()
             for unit in units:
                 full = unit.gather_full_master()
-                exported = {i: view.to("cpu", copy=True) for i, view in enumerate(unit.full_param_views(full))}
+                exported = {
+                    # A tensor-parallel parameter exports as a DTensor, as the unsharded model's state_dict() does.
+                    i: exported_copy(param, view)
+                    for i, (param, view) in enumerate(zip(unit.params, unit.full_param_views(full)))
+                }
                 unit.guard.exported = exported
                 del full
         self._exports[id(module)] = units

@@ -34,6 +34,26 @@ def _shards(units: list[FlatUnit], selected: Selection | None = None) -> list[to
     ]
 
 
+def _norm_terms(units: list[FlatUnit], comm: CommContext, selected: Selection | None) -> list[torch.Tensor]:
+    """What this rank adds to a norm over the model. Tensor parallelism: every tensor-parallel rank adds
+    its pieces of parameters spread over them (Shard), but only the first adds those every one holds
+    alike (Replicate, plain), so each value counts once when the sums meet."""
+    if comm.tensor_parallel_size == 1 or comm.tensor_parallel_rank == 0:
+        return _shards(units, selected)
+    spread = frozenset(
+        (unit.index, slot.index) for unit in units for slot in unit.layout.slots if slot.spread_over_ranks
+    )
+    return _shards(units, spread if selected is None else spread & selected)
+
+
+def _sum_over_model(comm: CommContext, local: torch.Tensor, op: dist.ReduceOp.RedOpType, label: str) -> None:
+    """Combine per-rank partial norms: inside the shard group (other groups hold the same shards), then
+    over the tensor-parallel ranks (each holds other pieces of the layers)."""
+    collectives.all_reduce(comm, local, op, label=label, span=Span.SHARD_GROUP).wait()
+    if comm.tensor_parallel_size > 1:
+        collectives.all_reduce(comm, local, op, label=label, span=Span.TENSOR_PARALLEL).wait()
+
+
 def scale_grads(units: list[FlatUnit], factor: float) -> None:
     for shard in _shards(units):
         shard.mul_(factor)
@@ -48,12 +68,12 @@ def clip_grad_norm(
     if norm_type == float("inf"):
         for shard in shards:
             local = torch.maximum(local, shard.detach().abs().max().float().reshape(1))
-        collectives.all_reduce(comm, local, dist.ReduceOp.MAX, label="gradient norm", span=Span.SHARD_GROUP).wait()
+        _sum_over_model(comm, local, dist.ReduceOp.MAX, "gradient norm")
         total_norm = local[0]
     else:
-        for shard in shards:
+        for shard in _norm_terms(units, comm, selected):
             local += shard.detach().float().abs().pow(norm_type).sum()
-        collectives.all_reduce(comm, local, label="gradient norm", span=Span.SHARD_GROUP).wait()
+        _sum_over_model(comm, local, dist.ReduceOp.SUM, "gradient norm")
         total_norm = local[0].pow(1.0 / norm_type)
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for shard in shards:
@@ -66,7 +86,7 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
     keyed by its canonical name; parameters no rank has a gradient for are left
     out, as Lightning's ``grad_norm`` leaves out ``grad is None``. Per-parameter
     partial sums of this rank's pieces and has-gradient flags, one all-reduce (two under
-    hybrid sharding).
+    hybrid sharding, and one more over the tensor-parallel ranks of a 2-D mesh).
     Reads the shards only."""
     slots = [
         (unit, slot) for unit in units for slot, param in zip(unit.layout.slots, unit.params) if param.requires_grad
@@ -74,6 +94,9 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
     position = {(unit.index, slot.index): i for i, (unit, slot) in enumerate(slots)}
     count = len(slots)
     partial = torch.zeros(2 * count, dtype=torch.float32, device=comm.device)  # [partial norms | has-gradient flags]
+    # Tensor parallelism: values every tensor-parallel rank holds alike are summed on the first one only
+    # (a maximum may take them twice).
+    counts_replicated = comm.tensor_parallel_rank == 0 or norm_type == float("inf")
     for unit in units:
         if unit.sharded_grads is None:
             continue
@@ -81,6 +104,8 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
             i = position.get((unit.index, master.piece.slot.index))
             if i is None:
                 continue  # frozen now
+            if not (counts_replicated or master.piece.slot.spread_over_ranks):
+                continue  # the first tensor-parallel rank holds the same values: counted there
             piece = master.piece
             values = unit.sharded_grads[piece.shard_start : piece.shard_start + piece.numel].detach().float().abs()
             partial[i] = values.max() if norm_type == float("inf") else values.pow(norm_type).sum()
@@ -97,6 +122,8 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
     else:
         collectives.all_reduce(comm, partial[:count], op, label="gradient norms", span=Span.SHARD_GROUP).wait()
         collectives.all_reduce(comm, partial[count:], dist.ReduceOp.MAX, label="gradient norms").wait()
+    if comm.tensor_parallel_size > 1:
+        collectives.all_reduce(comm, partial, op, label="gradient norms", span=Span.TENSOR_PARALLEL).wait()
     norms = partial[:count] if norm_type == float("inf") else partial[:count].pow(1.0 / norm_type)
     return {slot.fqns[0]: norms[i] * factor for i, (_, slot) in enumerate(slots) if partial[count + i] > 0}
 

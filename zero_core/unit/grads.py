@@ -30,6 +30,7 @@ from ..collectives import CommContext, Handle, Span, all_reduce, reduce_scatter
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages
 from .layout import FlatLayout, slot_view
+from .tensor_parallel import is_dtensor, local_grad
 
 
 def _sum_into(total: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
@@ -176,15 +177,17 @@ class LocalGrads(UnitGrads):
         if self.precision.reduce_dtype != self.precision.compute_dtype:
             return
         for slot, param in zip(self.layout.slots, self.params):
-            param.grad = slot_view(self.full_grads, slot) if param.requires_grad else None
+            # A DTensor's .grad must be a DTensor: it takes its gradients by copy, as under mixed dtypes.
+            viewable = param.requires_grad and not is_dtensor(param)
+            param.grad = slot_view(self.full_grads, slot) if viewable else None
 
     def accumulate(self, slot_index: int, param: nn.Parameter) -> None:
         """Post-accumulate-grad hook body: add ``param.grad`` into ``full_grads`` (unless it is a view of it)."""
         view = slot_view(self.full_grads, self.layout.slots[slot_index])
-        grad = param.grad
+        grad = local_grad(param)
         if grad is not None and grad.data_ptr() != view.data_ptr():
             view.add_(grad)
-            param.grad = view if view.dtype == param.dtype else None
+            param.grad = view if view.dtype == param.dtype and not is_dtensor(param) else None
         self._filled_this_backward.add(slot_index)
 
     def start_reduce(self) -> PendingReduce:
@@ -252,7 +255,7 @@ class ShardedGrads(UnitGrads):
         if self.full_grads is None:
             self.full_grads = self._new_full_grads()
         view = slot_view(self.full_grads, self.layout.slots[slot_index])
-        grad = param.grad
+        grad = local_grad(param)
         if grad is not None and grad.data_ptr() != view.data_ptr():
             if slot_index not in self._filled_this_backward:
                 view.copy_(grad)

@@ -21,10 +21,13 @@ class ParamSlot(NamedTuple):
 
     index: int
     fqns: tuple[str, ...]  # every name the model registers it under; fqns[0] is canonical
-    shape: torch.Size
+    shape: torch.Size  # a DTensor parameter's local shape: units flatten what this rank holds of it
     flat_offset: int
     numel: int
     requires_grad: bool
+    # Tensor parallelism: each tensor-parallel rank holds a different piece (a Shard placement), so
+    # norms over the model add every rank's; False for Replicate and plain parameters (counted once).
+    spread_over_ranks: bool = False
 
 
 class ShardPiece(NamedTuple):
@@ -44,12 +47,18 @@ class FlatLayout:
     padded_numel: int
 
     @classmethod
-    def build(cls, params: list[tuple[tuple[str, ...], torch.Size, bool]], world_size: int) -> "FlatLayout":
+    def build(
+        cls,
+        params: list[tuple[tuple[str, ...], torch.Size, bool]],
+        world_size: int,
+        spread_over_ranks: list[bool] | None = None,
+    ) -> "FlatLayout":
         """``params``: (names, shape, requires_grad) per unique parameter, in order."""
         slots, offset = [], 0
+        spread = spread_over_ranks or [False] * len(params)
         for index, (fqns, shape, requires_grad) in enumerate(params):
             numel = shape.numel()
-            slots.append(ParamSlot(index, fqns, shape, offset, numel, requires_grad))
+            slots.append(ParamSlot(index, fqns, shape, offset, numel, requires_grad, spread[index]))
             offset += numel
         padded = -(-offset // world_size) * world_size
         return cls(tuple(slots), world_size, offset, padded)

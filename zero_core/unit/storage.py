@@ -37,6 +37,7 @@ from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
+from .tensor_parallel import local_piece_of, local_values, point_at
 
 
 class StorageState(Enum):
@@ -83,7 +84,7 @@ class ParamStorage:
         layout, comm = self.layout, self.comm
         padded_full = torch.zeros(layout.padded_numel, dtype=torch.float32, device=comm.device)
         for slot, param in zip(layout.slots, self.params):
-            slot_view(padded_full, slot).copy_(param.detach())
+            slot_view(padded_full, slot).copy_(local_values(param))
         broadcast(comm, padded_full, label=self.label).wait()
         lo, hi = layout.shard_range(comm.shard_rank)
         self.gathered_params = padded_full.to(compute_dtype)
@@ -100,7 +101,7 @@ class ParamStorage:
             self.master_shard = self.compute_shard if compute_dtype == torch.float32 else padded_full[lo:hi].clone()
         self._gathered_nbytes = self.gathered_params.untyped_storage().nbytes()
         for slot, param in zip(layout.slots, self.params):
-            param.data = slot_view(self.gathered_params, slot)
+            point_at(param, slot_view(self.gathered_params, slot))
 
     def _move_shard_to_host(self, compute_dtype: torch.dtype) -> None:
         """offload_params: the parameter shard rests in host memory; the device keeps an empty staging buffer."""
@@ -195,12 +196,16 @@ class ParamStorage:
 
     # ---------------------------------------------------------- full values
     def write_param(self, slot_index: int, full_value: torch.Tensor) -> bool:
-        """Take this rank's part of a new full value of a parameter into the shards (no communication).
+        """Take this rank's part of a new full value of a parameter into the shards (no communication, but
+        for a DTensor value in another placement than its tensor-parallel parameter's).
 
         False (nothing written) if the value does not have the parameter's shape.
         """
         slot = self.layout.slots[slot_index]
-        if not isinstance(full_value, torch.Tensor) or full_value.shape != slot.shape:
+        if not isinstance(full_value, torch.Tensor):
+            return False
+        full_value = local_piece_of(self.params[slot_index], full_value)  # tensor parallelism: this rank's part
+        if full_value.shape != slot.shape:
             return False
         if self.refreshing:
             self.wait_gathered()  # its all-gather still reads the shard this writes

@@ -1,0 +1,415 @@
+"""ZeRO × tensor parallelism at 4 ranks: a 2-D mesh, data_parallel 2 × tensor_parallel 2.
+
+A tiny Llama-style model is split over the tensor-parallel ranks with torch's ``parallelize_module``
+(column- and row-wise linears, sequence-parallel RMSNorms whose gradients come back as ``Partial``
+sums), and the engine shards each unit's local pieces across the data-parallel ranks. Every stage
+trains like the same split model under data parallelism (gradients all-reduced over the
+data-parallel ranks, what DDP does) and like one process on the global batch; the collectives
+really sent stay in their dimension. One spawn runs the whole grid.
+"""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine, tensor_parallel_mesh
+
+from .distributed import by_rank, run_distributed
+from .tensor_parallel_model import Layer, TinyLlama, loss_of, parallelize, tokens
+from .workers import refusal
+
+pytestmark = pytest.mark.distributed
+
+WORLD, TP = 4, 2
+DP = WORLD // TP
+STEPS = 3
+CASES = [dict(stage=s, optimizer="adamw", clip=0.5) for s in (1, 2, 3)]
+CASES += [dict(stage=s, optimizer="sgd", micro_batches=2) for s in (1, 2, 3)]
+CASES += [dict(stage=3, optimizer="adamw", clip=0.5, dtype=torch.bfloat16)]
+
+
+def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":  # momentum: unlike Adam, it is not blind to a wrong gradient scale
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+class DataParallelReference:
+    """The split model under plain data parallelism: local gradients averaged over the data-parallel ranks."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: str, dp_group: dist.ProcessGroup):
+        self.model, self.dp_group = model, dp_group
+        self.optimizer = _optimizer(optimizer, model)
+
+    def step(self, clip: float | None) -> None:
+        for param in self.model.parameters():
+            grad = param.grad.redistribute(placements=param.placements) if isinstance(param, DTensor) else param.grad
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            dist.all_reduce(local, group=self.dp_group)
+            local.div_(DP)
+            param.grad = grad
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+
+
+def _train(stage: int, optimizer: str, clip: float | None = None, micro_batches: int = 1, dtype: Any = None):
+    mesh = tensor_parallel_mesh(TP)
+    dp_rank = mesh["data_parallel"].get_local_rank()
+    torch.manual_seed(0)
+    single = TinyLlama()
+    split = parallelize(copy.deepcopy(single), mesh["tensor_parallel"])
+    reference = DataParallelReference(parallelize(copy.deepcopy(single), mesh["tensor_parallel"]), optimizer,
+                                      mesh["data_parallel"].get_group())  # fmt: skip
+    single_optimizer = _optimizer(optimizer, single)
+    precision = MixedPrecision(compute_dtype=dtype) if dtype is not None else MixedPrecision()
+    config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision)
+    engine = ZeroEngine(split, _optimizer(optimizer, split), config, device_mesh=mesh)
+    losses, reference_losses, single_losses, norms, single_norms = [], [], [], [], []
+    for step in range(STEPS):
+        total, reference_total = 0.0, 0.0
+        for micro in range(micro_batches):
+            ids = tokens(step * micro_batches + micro, dp_rank)
+            with engine.no_sync() if micro < micro_batches - 1 else _nothing():
+                loss = loss_of(split(ids), ids) / micro_batches
+                engine.backward(loss)
+            reference_loss = loss_of(reference.model(ids), ids) / micro_batches
+            reference_loss.backward()
+            total, reference_total = total + loss.item(), reference_total + reference_loss.item()
+        single_total = 0.0
+        for micro in range(micro_batches):  # the global batch: every data-parallel rank's micro-batch
+            ids = torch.cat([tokens(step * micro_batches + micro, r) for r in range(DP)])
+            single_loss = loss_of(single(ids), ids) / micro_batches
+            single_loss.backward()
+            single_total += single_loss.item()
+        single_losses.append(single_total)
+        if clip is not None:
+            norms.append(float(engine.clip_grad_norm_(clip)))
+            single_norms.append(float(torch.nn.utils.clip_grad_norm_(single.parameters(), clip)))
+        engine.step()
+        engine.optimizer.zero_grad()
+        reference.step(clip)
+        single_optimizer.step()
+        single_optimizer.zero_grad()
+        losses.append(total)
+        reference_losses.append(reference_total)
+    return engine, single, reference, dict(
+        losses=_mean_over_dp(losses, mesh), reference_losses=_mean_over_dp(reference_losses, mesh),
+        single_losses=single_losses, norms=norms, single_norms=single_norms,
+    )  # fmt: skip
+
+
+class _nothing:
+    def __enter__(self) -> None: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+def _mean_over_dp(values: list[float], mesh: Any) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, group=mesh["data_parallel"].get_group())
+    return (tensor / DP).tolist()
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[key].detach().float() - value.float()).abs().max()) for key, value in b.items())
+
+
+def _parity(rank: int, world_size: int) -> list[dict[str, Any]]:
+    results = []
+    for case in CASES:
+        engine, single, reference, result = _train(**case)
+        full = engine.full_state_dict()
+        result["vs_reference"] = _max_difference(full, _full(reference.model))
+        result["vs_single"] = _max_difference(full, single.state_dict())
+        result["case"] = {k: str(v) for k, v in case.items()}
+        results.append(result)
+    return results
+
+
+def _engine(stage: int = 3, dtype: Any = None) -> tuple[ZeroEngine, TinyLlama, Any]:
+    mesh = tensor_parallel_mesh(TP)
+    torch.manual_seed(0)
+    split = parallelize(TinyLlama(), mesh["tensor_parallel"])
+    precision = MixedPrecision(compute_dtype=dtype) if dtype is not None else MixedPrecision()
+    config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision)
+    return ZeroEngine(split, _optimizer("adamw", split), config, device_mesh=mesh), split, mesh
+
+
+def _exports(rank: int, world_size: int) -> dict[str, Any]:
+    """state_dict(), load_state_dict() and gathered_parameters() at stage 3 speak in whole parameters."""
+    engine, split, mesh = _engine()
+    torch.manual_seed(0)
+    single = TinyLlama()
+    exported = split.state_dict()
+    result = {
+        "exported_kinds_match": all(
+            isinstance(exported[name], DTensor) == isinstance(param, DTensor)
+            for name, param in split.named_parameters()
+        ),
+        "exported": _max_difference(_whole(exported), single.state_dict()),
+    }
+    torch.manual_seed(1)
+    other = TinyLlama()
+    split.load_state_dict(other.state_dict())  # whole plain tensors: each rank takes its piece
+    result["loaded_plain"] = _max_difference(engine.full_state_dict(), other.state_dict())
+    split.load_state_dict(exported)  # DTensors, as a split model's state_dict() holds them
+    result["loaded_dtensors"] = _max_difference(engine.full_state_dict(), single.state_dict())
+    with engine.gathered_parameters():
+        result["inside"] = _max_difference(_whole(dict(split.named_parameters())), single.state_dict())
+        with torch.no_grad():
+            split.layers[0].feed_forward.w1.weight.mul_(2)  # a column-split weight, edited on every rank
+    expected = single.state_dict()["layers.0.feed_forward.w1.weight"] * 2
+    result["written_back"] = float((engine.full_state_dict()["layers.0.feed_forward.w1.weight"] - expected).abs().max())
+    return result
+
+
+def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
+    mesh = tensor_parallel_mesh(TP)
+    torch.manual_seed(0)
+    split = parallelize(TinyLlama(), mesh["tensor_parallel"])
+    unnamed = init_device_mesh("cpu", (DP, TP))
+    build = lambda **kwargs: lambda: ZeroEngine(split, None, **kwargs)  # noqa: E731
+    return {
+        "no_mesh": refusal(build(config=ZeroConfig(stage=3)), ValueError),
+        "hybrid": refusal(build(config=ZeroConfig(stage=3, shard_group_size=1), device_mesh=mesh), ValueError),
+        "unnamed_mesh": refusal(build(config=ZeroConfig(stage=3), device_mesh=unnamed), ValueError),
+        "both": refusal(build(device_mesh=mesh, process_group=dist.group.WORLD), ValueError),
+        "size_without_mesh": refusal(build(config=ZeroConfig(stage=3, tensor_parallel_size=2)), ValueError),
+        "size_differs": refusal(build(config=ZeroConfig(tensor_parallel_size=4), device_mesh=mesh), ValueError),
+        **_checkpoint_refusals(),
+    }
+
+
+def _checkpoint_refusals() -> dict[str, str | None]:
+    """Not built yet on a 2-D mesh: refused on every rank before any file is written or read."""
+    engine, split, _ = _engine()
+    refused = lambda action: refusal(action, NotImplementedError)  # noqa: E731
+    return {
+        "save": refused(lambda: engine.save_checkpoint("/nonexistent/tp-checkpoint")),
+        "load": refused(lambda: engine.load_checkpoint("/nonexistent/tp-checkpoint")),
+        "load_full": refused(lambda: engine.load_full_state_dict(split.state_dict())),
+        "sharded_model": refused(engine.sharded_model_state_dict),
+        "sharded_optimizer": refused(engine.sharded_optimizer_state_dict),
+    }
+
+
+def _whole(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.detach() for k, v in values.items()}
+
+
+def _overflow_on_one_tensor_parallel_rank(rank: int, world_size: int) -> list[bool]:
+    """fp16: an overflow in one tensor-parallel rank's piece of a layer skips the step on all four ranks
+    (otherwise that layer's pieces would step on some ranks and not on the others)."""
+    engine, split, mesh = _engine(stage=2, dtype=torch.float16)
+    weight = split.layers[0].feed_forward.w1.weight  # column-split: each tensor-parallel rank its own rows
+    poisoned = {"step": -1}
+    if mesh["tensor_parallel"].get_local_rank() == 1:
+        weight.register_hook(lambda grad: grad * float("inf") if poisoned["step"] == 1 else grad)
+    skipped = []
+    for step in range(STEPS):
+        poisoned["step"] = step
+        ids = tokens(step, mesh["data_parallel"].get_local_rank())
+        engine.backward(loss_of(split(ids), ids))
+        engine.step()
+        engine.optimizer.zero_grad()
+        skipped.append(engine.last_step_skipped)
+    return skipped
+
+
+class SentByDimension:
+    """The collectives this engine hands to ``torch.distributed`` (logical bytes), by the mesh dimension
+    their group spans. DTensor's own collectives (the layers' activations) go through torch's functional
+    collectives and are not counted: they are tensor parallelism's, the same with or without ZeRO."""
+
+    def __init__(self) -> None:
+        self.bytes: Counter[str] = Counter()
+        self._originals: dict[str, Any] = {}
+
+    def _dimension(self, group: Any) -> str:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(WORLD))
+        if len(ranks) == WORLD:
+            return "world"
+        return "tensor_parallel" if ranks[-1] - ranks[0] == len(ranks) - 1 else "data_parallel"
+
+    def __enter__(self) -> "SentByDimension":
+        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+        payloads = {
+            "all_gather": lambda outputs, *_: nbytes(outputs),
+            "reduce_scatter": lambda output, inputs, *_: nbytes(inputs),
+            "all_reduce": lambda tensor, *_: nbytes([tensor]),
+            "broadcast": lambda tensor, *_: nbytes([tensor]),
+            "reduce": lambda tensor, *_: nbytes([tensor]),  # gloo's reduce-scatter: one reduce per slice
+        }
+        for name, payload in payloads.items():
+            self._originals[name] = original = getattr(dist, name)
+            setattr(dist, name, self._counted(original, payload))
+        return self
+
+    def _counted(self, original: Any, payload: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.bytes[self._dimension(kwargs.get("group"))] += payload(*args)
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def _traffic(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """One measured step per stage: bytes sent per mesh dimension, beside the formulas over the local pieces."""
+    results = []
+    for stage in (1, 2, 3):
+        engine, split, mesh = _engine(stage)
+        dp_rank = mesh["data_parallel"].get_local_rank()
+        for step in range(2):
+            ids = tokens(step, dp_rank)
+            with SentByDimension() if step == 1 else _nothing() as sent:
+                engine.backward(loss_of(split(ids), ids))
+                engine.clip_grad_norm_(0.5)
+                engine.step()
+            engine.optimizer.zero_grad()
+        reported = {span: count.bytes for span, count in engine.last_step_traffic_by_span.items()}
+        padded = sum(report.padded_numel for report in engine.unit_reports())
+        results.append({"sent": dict(sent.bytes), "reported": reported, "padded": padded})
+    return results
+
+
+@pytest.fixture(scope="module")
+def grid() -> list[Any]:
+    return run_distributed(_grid, WORLD, timeout=600)
+
+
+def _grid(rank: int, world_size: int) -> dict[str, Any]:
+    return {
+        "parity": _parity(rank, world_size),
+        "exports": _exports(rank, world_size),
+        "overflow": _overflow_on_one_tensor_parallel_rank(rank, world_size),
+        "traffic": _traffic(rank, world_size),
+        "refusals": _refusals(rank, world_size),
+    }
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
+def test_every_stage_trains_like_data_parallel_and_like_one_process(grid: list[Any], index: int) -> None:
+    for result in by_rank(grid, "parity"):
+        case = result[index]
+        low_precision = case["case"].get("dtype") == "torch.bfloat16"
+        tolerance = 2e-2 if low_precision else 1e-5
+        assert case["losses"] == pytest.approx(case["single_losses"], rel=tolerance), case["case"]
+        assert case["losses"] == pytest.approx(case["reference_losses"], rel=tolerance), case["case"]
+        assert case["norms"] == pytest.approx(case["single_norms"], rel=tolerance), case["case"]
+        assert case["vs_reference"] < (5e-2 if low_precision else 1e-5), case["case"]
+        assert case["vs_single"] < (5e-2 if low_precision else 1e-4), case["case"]
+
+
+def test_state_dict_load_and_gathered_parameters_speak_in_whole_parameters(grid: list[Any]) -> None:
+    for result in by_rank(grid, "exports"):
+        assert result["exported_kinds_match"], "split parameters export as DTensors, as the unsharded split model's"
+        assert result["exported"] == 0.0
+        assert result["loaded_plain"] == 0.0, "whole plain values: each rank takes its piece"
+        assert result["loaded_dtensors"] == 0.0
+        assert result["inside"] == 0.0
+        assert result["written_back"] == 0.0
+
+
+def test_an_overflow_on_one_tensor_parallel_rank_skips_the_step_everywhere(grid: list[Any]) -> None:
+    assert by_rank(grid, "overflow") == [[False, True, False]] * WORLD
+
+
+@pytest.mark.parametrize("stage", (1, 2, 3))
+def test_traffic_per_mesh_dimension_matches_the_formulas(grid: list[Any], stage: int) -> None:
+    """Data-parallel: RS ψ + AG ψ (stage 3: + AG ψ) over the local pieces ψ = Ψ/TP, plus the small
+    agreements; tensor-parallel: only the norm's and the agreement's few numbers (the layers'
+    activations are tensor parallelism's own, the same without ZeRO)."""
+    for result in by_rank(grid, "traffic"):
+        result = result[stage - 1]
+        sent, reported, padded = result["sent"], result["reported"], result["padded"]
+        gathers = 2 if stage == 3 else 1
+        assert reported["SHARD_GROUP"] == (gathers + 1) * padded * 4 + 4, "gathers, reduce-scatters, the norm"
+        assert sent["data_parallel"] == reported["SHARD_GROUP"] + reported["WORLD"]
+        assert sent["tensor_parallel"] == reported["TENSOR_PARALLEL"] > 0
+        assert sent["tensor_parallel"] < 0.01 * sent["data_parallel"]
+        assert "world" not in sent
+
+
+def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
+    for result in by_rank(grid, "refusals"):
+        assert "device_mesh=" in result["no_mesh"]
+        assert "shard_group_size" in result["hybrid"]
+        assert "'data_parallel', 'tensor_parallel'" in result["unnamed_mesh"]
+        assert "process_group= or device_mesh=" in result["both"]
+        assert "tensor_parallel_mesh(2)" in result["size_without_mesh"]
+        assert "has 2 ranks" in result["size_differs"]
+        for action in ("save", "load", "load_full", "sharded_model", "sharded_optimizer"):
+            assert "tensor parallelism" in result[action] and "full_state_dict()" in result[action], action
+
+
+LIGHTNING_SCRIPT = Path(__file__).parent / "scripts" / "lightning_tensor_parallel.py"
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("lightning-tensor-parallel")
+    command = [sys.executable, str(LIGHTNING_SCRIPT), str(out), "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """The same steps in one process on the global batch: every data-parallel rank's ``batches``."""
+    from tests.scripts.lightning_tensor_parallel import CLIP, LR
+
+    torch.manual_seed(0)
+    model = TinyLlama()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for per_rank in zip(*batches):
+        ids = torch.cat(per_rank)
+        loss = loss_of(model(ids), ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_lightning_trainer_with_tensor_parallel_size_trains_like_one_process(lightning_run: list[Any]) -> None:
+    """configure_model splits the model over self.device_mesh['tensor_parallel']; the tensor-parallel
+    ranks of a group train on the same samples, the data-parallel ranks on different ones."""
+    by_group = [lightning_run[dp * TP : (dp + 1) * TP] for dp in range(DP)]
+    for group in by_group:
+        assert all(_same(rank["batches"], group[0]["batches"]) for rank in group), "a group splits one batch"
+    assert not _same(by_group[0][0]["batches"], by_group[1][0]["batches"])
+    losses, weights = _one_process_lightning_reference([group[0]["batches"] for group in by_group])
+    mean_losses = [sum(group[0]["losses"][step] for group in by_group) / DP for step in range(len(losses))]
+    assert mean_losses == pytest.approx(losses, rel=1e-5)
+    for rank in lightning_run:
+        assert "layers.0.attention.wq.weight" in ",".join(rank["split"])
+        whole = {name.removeprefix("model."): value for name, value in rank["weights"].items()}
+        assert _max_difference(whole, weights) < 1e-4
+        assert "enable_checkpointing=False" in rank["checkpointing"]
