@@ -34,8 +34,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "unit": (1, "unit"),
     "collectives": (0, "collectives"),
     "config": (0, "config"),
-    "settings": (0, "config"),
-    "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms  # the records config.py declares its fields with
+    "settings": (0, "config"),  # the records config.py declares its fields with
+    "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms
     "deepspeed_config": (1, "deepspeed_config"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
     "hook_copies": (0, "hook_copies"),  # the engine's hooks, inert in a deep copy of the model
