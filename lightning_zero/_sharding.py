@@ -107,16 +107,6 @@ def build_engine(
     return engine
 
 
-def refuse_checkpoint_callbacks(trainer: Any) -> None:
-    """Checkpoints of a 2-D mesh are not built yet: refused before training, not at the first save."""
-    if trainer.checkpoint_callbacks:
-        raise ValueError(
-            "ZeroStrategy(tensor_parallel_size=...) cannot save checkpoints yet: pass "
-            "Trainer(enable_checkpointing=False) (and no ModelCheckpoint callback). Whole weights can be taken "
-            "at the end with strategy.engine.full_state_dict() on every rank."
-        )
-
-
 def teardown_keeping_module(strategy: Any, precision: Any) -> None:
     """DDP's teardown without moving the module: its parameters are views of the
     engine's buffers (``engine.unshard()`` gives an ordinary module back)."""

@@ -34,7 +34,6 @@ from ._sharding import (
     bind_settings,
     build_engine,
     check_sync_batchnorm_device,
-    refuse_checkpoint_callbacks,
     refuse_late_sync_batchnorm,
     register_zero_strategies,
     teardown_keeping_module,
@@ -156,8 +155,6 @@ class ZeroStrategy(DDPStrategy):
                     self.model = self._layer_sync.apply(self.lightning_module)
             self.setup_optimizers(trainer)
             optimizer = single_optimizer(self.optimizers)
-        if self._device_mesh is not None:
-            refuse_checkpoint_callbacks(trainer)
         self.engine = build_engine(
             self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device,
             device_mesh=self._device_mesh,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,16 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine, tensor_parallel_mesh
+from zero_core import (
+    MixedPrecision,
+    ModelChangedError,
+    ParameterAtRestError,
+    WrapPolicy,
+    ZeroConfig,
+    ZeroEngine,
+    tensor_parallel_mesh,
+)
+from zero_core.checkpoint import load_full_checkpoint
 
 from .distributed import by_rank, run_distributed
 from .tensor_parallel_model import Layer, TinyLlama, loss_of, parallelize, tokens
@@ -143,21 +153,23 @@ def _parity(rank: int, world_size: int) -> list[dict[str, Any]]:
     return results
 
 
-def _engine(stage: int = 3, dtype: Any = None) -> tuple[ZeroEngine, TinyLlama, Any]:
+def _engine(stage: int = 3, dtype: Any = None, before: Any = None) -> tuple[ZeroEngine, TinyLlama, Any]:
     mesh = tensor_parallel_mesh(TP)
     torch.manual_seed(0)
     split = parallelize(TinyLlama(), mesh["tensor_parallel"])
+    if before is not None:
+        before(split)
     precision = MixedPrecision(compute_dtype=dtype) if dtype is not None else MixedPrecision()
     config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision)
     return ZeroEngine(split, _optimizer("adamw", split), config, device_mesh=mesh), split, mesh
 
 
-def _exports(rank: int, world_size: int) -> dict[str, Any]:
-    """state_dict(), load_state_dict() and gathered_parameters() at stage 3 speak in whole parameters."""
-    engine, split, mesh = _engine()
+def _exports(rank: int, world_size: int, stage: int) -> dict[str, Any]:
+    """state_dict(), load_state_dict() and gathered_parameters() speak in whole parameters."""
+    engine, split, mesh = _engine(stage)
     torch.manual_seed(0)
     single = TinyLlama()
-    exported = split.state_dict()
+    exported = {k: v.clone() for k, v in split.state_dict().items()}  # stages 1/2 export views of the live values
     result = {
         "exported_kinds_match": all(
             isinstance(exported[name], DTensor) == isinstance(param, DTensor)
@@ -198,16 +210,127 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
 
 
 def _checkpoint_refusals() -> dict[str, str | None]:
-    """Not built yet on a 2-D mesh: refused on every rank before any file is written or read."""
+    """Not built yet on a 2-D mesh: refused on every rank before anything is read."""
     engine, split, _ = _engine()
-    refused = lambda action: refusal(action, NotImplementedError)  # noqa: E731
-    return {
-        "save": refused(lambda: engine.save_checkpoint("/nonexistent/tp-checkpoint")),
-        "load": refused(lambda: engine.load_checkpoint("/nonexistent/tp-checkpoint")),
-        "load_full": refused(lambda: engine.load_full_state_dict(split.state_dict())),
-        "sharded_model": refused(engine.sharded_model_state_dict),
-        "sharded_optimizer": refused(engine.sharded_optimizer_state_dict),
-    }
+    return {"load_full": refusal(lambda: engine.load_full_state_dict(split.state_dict()), NotImplementedError)}
+
+
+def _shared_directory() -> str:
+    path = [tempfile.mkdtemp(prefix="tp-checkpoint-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    return path[0]
+
+
+def _split_engine(stage: int, tensor_parallel: int, seed: int = 0) -> tuple[ZeroEngine, torch.nn.Module, Any]:
+    """A fresh engine on a mesh of ``tensor_parallel`` (1: the unsplit model on a plain 1-D engine)."""
+    torch.manual_seed(seed)
+    model = TinyLlama()
+    config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)))
+    if tensor_parallel == 1:
+        return ZeroEngine(model, _optimizer("adamw", model), config), model, None
+    mesh = tensor_parallel_mesh(tensor_parallel)
+    parallelize(model, mesh["tensor_parallel"])
+    return ZeroEngine(model, _optimizer("adamw", model), config, device_mesh=mesh), model, mesh
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    """What the 2 x 2 runs train on at ``step``: both data-parallel ranks' micro-batches."""
+    return torch.cat([tokens(step, r) for r in range(DP)])
+
+
+def _train_step(engine: ZeroEngine, model: torch.nn.Module, step: int) -> None:
+    """One step on the global batch, each data-parallel rank its share (whatever the mesh)."""
+    dp_size, dp_rank = engine.world_size, engine.rank
+    rows = _global_batch(step).chunk(dp_size)[dp_rank]
+    engine.backward(loss_of(model(rows), rows))
+    engine.clip_grad_norm_(0.5)
+    engine.step()
+    engine.optimizer.zero_grad()
+
+
+def _checkpoints(rank: int, world_size: int) -> dict[str, float]:
+    """Saved on 2 x 2 at stage 3 under the whole parameters' names and shapes; resumed on 2 x 2 at stage 1,
+    on 4 plain data-parallel ranks and on 1 x 4, each continuing like the run that never stopped; a
+    plain 4-rank checkpoint resumed on 2 x 2; the consolidation tool reads the whole weights."""
+    directory = _shared_directory()
+    engine, model, _ = _split_engine(stage=3, tensor_parallel=TP)
+    for step in range(2):
+        _train_step(engine, model, step)
+    saved = engine.full_state_dict()
+    engine.save_checkpoint(f"{directory}/split")
+    _train_step(engine, model, 2)
+    uninterrupted = engine.full_state_dict()
+    result = {}
+    for name, stage, tensor_parallel in (("2x2 stage 1", 1, TP), ("4 plain ranks", 2, 1), ("1x4", 3, WORLD)):
+        resumed, resumed_model, _ = _split_engine(stage, tensor_parallel, seed=1)
+        resumed.load_checkpoint(f"{directory}/split")
+        result[f"{name}: loaded"] = _max_difference(resumed.full_state_dict(), saved)
+        _train_step(resumed, resumed_model, 2)
+        result[f"{name}: continued"] = _max_difference(resumed.full_state_dict(), uninterrupted)
+    plain, _, _ = _split_engine(stage=2, tensor_parallel=1, seed=2)
+    plain.save_checkpoint(f"{directory}/plain")
+    split, _, _ = _split_engine(stage=3, tensor_parallel=TP)
+    split.load_checkpoint(f"{directory}/plain")
+    result["plain into 2x2"] = _max_difference(split.full_state_dict(), plain.full_state_dict())
+    if rank == 0:
+        consolidated = load_full_checkpoint(f"{directory}/split")["model"]
+        result["consolidated"] = _max_difference(consolidated, saved)
+    return result
+
+
+def _user_paths(rank: int, world_size: int) -> dict[str, Any]:
+    """What users do around the split parameters: attributes and hooks on them, gathered_parameters()
+    between steps and between a forward and its backward, touching them at rest, converting the model."""
+    result: dict[str, Any] = {}
+    for stage in (1, 3):
+        runs = {}
+        for touched in (False, True):
+            fired: list[int] = []
+
+            def before(split: TinyLlama) -> None:
+                weight = split.layers[0].feed_forward.w1.weight
+                weight.no_weight_decay = True  # what users hang on parameters (Lightning's no-decay lists)
+                weight.register_hook(lambda grad: fired.append(1))
+
+            engine, split, mesh = _engine(stage, before=before)
+            for step in range(STEPS):
+                ids = tokens(step, mesh["data_parallel"].get_local_rank())
+                loss = loss_of(split(ids), ids)
+                with engine.gathered_parameters() if touched else _nothing():  # between a forward and its backward
+                    pass
+                engine.backward(loss)
+                engine.step()
+                engine.optimizer.zero_grad()
+                with engine.gathered_parameters() if touched else _nothing():  # between steps
+                    pass
+            runs[touched] = engine.full_state_dict()
+            weight = split.layers[0].feed_forward.w1.weight
+            result[f"stage {stage}: attribute kept"] = getattr(weight, "no_weight_decay", False)
+            result[f"stage {stage}: user hook fired"] = len(fired)
+        result[f"stage {stage}: gathered_parameters changes nothing"] = _max_difference(runs[True], runs[False])
+    engine, split, mesh = _engine(3)
+    weight = split.layers[0].feed_forward.w1.weight
+    for name in ("to_local", "full_tensor"):
+        result[f"at rest: {name}"] = refusal(getattr(weight, name), ParameterAtRestError)
+    result["at rest: repr"] = repr(weight)
+    engine, split, mesh = _engine(2)
+    split.to("cpu")  # the same device: torch still gives DTensor parameters new tensors
+    ids = tokens(0, 0)
+    result["converted"] = refusal(lambda: split(ids), ModelChangedError)
+    return result
+
+
+def _tensor_parallel_ranks_agree(rank: int, world_size: int) -> float:
+    """Values every tensor-parallel rank should hold alike but does not (seeded differently, say) take the
+    first one's, as data-parallel ranks take rank 0's."""
+    mesh = tensor_parallel_mesh(TP)
+    torch.manual_seed(0)
+    split = parallelize(TinyLlama(), mesh["tensor_parallel"])
+    norm = split.norm.weight  # Replicate: every tensor-parallel rank holds all of it
+    with torch.no_grad():
+        norm.to_local().fill_(float(mesh["tensor_parallel"].get_local_rank() + 2))
+    engine = ZeroEngine(split, None, ZeroConfig(stage=3), device_mesh=mesh)
+    return float(engine.full_state_dict()["norm.weight"].sub(2.0).abs().max())
 
 
 def _whole(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -301,10 +424,13 @@ def grid() -> list[Any]:
 def _grid(rank: int, world_size: int) -> dict[str, Any]:
     return {
         "parity": _parity(rank, world_size),
-        "exports": _exports(rank, world_size),
+        "exports": [_exports(rank, world_size, stage) for stage in (1, 3)],
+        "user_paths": _user_paths(rank, world_size),
+        "replicated_agree": _tensor_parallel_ranks_agree(rank, world_size),
         "overflow": _overflow_on_one_tensor_parallel_rank(rank, world_size),
         "traffic": _traffic(rank, world_size),
         "refusals": _refusals(rank, world_size),
+        "checkpoints": _checkpoints(rank, world_size),
     }
 
 
@@ -321,14 +447,31 @@ def test_every_stage_trains_like_data_parallel_and_like_one_process(grid: list[A
         assert case["vs_single"] < (5e-2 if low_precision else 1e-4), case["case"]
 
 
-def test_state_dict_load_and_gathered_parameters_speak_in_whole_parameters(grid: list[Any]) -> None:
-    for result in by_rank(grid, "exports"):
+@pytest.mark.parametrize("stage", (1, 3))
+def test_state_dict_load_and_gathered_parameters_speak_in_whole_parameters(grid: list[Any], stage: int) -> None:
+    for result in [results[stage // 3] for results in by_rank(grid, "exports")]:
         assert result["exported_kinds_match"], "split parameters export as DTensors, as the unsharded split model's"
         assert result["exported"] == 0.0
         assert result["loaded_plain"] == 0.0, "whole plain values: each rank takes its piece"
         assert result["loaded_dtensors"] == 0.0
         assert result["inside"] == 0.0
         assert result["written_back"] == 0.0
+
+
+def test_what_users_do_around_split_parameters_keeps_training_right(grid: list[Any]) -> None:
+    for result in by_rank(grid, "user_paths"):
+        for stage in (1, 3):
+            assert result[f"stage {stage}: gathered_parameters changes nothing"] == 0.0
+            assert result[f"stage {stage}: attribute kept"] is True
+            assert result[f"stage {stage}: user hook fired"] == STEPS
+        for name in ("to_local", "full_tensor"):
+            assert "gathered_parameters()" in result[f"at rest: {name}"], name
+        assert "sharded at rest by ZeRO-3" in result["at rest: repr"]
+        assert "tensor-parallel parameter" in result["converted"]
+
+
+def test_tensor_parallel_ranks_start_from_the_same_replicated_values(grid: list[Any]) -> None:
+    assert by_rank(grid, "replicated_agree") == [0.0] * WORLD
 
 
 def test_an_overflow_on_one_tensor_parallel_rank_skips_the_step_everywhere(grid: list[Any]) -> None:
@@ -351,6 +494,16 @@ def test_traffic_per_mesh_dimension_matches_the_formulas(grid: list[Any], stage:
         assert "world" not in sent
 
 
+def test_checkpoints_resume_on_another_mesh_stage_and_world_and_consolidate(grid: list[Any]) -> None:
+    for rank, result in enumerate(by_rank(grid, "checkpoints")):
+        for name in ("2x2 stage 1", "4 plain ranks", "1x4"):
+            assert result[f"{name}: loaded"] == 0.0, name
+            assert result[f"{name}: continued"] < 1e-6, name
+        assert result["plain into 2x2"] == 0.0
+        if rank == 0:
+            assert result["consolidated"] == 0.0
+
+
 def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
     for result in by_rank(grid, "refusals"):
         assert "device_mesh=" in result["no_mesh"]
@@ -359,8 +512,7 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "process_group= or device_mesh=" in result["both"]
         assert "tensor_parallel_mesh(2)" in result["size_without_mesh"]
         assert "has 2 ranks" in result["size_differs"]
-        for action in ("save", "load", "load_full", "sharded_model", "sharded_optimizer"):
-            assert "tensor parallelism" in result[action] and "full_state_dict()" in result[action], action
+        assert "tensor parallelism" in result["load_full"] and "model.load_state_dict()" in result["load_full"]
 
 
 LIGHTNING_SCRIPT = Path(__file__).parent / "scripts" / "lightning_tensor_parallel.py"
@@ -375,14 +527,15 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
-def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """The same steps in one process on the global batch: every data-parallel rank's ``batches``."""
+def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], list[dict]]:
+    """The same steps in one process on the global batch (every data-parallel rank's ``batches``), and the
+    weights after each step."""
     from tests.scripts.lightning_tensor_parallel import CLIP, LR
 
     torch.manual_seed(0)
     model = TinyLlama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses = []
+    losses, weights = [], []
     for per_rank in zip(*batches):
         ids = torch.cat(per_rank)
         loss = loss_of(model(ids), ids)
@@ -391,25 +544,31 @@ def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, model.state_dict()
+        weights.append(copy.deepcopy(model.state_dict()))
+    return losses, weights
 
 
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_lightning_trainer_with_tensor_parallel_size_trains_like_one_process(lightning_run: list[Any]) -> None:
+def test_lightning_trainer_with_tensor_parallel_size_trains_and_resumes_like_one_process(lightning_run: list) -> None:
     """configure_model splits the model over self.device_mesh['tensor_parallel']; the tensor-parallel
-    ranks of a group train on the same samples, the data-parallel ranks on different ones."""
+    ranks of a group train on the same samples, the data-parallel ranks on different ones; a checkpoint
+    the Trainer saved resumes at another stage exactly where the run stopped."""
     by_group = [lightning_run[dp * TP : (dp + 1) * TP] for dp in range(DP)]
     for group in by_group:
         assert all(_same(rank["batches"], group[0]["batches"]) for rank in group), "a group splits one batch"
     assert not _same(by_group[0][0]["batches"], by_group[1][0]["batches"])
-    losses, weights = _one_process_lightning_reference([group[0]["batches"] for group in by_group])
-    mean_losses = [sum(group[0]["losses"][step] for group in by_group) / DP for step in range(len(losses))]
-    assert mean_losses == pytest.approx(losses, rel=1e-5)
+    batches = [group[0]["batches"] + group[0]["resumed_batches"] for group in by_group]
+    losses, weights = _one_process_lightning_reference(batches)
+    steps = len(by_group[0][0]["losses"])
+    assert (steps, len(by_group[0][0]["resumed_losses"])) == (3, 1)
+    mean = lambda key: [sum(group[0][key][i] for group in by_group) / DP for i in range(len(group[0][key]))]  # noqa: E731
+    assert mean("losses") == pytest.approx(losses[:steps], rel=1e-5)
+    assert mean("resumed_losses") == pytest.approx(losses[steps:], rel=1e-5)
     for rank in lightning_run:
         assert "layers.0.attention.wq.weight" in ",".join(rank["split"])
-        whole = {name.removeprefix("model."): value for name, value in rank["weights"].items()}
-        assert _max_difference(whole, weights) < 1e-4
-        assert "enable_checkpointing=False" in rank["checkpointing"]
+        for key, step in (("weights", steps - 1), ("resumed", len(losses) - 1)):
+            whole = {name.removeprefix("model."): value for name, value in rank[key].items()}
+            assert _max_difference(whole, weights[step]) < 1e-4, key

@@ -16,6 +16,7 @@ from . import agreement
 from .checkpoint.training_state import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
+from .mesh import checkpoint_comm
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
 from .model.meta_init import (
@@ -170,7 +171,7 @@ def build_parts(
     runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     checkpoints = CheckpointTarget(
-        model, units, comm, attachment, loss_scaler, config.stage,
+        model, units, checkpoint_comm(comm), attachment, loss_scaler, config.stage,
         steps_taken=lambda: optimizer_step.steps_taken,
         quiesce=runtime.quiesce,
         sync_buffers=buffer_sync.for_export,

@@ -69,6 +69,12 @@ def check_mesh(mesh: DeviceMesh) -> None:
             f"a 2-D mesh named ('{DATA_PARALLEL}', '{TENSOR_PARALLEL}'), as Lightning's ModelParallelStrategy "
             "builds it and zero_core.tensor_parallel_mesh(tensor_parallel_size) makes."
         )
+    if mesh.ndim == 2 and mesh.size() != dist.get_world_size():
+        # Checkpoints of a 2-D mesh are agreed by every rank of the world (checkpoint_comm).
+        raise ValueError(
+            f"device_mesh spans {mesh.size()} of the {dist.get_world_size()} processes: a 2-D mesh must span "
+            "every process (zero_core.tensor_parallel_mesh(tensor_parallel_size) makes one)."
+        )
 
 
 def check_tensor_parallel_size(mesh: DeviceMesh | None, config: ZeroConfig) -> None:
@@ -94,6 +100,16 @@ def comm_for_mesh(mesh: DeviceMesh, device: torch.device) -> CommContext:
     comm.tensor_parallel_group = tp.get_group()
     comm.tensor_parallel_rank, comm.tensor_parallel_size = tp.get_local_rank(), tp.size()
     return comm
+
+
+def checkpoint_comm(comm: CommContext) -> CommContext:
+    """Where a checkpoint is agreed and written: on a 2-D mesh every rank of the world, whose pieces of
+    the tensor-parallel layers all go into one checkpoint (the units keep their data-parallel context)."""
+    if comm.tensor_parallel_size == 1:
+        return comm
+    world = CommContext.create(None, comm.device)
+    world.position = comm.position
+    return world
 
 
 def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroConfig) -> None:
@@ -122,6 +138,11 @@ def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroC
         raise ValueError(
             "shard_group_size (hybrid sharding) with a 2-D device mesh is not supported yet: shard across "
             "every data-parallel rank (leave shard_group_size unset)."
+        )
+    if config.offload_activations:
+        raise ValueError(
+            "offload_activations with tensor parallelism is not supported yet (what autograd saves is DTensors): "
+            "leave it off on a 2-D mesh."
         )
     if any(p.is_meta for _, p in model.named_parameters()):
         raise ValueError(

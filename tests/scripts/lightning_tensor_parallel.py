@@ -4,9 +4,9 @@
 
 Launched as a plain script: Lightning's own launcher starts the other processes. ``configure_model``
 splits a tiny Llama-style model over ``self.device_mesh["tensor_parallel"]``; the strategy shards it
-across the data-parallel ranks. Each rank writes OUT_DIR/rank<r>.pt: its losses, the batches it
-trained on, the final whole weights, and what a Trainer that would save checkpoints
-was told.
+across the data-parallel ranks. After STEPS steps the Trainer saves a checkpoint, and a second Trainer
+at another stage resumes from it for one more step. Each rank writes OUT_DIR/rank<r>.pt: its losses and
+the batches it trained on, and the whole weights, of both runs.
 """
 
 from __future__ import annotations
@@ -56,27 +56,33 @@ def samples() -> torch.Tensor:
     return torch.randint(0, VOCAB, (4 * STEPS * BATCH, SEQUENCE), generator=torch.Generator().manual_seed(7))
 
 
-def trainer(stage: int, **kwargs: object) -> pl.Trainer:
+def trainer(stage: int, max_steps: int) -> pl.Trainer:
     strategy = ZeroStrategy(stage=stage, tensor_parallel_size=2, wrap_policy=Layer)
-    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
-    return pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, **quiet, **kwargs)
+    quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    return pl.Trainer(
+        accelerator="cpu", devices=4, strategy=strategy, max_steps=max_steps, gradient_clip_val=CLIP, **quiet
+    )
 
 
 def main(out: Path, stage: int) -> None:
     loader = DataLoader(TensorDataset(samples()), batch_size=BATCH, shuffle=False)
     module = SplitLlama()
-    fit = trainer(stage, enable_checkpointing=False, gradient_clip_val=CLIP)
+    fit = trainer(stage, max_steps=STEPS)
     fit.fit(module, loader)
+    checkpoint = out / "split.ckpt"
+    fit.save_checkpoint(checkpoint)
     result = {
         "losses": module.losses,
         "batches": module.batches,
         "split": [name for name, p in module.named_parameters() if isinstance(p, DTensor)],
         "weights": fit.strategy.engine.full_state_dict(),
     }
-    try:  # the default Trainer saves checkpoints, which a 2-D mesh cannot yet: refused before training
-        trainer(stage).fit(SplitLlama(), loader)
-    except ValueError as error:
-        result["checkpointing"] = str(error)
+    resumed = SplitLlama()  # at another stage, one step more
+    again = trainer(1 if stage != 1 else 3, max_steps=STEPS + 1)
+    again.fit(resumed, loader, ckpt_path=checkpoint)
+    result.update(
+        resumed_losses=resumed.losses, resumed_batches=resumed.batches, resumed=again.strategy.engine.full_state_dict()
+    )
     torch.save(result, out / f"rank{fit.global_rank}.pt")
 
 

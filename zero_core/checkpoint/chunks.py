@@ -58,22 +58,39 @@ def flat_range_to_rectangles(shape: tuple[int, ...], start: int, end: int) -> li
     return rectangles
 
 
+def _shifted(rectangle: Rectangle, offsets: tuple[int, ...]) -> Rectangle:
+    return Rectangle(tuple(o + s for o, s in zip(rectangle.offsets, offsets)), rectangle.sizes, rectangle.flat_start)
+
+
 class ShardedChunks(torch.Tensor):
     """A logical ``shape`` tensor of which this rank holds the elements
-    ``[flat_start, flat_start + local.numel())`` (flat order), stored in ``local``."""
+    ``[flat_start, flat_start + local.numel())`` (flat order), stored in ``local``.
+
+    Tensor parallelism: the flat order is that of a ``piece_shape`` piece of the whole tensor
+    starting at ``piece_offsets`` (this rank's local piece of a DTensor parameter); the rectangles
+    are named where they lie in the whole."""
 
     _local: torch.Tensor
     _rectangles: list[Rectangle]
     _flat_start: int
 
     @staticmethod
-    def __new__(cls, shape: torch.Size, local: torch.Tensor, flat_start: int) -> "ShardedChunks":
+    def __new__(
+        cls,
+        shape: torch.Size,
+        local: torch.Tensor,
+        flat_start: int,
+        piece_shape: torch.Size | None = None,
+        piece_offsets: tuple[int, ...] | None = None,
+    ) -> "ShardedChunks":
         view = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=local.dtype, device=local.device, requires_grad=False
         )
         view._local = local
         view._flat_start = flat_start
-        view._rectangles = flat_range_to_rectangles(tuple(shape), flat_start, flat_start + local.numel())
+        piece = tuple(shape if piece_shape is None else piece_shape)
+        rectangles = flat_range_to_rectangles(piece, flat_start, flat_start + local.numel())
+        view._rectangles = [_shifted(r, piece_offsets) for r in rectangles] if piece_offsets else rectangles
         return view
 
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -83,7 +83,7 @@ def expected_model_shapes(view: ShardedModel) -> dict[str, tuple[int, ...]]:
     for key, value in view.model.state_dict(keep_vars=True).items():
         if isinstance(value, torch.Tensor):
             slot = slot_of.get(id(value))
-            shapes[key] = tuple(slot.shape) if slot is not None else tuple(value.shape)
+            shapes[key] = tuple(slot.whole_shape) if slot is not None else tuple(value.shape)
     return shapes
 
 
@@ -115,8 +115,8 @@ def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) 
         slot = slots.get(fqn)
         if slot is None:
             unknown.add(fqn)
-        elif tuple(entry.size) not in (tuple(slot.shape), ()):
-            misshaped.append(f"{fqn} {state_key} (checkpoint {tuple(entry.size)}, parameter {tuple(slot.shape)})")
+        elif tuple(entry.size) not in (tuple(slot.whole_shape), ()):
+            misshaped.append(f"{fqn} {state_key} (checkpoint {tuple(entry.size)}, parameter {tuple(slot.whole_shape)})")
     if unknown or misshaped:
         raise mismatch_error(f"{path}'s optimizer state does not fit this model", [], sorted(unknown), misshaped)
 

@@ -43,8 +43,9 @@ class ShardedModel:
 
     @property
     def rank(self) -> int:
-        """This rank's place in its shard group: which pieces of each unit it holds."""
-        return self.comm.shard_rank
+        """This rank's place in its shard group: which pieces of each unit it holds. (The units' own context:
+        on a 2-D mesh ``comm`` spans every rank, the shard group the data-parallel ones.)"""
+        return self.units[0].comm.shard_rank
 
 
 @dataclass(frozen=True)

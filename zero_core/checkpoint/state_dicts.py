@@ -1,8 +1,8 @@
 """Sharded state dicts of the model and optimizer, in full logical shapes.
 
 Every parameter and per-element optimizer-state tensor appears under its
-fully qualified name with its full shape, as a :class:`ShardedChunks` view of
-this rank's fp32 shard; buffers and scalar state (Adam's ``step``) appear as
+fully qualified name with its full shape (a tensor-parallel parameter's whole
+shape), as a :class:`ShardedChunks` view of this rank's fp32 shard; buffers and scalar state (Adam's ``step``) appear as
 ordinary tensors every rank holds alike. The layout is FSDP's: the
 optimizer state dict is ``{"state": {fqn: {key: tensor}}, "param_groups":
 [{..., "params": [fqn, ...]}]}``, so tools that read FSDP checkpoints read
@@ -22,10 +22,15 @@ from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
 from .chunks import ShardedChunks
 
 
+def slot_chunks(slot: ParamSlot, local: torch.Tensor, flat_start: int) -> ShardedChunks:
+    """``local`` (from ``flat_start`` of the slot's flat order) as pieces of the whole parameter."""
+    return ShardedChunks(slot.whole_shape, local, flat_start, slot.shape, slot.offsets_in_whole)
+
+
 def _local_chunks(shard: torch.Tensor, slot: ParamSlot, piece: ShardPiece | None) -> ShardedChunks:
     if piece is None:  # this rank's shard holds none of the parameter
-        return ShardedChunks(slot.shape, shard[:0], 0)
-    return ShardedChunks(slot.shape, shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
+        return slot_chunks(slot, shard[:0], 0)
+    return slot_chunks(slot, shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
 
 
 def sharded_model_state_dict(
@@ -71,7 +76,7 @@ def sharded_optimizer_state_dict(
             slot = master.piece.slot
             for key, value in optimizer.state.get(master.param, {}).items():
                 if _is_per_element(value, master):
-                    value = ShardedChunks(slot.shape, value, master.piece.param_start)
+                    value = slot_chunks(slot, value, master.piece.param_start)
                 state.setdefault(slot.fqns[0], {})[key] = value
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}
@@ -103,9 +108,9 @@ def optimizer_load_targets(
             slot = master.piece.slot
             for key, entry in saved_state.get(slot.fqns[0], []):
                 dtype = entry.properties.dtype
-                if tuple(entry.size) == tuple(slot.shape) and (len(slot.shape) > 0 or key != "step"):
+                if tuple(entry.size) == tuple(slot.whole_shape) and (len(slot.shape) > 0 or key != "step"):
                     local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.master_shard.device)
-                    target: torch.Tensor = ShardedChunks(slot.shape, local, master.piece.param_start)
+                    target: torch.Tensor = slot_chunks(slot, local, master.piece.param_start)
                 else:
                     local = target = torch.zeros(entry.size, dtype=dtype)
                 targets.setdefault(slot.fqns[0], {})[key] = target

@@ -59,14 +59,13 @@ class Resumed(NamedTuple):
 
 
 def refuse_tensor_parallel(target: CheckpointTarget, what: str) -> None:
-    """A 2-D mesh's checkpoints need every parameter piece placed in its whole parameter, and the save
-    agreed by every rank of both dimensions: not built yet, so refused before anything is written or read
-    (on every rank alike: they share the mesh)."""
-    if target.comm.tensor_parallel_size > 1:
+    """Full weights and optimizer state on a 2-D mesh would need each rank's flat pieces read as rectangles of
+    the whole tensors: not built yet, so refused before anything is read (on every rank alike)."""
+    if target.units and target.units[0].comm.tensor_parallel_size > 1:
         raise NotImplementedError(
-            f"{what} with tensor parallelism (a 2-D device mesh) is not supported yet. Save whole weights "
-            "instead: engine.full_state_dict() (every rank calls; DTensor parameters come back whole), or "
-            "model.state_dict() with DCP's own torch.distributed.checkpoint.save."
+            f"{what} with tensor parallelism (a 2-D device mesh) is not supported yet: load whole weights with "
+            "model.load_state_dict() (every rank, whole tensors or DTensors), or resume from a save_checkpoint() "
+            "directory, which loads at any mesh."
         )
 
 
@@ -82,12 +81,10 @@ def sharded_view(target: CheckpointTarget, operation: str | None = None) -> Shar
 
 
 def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
-    refuse_tensor_parallel(target, "sharded_model_state_dict()")
     return sharded_state(sharded_view(target), with_optimizer=False)[MODEL_KEY]
 
 
 def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
-    refuse_tensor_parallel(target, "sharded_optimizer_state_dict()")
     with meeting("sharded_optimizer_state_dict()"):
         target.attachment.make_state_resident()
         view = sharded_view(target, "collecting the optimizer's state")
@@ -102,7 +99,6 @@ def save(
     include_optimizer: bool,
     include_model: bool,
 ) -> Path:
-    refuse_tensor_parallel(target, "save_checkpoint()")
     if not (include_model or include_optimizer):
         raise ValueError("Nothing to save: include the model, the optimizer or both.")
     with meeting("save_checkpoint()"):
@@ -175,7 +171,6 @@ def load(
     everything as it was (``extra`` is the same on every rank, so it raises on every rank alike).
     All or nothing: model, optimizer, loss scale and step count change only once every rank has read
     everything. Gradients accumulated before the load are discarded."""
-    refuse_tensor_parallel(target, "load_checkpoint()")
     with meeting("load_checkpoint()"):
         return _load(target, path, load_optimizer, load_model, optimizer_path, check_extra)
 
@@ -212,7 +207,7 @@ def load_full_state(
 ) -> None:
     """Full weights and, when given, a full optimizer state dict (torch's or FSDP's layout), all or nothing:
     both are read and agreed on every rank before either is installed."""
-    refuse_tensor_parallel(target, "load_full_state_dict() (use model.load_state_dict(), which takes whole values)")
+    refuse_tensor_parallel(target, "load_full_state_dict()")
     if optimizer_state is not None and target.optimizer is None:
         raise ValueError("optimizer_state_dict was given, but no optimizer is attached to load it into.")
     with meeting("load_full_state_dict()"):

@@ -119,13 +119,16 @@ def all_reduce(
         return _handle(comm, work, CollectiveKind.ALL_REDUCE, label)
 
 
-def broadcast(comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label: str = "buffers") -> Handle:
-    """Broadcast to every rank from ``src_rank`` of the group (a group rank, not a global one)."""
-    comm.stats.record(CollectiveKind.BROADCAST, tensor, Span.WORLD)
+def broadcast(
+    comm: CommContext, tensor: torch.Tensor, src_rank: int = 0, label: str = "buffers", span: Span = Span.WORLD
+) -> Handle:
+    """Broadcast to every rank of ``span`` from ``src_rank`` of it (a group rank, not a global one)."""
+    comm.stats.record(CollectiveKind.BROADCAST, tensor, span)
+    group, size = comm.span(span)
     with record_function("zero::broadcast"):
-        if comm.world_size == 1:
+        if size == 1:
             return Handle()
-        work = dist.broadcast(tensor, group_src=src_rank, group=comm.group, async_op=True)
+        work = dist.broadcast(tensor, group_src=src_rank, group=group, async_op=True)
         return _handle(comm, work, CollectiveKind.BROADCAST, label)
 
 

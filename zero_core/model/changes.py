@@ -35,6 +35,9 @@ class Registration(NamedTuple):
     slot_index: int
     shape: torch.Size  # the parameter's own (a DTensor's global shape)
     dtensor: bool  # tensor parallelism: its data is its local piece's
+    # A DTensor's C++ tensor, which holds its gradient hooks: model.to() and friends swap it for a new one
+    # (torch.utils.swap_tensors, as torch converts tensor subclasses), and the engine's hooks would be gone.
+    tensor_id: int
 
 
 _ADVICE = (
@@ -60,9 +63,11 @@ class RegisteredParameters:
             for name, param in module.named_parameters(recurse=False):
                 unit, slot_index = slot_of[id(param)]
                 fqn = f"{module_name}.{name}" if module_name else name
-                self.registrations.append(
-                    Registration(module._parameters, name, fqn, param, unit, slot_index, param.shape, is_dtensor(param))
+                shape, dtensor = param.shape, is_dtensor(param)
+                entry = Registration(
+                    module._parameters, name, fqn, param, unit, slot_index, shape, dtensor, param._cdata
                 )
+                self.registrations.append(entry)
         self.by_unit = [
             (unit, [(e, unit.slot_byte_offsets[e.slot_index]) for e in self.registrations if e.unit is unit])
             for unit in units
@@ -90,6 +95,7 @@ class RegisteredParameters:
                         entry.registry.get(entry.name) is not param
                         or param.dtype is not dtype
                         or param.shape != entry.shape
+                        or (entry.dtensor and param._cdata != entry.tensor_id)
                         or (base is not None and data.data_ptr() != base + offset and data.numel())
                     ):
                         self._refuse(entry)
@@ -101,6 +107,12 @@ class RegisteredParameters:
             raise ModelChangedError(
                 f"The parameter '{entry.fqn}' was replaced after ZeRO sharded the model, so the engine "
                 f"would keep training the old one. {_ADVICE}"
+            )
+        if entry.dtensor and param._cdata != entry.tensor_id:
+            raise ModelChangedError(
+                f"The tensor-parallel parameter '{entry.fqn}' was converted after sharding (model.to(), .float(), "
+                "or another conversion, which gives a DTensor parameter a new tensor), so the engine's gradient "
+                f"hooks no longer see it. {_ADVICE}"
             )
         if param.dtype != entry.unit.precision.compute_dtype or param.shape != entry.shape:
             raise ModelChangedError(

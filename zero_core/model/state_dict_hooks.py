@@ -28,7 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from ..collectives import meeting
 from ..hook_copies import InertWhenCopied
 from ..unit import FlatUnit
-from ..unit.tensor_parallel import exported_copy
+from ..unit.tensor_parallel import as_dtensor_like, exported_copy, is_dtensor, local_piece_of
 from .full_params import of_units
 from .pass_control import PassControl
 
@@ -132,3 +132,7 @@ class StateDictHooks:
             unit = self.unit_of.get(id(param))
             if unit is not None and isinstance(value, torch.Tensor):
                 unit.write_param(param, value)  # a wrong shape is left to torch's own error
+                if is_dtensor(param) and not is_dtensor(value) and value.shape == param.shape:
+                    # Torch copies the value into the parameter next (stages 1/2), and a DTensor parameter
+                    # takes a DTensor: this rank's piece of the whole value (torch's load works on a copy).
+                    state_dict[prefix + name] = as_dtensor_like(param, local_piece_of(param, value))

@@ -20,7 +20,7 @@ from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
 from .plan import UnitPlan
 from .storage import ParamStorage, StorageState
-from .tensor_parallel import local_shape, spread_over_ranks
+from .tensor_parallel import local_shape, place_in_whole
 
 
 class MasterPiece(NamedTuple):
@@ -48,7 +48,7 @@ class FlatUnit:
         self.layout = FlatLayout.build(
             [(fqns, local_shape(p), p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)],
             comm.shard_size,
-            spread_over_ranks=[spread_over_ranks(p) for p in plan.params],
+            places=[place_in_whole(p) for p in plan.params],
         )
         self._slot_of_param = {id(p): i for i, p in enumerate(self.params)}
         # Stage 3 at rest: parameters take a guard class (guard.py) instead of their own.

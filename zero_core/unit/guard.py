@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 class ParameterAtRestError(RuntimeError):
@@ -236,6 +237,31 @@ class ParameterGuard:
         )
 
 
+# DTensor's own methods that read the local piece without passing through __torch_function__.
+_DTENSOR_READS = ("to_local", "full_tensor", "redistribute", "__repr__")
+
+
+def _dtensor_reads(param_class: type[nn.Parameter], guard: ParameterGuard) -> dict[str, Callable[..., Any]]:
+    """A resting tensor-parallel parameter's local piece has no storage either: these refuse too."""
+    if not issubclass(param_class, DTensor):
+        return {}
+
+    def guarded(name: str) -> Callable[..., Any]:
+        own = getattr(param_class, name)
+
+        def read(self: nn.Parameter, *args: Any, **kwargs: Any) -> Any:
+            if guard.unit.refreshing:
+                guard.unit.wait_gathered()  # stages 1/2: the values arrive, then read as usual
+                return own(self, *args, **kwargs)
+            if name == "__repr__":
+                return guard._description(self)
+            raise guard.error(self, f"cannot be read by '{name}'")
+
+        return read
+
+    return {name: guarded(name) for name in _DTENSOR_READS}
+
+
 def guard_class(param_class: type[nn.Parameter], guard: ParameterGuard) -> type[nn.Parameter]:
     """The at-rest class of parameters of ``param_class`` in the guarded unit."""
 
@@ -252,5 +278,6 @@ def guard_class(param_class: type[nn.Parameter], guard: ParameterGuard) -> type[
         {
             "__torch_function__": classmethod(lambda cls, *a, **k: guard(*a, **k)),
             "__deepcopy__": deepcopy,
+            **_dtensor_reads(param_class, guard),
         },
     )

@@ -16,6 +16,16 @@ from typing import NamedTuple
 import torch
 
 
+class PlaceInWhole(NamedTuple):
+    """Tensor parallelism: where this rank's local piece of a DTensor parameter lies in the whole one."""
+
+    whole_shape: torch.Size
+    offsets: tuple[int, ...]  # of the piece's first element, per dimension of the whole
+    # Each tensor-parallel rank holds a different piece (a Shard placement), so norms over the model
+    # add every rank's; False for Replicate (every rank holds the whole, counted once).
+    spread_over_ranks: bool
+
+
 class ParamSlot(NamedTuple):
     """One (possibly shared) parameter's place in its unit's flat buffer."""
 
@@ -25,9 +35,20 @@ class ParamSlot(NamedTuple):
     flat_offset: int
     numel: int
     requires_grad: bool
-    # Tensor parallelism: each tensor-parallel rank holds a different piece (a Shard placement), so
-    # norms over the model add every rank's; False for Replicate and plain parameters (counted once).
-    spread_over_ranks: bool = False
+    place: PlaceInWhole | None = None  # a DTensor parameter's; None: the slot holds the whole parameter
+
+    @property
+    def whole_shape(self) -> torch.Size:
+        """The whole parameter's shape, as checkpoints name it."""
+        return self.place.whole_shape if self.place is not None else self.shape
+
+    @property
+    def offsets_in_whole(self) -> tuple[int, ...]:
+        return self.place.offsets if self.place is not None else (0,) * len(self.shape)
+
+    @property
+    def spread_over_ranks(self) -> bool:
+        return self.place is not None and self.place.spread_over_ranks
 
 
 class ShardPiece(NamedTuple):
@@ -51,14 +72,15 @@ class FlatLayout:
         cls,
         params: list[tuple[tuple[str, ...], torch.Size, bool]],
         world_size: int,
-        spread_over_ranks: list[bool] | None = None,
+        places: list[PlaceInWhole | None] | None = None,
     ) -> "FlatLayout":
-        """``params``: (names, shape, requires_grad) per unique parameter, in order."""
+        """``params``: (names, shape, requires_grad) per unique parameter, in order; ``places``: where each
+        is a piece of a whole parameter (tensor parallelism), None for the others."""
         slots, offset = [], 0
-        spread = spread_over_ranks or [False] * len(params)
+        places = places or [None] * len(params)
         for index, (fqns, shape, requires_grad) in enumerate(params):
             numel = shape.numel()
-            slots.append(ParamSlot(index, fqns, shape, offset, numel, requires_grad, spread[index]))
+            slots.append(ParamSlot(index, fqns, shape, offset, numel, requires_grad, places[index]))
             offset += numel
         padded = -(-offset // world_size) * world_size
         return cls(tuple(slots), world_size, offset, padded)

@@ -32,7 +32,7 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
-from ..collectives import CommContext, Handle, all_gather, broadcast
+from ..collectives import CommContext, Handle, Span, all_gather, broadcast
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from .guard import ParameterGuard
@@ -86,6 +86,7 @@ class ParamStorage:
         for slot, param in zip(layout.slots, self.params):
             slot_view(padded_full, slot).copy_(local_values(param))
         broadcast(comm, padded_full, label=self.label).wait()
+        self._agree_across_tensor_parallel_ranks(padded_full)
         lo, hi = layout.shard_range(comm.shard_rank)
         self.gathered_params = padded_full.to(compute_dtype)
         if host_master and comm.device.type != "cpu":  # on a CPU device the master is in host memory already
@@ -102,6 +103,17 @@ class ParamStorage:
         self._gathered_nbytes = self.gathered_params.untyped_storage().nbytes()
         for slot, param in zip(layout.slots, self.params):
             point_at(param, slot_view(self.gathered_params, slot))
+
+    def _agree_across_tensor_parallel_ranks(self, padded_full: torch.Tensor) -> None:
+        """A 2-D mesh: what every tensor-parallel rank holds alike (plain and Replicate parameters) takes the
+        first one's values, as data-parallel ranks take rank 0's: ranks seeded differently still agree."""
+        replicated = [slot for slot in self.layout.slots if not slot.spread_over_ranks]
+        if self.comm.tensor_parallel_size == 1 or not replicated:
+            return
+        values = torch.cat([slot_view(padded_full, slot).reshape(-1) for slot in replicated])
+        broadcast(self.comm, values, label=self.label, span=Span.TENSOR_PARALLEL).wait()
+        for slot, value in zip(replicated, values.split([slot.numel for slot in replicated])):
+            slot_view(padded_full, slot).copy_(value.view(slot.shape))
 
     def _move_shard_to_host(self, compute_dtype: torch.dtype) -> None:
         """offload_params: the parameter shard rests in host memory; the device keeps an empty staging buffer."""

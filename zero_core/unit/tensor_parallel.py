@@ -6,13 +6,14 @@ A unit flattens, shards (across the data-parallel ranks only) and reduces a DTen
 DTensor's own business. Three things differ:
 
 - the local piece is reached through ``to_local()``, and pointing the parameter at a view of the
-  unit's flat buffer swaps its contents (``torch.utils.swap_tensors``: ``.data =`` cannot change a
-  DTensor's local tensor or dtype), so the parameter object users hold stays the same;
+  unit's flat buffer sets its local piece (:func:`point_at`), so the parameter object users hold,
+  with its hooks and attributes, stays the same;
 - a gradient may come back in another placement than its parameter's (``SequenceParallel``'s norm
   weights give ``Partial`` sums): it is redistributed to the parameter's placement first, as FSDP2
   does, which sums it over the tensor-parallel group;
 - a norm over the whole model counts a ``Shard`` parameter's local pieces on every tensor-parallel
-  rank, but a ``Replicate`` (or plain) parameter's only once: :func:`spread_over_ranks` tells which.
+  rank, but a ``Replicate`` (or plain) parameter's only once, and a checkpoint names each piece by
+  where it lies in the whole parameter: :func:`place_in_whole` tells both.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from .layout import PlaceInWhole
 
 
 def is_dtensor(tensor: object) -> bool:
@@ -29,20 +32,33 @@ def is_dtensor(tensor: object) -> bool:
 def local_values(param: torch.Tensor) -> torch.Tensor:
     """The values this rank holds: a DTensor's local piece, a plain tensor itself (detached)."""
     with torch.no_grad():
-        return param.to_local() if isinstance(param, DTensor) else param.detach()
+        # DTensor's own method: a resting stage-3 parameter's guard class refuses to_local() to users.
+        return DTensor.to_local(param) if isinstance(param, DTensor) else param.detach()
 
 
 def local_shape(param: torch.Tensor) -> torch.Size:
     return local_values(param).shape
 
 
-def spread_over_ranks(param: torch.Tensor) -> bool:
-    """True when each tensor-parallel rank holds a different piece (a ``Shard`` placement); False when
-    every one holds the same values (``Replicate``, or a plain parameter)."""
-    return isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements)
+def place_in_whole(param: torch.Tensor) -> PlaceInWhole | None:
+    """Where this rank's local piece of a DTensor parameter lies in the whole one (None for a plain
+    parameter). A ``Shard(d)`` placement splits dimension d as ``torch.chunk`` does: pieces of
+    ceil(size / ranks), the last ones shorter or empty."""
+    if not isinstance(param, DTensor):
+        return None
+    whole = param.shape
+    offsets = [0] * len(whole)
+    spread = False
+    for mesh_dim, placement in enumerate(param.placements):
+        if isinstance(placement, Shard):
+            dim = placement.dim % len(whole)
+            chunk = -(-whole[dim] // param.device_mesh.size(mesh_dim))
+            offsets[dim] += min(param.device_mesh.get_local_rank(mesh_dim) * chunk, whole[dim])
+            spread = True
+    return PlaceInWhole(whole, tuple(offsets), spread)
 
 
-def _like(param: DTensor, local: torch.Tensor) -> DTensor:
+def as_dtensor_like(param: DTensor, local: torch.Tensor) -> DTensor:
     """``local`` as this rank's piece of a DTensor placed as ``param`` is (no communication)."""
     return DTensor.from_local(
         local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
@@ -51,11 +67,18 @@ def _like(param: DTensor, local: torch.Tensor) -> DTensor:
 
 def point_at(param: nn.Parameter, local: torch.Tensor) -> None:
     """Make ``param`` hold ``local`` as its values (a DTensor: as its local piece, in ``local``'s dtype).
-    The parameter stays the same object: optimizers and users holding it keep seeing it."""
+
+    The parameter stays the same object with the same autograd identity, as ``param.data = ...`` keeps a
+    plain one: its hooks (the engine's and the user's), attributes and optimizer references survive. For a
+    DTensor ``.data`` sets the wrapper's dtype and the local piece and placement spec are set beside it, as
+    FSDP2 resets its sharded DTensors' local tensors (``torch.utils.swap_tensors`` would give the parameter a
+    new C++ tensor, and the hooks registered on the old one would stop firing)."""
     if not isinstance(param, DTensor):
         param.data = local
         return
-    torch.utils.swap_tensors(param, nn.Parameter(_like(param, local), requires_grad=param.requires_grad))
+    values = as_dtensor_like(param, local)
+    param.data = values
+    param._local_tensor, param._spec = values._local_tensor, values._spec
 
 
 def local_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -73,7 +96,7 @@ def global_value(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     ranks for a DTensor: every one of them calls it, in the same order)."""
     if not isinstance(param, DTensor):
         return local
-    return _like(param, local).full_tensor()
+    return as_dtensor_like(param, local).full_tensor()
 
 
 def exported_copy(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -81,7 +104,7 @@ def exported_copy(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     DTensor parameter's as a DTensor on its mesh's device, as the unsharded tensor-parallel model's holds it."""
     if not isinstance(param, DTensor):
         return local.to("cpu", copy=True)
-    return _like(param, local.to(param.device_mesh.device_type, copy=True))
+    return as_dtensor_like(param, local.to(param.device_mesh.device_type, copy=True))
 
 
 def local_piece_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
