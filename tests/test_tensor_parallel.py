@@ -205,8 +205,16 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
         "both": refusal(build(device_mesh=mesh, process_group=dist.group.WORLD), ValueError),
         "size_without_mesh": refusal(build(config=ZeroConfig(stage=3, tensor_parallel_size=2)), ValueError),
         "size_differs": refusal(build(config=ZeroConfig(tensor_parallel_size=4), device_mesh=mesh), ValueError),
+        # Only the tensor-parallel ranks differ: each data-parallel group alone would agree.
+        "tensor_parallel_ranks_differ": refusal(
+            build(config=_differing_by_tp_rank(mesh), device_mesh=mesh), ValueError
+        ),
         **_checkpoint_refusals(),
     }
+
+
+def _differing_by_tp_rank(mesh: Any) -> ZeroConfig:
+    return ZeroConfig(stage=3, bucket_size_mb=1.0 + mesh["tensor_parallel"].get_local_rank())
 
 
 def _checkpoint_refusals() -> dict[str, str | None]:
@@ -512,6 +520,8 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "process_group= or device_mesh=" in result["both"]
         assert "tensor_parallel_mesh(2)" in result["size_without_mesh"]
         assert "has 2 ranks" in result["size_differs"]
+        assert "ranks disagree on" in result["tensor_parallel_ranks_differ"]
+        assert "bucket_size_mb" in result["tensor_parallel_ranks_differ"]
         assert "tensor parallelism" in result["load_full"] and "model.load_state_dict()" in result["load_full"]
 
 

@@ -16,7 +16,7 @@ from . import agreement
 from .checkpoint.training_state import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
-from .mesh import checkpoint_comm
+from .mesh import spanning_every_rank
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
 from .model.meta_init import (
@@ -83,7 +83,7 @@ def build_units(
     plans = plan_units(model, config.wrap_policy, config.bucket_numel)
     # Before any other collective: ranks that built different models, configs
     # or optimizers would hang, abort in the backend or train wrong values.
-    agreement.agree_on_setup(comm, agreement.describe_setup(model, plans, config, optimizer))
+    agreement.agree_on_setup(spanning_every_rank(comm), agreement.describe_setup(model, plans, config, optimizer))
     # After the agreement: every rank has the same model and policy, so every rank refuses alike.
     check_wrap_classes_present(model, config.wrap_policy)
     if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
@@ -171,7 +171,7 @@ def build_parts(
     runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     checkpoints = CheckpointTarget(
-        model, units, checkpoint_comm(comm), attachment, loss_scaler, config.stage,
+        model, units, spanning_every_rank(comm), attachment, loss_scaler, config.stage,
         steps_taken=lambda: optimizer_step.steps_taken,
         quiesce=runtime.quiesce,
         sync_buffers=buffer_sync.for_export,

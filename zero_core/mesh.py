@@ -70,7 +70,7 @@ def check_mesh(mesh: DeviceMesh) -> None:
             "builds it and zero_core.tensor_parallel_mesh(tensor_parallel_size) makes."
         )
     if mesh.ndim == 2 and mesh.size() != dist.get_world_size():
-        # Checkpoints of a 2-D mesh are agreed by every rank of the world (checkpoint_comm).
+        # The setup and checkpoints of a 2-D mesh are agreed by every rank of the world (spanning_every_rank).
         raise ValueError(
             f"device_mesh spans {mesh.size()} of the {dist.get_world_size()} processes: a 2-D mesh must span "
             "every process (zero_core.tensor_parallel_mesh(tensor_parallel_size) makes one)."
@@ -102,9 +102,10 @@ def comm_for_mesh(mesh: DeviceMesh, device: torch.device) -> CommContext:
     return comm
 
 
-def checkpoint_comm(comm: CommContext) -> CommContext:
-    """Where a checkpoint is agreed and written: on a 2-D mesh every rank of the world, whose pieces of
-    the tensor-parallel layers all go into one checkpoint (the units keep their data-parallel context)."""
+def spanning_every_rank(comm: CommContext) -> CommContext:
+    """Where the setup is agreed and checkpoints are agreed and written: on a 2-D mesh every rank of the
+    world (the tensor-parallel ranks must build the same model too, and their pieces of the layers all go
+    into one checkpoint); the units keep their data-parallel context."""
     if comm.tensor_parallel_size == 1:
         return comm
     world = CommContext.create(None, comm.device)
