@@ -7,6 +7,8 @@ sees its local heads and columns: shapes are read from the tensors, never from t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,15 +25,25 @@ from torch.distributed.tensor.parallel import (
 VOCAB, WIDTH, HEADS, HIDDEN, SEQUENCE = 64, 32, 4, 64, 8
 
 
+@dataclass(frozen=True)
+class LlamaSize:
+    vocab: int = VOCAB
+    width: int = WIDTH
+    heads: int = HEADS
+    hidden: int = HIDDEN
+    layers: int = 2
+
+
 class Attention(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, size: LlamaSize) -> None:
         super().__init__()
-        self.wq, self.wk, self.wv = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
-        self.wo = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.head_dim = size.width // size.heads
+        self.wq, self.wk, self.wv = (nn.Linear(size.width, size.width, bias=False) for _ in range(3))
+        self.wo = nn.Linear(size.width, size.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, sequence, _ = x.shape
-        head_dim = WIDTH // HEADS
+        head_dim = self.head_dim
 
         def heads(t: torch.Tensor) -> torch.Tensor:  # (B, S, local width) -> (B, local heads, S, head_dim)
             return t.view(batch, sequence, -1, head_dim).transpose(1, 2)
@@ -41,20 +53,21 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, size: LlamaSize) -> None:
         super().__init__()
-        self.w1, self.w3 = nn.Linear(WIDTH, HIDDEN, bias=False), nn.Linear(WIDTH, HIDDEN, bias=False)
-        self.w2 = nn.Linear(HIDDEN, WIDTH, bias=False)
+        self.w1 = nn.Linear(size.width, size.hidden, bias=False)
+        self.w3 = nn.Linear(size.width, size.hidden, bias=False)
+        self.w2 = nn.Linear(size.hidden, size.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class Layer(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, size: LlamaSize) -> None:
         super().__init__()
-        self.attention_norm, self.attention = nn.RMSNorm(WIDTH), Attention()
-        self.ffn_norm, self.feed_forward = nn.RMSNorm(WIDTH), FeedForward()
+        self.attention_norm, self.attention = nn.RMSNorm(size.width), Attention(size)
+        self.ffn_norm, self.feed_forward = nn.RMSNorm(size.width), FeedForward(size)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h + self.attention(self.attention_norm(h))
@@ -62,12 +75,12 @@ class Layer(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, size: LlamaSize = LlamaSize()) -> None:
         super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(Layer() for _ in range(layers))
-        self.norm = nn.RMSNorm(WIDTH)
-        self.output = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.tok_embeddings = nn.Embedding(size.vocab, size.width)
+        self.layers = nn.ModuleList(Layer(size) for _ in range(size.layers))
+        self.norm = nn.RMSNorm(size.width)
+        self.output = nn.Linear(size.width, size.vocab, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(ids)
@@ -115,4 +128,4 @@ def tokens(step: int, dp_rank: int, batch_size: int = 2) -> torch.Tensor:
 
 
 def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB).float(), ids[:, 1:].reshape(-1))
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].reshape(-1))
