@@ -209,7 +209,6 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
         "tensor_parallel_ranks_differ": refusal(
             build(config=_differing_by_tp_rank(mesh), device_mesh=mesh), ValueError
         ),
-        **_checkpoint_refusals(),
     }
 
 
@@ -217,10 +216,38 @@ def _differing_by_tp_rank(mesh: Any) -> ZeroConfig:
     return ZeroConfig(stage=3, bucket_size_mb=1.0 + mesh["tensor_parallel"].get_local_rank())
 
 
-def _checkpoint_refusals() -> dict[str, str | None]:
-    """Not built yet on a 2-D mesh: refused on every rank before anything is read."""
-    engine, split, _ = _engine()
-    return {"load_full": refusal(lambda: engine.load_full_state_dict(split.state_dict()), NotImplementedError)}
+def _full_weights(rank: int, world_size: int) -> dict[str, float]:
+    """Whole weights and optimizer state of a one-process run (a state dict, a safetensors file) load into a
+    2 x 2 engine, each rank reading its pieces of its local pieces, and training goes on like that run."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    single = TinyLlama()
+    optimizer = _optimizer("adamw", single)
+    for step in range(2):
+        ids = _global_batch(step)
+        loss_of(single(ids), ids).backward()
+        torch.nn.utils.clip_grad_norm_(single.parameters(), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    path = f"{_shared_directory()}/weights.safetensors"
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in single.state_dict().items()}, path)
+    dist.barrier()
+    result = {}
+    from_file, _, _ = _split_engine(stage=1, tensor_parallel=TP, seed=1)
+    from_file.load_full_state_dict(path)
+    result["from a file"] = _max_difference(from_file.full_state_dict(), single.state_dict())
+    engine, model, _ = _split_engine(stage=3, tensor_parallel=TP, seed=1)
+    engine.load_full_state_dict(single.state_dict(), optimizer_state_dict=optimizer.state_dict())
+    result["loaded"] = _max_difference(engine.full_state_dict(), single.state_dict())
+    _train_step(engine, model, 2)
+    ids = _global_batch(2)
+    loss_of(single(ids), ids).backward()
+    torch.nn.utils.clip_grad_norm_(single.parameters(), 0.5)
+    optimizer.step()
+    result["continued"] = _max_difference(engine.full_state_dict(), single.state_dict())
+    return result
 
 
 def _shared_directory() -> str:
@@ -439,6 +466,7 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
         "traffic": _traffic(rank, world_size),
         "refusals": _refusals(rank, world_size),
         "checkpoints": _checkpoints(rank, world_size),
+        "full_weights": _full_weights(rank, world_size),
     }
 
 
@@ -512,6 +540,13 @@ def test_checkpoints_resume_on_another_mesh_stage_and_world_and_consolidate(grid
             assert result["consolidated"] == 0.0
 
 
+def test_whole_weights_and_optimizer_state_load_into_a_2d_mesh(grid: list[Any]) -> None:
+    for result in by_rank(grid, "full_weights"):
+        assert result["from a file"] == 0.0
+        assert result["loaded"] == 0.0
+        assert result["continued"] < 1e-6
+
+
 def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
     for result in by_rank(grid, "refusals"):
         assert "device_mesh=" in result["no_mesh"]
@@ -522,7 +557,6 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "has 2 ranks" in result["size_differs"]
         assert "ranks disagree on" in result["tensor_parallel_ranks_differ"]
         assert "bucket_size_mb" in result["tensor_parallel_ranks_differ"]
-        assert "tensor parallelism" in result["load_full"] and "model.load_state_dict()" in result["load_full"]
 
 
 LIGHTNING_SCRIPT = Path(__file__).parent / "scripts" / "lightning_tensor_parallel.py"

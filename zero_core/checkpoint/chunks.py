@@ -62,6 +62,21 @@ def _shifted(rectangle: Rectangle, offsets: tuple[int, ...]) -> Rectangle:
     return Rectangle(tuple(o + s for o, s in zip(rectangle.offsets, offsets)), rectangle.sizes, rectangle.flat_start)
 
 
+def piece_rectangles(
+    piece_shape: tuple[int, ...], start: int, end: int, piece_offsets: tuple[int, ...] | None = None
+) -> list[Rectangle]:
+    """Flat elements ``[start, end)`` of a ``piece_shape`` piece, as rectangles of the whole tensor the piece
+    starts at ``piece_offsets`` of (tensor parallelism: a rank's local piece; None: the piece is the whole)."""
+    rectangles = flat_range_to_rectangles(piece_shape, start, end)
+    return [_shifted(r, piece_offsets) for r in rectangles] if piece_offsets else rectangles
+
+
+def read_rectangles(whole: torch.Tensor, rectangles: list[Rectangle]) -> torch.Tensor:
+    """The elements of ``rectangles`` of ``whole``, flat, in order."""
+    parts = [whole[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))].reshape(-1) for r in rectangles]
+    return torch.cat(parts) if parts else whole.new_empty(0)
+
+
 class ShardedChunks(torch.Tensor):
     """A logical ``shape`` tensor of which this rank holds the elements
     ``[flat_start, flat_start + local.numel())`` (flat order), stored in ``local``.
@@ -89,8 +104,7 @@ class ShardedChunks(torch.Tensor):
         view._local = local
         view._flat_start = flat_start
         piece = tuple(shape if piece_shape is None else piece_shape)
-        rectangles = flat_range_to_rectangles(piece, flat_start, flat_start + local.numel())
-        view._rectangles = [_shifted(r, piece_offsets) for r in rectangles] if piece_offsets else rectangles
+        view._rectangles = piece_rectangles(piece, flat_start, flat_start + local.numel(), piece_offsets)
         return view
 
     __torch_function__ = torch._C._disabled_torch_function_impl

@@ -20,9 +20,11 @@ import torch
 
 from ..unit import MasterPiece
 from .agreement import RankAgreement
+from .chunks import read_rectangles
 from .errors import CheckpointError, mismatch_error
 from .loading import group_settings
 from .records import LoadedOptimizer, ShardedModel
+from .state_dicts import slot_rectangles
 
 _NUMBERS = (bool, int, float)
 
@@ -81,9 +83,10 @@ def _problem(shape: tuple[int, ...], key: str, value: Any) -> str | None:
 
 def _local_value(master: MasterPiece, key: str, value: Any, device: torch.device) -> Any:
     """This rank's piece of a per-element tensor; scalars whole."""
-    if _is_per_element(tuple(master.piece.slot.shape), key, value):
+    slot = master.piece.slot
+    if _is_per_element(tuple(slot.whole_shape), key, value):
         start = master.piece.param_start
-        return value.reshape(-1)[start : start + master.piece.numel].to(device, copy=True)
+        return read_rectangles(value, slot_rectangles(slot, start, start + master.piece.numel)).to(device, copy=True)
     return value.clone() if isinstance(value, torch.Tensor) else value
 
 
@@ -102,7 +105,7 @@ def _read(view: ShardedModel, saved: Any, where: str) -> LoadedOptimizer:
         f"{name} {key} ({problem})"
         for name, values in state.items()
         for key, value in values.items()
-        if (problem := _problem(tuple(slots[name].shape), key, value))
+        if (problem := _problem(tuple(slots[name].whole_shape), key, value))
     ]
     if misshaped:
         raise mismatch_error(f"{where}'s optimizer state does not fit this model", [], [], misshaped)

@@ -1,6 +1,7 @@
 """Loading ordinary full weights into an already-sharded model.
 
-Each rank copies only the flat range of each parameter its shard covers:
+Each rank copies only the flat range of each parameter its shard covers (under tensor parallelism, of
+its local piece, read as rectangles of the whole parameter):
 from an in-memory state dict (a view), a memory-mapped torch file (only the
 touched pages are read) or a safetensors file (rectangular slices), so no
 rank materialises the whole model.
@@ -17,16 +18,18 @@ from typing import Protocol
 import torch
 
 from .agreement import RankAgreement
-from .chunks import flat_range_to_rectangles
+from .chunks import Rectangle, flat_range_to_rectangles, read_rectangles
 from .errors import CheckpointError, mismatch_error
 from .loading import expected_model_shapes
 from .records import LoadedWeights, ShardedModel
+from .state_dicts import slot_rectangles
 
 
 class FlatSource(Protocol):
     def names(self) -> set[str]: ...
     def shape(self, name: str) -> tuple[int, ...]: ...
     def read_flat(self, name: str, start: int, end: int) -> torch.Tensor: ...
+    def read_rectangles(self, name: str, rectangles: list[Rectangle]) -> torch.Tensor: ...
 
 
 class DictSource:
@@ -42,6 +45,9 @@ class DictSource:
     def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
         return self._tensors[name].reshape(-1)[start:end]
 
+    def read_rectangles(self, name: str, rectangles: list[Rectangle]) -> torch.Tensor:
+        return read_rectangles(self._tensors[name], rectangles)
+
 
 class SafetensorsSource:
     def __init__(self, path: Path):
@@ -56,14 +62,13 @@ class SafetensorsSource:
         return tuple(self._file.get_slice(name).get_shape())
 
     def read_flat(self, name: str, start: int, end: int) -> torch.Tensor:
+        return self.read_rectangles(name, flat_range_to_rectangles(self.shape(name), start, end))
+
+    def read_rectangles(self, name: str, rectangles: list[Rectangle]) -> torch.Tensor:
         view = self._file.get_slice(name)
-        shape = tuple(view.get_shape())
-        if not shape:
-            return self._file.get_tensor(name).reshape(-1)[start:end]
-        parts = [
-            view[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))].reshape(-1)
-            for r in flat_range_to_rectangles(shape, start, end)
-        ]
+        if not view.get_shape():
+            return self._file.get_tensor(name).reshape(-1)[: sum(math.prod(r.sizes) for r in rectangles)]
+        parts = [view[tuple(slice(o, o + s) for o, s in zip(r.offsets, r.sizes))].reshape(-1) for r in rectangles]
         return torch.cat(parts) if parts else torch.empty(0)
 
 
@@ -112,7 +117,9 @@ def _read_weights(
             name = names.get(piece.slot.fqns[0])
             if name is None:
                 continue
-            values = tensors.read_flat(name, piece.param_start, piece.param_start + piece.numel)
+            values = tensors.read_rectangles(
+                name, slot_rectangles(piece.slot, piece.param_start, piece.param_start + piece.numel)
+            )
             shard[piece.shard_start : piece.shard_start + piece.numel].copy_(values)
     buffers = {}
     for key, buffer in view.model.named_buffers():

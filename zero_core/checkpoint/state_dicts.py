@@ -19,7 +19,13 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
-from .chunks import ShardedChunks
+from .chunks import Rectangle, ShardedChunks, piece_rectangles
+
+
+def slot_rectangles(slot: ParamSlot, start: int, end: int) -> list[Rectangle]:
+    """Flat elements ``[start, end)`` of a slot (a tensor-parallel parameter's local piece), as rectangles of
+    the whole parameter."""
+    return piece_rectangles(tuple(slot.shape), start, end, slot.place and slot.offsets_in_whole)
 
 
 def slot_chunks(slot: ParamSlot, local: torch.Tensor, flat_start: int) -> ShardedChunks:

@@ -58,17 +58,6 @@ class Resumed(NamedTuple):
     steps: int
 
 
-def refuse_tensor_parallel(target: CheckpointTarget, what: str) -> None:
-    """Full weights and optimizer state on a 2-D mesh would need each rank's flat pieces read as rectangles of
-    the whole tensors: not built yet, so refused before anything is read (on every rank alike)."""
-    if target.units and target.units[0].comm.tensor_parallel_size > 1:
-        raise NotImplementedError(
-            f"{what} with tensor parallelism (a 2-D device mesh) is not supported yet: load whole weights with "
-            "model.load_state_dict() (every rank, whole tensors or DTensors), or resume from a save_checkpoint() "
-            "directory, which loads at any mesh."
-        )
-
-
 def sharded_view(target: CheckpointTarget, operation: str | None = None) -> ShardedModel:
     """What the checkpoint code sees. With ``operation`` (every rank is in it together), the
     param groups are read and compared first, agreed on every rank, so a group added,
@@ -207,7 +196,6 @@ def load_full_state(
 ) -> None:
     """Full weights and, when given, a full optimizer state dict (torch's or FSDP's layout), all or nothing:
     both are read and agreed on every rank before either is installed."""
-    refuse_tensor_parallel(target, "load_full_state_dict()")
     if optimizer_state is not None and target.optimizer is None:
         raise ValueError("optimizer_state_dict was given, but no optimizer is attached to load it into.")
     with meeting("load_full_state_dict()"):
