@@ -107,6 +107,12 @@ def build_engine(
     return engine
 
 
+def data_parallel_sampler_kwargs(mesh: DeviceMesh) -> dict[str, Any]:
+    """A 2-D mesh: data is divided over the data-parallel ranks only (a tensor-parallel group splits one batch)."""
+    data_parallel = mesh["data_parallel"]
+    return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+
+
 def teardown_keeping_module(strategy: Any, precision: Any) -> None:
     """DDP's teardown without moving the module: its parameters are views of the
     engine's buffers (``engine.unshard()`` gives an ordinary module back)."""

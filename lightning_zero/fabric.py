@@ -21,15 +21,17 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from zero_core import ZeroEngine, meeting
+from zero_core import ZeroEngine, meeting, tensor_parallel_mesh
 from zero_core.sharding import single_optimizer
 
 from ._sharding import (
     as_zero_precision,
     bind_settings,
     build_engine,
+    data_parallel_sampler_kwargs,
     register_zero_strategies,
     teardown_keeping_module,
     with_settings_doc,
@@ -80,9 +82,12 @@ class ZeroFabricStrategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         config: Config = None,
+        parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
         **settings: Any,
     ) -> None:
         # ``config``: a DeepSpeed config (dict or JSON file); its loop keys are the loop's business here.
+        # ``parallelize_fn(module, mesh)``: with tensor_parallel_size, splits the module over
+        # mesh["tensor_parallel"] in fabric.setup, as Fabric's ModelParallelStrategy takes it.
         explicit, self._deepspeed = settings_with_config(config, bind_settings(type(self), args, settings))
         refuse_loop_keys_under_fabric(self._deepspeed)
         self.zero_config = zero_settings(explicit)
@@ -98,6 +103,25 @@ class ZeroFabricStrategy(DDPStrategy):
         )
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.engine: ZeroEngine | None = None
+        self._parallelize_fn = parallelize_fn
+        self._device_mesh: DeviceMesh | None = None  # tensor_parallel_size > 1: data_parallel × tensor_parallel
+
+    # ------------------------------------------------- tensor parallelism
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.zero_config.tensor_parallel_size > 1:
+            self._device_mesh = tensor_parallel_mesh(self.zero_config.tensor_parallel_size, self.root_device.type)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        return self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The ranks of one tensor-parallel group split the same batch: data is divided over the data-parallel ranks."""
+        if self._device_mesh is None:
+            return super().distributed_sampler_kwargs
+        return data_parallel_sampler_kwargs(self._device_mesh)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -115,14 +139,29 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- setup
     def _shard(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
-        if self.zero_config.tensor_parallel_size != 1:
-            raise ValueError(
-                "ZeroFabricStrategy(tensor_parallel_size=...) is not supported yet: use the Trainer's "
-                "ZeroStrategy(tensor_parallel_size=...), or zero_core.ZeroEngine(device_mesh=...) directly."
-            )
         check_precision(self._deepspeed, self.precision.precision, "Fabric")
-        self.engine = build_engine(module, optimizer, self.zero_config, self.precision, self.root_device)
+        if self._device_mesh is not None:
+            module = self._parallelize(module, optimizer)
+        self.engine = build_engine(
+            module, optimizer, self.zero_config, self.precision, self.root_device, device_mesh=self._device_mesh
+        )
         return module
+
+    def _parallelize(self, module: nn.Module, optimizer: Optimizer | None) -> nn.Module:
+        """Split the module over the mesh before sharding it (parallelize_module replaces the parameters, so
+        an optimizer made before would hold the old ones: refused, as Fabric's ModelParallelStrategy does)."""
+        if self._parallelize_fn is None:
+            raise ValueError(
+                "ZeroFabricStrategy(tensor_parallel_size=...) needs parallelize_fn=fn, where fn(module, mesh) "
+                "splits the module over mesh['tensor_parallel'] (torch's parallelize_module) and returns it."
+            )
+        if optimizer is not None:
+            raise ValueError(
+                "With tensor_parallel_size, set up the model first (model = fabric.setup_module(model)), then "
+                "make the optimizer over its parameters and fabric.setup_optimizers(optimizer): splitting the "
+                "model replaces its parameters, so an optimizer made before holds the old ones."
+            )
+        return self._parallelize_fn(module, self._device_mesh)
 
     def setup_module_and_optimizers(
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
@@ -143,7 +182,9 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @contextmanager
     def module_sharded_context(self) -> Generator[None, None, None]:
-        with torch.device("meta"):
+        """On the meta device (the engine materialises unit by unit); not under tensor parallelism, whose
+        parallelize_fn needs the real weights first."""
+        with torch.device("meta") if self._device_mesh is None else nullcontext():
             yield
 
     def barrier(self, name: str | None = None) -> None:

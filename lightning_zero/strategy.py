@@ -34,6 +34,7 @@ from ._sharding import (
     bind_settings,
     build_engine,
     check_sync_batchnorm_device,
+    data_parallel_sampler_kwargs,
     refuse_late_sync_batchnorm,
     register_zero_strategies,
     teardown_keeping_module,
@@ -117,8 +118,7 @@ class ZeroStrategy(DDPStrategy):
         """The ranks of one tensor-parallel group split the same batch: data is divided over the data-parallel ranks."""
         if self._device_mesh is None:
             return super().distributed_sampler_kwargs
-        data_parallel = self._device_mesh["data_parallel"]
-        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+        return data_parallel_sampler_kwargs(self._device_mesh)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -559,16 +559,26 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "bucket_size_mb" in result["tensor_parallel_ranks_differ"]
 
 
-LIGHTNING_SCRIPT = Path(__file__).parent / "scripts" / "lightning_tensor_parallel.py"
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+def _launch(script: str, out: Path, *args: str) -> list[dict[str, Any]]:
+    """The framework's own launcher starts the 4 processes; each writes what it saw."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), str(out), *args], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
 def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    out = tmp_path_factory.mktemp("lightning-tensor-parallel")
-    command = [sys.executable, str(LIGHTNING_SCRIPT), str(out), "3"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+    return _launch("lightning_tensor_parallel.py", tmp_path_factory.mktemp("lightning-tensor-parallel"), "3")
+
+
+@pytest.fixture(scope="module")
+def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _launch("fabric_tensor_parallel.py", tmp_path_factory.mktemp("fabric-tensor-parallel"))
 
 
 def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], list[dict]]:
@@ -592,6 +602,20 @@ def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple
     return losses, weights
 
 
+def _by_data_parallel_group(run: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Ranks 2g and 2g + 1 split layers together (consecutive ranks); each group trains its own batches."""
+    groups = [run[dp * TP : (dp + 1) * TP] for dp in range(DP)]
+    for group in groups:
+        assert all(_same(rank["batches"], group[0]["batches"]) for rank in group), "a group splits one batch"
+    assert not _same(groups[0][0]["batches"], groups[1][0]["batches"])
+    return groups
+
+
+def _mean_over_groups(by_group: list[list[dict[str, Any]]], key: str) -> list[float]:
+    """Each step's loss over the global batch: the mean of the data-parallel groups' (equal-sized) losses."""
+    return [sum(values) / DP for values in zip(*(group[0][key] for group in by_group))]
+
+
 def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -600,19 +624,26 @@ def test_lightning_trainer_with_tensor_parallel_size_trains_and_resumes_like_one
     """configure_model splits the model over self.device_mesh['tensor_parallel']; the tensor-parallel
     ranks of a group train on the same samples, the data-parallel ranks on different ones; a checkpoint
     the Trainer saved resumes at another stage exactly where the run stopped."""
-    by_group = [lightning_run[dp * TP : (dp + 1) * TP] for dp in range(DP)]
-    for group in by_group:
-        assert all(_same(rank["batches"], group[0]["batches"]) for rank in group), "a group splits one batch"
-    assert not _same(by_group[0][0]["batches"], by_group[1][0]["batches"])
+    by_group = _by_data_parallel_group(lightning_run)
     batches = [group[0]["batches"] + group[0]["resumed_batches"] for group in by_group]
     losses, weights = _one_process_lightning_reference(batches)
     steps = len(by_group[0][0]["losses"])
     assert (steps, len(by_group[0][0]["resumed_losses"])) == (3, 1)
-    mean = lambda key: [sum(group[0][key][i] for group in by_group) / DP for i in range(len(group[0][key]))]  # noqa: E731
-    assert mean("losses") == pytest.approx(losses[:steps], rel=1e-5)
-    assert mean("resumed_losses") == pytest.approx(losses[steps:], rel=1e-5)
+    assert _mean_over_groups(by_group, "losses") == pytest.approx(losses[:steps], rel=1e-5)
+    assert _mean_over_groups(by_group, "resumed_losses") == pytest.approx(losses[steps:], rel=1e-5)
     for rank in lightning_run:
         assert "layers.0.attention.wq.weight" in ",".join(rank["split"])
         for key, step in (("weights", steps - 1), ("resumed", len(losses) - 1)):
             whole = {name.removeprefix("model."): value for name, value in rank[key].items()}
             assert _max_difference(whole, weights[step]) < 1e-4, key
+
+
+def test_fabric_with_tensor_parallel_size_trains_like_one_process(fabric_run: list[dict[str, Any]]) -> None:
+    """parallelize_fn splits the model in fabric.setup_module; an optimizer made before the split is refused."""
+    by_group = _by_data_parallel_group(fabric_run)
+    losses, weights = _one_process_lightning_reference([group[0]["batches"] for group in by_group])
+    mean = _mean_over_groups(by_group, "losses")
+    assert len(mean) == 3 and mean == pytest.approx(losses, rel=1e-5)
+    for rank in fabric_run:
+        assert _max_difference(rank["weights"], weights[-1]) < 1e-4
+        assert "fabric.setup_optimizers(optimizer)" in rank["optimizer_first"]
