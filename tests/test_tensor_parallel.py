@@ -47,6 +47,8 @@ STEPS = 3
 CASES = [dict(stage=s, optimizer="adamw", clip=0.5) for s in (1, 2, 3)]
 CASES += [dict(stage=s, optimizer="sgd", micro_batches=2) for s in (1, 2, 3)]
 CASES += [dict(stage=3, optimizer="adamw", clip=0.5, dtype=torch.bfloat16)]
+# Hybrid sharding inside each data-parallel group: here groups of 1, each rank a whole copy of its pieces.
+CASES += [dict(stage=s, optimizer="sgd", clip=0.5, micro_batches=2, shard_group_size=1) for s in (1, 2, 3)]
 
 
 def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -79,7 +81,14 @@ def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
 
 
-def _train(stage: int, optimizer: str, clip: float | None = None, micro_batches: int = 1, dtype: Any = None):
+def _train(
+    stage: int,
+    optimizer: str,
+    clip: float | None = None,
+    micro_batches: int = 1,
+    dtype: Any = None,
+    shard_group_size: int | None = None,
+):
     mesh = tensor_parallel_mesh(TP)
     dp_rank = mesh["data_parallel"].get_local_rank()
     torch.manual_seed(0)
@@ -89,8 +98,12 @@ def _train(stage: int, optimizer: str, clip: float | None = None, micro_batches:
                                       mesh["data_parallel"].get_group())  # fmt: skip
     single_optimizer = _optimizer(optimizer, single)
     precision = MixedPrecision(compute_dtype=dtype) if dtype is not None else MixedPrecision()
-    config = ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision)
+    config = ZeroConfig(
+        stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision,
+        shard_group_size=shard_group_size,
+    )  # fmt: skip
     engine = ZeroEngine(split, _optimizer(optimizer, split), config, device_mesh=mesh)
+    assert engine.shard_group_size == (shard_group_size or DP)
     losses, reference_losses, single_losses, norms, single_norms = [], [], [], [], []
     for step in range(STEPS):
         total, reference_total = 0.0, 0.0
@@ -200,7 +213,6 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
     build = lambda **kwargs: lambda: ZeroEngine(split, None, **kwargs)  # noqa: E731
     return {
         "no_mesh": refusal(build(config=ZeroConfig(stage=3)), ValueError),
-        "hybrid": refusal(build(config=ZeroConfig(stage=3, shard_group_size=1), device_mesh=mesh), ValueError),
         "unnamed_mesh": refusal(build(config=ZeroConfig(stage=3), device_mesh=unnamed), ValueError),
         "both": refusal(build(device_mesh=mesh, process_group=dist.group.WORLD), ValueError),
         "size_without_mesh": refusal(build(config=ZeroConfig(stage=3, tensor_parallel_size=2)), ValueError),
@@ -550,7 +562,6 @@ def test_whole_weights_and_optimizer_state_load_into_a_2d_mesh(grid: list[Any]) 
 def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
     for result in by_rank(grid, "refusals"):
         assert "device_mesh=" in result["no_mesh"]
-        assert "shard_group_size" in result["hybrid"]
         assert "'data_parallel', 'tensor_parallel'" in result["unnamed_mesh"]
         assert "process_group= or device_mesh=" in result["both"]
         assert "tensor_parallel_mesh(2)" in result["size_without_mesh"]

@@ -99,6 +99,9 @@ def comm_for_mesh(mesh: DeviceMesh, device: torch.device) -> CommContext:
     tp = mesh[TENSOR_PARALLEL]
     comm.tensor_parallel_group = tp.get_group()
     comm.tensor_parallel_rank, comm.tensor_parallel_size = tp.get_local_rank(), tp.size()
+    # Hybrid sharding splits every data-parallel group alike (each is one column of the mesh).
+    ranks = mesh.mesh if mesh.mesh_dim_names[0] == DATA_PARALLEL else mesh.mesh.T
+    comm.data_parallel_groups = tuple(tuple(column.tolist()) for column in ranks.T)
     return comm
 
 
@@ -135,11 +138,6 @@ def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroC
                 f"device_mesh['{TENSOR_PARALLEL}'] ({mesh[TENSOR_PARALLEL]}): parallelise the model over that "
                 "dimension of the mesh you give the engine."
             )
-    if config.shard_group_size is not None:
-        raise ValueError(
-            "shard_group_size (hybrid sharding) with a 2-D device mesh is not supported yet: shard across "
-            "every data-parallel rank (leave shard_group_size unset)."
-        )
     if config.offload_activations:
         raise ValueError(
             "offload_activations with tensor parallelism is not supported yet (what autograd saves is DTensors): "

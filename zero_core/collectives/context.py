@@ -44,6 +44,23 @@ def _nowhere() -> Position:
     return Position("setup", 0)
 
 
+Subgroups = list[tuple[tuple[int, ...], dist.ProcessGroup]]  # (global ranks, their group)
+
+
+def _create_subgroups(
+    layout: tuple[tuple[int, ...], ...], size: int, timeout: datetime.timedelta | None
+) -> tuple[Subgroups, Subgroups]:
+    """Every rank creates every subgroup of every data-parallel group (``layout``, global ranks), in the same
+    order, as new_group requires: groups of ``size`` consecutive ranks, and the ranks at the same place in
+    each. Engines built again alike reuse them (groups are never freed before the world)."""
+    create = lambda ranks: (ranks, dist.new_group(list(ranks), backend=dist.get_backend(), timeout=timeout))  # noqa: E731
+    shard_groups, replicate_groups = [], []
+    for ranks in layout:
+        shard_groups += [create(ranks[first : first + size]) for first in range(0, len(ranks), size)]
+        replicate_groups += [create(ranks[offset::size]) for offset in range(size)]
+    return shard_groups, replicate_groups
+
+
 class CollectiveLabel(NamedTuple):
     kind: "CollectiveKind"
     what: str  # the unit or object it moves, e.g. "unit 'blocks.2'"
@@ -54,9 +71,10 @@ class CollectiveLabel(NamedTuple):
         return f"{self.kind.value} of {self.what} (rank {rank}, {phase}, optimizer step {step})"
 
 
-# (the world's process group, shard group size, timeout) -> (this rank's shard group, its replicate
-# group). Keyed by the world group object itself: a world destroyed and initialised again is another key.
-_SUBGROUPS: dict[tuple[object, int, object], tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+# (the world's process group, shard group size, timeout, data-parallel layout) -> every shard group and
+# every replicate group. Keyed by the world group object itself: a world destroyed and initialised
+# again is another key.
+_SUBGROUPS: dict[tuple[object, int, object, tuple], tuple[Subgroups, Subgroups]] = {}
 
 
 def world_timeout(device: torch.device) -> datetime.timedelta | None:
@@ -100,6 +118,9 @@ class CommContext:
     tensor_parallel_group: dist.ProcessGroup | None = None
     tensor_parallel_rank: int = 0
     tensor_parallel_size: int = 1
+    # A 2-D mesh: the global ranks of every data-parallel group (one per tensor-parallel rank), which hybrid
+    # sharding splits alike; None: ``group`` is the whole world.
+    data_parallel_groups: tuple[tuple[int, ...], ...] | None = None
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
@@ -130,7 +151,8 @@ class CommContext:
     def split(self, shard_group_size: int) -> None:
         """Hybrid sharding: shard inside groups of ``shard_group_size`` consecutive ranks
         (a node, as torchrun numbers ranks), replicate across them. Every rank calls it
-        with the same size (the setup agreement compared it)."""
+        with the same size (the setup agreement compared it). On a 2-D mesh each
+        data-parallel group is split alike."""
         size = shard_group_size
         if size == self.world_size:
             return
@@ -139,7 +161,8 @@ class CommContext:
                 f"ZeroConfig.shard_group_size={size} must divide the number of ranks ({self.world_size}): "
                 "use the number of devices per node, or leave it unset to shard across every rank."
             )
-        if self.world_size != dist.get_world_size():
+        layout = self.data_parallel_groups or (tuple(range(dist.get_world_size())),)
+        if self.data_parallel_groups is None and self.world_size != dist.get_world_size():
             # new_group needs every rank of the world, and ranks outside this group never get here.
             raise ValueError(
                 "ZeroConfig.shard_group_size needs the engine to span every rank: build it without "
@@ -149,15 +172,12 @@ class CommContext:
         for stale in [key for key in _SUBGROUPS if key[0] is not world]:
             del _SUBGROUPS[stale]  # of a world destroyed since: its groups are gone with it
         timeout = world_timeout(self.device)
-        key = (world, size, timeout)
+        key = (world, size, timeout, layout)
         if key not in _SUBGROUPS:
-            # Every rank creates every subgroup, in the same order, as new_group requires; engines
-            # built again with the same size reuse them (groups are never freed before the world).
-            create = lambda ranks: dist.new_group(ranks, backend=dist.get_backend(), timeout=timeout)  # noqa: E731
-            shard_groups = [create(list(range(first, first + size))) for first in range(0, self.world_size, size)]
-            replicate_groups = [create(list(range(offset, self.world_size, size))) for offset in range(size)]
-            _SUBGROUPS[key] = (shard_groups[self.rank // size], replicate_groups[self.rank % size])
-        self.shard_group, self.replicate_group = _SUBGROUPS[key]
+            _SUBGROUPS[key] = _create_subgroups(layout, size, timeout)
+        me = dist.get_rank()
+        self.shard_group = next(group for ranks, group in _SUBGROUPS[key][0] if me in ranks)
+        self.replicate_group = next(group for ranks, group in _SUBGROUPS[key][1] if me in ranks)
         self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
 
     def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
