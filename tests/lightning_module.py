@@ -1,23 +1,12 @@
-"""The LightningModule and data the Lightning tests train."""
+"""The LightningModules the Lightning tests train (their data: tests.models.TokenDataset)."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from .models import SEQ, VOCAB, TinyTransformer, lm_loss, param_groups, uses_branch
-
-
-class TokenDataset(Dataset):
-    def __init__(self, size: int = 96, seed: int = 0):
-        self.data = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.data[index]
+from .models import TinyTransformer, TokenDataset, lm_loss, param_groups, uses_branch
 
 
 class TinyLM(pl.LightningModule):

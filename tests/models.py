@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import Dataset
 
 VOCAB, WIDTH, SEQ = 37, 16, 6
 
@@ -51,6 +52,19 @@ class TinyTransformer(nn.Module):
         if use_branch:
             x = x + self.branch(x)
         return self.head(x)
+
+
+class TokenDataset(Dataset):
+    """Fixed random token sequences: a dataset without Lightning, so the Accelerate scripts import quickly."""
+
+    def __init__(self, size: int = 96, seed: int = 0):
+        self.data = torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index]
 
 
 def lm_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

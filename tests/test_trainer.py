@@ -46,9 +46,16 @@ def _launch(launcher: list[str], processes: int, *script_args: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
     out = tmp_path_factory.mktemp("trainer")
-    _launch(ACCELERATE, 2, str(out), "ddp")
-    # One launch, as users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
-    _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2", "zero_evalfirst")
+    # Each launcher's cases in one launch (a launch costs more than a case). bf16 and fp16 through
+    # TrainingArguments(bf16=True / fp16=True), last so that the fp32 cases run as in a process of their own;
+    # Trainer's own bf16 under DDP beside ours (its own fp16 under DDP computes in fp32 on a CPU).
+    _launch(ACCELERATE, 2, str(out), "ddp", "ddp_bf16")
+    # As users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
+    _launch(
+        [*ACCELERATE_ZERO, "--zero_stage", "3"],
+        2,
+        *[str(out), "zero", "zero1", "zero2", "zero_evalfirst", "zero_bf16", "zero_fp16"],
+    )
     # Stage 3's step-3 checkpoint resumed by 1 process at stage 1 (the same global batch).
     checkpoint = str(out / "zero-run" / "checkpoint-3")
     _launch(
@@ -57,10 +64,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         *[str(out), "one", "--batch-size", "4", "--resume", checkpoint],
         *["--refused", str(out / "ddp-run" / "checkpoint-3")],
     )
-    # bf16 through TrainingArguments(bf16=True), beside Trainer's own bf16 under DDP.
-    _launch(ACCELERATE, 2, str(out), "ddp_bf16")
-    # fp16 through TrainingArguments(fp16=True) (Trainer's own fp16 under DDP computes in fp32 on a CPU).
-    _launch([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero_bf16", "zero_fp16")
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 

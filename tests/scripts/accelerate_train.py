@@ -1,11 +1,15 @@
-"""One Accelerate training run; rank 0 writes OUT/NAME.pt (losses, weights, checks).
+"""Accelerate training runs, one per case; rank 0 writes OUT/NAME.pt per case (losses, weights, checks).
 
 Plain Accelerate (DDP) unless ACCELERATE_USE_ZERO is set, as it is by
-``accelerate-zero launch``: then ZeroAccelerator.
+``accelerate-zero launch``: then ZeroAccelerator. The cases of one launch run
+in sequence in the same processes (a launch costs far more than a case), each
+with the launcher's settings unless it gives its own (``--stage``, or
+``--mixed-precision`` for a plain reference).
 
     ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
         tests/scripts/accelerate_train.py OUT NAME [--steps 6] [--accumulate 2] [--clip 0.5]
-        [--save-at 3] [--resume DIR] [--batchnorm 0] [--batch-size 4]
+        [--save-at 3] [--resume DIR] [--batchnorm 0] [--batch-size 4] [--mixed-precision bf16] [--stage 1]
+        [--then NAME [options] ...]
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
-from accelerate_zero import ZeroAccelerator  # noqa: E402
+from accelerate_zero import ZeroAccelerator, ZeroPlugin  # noqa: E402
 from accelerate_zero.plugin import zero_requested  # noqa: E402
-from tests.lightning_module import TokenDataset  # noqa: E402
-from tests.models import TinyTransformer, lm_loss, make_optimizer  # noqa: E402
+from tests.models import TinyTransformer, TokenDataset, lm_loss, make_optimizer  # noqa: E402
+
+THEN = "--then"  # separates the cases of one launch
 
 
-def main() -> None:
+def case_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
-    parser.add_argument("out")
     parser.add_argument("name")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--accumulate", type=int, default=1)
@@ -42,17 +47,28 @@ def main() -> None:
     # Accelerate steps schedulers once per process per optimizer step, so a
     # schedule depends on the process count; runs compared across counts use none.
     parser.add_argument("--scheduler", type=int, default=1)
-    args = parser.parse_args()
-    out = Path(args.out)
-    torch.set_num_threads(1)
+    # For a plain (DDP) reference sharing a launch with one in another precision; None: the launcher's
+    # (the tests give every ZeroAccelerator the launcher's: its users' route).
+    parser.add_argument("--mixed-precision", default=None)
+    # A stage other than the launcher's, for a case sharing a launch with one at the launcher's stage.
+    parser.add_argument("--stage", type=int, default=None)
+    return parser
 
+
+def train(out: Path, args: argparse.Namespace) -> Accelerator:
+    """One case; its accelerator is returned with the process group still up, for the next case."""
     logged: list[str] = []  # what the adapter logs at INFO (Accelerate's way: shown where logging is on)
     handler = logging.Handler()
     handler.emit = lambda record: logged.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("accelerate_zero").addHandler(handler)
     logging.getLogger("accelerate_zero").setLevel(logging.INFO)
-    accelerator_class = ZeroAccelerator if zero_requested() else Accelerator
-    accelerator = accelerator_class(gradient_accumulation_steps=args.accumulate)
+    settings = {"gradient_accumulation_steps": args.accumulate, "mixed_precision": args.mixed_precision}
+    if zero_requested():
+        # Where a stage is given, a script's own ZeroPlugin(stage=N): its other settings come from the launcher.
+        plugin = ZeroPlugin(stage=args.stage) if args.stage is not None else None
+        accelerator = ZeroAccelerator(zero_plugin=plugin, **settings)
+    else:
+        accelerator = Accelerator(**settings)
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=bool(args.batchnorm))
     optimizer = make_optimizer("adamw", model)
@@ -111,6 +127,30 @@ def main() -> None:
             out / f"{args.name}.pt",
         )
     accelerator.wait_for_everyone()
+    logging.getLogger("accelerate_zero").removeHandler(handler)  # the next case logs its own
+    return accelerator
+
+
+def split_cases(argv: list[str]) -> list[list[str]]:
+    """Each case's arguments: ``argv`` split at ``--then``."""
+    cases: list[list[str]] = [[]]
+    for argument in argv:
+        if argument == THEN:
+            cases.append([])
+        else:
+            cases[-1].append(argument)
+    return cases
+
+
+def main() -> None:
+    out, *cases = sys.argv[1:]
+    torch.set_num_threads(1)
+    parser = case_parser()
+    for index, case in enumerate(split_cases(cases)):
+        if index:  # Accelerate's state is made once per process: a fresh one per case, on the same process group
+            AcceleratorState._reset_state()
+            GradientState._reset_state()
+        accelerator = train(Path(out), parser.parse_args(case))
     accelerator.end_training()
 
 

@@ -1,11 +1,12 @@
 """Hugging Face Trainer runs on a tiny GPT-2 built from a config; rank 0 writes OUT/NAME.json per case.
 
 Plain ``Trainer`` (DDP) unless ACCELERATE_USE_ZERO is set, as it is by ``accelerate-zero launch``: then
-``ZeroTrainer``, with the launcher's settings for the first case and ``ZeroPlugin(stage=N)`` for a case
-named ``zeroN``. Each case trains 6 steps (a checkpoint at step 3), evaluates, predicts, saves the model
-(``save_model`` and ``model.save_pretrained`` on every process), then a second trainer resumes from the
-step-3 checkpoint. ``--resume DIR`` runs only a resume from DIR; ``--refused DIR`` then tries to resume from
-plain Trainer's checkpoint DIR and records the error.
+``ZeroTrainer``, with the launcher's settings except for a case named ``zeroN``: ``ZeroPlugin(stage=N)``.
+A case named with bf16 or fp16 trains in that precision (``TrainingArguments``). Each case trains 6 steps
+(a checkpoint at step 3), evaluates, predicts, saves the model (``save_model`` and ``model.save_pretrained``
+on every process), then a second trainer resumes from the step-3 checkpoint. ``--resume DIR`` runs only a
+resume from DIR; ``--refused DIR`` then tries to resume from plain Trainer's checkpoint DIR and records the
+error.
 
     ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
         tests/scripts/trainer_run.py OUT CASE [CASE ...] [--batch-size 2] [--resume DIR] [--refused DIR]
