@@ -52,7 +52,8 @@ def _launch(
         config.write_text(json.dumps(deepspeed))
         launcher = [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(config)]
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
-    distribution += ["--mixed_precision", mixed_precision]
+    # A free port per launch: back-to-back launches can find Accelerate's default 29500 still held.
+    distribution += ["--mixed_precision", mixed_precision, "--main_process_port", str(_free_port())]
     return subprocess.run(
         [*launcher, *distribution, SCRIPT, str(out), name, *script_args],
         env=env,
