@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from zero_core import ZeroConfig, ZeroEngine, setup_summary, user_settings
+from zero_core import ZeroConfig, ZeroEngine, setup_summary, tensor_parallel_mesh, user_settings
 from zero_core.sharding import shard_module
 
 from .precision import ZeroPrecisionSettings
@@ -107,10 +108,36 @@ def build_engine(
     return engine
 
 
-def data_parallel_sampler_kwargs(mesh: DeviceMesh) -> dict[str, Any]:
-    """A 2-D mesh: data is divided over the data-parallel ranks only (a tensor-parallel group splits one batch)."""
-    data_parallel = mesh["data_parallel"]
-    return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+class TensorParallelMesh:
+    """What the Trainer's and Fabric's strategies do alike with ``tensor_parallel_size``: build the 2-D
+    mesh once the process group is up, divide data over its data-parallel ranks only (a tensor-parallel
+    group splits one batch), and build the model for real (the split needs its weights). Mixed in
+    before the framework's DDP strategy."""
+
+    zero_config: ZeroConfig
+    root_device: torch.device
+    _device_mesh: DeviceMesh | None = None  # tensor_parallel_size > 1: data_parallel × tensor_parallel
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]
+        if self.zero_config.tensor_parallel_size > 1:
+            self._device_mesh = tensor_parallel_mesh(self.zero_config.tensor_parallel_size, self.root_device.type)
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        return self._device_mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        if self._device_mesh is None:
+            return super().distributed_sampler_kwargs  # type: ignore[misc]
+        data_parallel = self._device_mesh["data_parallel"]
+        return {"num_replicas": data_parallel.size(), "rank": data_parallel.get_local_rank()}
+
+    def on_meta_device(self) -> AbstractContextManager[Any]:
+        """Where the model is built inside the sharded context: the meta device (the engine materialises unit
+        by unit), except under tensor parallelism, whose split needs the real weights first."""
+        return torch.device("meta") if self._device_mesh is None else nullcontext()
 
 
 def teardown_keeping_module(strategy: Any, precision: Any) -> None:

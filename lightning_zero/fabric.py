@@ -24,14 +24,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from zero_core import ZeroEngine, meeting, tensor_parallel_mesh
+from zero_core import ZeroEngine, meeting
 from zero_core.sharding import single_optimizer
 
 from ._sharding import (
+    TensorParallelMesh,
     as_zero_precision,
     bind_settings,
     build_engine,
-    data_parallel_sampler_kwargs,
     register_zero_strategies,
     teardown_keeping_module,
     with_settings_doc,
@@ -61,7 +61,7 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
 
 
 @with_settings_doc
-class ZeroFabricStrategy(DDPStrategy):
+class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
     """ZeRO for Fabric. Arguments as for :class:`lightning_zero.ZeroStrategy`: the ZeRO
     settings, generated from ``zero_core.user_settings()``, then DDP's; the precision comes
     from ``Fabric(precision=...)``.
@@ -104,24 +104,6 @@ class ZeroFabricStrategy(DDPStrategy):
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
         self.engine: ZeroEngine | None = None
         self._parallelize_fn = parallelize_fn
-        self._device_mesh: DeviceMesh | None = None  # tensor_parallel_size > 1: data_parallel × tensor_parallel
-
-    # ------------------------------------------------- tensor parallelism
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        if self.zero_config.tensor_parallel_size > 1:
-            self._device_mesh = tensor_parallel_mesh(self.zero_config.tensor_parallel_size, self.root_device.type)
-
-    @property
-    def device_mesh(self) -> DeviceMesh | None:
-        return self._device_mesh
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The ranks of one tensor-parallel group split the same batch: data is divided over the data-parallel ranks."""
-        if self._device_mesh is None:
-            return super().distributed_sampler_kwargs
-        return data_parallel_sampler_kwargs(self._device_mesh)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -182,9 +164,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @contextmanager
     def module_sharded_context(self) -> Generator[None, None, None]:
-        """On the meta device (the engine materialises unit by unit); not under tensor parallelism, whose
-        parallelize_fn needs the real weights first."""
-        with torch.device("meta") if self._device_mesh is None else nullcontext():
+        with self.on_meta_device():
             yield
 
     def barrier(self, name: str | None = None) -> None:

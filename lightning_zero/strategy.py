@@ -7,7 +7,6 @@ itself is the engine's root module, so checkpoint keys are the module's own.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -22,19 +21,18 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from zero_core import ZeroEngine, engine_of, meeting, tensor_parallel_mesh
+from zero_core import ZeroEngine, engine_of, meeting
 from zero_core.checkpoint import is_sharded_checkpoint, remove_checkpoint
 from zero_core.sharding import move_real_tensors, single_optimizer
 
 from ._sharding import (
+    TensorParallelMesh,
     as_zero_precision,
     bind_settings,
     build_engine,
     check_sync_batchnorm_device,
-    data_parallel_sampler_kwargs,
     refuse_late_sync_batchnorm,
     register_zero_strategies,
     teardown_keeping_module,
@@ -49,7 +47,7 @@ from .unsupported_callbacks import refuse_unsupported_callbacks
 
 
 @with_settings_doc
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(TensorParallelMesh, DDPStrategy):
     """ZeRO for the Lightning Trainer: ``Trainer(strategy=ZeroStrategy(stage=3, ...))``
     or ``Trainer(strategy="zero3")`` after ``import lightning_zero``.
 
@@ -96,29 +94,16 @@ class ZeroStrategy(DDPStrategy):
         )
         self._forward_redirection = _ForwardRedirection()
         self.engine: ZeroEngine | None = None
-        self._device_mesh: DeviceMesh | None = None  # tensor_parallel_size > 1: data_parallel × tensor_parallel
 
     # ------------------------------------------------- tensor parallelism
     def setup_environment(self) -> None:
-        """After DDP's process group: with ``tensor_parallel_size`` the 2-D mesh, handed to the LightningModule
-        for ``configure_model`` (``self.device_mesh["tensor_parallel"]``) as ModelParallelStrategy does."""
+        """With ``tensor_parallel_size`` the 2-D mesh goes to the LightningModule for ``configure_model``
+        (``self.device_mesh["tensor_parallel"]``), as ModelParallelStrategy hands it."""
         super().setup_environment()
-        if self.zero_config.tensor_parallel_size > 1:
-            self._device_mesh = tensor_parallel_mesh(self.zero_config.tensor_parallel_size, self.root_device.type)
+        if self._device_mesh is not None:
             assert self.lightning_module is not None
             # LightningModule.device_mesh has no setter: Lightning's own ModelParallelStrategy sets this too.
             self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    def device_mesh(self) -> DeviceMesh | None:
-        return self._device_mesh
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The ranks of one tensor-parallel group split the same batch: data is divided over the data-parallel ranks."""
-        if self._device_mesh is None:
-            return super().distributed_sampler_kwargs
-        return data_parallel_sampler_kwargs(self._device_mesh)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -167,9 +152,8 @@ class ZeroStrategy(DDPStrategy):
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
-        """``configure_model`` builds on the meta device; the engine materialises unit by unit. Not under
-        tensor parallelism: ``parallelize_module`` needs the real weights first."""
-        with torch.device("meta") if self._device_mesh is None else contextlib.nullcontext():
+        """``configure_model`` builds on the meta device, but under tensor parallelism (on_meta_device)."""
+        with self.on_meta_device():
             yield
 
     # ------------------------------------------------------------ stepping

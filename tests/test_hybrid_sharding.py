@@ -23,7 +23,15 @@ from zero_core import MixedPrecision, ZeroConfig, ZeroEngine, expected_model_sta
 
 from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import GptRun, config_for, rank0_state_dict, refusal, relative_difference, train_against_ddp
+from .workers import (
+    GptRun,
+    SentCollectives,
+    config_for,
+    rank0_state_dict,
+    refusal,
+    relative_difference,
+    train_against_ddp,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -44,42 +52,20 @@ def _parity(rank: int, world_size: int) -> list[dict[str, Any]]:
     return cases
 
 
-class SentCollectives:
-    """Counts the collectives handed to ``torch.distributed`` (logical bytes, as
-    the ZeRO formulas count them) by the ranks they run between."""
+class SentInGroups(SentCollectives):
+    """By link class: inside a shard group, across groups, or every rank."""
+
+    spans = ("SHARD_GROUP", "ACROSS_GROUPS", "WORLD")
 
     def __init__(self, group_size: int):
+        super().__init__()
         self.group_size = group_size
-        self.bytes: dict[str, int] = {"SHARD_GROUP": 0, "ACROSS_GROUPS": 0, "WORLD": 0}
-        self._originals: dict[str, Any] = {}
 
-    def _span(self, group: Any) -> str:
+    def span(self, group: Any) -> str:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         if len(ranks) == dist.get_world_size():
             return "WORLD"
         return "SHARD_GROUP" if len({r // self.group_size for r in ranks}) == 1 else "ACROSS_GROUPS"
-
-    def _wrap(self, name: str, payload: Any) -> None:
-        original = self._originals[name] = getattr(dist, name)
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.bytes[self._span(kwargs.get("group"))] += payload(*args)
-            return original(*args, **kwargs)
-
-        setattr(dist, name, counted)
-
-    def __enter__(self) -> "SentCollectives":
-        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-        self._wrap("all_gather", lambda outputs, *_: nbytes(outputs))
-        self._wrap("reduce_scatter", lambda output, inputs, *_: nbytes(inputs))
-        self._wrap("all_reduce", lambda tensor, *_: nbytes([tensor]))
-        self._wrap("broadcast", lambda tensor, *_: nbytes([tensor]))
-        self._wrap("reduce", lambda tensor, *_: nbytes([tensor]))  # gloo's reduce-scatter: one reduce per slice
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
 
 
 def _accounting(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -88,7 +74,7 @@ def _accounting(rank: int, world_size: int) -> list[dict[str, Any]]:
     for stage in (1, 2, 3):
         run = GptRun(stage, shard_group_size=GROUP)
         run.train_step(0)
-        with SentCollectives(GROUP) as sent:
+        with SentInGroups(GROUP) as sent:
             run.train_step(1)
         run.backward(2)
         result = {
@@ -101,7 +87,7 @@ def _accounting(rank: int, world_size: int) -> list[dict[str, Any]]:
         run.engine.zero_grad()
         # Three micro-batches under no_sync, then a synchronising one: the groups still exchange
         # the gradient shards once per step (stages 2/3 reduce inside the group every micro-batch).
-        with SentCollectives(GROUP) as accumulated:
+        with SentInGroups(GROUP) as accumulated:
             for micro in range(3):
                 with run.engine.no_sync():
                     run.backward(3 + micro)

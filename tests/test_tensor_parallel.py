@@ -14,7 +14,6 @@ import copy
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from zero_core.checkpoint import load_full_checkpoint
 
 from .distributed import by_rank, run_distributed
 from .tensor_parallel_model import Layer, TinyLlama, loss_of, parallelize, tokens
-from .workers import refusal
+from .workers import SentCollectives, refusal
 
 pytestmark = pytest.mark.distributed
 
@@ -403,45 +402,16 @@ def _overflow_on_one_tensor_parallel_rank(rank: int, world_size: int) -> list[bo
     return skipped
 
 
-class SentByDimension:
-    """The collectives this engine hands to ``torch.distributed`` (logical bytes), by the mesh dimension
-    their group spans. DTensor's own collectives (the layers' activations) go through torch's functional
-    collectives and are not counted: they are tensor parallelism's, the same with or without ZeRO."""
+class SentByDimension(SentCollectives):
+    """By the mesh dimension a collective's group spans. DTensor's own collectives (the layers' activations)
+    go through torch's functional collectives and are not counted: they are tensor parallelism's, the same
+    with or without ZeRO."""
 
-    def __init__(self) -> None:
-        self.bytes: Counter[str] = Counter()
-        self._originals: dict[str, Any] = {}
-
-    def _dimension(self, group: Any) -> str:
+    def span(self, group: Any) -> str:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(WORLD))
         if len(ranks) == WORLD:
             return "world"
         return "tensor_parallel" if ranks[-1] - ranks[0] == len(ranks) - 1 else "data_parallel"
-
-    def __enter__(self) -> "SentByDimension":
-        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
-        payloads = {
-            "all_gather": lambda outputs, *_: nbytes(outputs),
-            "reduce_scatter": lambda output, inputs, *_: nbytes(inputs),
-            "all_reduce": lambda tensor, *_: nbytes([tensor]),
-            "broadcast": lambda tensor, *_: nbytes([tensor]),
-            "reduce": lambda tensor, *_: nbytes([tensor]),  # gloo's reduce-scatter: one reduce per slice
-        }
-        for name, payload in payloads.items():
-            self._originals[name] = original = getattr(dist, name)
-            setattr(dist, name, self._counted(original, payload))
-        return self
-
-    def _counted(self, original: Any, payload: Any) -> Any:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.bytes[self._dimension(kwargs.get("group"))] += payload(*args)
-            return original(*args, **kwargs)
-
-        return counted
-
-    def __exit__(self, *exc: object) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
 
 
 def _traffic(rank: int, world_size: int) -> list[dict[str, Any]]:

@@ -236,3 +236,40 @@ def measure_state_and_traffic(stage: int, compute_dtype: torch.dtype) -> dict[st
 
 def accounting_grid(rank: int, world_size: int) -> list[dict[str, Any]]:
     return [measure_state_and_traffic(stage, dtype) for stage in (1, 2, 3) for dtype in (torch.float32, torch.bfloat16)]
+
+
+class SentCollectives:
+    """Counts the collectives handed to ``torch.distributed`` (logical bytes, as the ZeRO formulas count
+    them) by the ranks they run between, which ``span(group)`` names (each test says how)."""
+
+    spans: tuple[str, ...] = ()  # reported even when nothing ran between them
+
+    def __init__(self) -> None:
+        self.bytes: dict[str, int] = dict.fromkeys(self.spans, 0)
+        self._originals: dict[str, Any] = {}
+
+    def span(self, group: Any) -> str:
+        raise NotImplementedError
+
+    def _wrap(self, name: str, payload: Any) -> None:
+        original = self._originals[name] = getattr(torch.distributed, name)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            span = self.span(kwargs.get("group"))
+            self.bytes[span] = self.bytes.get(span, 0) + payload(*args)
+            return original(*args, **kwargs)
+
+        setattr(torch.distributed, name, counted)
+
+    def __enter__(self) -> "SentCollectives":
+        nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+        self._wrap("all_gather", lambda outputs, *_: nbytes(outputs))
+        self._wrap("reduce_scatter", lambda output, inputs, *_: nbytes(inputs))
+        self._wrap("all_reduce", lambda tensor, *_: nbytes([tensor]))
+        self._wrap("broadcast", lambda tensor, *_: nbytes([tensor]))
+        self._wrap("reduce", lambda tensor, *_: nbytes([tensor]))  # gloo's reduce-scatter: one reduce per slice
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.distributed, name, original)

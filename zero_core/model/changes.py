@@ -46,6 +46,12 @@ _ADVICE = (
 )
 
 
+def _moved(entry: Registration, expected_address: int) -> bool:
+    """The parameter's data (a DTensor's local piece) no longer starts where the unit's buffer put it."""
+    data = local_values(entry.param) if entry.dtensor else entry.param
+    return data.data_ptr() != expected_address and bool(data.numel())
+
+
 class RegisteredParameters:
     """Checked at every outermost forward, so the loop is kept tight: the modules'
     own ``_parameters``/``_modules`` dicts (stable objects) instead of ``getattr``,
@@ -90,13 +96,12 @@ class RegisteredParameters:
                 base = unit.gathered_params.data_ptr() if unit.state is not StorageState.SHARDED else None
                 for entry, offset in entries:
                     param = entry.param
-                    data = local_values(param) if entry.dtensor else param
                     if (
                         entry.registry.get(entry.name) is not param
                         or param.dtype is not dtype
                         or param.shape != entry.shape
                         or (entry.dtensor and param._cdata != entry.tensor_id)
-                        or (base is not None and data.data_ptr() != base + offset and data.numel())
+                        or (base is not None and _moved(entry, base + offset))
                     ):
                         self._refuse(entry)
 

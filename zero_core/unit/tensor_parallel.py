@@ -118,13 +118,8 @@ def local_piece_of(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         return value.to_local()
     if value.shape != param.shape:
         return value  # the caller's shape check refuses it
-    piece = value
-    for mesh_dim, placement in enumerate(param.placements):
-        if isinstance(placement, Shard):
-            rank = param.device_mesh.get_local_rank(mesh_dim)
-            chunks = torch.chunk(piece, param.device_mesh.size(mesh_dim), dim=placement.dim)
-            piece = chunks[rank] if rank < len(chunks) else piece.narrow(placement.dim, 0, 0)
-    return piece
+    place = place_in_whole(param)  # where checkpoints name the piece, so both slice alike
+    return value[tuple(slice(start, start + size) for start, size in zip(place.offsets, local_shape(param)))]
 
 
 def check_supported(fqn: str, param: torch.Tensor) -> None:
