@@ -89,8 +89,11 @@ class TinyLlama(nn.Module):
         return self.output(self.norm(h))
 
 
-def parallelize(model: TinyLlama, tp_mesh: DeviceMesh) -> TinyLlama:
-    """Split every layer across ``tp_mesh`` (Megatron-style, with sequence parallelism between them)."""
+def parallelize(model: TinyLlama, tp_mesh: DeviceMesh, sequence_parallel: bool = True) -> TinyLlama:
+    """Split every layer across ``tp_mesh`` (Megatron-style, with sequence parallelism between them unless
+    ``sequence_parallel=False``: then every layer's input is whole on every rank, as in the ZeRO paper)."""
+    if not sequence_parallel:
+        return _parallelize_without_sequence_parallelism(model, tp_mesh)
     parallelize_module(
         model,
         tp_mesh,
@@ -115,6 +118,33 @@ def parallelize(model: TinyLlama, tp_mesh: DeviceMesh) -> TinyLlama:
                 "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
                 "feed_forward.w1": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
+    return model
+
+
+def _parallelize_without_sequence_parallelism(model: TinyLlama, tp_mesh: DeviceMesh) -> TinyLlama:
+    """Megatron's plan: the norms are whole on every rank, the row-wise linears all-reduce their outputs."""
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
+    for layer in model.layers:
+        parallelize_module(
+            layer,
+            tp_mesh,
+            {
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
                 "feed_forward.w3": ColwiseParallel(),
             },
         )

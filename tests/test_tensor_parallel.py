@@ -34,9 +34,10 @@ from zero_core import (
 )
 from zero_core.checkpoint import load_full_checkpoint
 
+from . import partitioned_activation_workers as partitioned
 from .distributed import by_rank, run_distributed
 from .tensor_parallel_model import Layer, TinyLlama, loss_of, parallelize, tokens
-from .workers import SentCollectives, refusal
+from .workers import SentByDimension, refusal
 
 pytestmark = pytest.mark.distributed
 
@@ -48,6 +49,9 @@ CASES += [dict(stage=s, optimizer="sgd", micro_batches=2) for s in (1, 2, 3)]
 CASES += [dict(stage=3, optimizer="adamw", clip=0.5, dtype=torch.bfloat16)]
 # Hybrid sharding inside each data-parallel group: here groups of 1, each rank a whole copy of its pieces.
 CASES += [dict(stage=s, optimizer="sgd", clip=0.5, micro_batches=2, shard_group_size=1) for s in (1, 2, 3)]
+# P_a: every layer checkpointed, its inputs split across the tensor-parallel ranks (Megatron's split, whole inputs).
+CASES += [dict(stage=s, optimizer="adamw", clip=0.5, partition=True) for s in (1, 2, 3)]
+CASES += [dict(stage=3, optimizer="sgd", micro_batches=2, partition=True, shard_group_size=1)]
 
 
 def _optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -71,9 +75,19 @@ class DataParallelReference:
             local.div_(DP)
             param.grad = grad
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+            _clip_whole_norm(list(self.model.parameters()), clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
+
+
+def _clip_whole_norm(params: list[torch.nn.Parameter], clip: float) -> None:
+    """torch's clip_grad_norm_ over the whole gradients, for a model mixing DTensor and plain (replicated)
+    parameters, which clip_grad_norm_ refuses."""
+    grads = [p.grad for p in params]
+    total = torch.stack([(g.full_tensor() if isinstance(g, DTensor) else g).norm() for g in grads]).norm()
+    coefficient = torch.clamp(clip / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient)
 
 
 def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -87,19 +101,24 @@ def _train(
     micro_batches: int = 1,
     dtype: Any = None,
     shard_group_size: int | None = None,
+    partition: bool = False,
 ):
     mesh = tensor_parallel_mesh(TP)
     dp_rank = mesh["data_parallel"].get_local_rank()
     torch.manual_seed(0)
     single = TinyLlama()
-    split = parallelize(copy.deepcopy(single), mesh["tensor_parallel"])
-    reference = DataParallelReference(parallelize(copy.deepcopy(single), mesh["tensor_parallel"]), optimizer,
-                                      mesh["data_parallel"].get_group())  # fmt: skip
+    split = parallelize(copy.deepcopy(single), mesh["tensor_parallel"], sequence_parallel=not partition)
+    if partition:
+        partitioned.checkpointed(split)
+    reference = DataParallelReference(
+        parallelize(copy.deepcopy(single), mesh["tensor_parallel"], sequence_parallel=not partition), optimizer,
+        mesh["data_parallel"].get_group(),
+    )  # fmt: skip
     single_optimizer = _optimizer(optimizer, single)
     precision = MixedPrecision(compute_dtype=dtype) if dtype is not None else MixedPrecision()
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision,
-        shard_group_size=shard_group_size,
+        shard_group_size=shard_group_size, partition_activations=partition,
     )  # fmt: skip
     engine = ZeroEngine(split, _optimizer(optimizer, split), config, device_mesh=mesh)
     assert engine.shard_group_size == (shard_group_size or DP)
@@ -402,18 +421,6 @@ def _overflow_on_one_tensor_parallel_rank(rank: int, world_size: int) -> list[bo
     return skipped
 
 
-class SentByDimension(SentCollectives):
-    """By the mesh dimension a collective's group spans. DTensor's own collectives (the layers' activations)
-    go through torch's functional collectives and are not counted: they are tensor parallelism's, the same
-    with or without ZeRO."""
-
-    def span(self, group: Any) -> str:
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(WORLD))
-        if len(ranks) == WORLD:
-            return "world"
-        return "tensor_parallel" if ranks[-1] - ranks[0] == len(ranks) - 1 else "data_parallel"
-
-
 def _traffic(rank: int, world_size: int) -> list[dict[str, Any]]:
     """One measured step per stage: bytes sent per mesh dimension, beside the formulas over the local pieces."""
     results = []
@@ -449,6 +456,9 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
         "refusals": _refusals(rank, world_size),
         "checkpoints": _checkpoints(rank, world_size),
         "full_weights": _full_weights(rank, world_size),
+        "partitioned": partitioned.memory_and_traffic(rank, world_size),
+        "partitioned_offload": partitioned.offloaded_losses(rank, world_size),
+        "partitioned_refusals": partitioned.refusals(rank, world_size),
     }
 
 
@@ -538,6 +548,53 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "has 2 ranks" in result["size_differs"]
         assert "ranks disagree on" in result["tensor_parallel_ranks_differ"]
         assert "bucket_size_mb" in result["tensor_parallel_ranks_differ"]
+
+
+def test_partitioned_activations_keep_a_tensor_parallel_share_of_each_checkpoint(grid: list[Any]) -> None:
+    """P_a, measured: after forward each rank keeps 1/TP of every checkpointed layer's input (what the C
+    allocator holds), the whole inputs are freed, and backward all-gathers each once over the
+    tensor-parallel ranks: in ring volume under the paper's "less than 10%" of the layers' own traffic."""
+    for result in by_rank(grid, "partitioned"):
+        whole, layers = result["whole_input_bytes"], result["layers"]
+        checkpoint, partitioned_ = result["partition=False"], result["partition=True"]
+        assert partitioned_["losses"] == checkpoint["losses"]
+        assert checkpoint["layer_inputs_alive"] == layers and partitioned_["layer_inputs_alive"] == 0
+        saved = checkpoint["kept_after_forward"] - partitioned_["kept_after_forward"]
+        assert saved == pytest.approx(layers * whole * (1 - 1 / TP), rel=0.03)
+        # One all-gather of each layer's whole input, and the agreement check's 4 float64 numbers per layer.
+        assert checkpoint["ours_tensor_parallel"] == 0
+        assert partitioned_["ours_tensor_parallel"] == layers * (whole + 4 * 8)
+        # The layers' own collectives are unchanged (the recompute stops early as torch's does).
+        assert partitioned_["layers_own"] == checkpoint["layers_own"]
+        own = checkpoint["layers_own"]
+        ring_volume = 2 * own.get("all_reduce", 0) + own.get("all_gather_into_tensor", 0)
+        assert layers * whole / ring_volume < 0.10
+
+
+def test_partitioned_and_offloaded_activations_train_exactly_like_keeping_them(grid: list[Any]) -> None:
+    """P_a in non-reentrant and reentrant checkpoints, P_a+cpu and offload_activations on the split model
+    (the hooks taking the GPU's path: saved DTensors copied out and rebuilt) change no number."""
+    for result in by_rank(grid, "partitioned_offload"):
+        losses, moved = result["losses"], result["moved"]
+        for name in losses:
+            assert losses[name] == losses["plain"], name
+        assert moved["plain"]["copies"] == moved["partition"]["copies"] == 0
+        assert moved["offload"]["dtensors"] > 0 and moved["offload"]["copies"] > 0
+        # P_a+cpu: what goes out is the same, but each layer's input only as this rank's slice (3 steps).
+        both, offload = moved["partition+offload"], moved["offload"]
+        assert both["copies"] == offload["copies"]
+        slices = 3 * result["layers"] * result["layer_input_numel"] // TP
+        assert offload["numel"] - both["numel"] == slices
+
+
+def test_what_partition_activations_cannot_take_is_refused(grid: list[Any]) -> None:
+    for result in by_rank(grid, "partitioned_refusals"):
+        assert "differs across the tensor-parallel ranks" in result["sequence_parallel"]
+        assert "'layers.0'" in result["sequence_parallel"]
+        assert result["differs_later"] == result["sequence_parallel"]
+        assert "tensor_parallel_size > 1" in result["no_tensor_parallelism"]
+        assert "apply_activation_checkpointing" in result["no_wrappers"]
+        assert "runs its own checkpoint_fn" in result["own_checkpoint_fn"]
 
 
 SCRIPTS = Path(__file__).parent / "scripts"

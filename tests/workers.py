@@ -7,7 +7,10 @@ import copy
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
 
@@ -273,3 +276,41 @@ class SentCollectives:
     def __exit__(self, *exc: object) -> None:
         for name, original in self._originals.items():
             setattr(torch.distributed, name, original)
+
+
+class SentByDimension(SentCollectives):
+    """By the mesh dimension a collective's group spans. DTensor's own collectives (the layers' activations)
+    go through torch's functional collectives and are not counted here (``LayerCollectives`` counts them):
+    they are tensor parallelism's, the same with or without ZeRO."""
+
+    def span(self, group: Any) -> str:
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        if len(ranks) == dist.get_world_size():
+            return "world"
+        return "tensor_parallel" if ranks[-1] - ranks[0] == len(ranks) - 1 else "data_parallel"
+
+
+class LayerCollectives(TorchDispatchMode):
+    """The bytes of the collectives DTensor runs for the split layers themselves (torch's functional
+    collectives: the row-wise linears' all-reduces and the like), in forward and backward. Each DTensor op
+    is let through (``NotImplemented``) so that DTensor turns it into the collectives this mode then sees,
+    as torch's CommDebugMode does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **kwargs)
+        name = func._overloadpacket.__name__
+        if func.namespace == "_c10d_functional" and name.startswith(("all_", "reduce_scatter", "broadcast")):
+            counted = out if name.startswith("all_gather") else args[0]
+            self.bytes[name] = self.bytes.get(name, 0) + sum(
+                t.numel() * t.element_size() for t in (counted if isinstance(counted, (list, tuple)) else [counted])
+            )
+        return out

@@ -36,6 +36,7 @@ from .optim.scratch import ScratchDirectory
 from .step.activation_offload import ActivationOffload
 from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
+from .step.partitioned_activations import PartitionedActivations, check_partition_activations
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
 from .unit import FlatUnit, ParameterDigests, check_wrap_classes_present, plan_units
@@ -123,6 +124,15 @@ def build_nvme_state(units: list[FlatUnit], config: ZeroConfig, comm: CommContex
     return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory)
 
 
+def _activation_hooks(model: nn.Module, units: list[FlatUnit], comm: CommContext, config: ZeroConfig) -> list[Any]:
+    """What forward keeps for backward: on the host, split across the tensor-parallel ranks, or both. Installed
+    after the runtime's hooks: each unit's forward body runs under the offload context."""
+    hooks: list[Any] = ActivationOffload(units).install() if config.offload_activations else []
+    if config.partition_activations:
+        hooks += PartitionedActivations(model, comm, config.offload_activations).install()
+    return hooks
+
+
 def build_parts(
     model: nn.Module,
     config: ZeroConfig,
@@ -132,6 +142,7 @@ def build_parts(
 ) -> EngineParts:
     # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
     digests = ParameterDigests()
+    check_partition_activations(model, config, comm.tensor_parallel_size)  # before the setup's collectives
     units = build_units(model, config, optimizer, comm, digests, param_init_fn)
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
@@ -155,9 +166,7 @@ def build_parts(
     runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
     buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
     runtime.after_root_forward.append(buffer_sync.after_root_forward)
-    hooks = runtime.install()
-    if config.offload_activations:  # after the runtime's hooks: each unit's forward body runs under the context
-        hooks += ActivationOffload(units).install()
+    hooks = runtime.install() + _activation_hooks(model, units, comm, config)
     sharded_at_rest = config.plan.params_sharded_at_rest
     state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
     hooks += state_dict_hooks.install()

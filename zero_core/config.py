@@ -235,11 +235,20 @@ class ZeroConfig:
         parse=str,
         example="cpu",
     )
-    # The paper's P_a+cpu, without the tensor-parallel partitioning (step/activation_offload.py).
+    # The paper's P_a+cpu (step/activation_offload.py; with partition_activations only the slices are kept).
     offload_activations: bool = setting(
         False,
         doc="keep what each unit's forward saves for backward in host memory until backward needs it "
         "(a CPU device: nothing moves)",
+        parse=parse_bool,
+        example=True,
+    )
+    # The paper's P_a: an activation-checkpointed block's inputs split across the tensor-parallel ranks
+    # (step/partitioned_activations.py).
+    partition_activations: bool = setting(
+        False,
+        doc="with tensor parallelism: each checkpointed block (torch's checkpoint_wrapper) keeps 1/TP of its "
+        "inputs for backward, all-gathered across the tensor-parallel ranks before it is recomputed",
         parse=parse_bool,
         example=True,
     )
@@ -330,6 +339,8 @@ class ZeroConfig:
             )
         if not isinstance(self.offload_activations, bool):
             raise ValueError("ZeroConfig.offload_activations must be True or False.")
+        if not isinstance(self.partition_activations, bool):
+            raise ValueError("ZeroConfig.partition_activations must be True or False.")
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")
 

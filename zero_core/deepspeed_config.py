@@ -207,7 +207,8 @@ _HINTS = {
     "zero_optimization.overlap_comm": "collectives always overlap here; remove the key or set it true",
     "zero_optimization.stage3_max_live_parameters": "stage 3 keeps the running unit and `prefetch` units gathered",
     "zero_optimization.stage3_max_reuse_distance": "units are released after their forward and backward",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model (apply_activation_checkpointing)",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model (apply_activation_checkpointing); "
+    "partition_activations and cpu_checkpointing are partition_activations and offload_activations here",
     "zero_allow_untested_optimizer": "any torch optimizer whose state is per element works",
 }
 

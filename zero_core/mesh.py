@@ -138,11 +138,6 @@ def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroC
                 f"device_mesh['{TENSOR_PARALLEL}'] ({mesh[TENSOR_PARALLEL]}): parallelise the model over that "
                 "dimension of the mesh you give the engine."
             )
-    if config.offload_activations:
-        raise ValueError(
-            "offload_activations with tensor parallelism is not supported yet (what autograd saves is DTensors): "
-            "leave it off on a 2-D mesh."
-        )
     if any(p.is_meta for _, p in model.named_parameters()):
         raise ValueError(
             "A model on the meta device with tensor parallelism is not supported yet: materialise it "

@@ -1,5 +1,6 @@
 """``offload_activations``: what each unit's forward saves for backward waits in host memory (the paper's
-P_a+cpu, without its partitioning across tensor-parallel ranks).
+P_a+cpu; with ``partition_activations`` a checkpointed block's inputs are split first, in
+partitioned_activations.py, and only this rank's slices go to the host).
 
 Each unit's forward runs under saved-tensor hooks (torch's ``save_on_cpu``, less what must not move): a
 tensor autograd saves is copied into pinned host memory when it is saved and copied back to the device when
@@ -9,7 +10,9 @@ root's, or a unit called directly) and left by its forward hook, which also runs
 (``always_call``), so a failed forward never leaves them active for code outside the model. Units inside run
 under that one context, so an activation checkpoint around a block (``torch.utils.checkpoint``) pushes its own
 hooks above it and keeps checkpointing the block; its recompute in backward gets no context of ours. On a CPU
-device the hooks run and keep every tensor as it is: nothing moves.
+device the hooks run and keep every tensor as it is: nothing moves. With tensor parallelism what autograd saves
+inside the split layers is DTensors: their local tensors go to the host, and come back as DTensors with the
+same mesh, placements, shape and strides.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from ..unit import FlatUnit
@@ -32,19 +36,48 @@ class SavedOnHost(saved_tensors_hooks):
 
     def __init__(self, keep: Any) -> None:
         def pack(tensor: torch.Tensor) -> Any:
-            if tensor.device.type == "cpu" or tensor.layout != torch.strided or keep(tensor):
+            if not self.moves(tensor) or keep(tensor):
                 return tensor
-            on_host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
-            on_host.copy_(tensor)  # strides are not kept: what autograd gets back is contiguous
-            return tensor.device, on_host
+            if isinstance(tensor, DTensor):
+                with torch.no_grad():
+                    local = tensor.to_local()
+                return _DTensorOnHost(tensor, local.device, self.to_host(local))
+            return tensor.device, self.to_host(tensor)
 
         def unpack(packed: Any) -> torch.Tensor:
             if isinstance(packed, torch.Tensor):
                 return packed
+            if isinstance(packed, _DTensorOnHost):
+                return packed.back()
             device, on_host = packed
             return on_host.to(device, non_blocking=True)
 
         super().__init__(pack, unpack)
+
+    @staticmethod
+    def moves(tensor: torch.Tensor) -> bool:
+        return tensor.device.type != "cpu" and tensor.layout == torch.strided
+
+    @staticmethod
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        on_host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=True)
+        return on_host.copy_(tensor)  # strides are not kept: what autograd gets back is contiguous
+
+
+class _DTensorOnHost:
+    """A DTensor's local tensor in host memory, with what makes it that DTensor again."""
+
+    def __init__(self, tensor: DTensor, device: torch.device, on_host: torch.Tensor) -> None:
+        self.mesh, self.placements, self.shape, self.stride = (
+            tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()
+        )  # fmt: skip
+        self.device, self.on_host = device, on_host
+
+    def back(self) -> DTensor:
+        local = self.on_host.to(self.device, non_blocking=True)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
 
 class ActivationOffload:
@@ -61,6 +94,11 @@ class ActivationOffload:
         return handles
 
     def _is_parameter(self, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, DTensor):
+            with torch.no_grad():
+                tensor = tensor.to_local()
+        if type(tensor) not in (torch.Tensor, nn.Parameter):
+            return False  # a wrapper without storage (an async collective's result): an activation
         storage = tensor.untyped_storage().data_ptr()
         return any(storage == unit.gathered_params.untyped_storage().data_ptr() for unit in self.units)
 
