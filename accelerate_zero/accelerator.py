@@ -22,18 +22,26 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.data_loader import prepare_data_loader
 from accelerate.logging import get_logger
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import broadcast_object_list, convert_outputs_to_fp32, gather_object
+from accelerate.utils import broadcast_object_list, convert_outputs_to_fp32, gather_object, recursively_apply
 from accelerate.utils.modeling import get_mixed_precision_context_manager
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader, IterableDataset
 
 from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
 from .plain_training import zero_model_prepared
-from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin, refuse_tensor_parallel
+from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
+from .tensor_parallel import (
+    DataParallelRanks,
+    accelerate_without_its_parallelism,
+    build_mesh,
+    tensor_parallel_size,
+)
 
 MODEL_DIR = "pytorch_model_zero_{}"  # beside Accelerate's own files, as its FSDP layout does
 OPTIMIZER_DIR = "optimizer_zero_{}"
@@ -57,6 +65,9 @@ class ZeroAccelerator(Accelerator):
     come from the ``ACCELERATE_ZERO_*`` variables ``accelerate-zero launch`` sets."""
 
     def __init__(self, *, zero_plugin: ZeroPlugin | None = None, mixed_precision: str | None = None, **kwargs: Any):
+        """With tensor parallelism (``ZeroPlugin(tensor_parallel_size=n)`` or Accelerate's
+        ``ParallelismConfig(tp_size=n)``), ``self.device_mesh`` is the 2-D mesh to split the model over
+        before ``prepare`` (tensor_parallel.py)."""
         requested = (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
         if requested not in MIXED_PRECISION_POLICIES:
             raise ValueError(
@@ -64,9 +75,12 @@ class ZeroAccelerator(Accelerator):
                 f"use one of {sorted(MIXED_PRECISION_POLICIES)}."
             )
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()
-        refuse_tensor_parallel(self.zero_plugin)
+        tensor_parallel = tensor_parallel_size(self.zero_plugin, kwargs)
         check_deepspeed_precision(self.zero_plugin, requested)  # before Accelerate's state is made
-        super().__init__(mixed_precision=requested, **kwargs)
+        with accelerate_without_its_parallelism(kwargs) as accelerate_kwargs:
+            super().__init__(mixed_precision=requested, **accelerate_kwargs)
+        self.device_mesh = build_mesh(tensor_parallel, self.device)
+        self._data_parallel = DataParallelRanks(self.device_mesh) if self.device_mesh is not None else None
         # Against what Accelerate settled on (the keyword, a GradientAccumulationPlugin or its variable).
         check_deepspeed_accumulation(self.zero_plugin, self.gradient_accumulation_steps)
         # Accelerate's autocast stays (``accelerator.autocast()``, and the forward's in prepare_model);
@@ -90,7 +104,7 @@ class ZeroAccelerator(Accelerator):
         if models:
             policy = MIXED_PRECISION_POLICIES[self.mixed_precision]
             config = self.zero_plugin.zero_config(policy, models[0])
-            self.engine = shard_module(models[0], optimizer, config, self.device)
+            self.engine = shard_module(models[0], optimizer, config, self.device, device_mesh=self.device_mesh)
             zero_model_prepared()  # accelerate-zero launch's check: this process trains with ZeRO
             # At INFO, as Accelerate logs: shown where the user turned its logging on.
             get_logger(__name__).info(setup_summary(self.engine), main_process_only=True)
@@ -120,6 +134,52 @@ class ZeroAccelerator(Accelerator):
             if self.native_amp:
                 _autocast_forward(model, get_mixed_precision_context_manager(True, self.autocast_handler))
         return model
+
+    # ------------------------------------------- data, per data-parallel rank
+    def prepare_data_loader(
+        self, data_loader: DataLoader, device_placement: bool | None = None, slice_fn_for_dispatch: Any = None
+    ) -> DataLoader:
+        """With tensor parallelism: divided among the data-parallel ranks (Accelerate's own call, with the
+        data-parallel size and rank in place of the process count and index)."""
+        if self._data_parallel is None:
+            return super().prepare_data_loader(data_loader, device_placement, slice_fn_for_dispatch)
+        ranks = self._data_parallel
+        dispatched = self.dispatch_batches or (
+            self.dispatch_batches is None and isinstance(data_loader.dataset, IterableDataset)
+        )
+        if dispatched:
+            raise ValueError(
+                "Dispatched batches (Accelerate's default for an IterableDataset) are not supported with tensor "
+                "parallelism: pass dataloader_config=DataLoaderConfiguration(dispatch_batches=False), so each "
+                "data-parallel rank reads its own share."
+            )
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=ranks.size, process_index=ranks.rank,
+            split_batches=self.split_batches, put_on_device=self.device_placement if device_placement is None
+            else device_placement, rng_types=self.rng_types.copy(), dispatch_batches=False,
+            even_batches=self.even_batches, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader,
+        )  # fmt: skip
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def gather(self, tensor: Any) -> Any:
+        gathered = super().gather(tensor)
+        return gathered if self._data_parallel is None else self._data_parallel.first_of_each_group(gathered)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        if self._data_parallel is not None and (use_gather_object or not _all_tensors(input_data)):
+            raise ValueError(
+                "gather_for_metrics of objects is not supported with tensor parallelism (each data-parallel "
+                "rank's objects would come once per tensor-parallel rank): gather tensors."
+            )
+        return super().gather_for_metrics(input_data, use_gather_object=use_gather_object)
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        if self._data_parallel is None or reduction == "none":
+            return super().reduce(tensor, reduction, scale)
+        return self._data_parallel.reduce(tensor, reduction, scale)
 
     # ------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
@@ -250,6 +310,15 @@ class ZeroAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         finally:
             handle.remove()
+
+
+def _all_tensors(data: Any) -> bool:
+    """As Accelerate's gather_for_metrics decides between gather and gather_object."""
+    try:
+        recursively_apply(lambda x: x, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True
 
 
 def _autocast_forward(model: nn.Module, autocast: contextlib.AbstractContextManager) -> None:

@@ -87,16 +87,6 @@ class _PluginBehaviour:
         return ZeroConfig(mixed_precision=mixed_precision, **values)
 
 
-def refuse_tensor_parallel(plugin: ZeroPlugin) -> None:
-    """Read by ZeroAccelerator before anything is prepared (the plugin itself round-trips every setting)."""
-    if plugin.tensor_parallel_size != 1:
-        raise ValueError(
-            f"tensor_parallel_size={plugin.tensor_parallel_size}: ZeRO with tensor parallelism is not available "
-            "through Accelerate yet. Use Lightning's ZeroStrategy(tensor_parallel_size=...) or "
-            "zero_core.ZeroEngine(device_mesh=zero_core.tensor_parallel_mesh(size)) in a torchrun script."
-        )
-
-
 def refuse_clipping(translated: DeepSpeedSettings, source: str) -> None:
     """DeepSpeed's engine clips by the config; Accelerate leaves clipping to the loop."""
     if "gradient_clipping" in translated.loop:

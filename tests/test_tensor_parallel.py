@@ -11,6 +11,7 @@ really sent stay in their dimension. One spawn runs the whole grid.
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from zero_core import (
 from zero_core.checkpoint import load_full_checkpoint
 
 from . import partitioned_activation_workers as partitioned
-from .distributed import by_rank, run_distributed
+from .distributed import _free_port, by_rank, run_distributed
 from .tensor_parallel_model import Layer, TinyLlama, loss_of, parallelize, tokens
 from .workers import SentByDimension, refusal
 
@@ -235,6 +236,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
         "both": refusal(build(device_mesh=mesh, process_group=dist.group.WORLD), ValueError),
         "size_without_mesh": refusal(build(config=ZeroConfig(stage=3, tensor_parallel_size=2)), ValueError),
         "size_differs": refusal(build(config=ZeroConfig(tensor_parallel_size=4), device_mesh=mesh), ValueError),
+        "not_split": refusal(lambda: ZeroEngine(TinyLlama(), None, device_mesh=mesh), ValueError),
         # Only the tensor-parallel ranks differ: each data-parallel group alone would agree.
         "tensor_parallel_ranks_differ": refusal(
             build(config=_differing_by_tp_rank(mesh), device_mesh=mesh), ValueError
@@ -546,6 +548,7 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "process_group= or device_mesh=" in result["both"]
         assert "tensor_parallel_mesh(2)" in result["size_without_mesh"]
         assert "has 2 ranks" in result["size_differs"]
+        assert "no parameter of the model is split over it" in result["not_split"]
         assert "ranks disagree on" in result["tensor_parallel_ranks_differ"]
         assert "bucket_size_mb" in result["tensor_parallel_ranks_differ"]
 
@@ -615,6 +618,21 @@ def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, An
 
 
 @pytest.fixture(scope="module")
+def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Accelerate's launcher, on CPU processes as Accelerate runs them (``ACCELERATE_USE_CPU``)."""
+    out = tmp_path_factory.mktemp("accelerate-tensor-parallel")
+    launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
+    launch += ["--num_processes", str(WORLD), "--main_process_port", str(_free_port())]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
+    result = subprocess.run(
+        [*launch, str(SCRIPTS / "accelerate_tensor_parallel.py"), str(out)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
 def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _launch("fabric_tensor_parallel.py", tmp_path_factory.mktemp("fabric-tensor-parallel"))
 
@@ -640,8 +658,9 @@ def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple
     return losses, weights
 
 
-def _by_data_parallel_group(run: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def _by_data_parallel_group(run: list[dict[str, Any]], case: str | None = None) -> list[list[dict[str, Any]]]:
     """Ranks 2g and 2g + 1 split layers together (consecutive ranks); each group trains its own batches."""
+    run = [rank[case] for rank in run] if case is not None else run
     groups = [run[dp * TP : (dp + 1) * TP] for dp in range(DP)]
     for group in groups:
         assert all(_same(rank["batches"], group[0]["batches"]) for rank in group), "a group splits one batch"
@@ -685,3 +704,33 @@ def test_fabric_with_tensor_parallel_size_trains_like_one_process(fabric_run: li
     for rank in fabric_run:
         assert _max_difference(rank["weights"], weights[-1]) < 1e-4
         assert "fabric.setup_optimizers(optimizer)" in rank["optimizer_first"]
+
+
+def test_accelerate_with_tensor_parallelism_trains_resumes_and_gathers_like_one_process(accelerate_run: list) -> None:
+    """ZeroPlugin(tensor_parallel_size=2) at stage 3, then Accelerate's own ParallelismConfig(tp_size=2) at
+    stage 1 resuming its save_state; the data divided by data-parallel rank; gather_for_metrics and reduce
+    count each data-parallel rank once (each evaluated sample once, as one process sees it)."""
+    ours, theirs = (
+        _by_data_parallel_group(accelerate_run, "ours"),
+        _by_data_parallel_group(accelerate_run, "accelerates"),
+    )
+    batches = [o[0]["batches"] + t[0]["batches"] for o, t in zip(ours, theirs)]
+    losses, weights = _one_process_lightning_reference(batches)
+    assert _mean_over_groups(ours, "losses") == pytest.approx(losses[:3], rel=1e-5)
+    assert _mean_over_groups(theirs, "losses") == pytest.approx(losses[3:], rel=1e-5)
+    torch.manual_seed(0)
+    model = TinyLlama()
+    model.load_state_dict(weights[2])
+    from tests.scripts.accelerate_tensor_parallel import EVALUATED, sequences
+
+    with torch.no_grad():
+        per_sample = torch.stack([loss_of(model(ids[None]), ids[None]) for (ids,) in sequences(EVALUATED, seed=2)])
+    for rank in accelerate_run:
+        assert rank["accelerates"]["stage"] == 1
+        assert _max_difference(rank["ours"]["weights"], weights[2]) < 1e-4
+        assert _max_difference(rank["accelerates"]["weights"], weights[4]) < 1e-4
+        assert torch.allclose(rank["ours"]["gathered"], per_sample, rtol=1e-5)
+        assert torch.allclose(rank["ours"]["means"], per_sample.view(-1, DP).mean(1), rtol=1e-5)
+        assert "gather tensors" in rank["ours"]["objects_refused"]
+        assert "Set only tp_size" in rank["refusals"]["fsdp_dimension"]
+        assert "set one of them" in rank["refusals"]["sizes_differ"]

@@ -130,6 +130,13 @@ def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroC
         )
     if not tensor_parallel:
         return
+    if not dtensors and mesh[TENSOR_PARALLEL].size() > 1:
+        # Each tensor-parallel rank would hold and compute the whole model on the same batches.
+        raise ValueError(
+            f"The engine was given a mesh whose '{TENSOR_PARALLEL}' dimension has {mesh[TENSOR_PARALLEL].size()} "
+            "ranks, but no parameter of the model is split over it: split the model first (torch's "
+            f"parallelize_module over device_mesh['{TENSOR_PARALLEL}']), or use tensor_parallel_size=1."
+        )
     for name, param in dtensors:
         check_supported(name, param)
         if param.device_mesh != mesh[TENSOR_PARALLEL]:
