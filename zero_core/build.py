@@ -40,6 +40,7 @@ from .step.partitioned_activations import PartitionedActivations, check_partitio
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
 from .unit import FlatUnit, ParameterDigests, check_wrap_classes_present, plan_units
+from .unit.tensor_parallel import local_shape
 
 
 class EngineParts(NamedTuple):
@@ -105,7 +106,7 @@ def build_units(
             materialiser.initialise(module)
         plan = plan_rooted_at.get(id(module))
         if plan is not None:
-            numel = sum(p.numel() for p in plan.params)
+            numel = sum(local_shape(p).numel() for p in plan.params)  # this rank's pieces of split layers
             units[plan.index] = FlatUnit(
                 plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests,
                 offloaded=plan.index in offloaded, params_offloaded=config.offload_params != "none",
