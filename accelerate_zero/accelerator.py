@@ -38,6 +38,7 @@ from .plain_training import zero_model_prepared
 from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
 from .tensor_parallel import (
     DataParallelRanks,
+    DataParallelScheduler,
     accelerate_without_its_parallelism,
     build_mesh,
     tensor_parallel_size,
@@ -179,7 +180,14 @@ class ZeroAccelerator(Accelerator):
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         if self._data_parallel is None or reduction == "none":
             return super().reduce(tensor, reduction, scale)
-        return self._data_parallel.reduce(tensor, reduction, scale)
+        return self._data_parallel.reduce(tensor, reduction)
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        prepared = super().prepare_scheduler(scheduler)
+        if self._data_parallel is not None:
+            prepared.__class__ = DataParallelScheduler  # Accelerate's wrapper, stepping per data-parallel rank
+            prepared.data_parallel_size = self._data_parallel.size
+        return prepared
 
     # ------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:

@@ -11,7 +11,8 @@ Accelerate's own tensor parallelism, the model is split before ``prepare`` (over
 
 What Accelerate does per process is then done per data-parallel rank: dataloaders divide the data among the
 data-parallel ranks (the ranks of one tensor-parallel group see the same batches), and ``gather``,
-``gather_for_metrics`` and ``reduce`` count each data-parallel rank once.
+``gather_for_metrics`` and ``reduce`` count each data-parallel rank once, and schedulers step once per
+data-parallel rank (``accelerator.num_processes`` stays the number of processes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import recursively_apply
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -103,12 +105,33 @@ class DataParallelRanks:
 
         return recursively_apply(keep, gathered)
 
-    def reduce(self, data: Any, reduction: str, scale: float) -> Any:
+    def reduce(self, data: Any, reduction: str) -> Any:
+        """Accelerate's reduce over the data-parallel ranks (its ``scale`` is not applied on torch backends)."""
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        if reduction not in ops:
+            raise ValueError(f"reduction={reduction!r}: use one of {sorted(ops)} or 'none'.")
+
         def reduced(tensor: torch.Tensor) -> torch.Tensor:
             result = tensor.clone()
-            dist.all_reduce(result, group=self.group)
-            if reduction == "mean":
-                result /= self.size
-            return result * scale
+            dist.all_reduce(result, op=ops[reduction], group=self.group)
+            return result / self.size if reduction == "mean" else result
 
         return recursively_apply(reduced, data)
+
+
+class DataParallelScheduler(AcceleratedScheduler):
+    """Accelerate steps a scheduler once per process per optimizer step (each process read 1/world of the
+    data); with tensor parallelism each data-parallel rank reads 1/data-parallel of it: once per
+    data-parallel rank."""
+
+    data_parallel_size = 1
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        skipped = any(optimizer.step_was_skipped for optimizer in self.optimizers)
+        if not self.step_with_optimizer or self.split_batches or not self.gradient_state.sync_gradients or skipped:
+            super().step(*args, **kwargs)
+            return
+        for _ in range(self.data_parallel_size):
+            total = getattr(self.scheduler, "total_steps", None)  # OneCycle, as Accelerate guards it
+            if total is None or self.scheduler._step_count <= total:
+                self.scheduler.step(*args, **kwargs)

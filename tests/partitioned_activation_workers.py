@@ -190,6 +190,11 @@ def refusals(rank: int, world_size: int) -> dict[str, str | None]:
     layer(torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))).sum().backward()
     differing = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(rank), requires_grad=True)
     result["differs_later"] = refusal(lambda: layer(differing).sum().backward(), ValueError)
+    # Each token normalised: every rank's own tokens have the same sum and norm, but not the same bits.
+    normalised = torch.nn.functional.layer_norm(
+        torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(rank)), (32,)
+    )
+    result["normalised_differ"] = refusal(lambda: model.layers[1](normalised.requires_grad_()), ValueError)
     del engine
     torch.manual_seed(0)
     plain = checkpointed(TinyLlama())

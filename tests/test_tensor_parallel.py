@@ -600,6 +600,7 @@ def test_what_partition_activations_cannot_take_is_refused(grid: list[Any]) -> N
         assert "differs across the tensor-parallel ranks" in result["sequence_parallel"]
         assert "'layers.0'" in result["sequence_parallel"]
         assert result["differs_later"] == result["sequence_parallel"]
+        assert result["normalised_differ"] == result["sequence_parallel"].replace("layers.0", "layers.1")
         assert "tensor_parallel_size > 1" in result["no_tensor_parallelism"]
         assert "apply_activation_checkpointing" in result["no_wrappers"]
         assert "runs its own checkpoint_fn" in result["own_checkpoint_fn"]
@@ -739,5 +740,8 @@ def test_accelerate_with_tensor_parallelism_trains_resumes_and_gathers_like_one_
         assert torch.allclose(rank["ours"]["gathered"], per_sample, rtol=1e-5)
         assert torch.allclose(rank["ours"]["means"], per_sample.view(-1, DP).mean(1), rtol=1e-5)
         assert "gather tensors" in rank["ours"]["objects_refused"]
+        assert torch.allclose(rank["ours"]["last_max"], per_sample[-DP:].max(), rtol=1e-5)
+        # Accelerate steps a scheduler once per data reader per optimizer step: 3 steps x 2 data-parallel ranks.
+        assert rank["ours"]["scheduler_steps"] == 3 * DP
         assert "Set only tp_size" in rank["refusals"]["fsdp_dimension"]
         assert "set one of them" in rank["refusals"]["sizes_differ"]

@@ -40,7 +40,8 @@ def train(accelerator: ZeroAccelerator, steps: int, resume: Path | None = None) 
     model = parallelize(TinyLlama(), accelerator.device_mesh["tensor_parallel"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     loader = DataLoader(sequences(BATCH * 2 * 5, seed=1), batch_size=BATCH)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # counts its steps only
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     skip = 0
     if resume is not None:
         accelerator.load_state(str(resume))
@@ -55,10 +56,11 @@ def train(accelerator: ZeroAccelerator, steps: int, resume: Path | None = None) 
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
         batches.append(ids)
-    return {"model": model, "losses": losses, "batches": batches}
+    return {"model": model, "losses": losses, "batches": batches, "scheduler_steps": scheduler.scheduler.last_epoch}
 
 
 def evaluate(accelerator: ZeroAccelerator, model: torch.nn.Module) -> dict:
@@ -69,12 +71,18 @@ def evaluate(accelerator: ZeroAccelerator, model: torch.nn.Module) -> dict:
             loss = loss_of(model(ids), ids)
             gathered.append(accelerator.gather_for_metrics(loss.reshape(1)))
             means.append(accelerator.reduce(loss, "mean"))
+            largest = accelerator.reduce(loss, "max")
     try:
         accelerator.gather_for_metrics(["an object"])
         objects = None
     except ValueError as error:
         objects = str(error)
-    return {"gathered": torch.cat(gathered), "means": torch.stack(means), "objects_refused": objects}
+    return {
+        "gathered": torch.cat(gathered),
+        "means": torch.stack(means),
+        "last_max": largest,
+        "objects_refused": objects,
+    }
 
 
 def refusals() -> dict:
@@ -97,7 +105,7 @@ def main(out: Path) -> None:
     result = {"refusals": refusals()}
     accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(stage=3, tensor_parallel_size=2, wrap_classes=["Layer"]))
     ours = train(accelerator, steps=3)
-    result["ours"] = {key: ours[key] for key in ("losses", "batches")}
+    result["ours"] = {key: ours[key] for key in ("losses", "batches", "scheduler_steps")}
     result["ours"]["weights"] = accelerator.get_state_dict(ours["model"])
     result["ours"].update(evaluate(accelerator, ours["model"]))
     accelerator.save_state(str(out / "state"))

@@ -16,7 +16,7 @@ wrapper gets its own function back when the engine lets go.
 
 The inputs must be copies alike on every tensor-parallel rank, or one slice of each rank's would rebuild a
 tensor no rank had: with sequence parallelism each rank holds its own part of the sequence, already split.
-Every split input's sum and norm are compared across the tensor-parallel group: in forward the first time a
+Every split input's bits are checksummed and compared across the tensor-parallel group: in forward the first time a
 block runs (so a model whose inputs differ is refused before its first backward), later in backward before
 the slices are put together. Both raise the same error on every rank of the group.
 """
@@ -38,10 +38,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ..collectives import CommContext, Handle, Span, all_gather, all_reduce
 from ..config import ZeroConfig
 from . import activation_offload
-
-# Tolerances of the agreement check: copies made alike agree to the last bit; another rank's part of the
-# sequence differs in its first digits.
-_AGREEMENT_RTOL = 1e-6
 
 
 def checkpoint_wrappers(model: nn.Module) -> list[tuple[str, CheckpointWrapper]]:
@@ -122,13 +118,18 @@ class PartitionedActivations:
 
 
 class _AgreementCheck:
-    """Sum and norm of a tensor, their maximum and minimum over the tensor-parallel group (one all-reduce)."""
+    """An exact checksum of a tensor's bits (their sum, and the sum of every third: copies computed alike are
+    bit-identical), its maximum and minimum over the tensor-parallel group (one all-reduce). No tolerance: a
+    sum and norm within one would let differing inputs through (per-token normalised halves of a sequence
+    have the same sum and norm)."""
+
+    _BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
 
     def __init__(self, comm: CommContext, flat: torch.Tensor, block: str) -> None:
-        sums = torch.stack([flat.sum(dtype=torch.float64), torch.linalg.vector_norm(flat, dtype=torch.float64)])
-        sums = torch.nan_to_num(sums, nan=-1.0, posinf=1e300, neginf=-1e300)  # NaN alike everywhere agrees
+        bits = flat.contiguous().view(self._BITS[flat.element_size()])
+        sums = torch.stack([bits.sum(dtype=torch.int64), bits[::3].sum(dtype=torch.int64)])
         self.extremes = torch.cat([sums, -sums])
-        self.numel, self.block = flat.numel(), block
+        self.block = block
         self.handle: Handle | None = all_reduce(
             comm, self.extremes, dist.ReduceOp.MAX, label="activation agreement", span=Span.TENSOR_PARALLEL
         )
@@ -138,10 +139,7 @@ class _AgreementCheck:
             return
         self.handle.wait()
         self.handle = None
-        largest, smallest = self.extremes[:2], -self.extremes[2:]
-        scale = largest[1].abs().item() + 1e-30
-        sum_gap, norm_gap = (largest - smallest).tolist()
-        if norm_gap > _AGREEMENT_RTOL * scale or sum_gap > _AGREEMENT_RTOL * scale * math.sqrt(self.numel):
+        if not torch.equal(self.extremes[:2], -self.extremes[2:]):
             raise ValueError(
                 f"partition_activations: an input of the checkpointed block '{self.block}' differs across the "
                 "tensor-parallel ranks, so no rank can rebuild it from their slices (with sequence parallelism "
@@ -208,7 +206,11 @@ class _PartitionedCheckpoint:
             output = self.checkpoint(function, *args, **kwargs)
         size = self.owner.comm.tensor_parallel_size
         expected = sum(isinstance(arg, torch.Tensor) and _splits(arg, size) for arg in args)
-        if torch.is_grad_enabled() and saves.splits < expected:
+        # A reentrant checkpoint saves nothing when no input requires grad (torch warns); none to split then.
+        saved_by_torch = any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args) or not _reentrant(
+            self.checkpoint
+        )
+        if torch.is_grad_enabled() and saved_by_torch and saves.splits < expected:
             raise RuntimeError(
                 f"partition_activations: torch's checkpoint kept the inputs of '{self.block}' where the engine "
                 f"cannot split them ({saves.splits} of {expected} seen; torch {torch.__version__}). Use the torch "
@@ -218,3 +220,7 @@ class _PartitionedCheckpoint:
 
     def __repr__(self) -> str:
         return f"PartitionedCheckpoint('{self.block}', {self.checkpoint!r})"
+
+
+def _reentrant(checkpoint: Callable) -> bool:
+    return bool(getattr(checkpoint, "keywords", {}).get("use_reentrant", False))
