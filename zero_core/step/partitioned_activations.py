@@ -62,10 +62,10 @@ def check_partition_activations(model: nn.Module, config: ZeroConfig, tensor_par
             "checkpoint_wrapper.apply_activation_checkpointing) before the engine."
         )
     for name, wrapper in wrappers:
-        _torch_checkpoint_options(name, wrapper)
+        _check_runs_torch_checkpoint(name, wrapper)
 
 
-def _torch_checkpoint_options(name: str, wrapper: CheckpointWrapper) -> None:
+def _check_runs_torch_checkpoint(name: str, wrapper: CheckpointWrapper) -> None:
     """The wrapper must run torch's checkpoint: another function may keep its inputs where no hook sees them."""
     function = wrapper.checkpoint_fn
     if not isinstance(function, functools.partial) or function.func is not torch_checkpoint or function.args:
@@ -94,8 +94,7 @@ class PartitionedActivations:
 
     def install(self) -> list[_Restore]:
         restores = []
-        for name, wrapper in checkpoint_wrappers(self.model):
-            _torch_checkpoint_options(name, wrapper)
+        for name, wrapper in checkpoint_wrappers(self.model):  # each checked by check_partition_activations
             restores.append(_Restore(wrapper, wrapper.checkpoint_fn))
             wrapper.checkpoint_fn = _PartitionedCheckpoint(self, name, wrapper.checkpoint_fn)
         return restores
