@@ -40,6 +40,8 @@ OFFLOAD_CONTESTANTS = (
     "zero3_nvme",
     "zero3_params",  # ZeroConfig(offload_params="cpu"): the parameter shards on the host, staged per gather
     "zero3_cpu_params",  # both offloads
+    "zero1_nvme_in_backward",  # ZeroConfig(offload_step_in_backward=True): each unit steps while backward goes on
+    "zero3_nvme_in_backward",
     "deepspeed3_nvme",  # DeepSpeed ZeRO-3 with offload_optimizer nvme (its async I/O op needs libaio-dev)
 )
 STAGE_OF = {
@@ -61,6 +63,8 @@ STAGE_OF = {
     "zero3_nvme": 3,
     "zero3_params": 3,
     "zero3_cpu_params": 3,
+    "zero1_nvme_in_backward": 1,
+    "zero3_nvme_in_backward": 3,
     "deepspeed3_nvme": 3,
 }
 
@@ -157,15 +161,18 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
     if name.startswith("deepspeed"):
         return _deepspeed(STAGE_OF[name], model, loss_fn, nvme_path=directory if name.endswith("_nvme") else None)
     stage = STAGE_OF[name]
-    offload = {}
-    if name.endswith("_nvme"):
-        offload = {"offload_optimizer": "nvme", "offload_dir": directory}
-    elif "_cpu" in name:
-        offload = {"offload_optimizer": "cpu"}
-    if name.endswith("_params"):
+    offload: dict[str, Any] = {}
+    kind = name
+    if kind.endswith("_in_backward"):
+        kind, offload = kind.removesuffix("_in_backward"), {"offload_step_in_backward": True}
+    if kind.endswith("_nvme"):
+        offload.update(offload_optimizer="nvme", offload_dir=directory)
+    elif "_cpu" in kind:
+        offload.update(offload_optimizer="cpu")
+    if kind.endswith("_params"):
         offload["offload_params"] = "cpu"
     config = ZeroConfig(
-        stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=name.endswith("_overlap"), **offload
+        stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=kind.endswith("_overlap"), **offload
     )
     engine = ZeroEngine(model, _adamw(model.parameters()), config)
     return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)

@@ -152,6 +152,11 @@ def main() -> None:
     )  # gradients alive: the steady-state peak
     state_bytes = gather_ints(live_tensor_bytes() - baseline)
     breakdown = vars(contestant.engine.memory_report()) if contestant.engine is not None else None
+    if contestant.engine is not None:
+        # Between steps (offload_step_in_backward's units were stepping during that backward: some of their
+        # state was in memory then): what the NVMe tier holds on disk, written and read once per step.
+        contestant.optimizer_step()
+        breakdown["nvme_bytes_between_steps"] = contestant.engine.memory_report().nvme_bytes
     peak_rss = gather_ints(peak_before_profile)  # on a GPU: peak allocated device memory
     result.update(
         median_step_s=statistics.median(times),

@@ -32,6 +32,8 @@ PAIRS = (
     ("zero3", "zero3_nvme"),
     ("zero3", "zero3_params"),
     ("zero3", "zero3_cpu_params"),
+    ("zero1", "zero1_nvme_in_backward"),
+    ("zero3", "zero3_nvme_in_backward"),
     ("deepspeed3", "deepspeed3_nvme"),
 )
 PROBE_BYTES = 512 * 2**20
@@ -67,7 +69,8 @@ def row(in_memory: dict, offloaded: dict, write_bw: float, read_bw: float) -> st
         return f"| {offloaded['contestant']} | failed: {failure[-200:]!r} |"
     ranks = offloaded["world_size"]
     if offloaded["breakdown"] is not None:
-        on_disk = offloaded["breakdown"]["nvme_bytes"] * ranks  # written once and read once per step
+        breakdown = offloaded["breakdown"]
+        on_disk = breakdown.get("nvme_bytes_between_steps", breakdown["nvme_bytes"]) * ranks  # written, read once
         before = in_memory["breakdown"]["optimizer_state_bytes"] / 2**20
         state = f"{before:.0f} -> {offloaded['breakdown']['optimizer_state_bytes'] / 2**20:.0f} MiB"
     else:  # DeepSpeed: its optimizer swapper moves each fp32 partition with its two moments (12 bytes each)

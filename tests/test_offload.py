@@ -63,7 +63,7 @@ CASES = [
 
 def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
     results = []
-    original_adopt = nvme_state.NvmeOptimizerState._adopt
+    original_adopt = nvme_state.NvmeOptimizerState.adopt
     for case in CASES:
         case = dict(case)
         stage, accumulate = case.pop("stage"), case.pop("accumulate", 1)
@@ -80,11 +80,11 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
             alive_in_step.append(_state_bytes_alive(optimizer))  # right after a unit stepped, mid-step
             return original(self, index, optimizer)
 
-        nvme_state.NvmeOptimizerState._adopt = adopt
+        nvme_state.NvmeOptimizerState.adopt = adopt
         try:
             losses = train_accumulated(ours, rank, range(4), accumulate)
         finally:
-            nvme_state.NvmeOptimizerState._adopt = original_adopt
+            nvme_state.NvmeOptimizerState.adopt = original_adopt
         reports = ours.unit_reports()
         unit_state = max(8 * r.shard_numel for r in reports)  # two fp32 moments (SGD: one)
         offloaded = {index for index, report in enumerate(reports) if report.offloaded}

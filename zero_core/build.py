@@ -39,6 +39,7 @@ from .step.optimizer_step import OptimizerStep
 from .step.partitioned_activations import PartitionedActivations, check_partition_activations
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
+from .step.step_in_backward import StepInBackward
 from .unit import FlatUnit, ParameterDigests, check_wrap_classes_present, plan_units
 from .unit.tensor_parallel import local_shape
 
@@ -134,6 +135,26 @@ def _activation_hooks(model: nn.Module, units: list[FlatUnit], comm: CommContext
     return hooks
 
 
+def _step_in_backward(
+    units: list[FlatUnit],
+    config: ZeroConfig,
+    comm: CommContext,
+    runtime: StepRuntime,
+    optimizer_step: OptimizerStep,
+    attachment: OptimizerAttachment,
+    nvme: NvmeOptimizerState | None,
+) -> StepInBackward | None:
+    """offload_step_in_backward: the worker that steps offloaded units during backward, told by the runtime
+    of each reduce, asked by the optimizer step for what it did, and refusing what may not run in between."""
+    if not config.steps_in_backward:
+        return None
+    in_backward = StepInBackward(units, lambda: attachment.groups, nvme, hybrid=comm.replicas > 1)
+    runtime.step_in_backward = optimizer_step.in_backward = attachment.in_backward = in_backward
+    runtime.reduces.on_reduced = in_backward.unit_reduced
+    runtime.before_outermost_forward.append(in_backward.refuse_forward)
+    return in_backward
+
+
 def build_parts(
     model: nn.Module,
     config: ZeroConfig,
@@ -180,12 +201,13 @@ def build_parts(
     # An optimizer.step() that raised midway left the groups showing the pieces.
     runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
+    in_backward = _step_in_backward(units, config, comm, runtime, optimizer_step, attachment, nvme)
     checkpoints = CheckpointTarget(
         model, units, spanning_every_rank(comm), attachment, loss_scaler, config.stage,
         steps_taken=lambda: optimizer_step.steps_taken,
         quiesce=runtime.quiesce,
         sync_buffers=buffer_sync.for_export,
-        discard_grads=gradients.discard,
+        discard_grads=gradients.discard if in_backward is None else lambda: (in_backward.forget(), gradients.discard()),
         refresh_parameters=optimizer_step.refresh_parameters,
     )  # fmt: skip
     return EngineParts(

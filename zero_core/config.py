@@ -272,6 +272,16 @@ class ZeroConfig:
         example=3,
     )
 
+    # ZeRO-Offload's overlap: each offloaded unit steps on the host as soon as its gradient shard is final
+    # (step/step_in_backward.py); nothing may touch the gradients or hyperparameters between backward and step.
+    offload_step_in_backward: bool = setting(
+        False,
+        doc="with offload_optimizer: each offloaded unit steps on the host while backward goes on; clipping, "
+        "fp16 and changing hyperparameters between backward and optimizer.step() are then refused",
+        parse=parse_bool,
+        example=True,
+    )
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(
@@ -312,6 +322,12 @@ class ZeroConfig:
             )
         self._check_offload()
 
+    @property
+    def steps_in_backward(self) -> bool:
+        """Offloaded units step during backward (``offload_step_in_backward`` with ``offload_optimizer``: without
+        an offloaded optimizer there is no host step to overlap, and the setting changes nothing)."""
+        return self.offload_step_in_backward and self.offload_optimizer != "none"
+
     def _check_offload(self) -> None:
         for name in ("offload_optimizer", "offload_params"):
             if getattr(self, name) not in OFFLOAD_MODES:
@@ -341,6 +357,13 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.offload_activations must be True or False.")
         if not isinstance(self.partition_activations, bool):
             raise ValueError("ZeroConfig.partition_activations must be True or False.")
+        if not isinstance(self.offload_step_in_backward, bool):
+            raise ValueError("ZeroConfig.offload_step_in_backward must be True or False.")
+        if self.steps_in_backward and self.mixed_precision.uses_loss_scaling:
+            raise ValueError(
+                "ZeroConfig.offload_step_in_backward=True cannot run with fp16 loss scaling: a step may be skipped "
+                "for an overflow found only after backward. Use bf16, or turn offload_step_in_backward off."
+            )
         if self.offload_dir is not None and not isinstance(self.offload_dir, str):
             raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")
 

@@ -71,6 +71,11 @@ class Handle:
             after_wait, self._after_wait = self._after_wait, None
             after_wait()
 
+    def is_completed(self) -> bool:
+        """The collective has finished (``wait()`` would not block), without waiting for it."""
+        done = self._done is None or self._done.query()
+        return done and all(work.is_completed() for work in self._works)
+
     def _order_issuer_after_side_stream(self) -> None:
         if self._done is not None:
             self._issuer.wait_event(self._done)  # a no-op repeat when the caller's stream is the issuer

@@ -57,6 +57,7 @@ class OptimizerAttachment:
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
         self.hooks: list[Any] = []
+        self.in_backward: Any = None  # offload_step_in_backward's worker: refuses reading a half-stepped state
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer_supported(optimizer)
@@ -86,6 +87,8 @@ class OptimizerAttachment:
 
     def make_state_resident(self) -> None:
         """The whole optimizer state in memory (with the NVMe tier, until the next step writes it out)."""
+        if self.in_backward is not None:
+            self.in_backward.refuse("saving the optimizer's state")
         if self.nvme is not None:
             self.nvme.make_resident()
 

@@ -11,10 +11,12 @@ so the groups the user, schedulers and ``state_dict()`` see are the ones the use
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+
+from .nvme_state import raw_step_of
 
 # The optimizers whose fused CPU kernel was measured and matches the per-tensor update.
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW)
@@ -38,3 +40,19 @@ def fused_on_host(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group in chosen:
             group["fused"] = None
+
+
+def step_of_pieces(optimizer: torch.optim.Optimizer, pieces_by_group: list[list[torch.Tensor]]) -> Callable[[], None]:
+    """The optimizer's own update of just these pieces (one list per group), on the host's fused kernel where
+    ``fused_on_host`` would take it. It runs on a view of the optimizer that shares its state and settings
+    but lists only the pieces: the user's groups are not touched, so it may run in another thread while the
+    caller goes on (``offload_step_in_backward``)."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)  # the same state dict and defaults: the update lands in the optimizer
+    view.param_groups = [dict(group, params=pieces) for group, pieces in zip(optimizer.param_groups, pieces_by_group)]
+    if isinstance(optimizer, FUSED_ON_HOST):
+        for group in view.param_groups:
+            if _takes_fused(group):
+                group["fused"] = True
+    raw_step = raw_step_of(optimizer)
+    return lambda: raw_step(view)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,61 +127,56 @@ class NvmeOptimizerState:
         self.units_in_memory = units_in_memory
         # The units whose state goes to disk (offload_fraction); the others' stays in memory and steps in place.
         self.offloaded = {index for index, unit in enumerate(units) if unit.offloaded}
-        self._states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
-        self._io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
+        self.states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
+        self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
 
     # ----------------------------------------------------------------- stepping
-    def step(self, groups: OptimizerGroups, raw_step: RawStep) -> None:
+    def step(self, groups: OptimizerGroups, raw_step: RawStep, earlier: UnitWalk | None = None) -> None:
         """Step each unit's pieces with its state brought in (the caller then takes the pieces' gradients
-        away, so the optimizer's own step that follows changes nothing)."""
+        away, so the optimizer's own step that follows changes nothing). ``earlier``: the walk that stepped
+        units during backward (``offload_step_in_backward``); the units it stepped are not stepped again,
+        and its failures are raised with this walk's."""
         optimizer = groups.optimizer
-        failures: list[str] = []
-        reads: dict[int, concurrent.futures.Future] = {}
-        writes: dict[int, concurrent.futures.Future] = {}
-        limit = self.units_in_memory
+        carried: list[str] = []
+        if earlier is not None:
+            earlier.drain(keep=0)
+            carried = earlier.failures
+        order = [index for index in range(len(self.units)) if earlier is None or index not in earlier.stepped]
+        walk = self.begin_walk(order, optimizer)
+        walk.failures += carried
         with groups.restricted() as restrict_to:
-            for index, unit in enumerate(self.units):
-                # In memory: this unit, the reads issued ahead and the writes not yet done; at most `limit`.
-                if index not in reads and self._needs_read(index):
-                    self._drain(writes, keep=max(0, limit - 1 - len(reads)), failures=failures)
-                    reads[index] = self._io.submit(self._states[index].read)
-                current = reads.pop(index, None)
-                self._drain(writes, keep=max(0, limit - 1 - len(reads)), failures=failures)
-                for ahead in range(index + 1, len(self.units)):
-                    if len(reads) + len(writes) + 1 >= limit:
-                        break
-                    if ahead not in reads and self._needs_read(ahead):
-                        reads[ahead] = self._io.submit(self._states[ahead].read)
-                if current is not None and not self._finished(current, failures):
-                    continue  # its state could not be read: it does not step (the error is raised below)
+
+            def step_unit(unit: FlatUnit) -> None:
                 restrict_to(unit)
                 raw_step(optimizer)
-                if index in self.offloaded:
-                    self._adopt(index, optimizer)
-                    writes[index] = self._io.submit(self._states[index].write)
-        self._drain(writes, keep=0, failures=failures)
-        self._raise_if_any_rank_failed(failures)
 
-    def _needs_read(self, index: int) -> bool:
-        state = self._states[index]
+            for index in order:
+                walk.step_unit(index, functools.partial(step_unit, self.units[index]))
+        self.end_walk(walk)
+
+    def begin_walk(self, order: list[int], optimizer: torch.optim.Optimizer) -> UnitWalk:
+        """A walk over the units in ``order`` (each stepped or skipped in turn), its first reads issued."""
+        walk = UnitWalk(self, order, optimizer)
+        walk.read_ahead()
+        return walk
+
+    def end_walk(self, walk: UnitWalk) -> None:
+        """Every write of the walk drained, then its outcome agreed: the same error on every rank when any
+        failed (a collective: every rank ends its walks at the same point)."""
+        walk.drain(keep=0)
+        self._raise_if_any_rank_failed(walk.failures)
+
+    def needs_read(self, index: int) -> bool:
+        state = self.states[index]
         return bool(state.buffers) and not state.resident
 
-    def _finished(self, future: concurrent.futures.Future, failures: list[str]) -> bool:
+    def finished(self, future: concurrent.futures.Future, failures: list[str]) -> bool:
         try:
             future.result()
             return True
         except OSError as error:
             failures.append(f"{error.strerror or error}: {error.filename or ''}".rstrip(": "))
             return False
-
-    def _drain(self, writes: dict[int, concurrent.futures.Future], keep: int, failures: list[str]) -> None:
-        """Wait for the oldest writes until at most ``keep`` are in flight; a written unit's memory is freed
-        (one whose write failed stays in memory: it is the only copy)."""
-        while len(writes) > keep:
-            index = min(writes)
-            if self._finished(writes.pop(index), failures):
-                self._states[index].free()
-                release_freed_memory()
 
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
         reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")
@@ -193,10 +189,10 @@ class NvmeOptimizerState:
             )
 
     # ---------------------------------------------------------------- the state
-    def _adopt(self, index: int, optimizer: torch.optim.Optimizer) -> None:
+    def adopt(self, index: int, optimizer: torch.optim.Optimizer) -> None:
         """The unit's per-element state as views of one flat buffer per key (made once, after the state
         first exists or was replaced by a load)."""
-        state = self._states[index]
+        state = self.states[index]
         unit = self.units[index]
         if state.buffers and all(self._is_view_of(state, optimizer, m) for m in unit.master_pieces):
             return
@@ -224,19 +220,88 @@ class NvmeOptimizerState:
     def make_resident(self) -> None:
         """Every unit's state in memory (until the next step writes it out): for readers of the whole state."""
         failures: list[str] = []
-        reads = [self._io.submit(s.read) for s in self._states if s.buffers and not s.resident]
+        reads = [self.io.submit(s.read) for s in self.states if s.buffers and not s.resident]
         for future in reads:
-            self._finished(future, failures)
+            self.finished(future, failures)
         if failures:
             raise OffloadError(f"ZeRO: the offloaded optimizer state could not be read back ({failures[0]}).")
 
     def forget(self) -> None:
         """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds."""
-        self._states = [_UnitState(s.path) for s in self._states]
+        self.states = [_UnitState(s.path) for s in self.states]
 
     def bytes_on_disk(self) -> int:
-        return sum(s.nbytes for s in self._states if s.buffers and not s.resident)
+        return sum(s.nbytes for s in self.states if s.buffers and not s.resident)
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
+        self.io.shutdown(wait=True)
         self.scratch.remove()
+
+
+class UnitWalk:
+    """One step's walk over the units in a known order: the next units' state read ahead while the current
+    one steps, each unit's state written behind it, and at most ``units_in_memory`` units in memory (the one
+    stepping, the reads issued ahead, the writes not yet done). Driven by one thread at a time: the optimizer
+    step's, or with ``offload_step_in_backward`` the thread that steps units while backward goes on."""
+
+    def __init__(self, tier: NvmeOptimizerState, order: list[int], optimizer: torch.optim.Optimizer):
+        self.tier, self.order, self.optimizer = tier, order, optimizer
+        self.position = 0  # order[position] is the next unit to step or skip
+        self.reads: dict[int, concurrent.futures.Future] = {}
+        self.writes: dict[int, concurrent.futures.Future] = {}  # oldest first
+        self.failures: list[str] = []  # this rank's failed reads and writes, raised alike at the walk's end
+        self.stepped: set[int] = set()
+
+    def read_ahead(self, reserve: int = 0) -> None:
+        """Reads for the next units in the order, while the bound leaves room (``reserve``: units in memory
+        beside the reads and writes, the one stepping now)."""
+        for ahead in self.order[self.position :]:
+            if len(self.reads) + len(self.writes) + reserve >= self.tier.units_in_memory:
+                return
+            if ahead not in self.reads and self.tier.needs_read(ahead):
+                self.reads[ahead] = self.tier.io.submit(self.tier.states[ahead].read)
+
+    def step_unit(self, index: int, step: Callable[[], object] | None) -> None:
+        """The next unit in the order: ``step`` runs with its state in memory, which is then written behind
+        it. ``step=None``: it does not step in this walk; state read ahead for it is dropped again unchanged
+        (its file still holds it)."""
+        assert self.order[self.position] == index, "units are stepped in the walk's order"
+        self.position += 1
+        limit, tier = self.tier.units_in_memory, self.tier
+        if index not in self.reads and step is not None and tier.needs_read(index):
+            self.drain(keep=max(0, limit - 1 - len(self.reads)))
+            self.reads[index] = tier.io.submit(tier.states[index].read)
+        current = self.reads.pop(index, None)
+        self.drain(keep=max(0, limit - 1 - len(self.reads)))
+        self.read_ahead(reserve=1)
+        if current is not None and not tier.finished(current, self.failures):
+            return  # its state could not be read: it does not step (the error is raised at the walk's end)
+        if step is None:
+            if current is not None:
+                tier.states[index].free()
+                release_freed_memory()
+            return
+        step()
+        self.stepped.add(index)
+        if index in tier.offloaded:
+            tier.adopt(index, self.optimizer)
+            self.writes[index] = tier.io.submit(tier.states[index].write)
+
+    def drain(self, keep: int) -> None:
+        """Wait for the oldest writes until at most ``keep`` are in flight; a written unit's memory is freed
+        (one whose write failed stays in memory: it is the only copy)."""
+        while len(self.writes) > keep:
+            index = next(iter(self.writes))
+            if self.tier.finished(self.writes.pop(index), self.failures):
+                self.tier.states[index].free()
+                release_freed_memory()
+
+    def abandon(self) -> None:
+        """A walk given up before its end (its backward raised, or a load replaced the state): the reads
+        issued ahead are dropped (their files still hold the state), the writes drained."""
+        for index, future in self.reads.items():
+            if self.tier.finished(future, self.failures):
+                self.tier.states[index].free()
+        self.reads.clear()
+        release_freed_memory()
+        self.drain(keep=0)

@@ -111,6 +111,12 @@ class OptimizerGroups:
         ]
         return zlib.crc32(repr(settings).encode())
 
+    def pieces_of_unit(self, unit: FlatUnit) -> list[list[nn.Parameter]]:
+        """Per group (as last read), this rank's master pieces of its parameters that ``unit`` holds."""
+        own = {id(master.param) for master in unit.master_pieces}
+        pieces = [[piece for name in names for piece in self._pieces_of[name]] for names in self.names]
+        return [[piece for piece in group if id(piece) in own] for group in pieces]
+
     @property
     def changed_since_compared(self) -> bool:
         return self.names != self.names_compared

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 
 class LateGradientError(RuntimeError):
     """A parameter's gradient arrived after its unit had finished its backward and reduced."""
@@ -27,3 +29,13 @@ class UnscaledBackwardError(RuntimeError):
             "would be divided by the loss scale when the step unscales them. Call the engine's backward "
             "instead of loss.backward()."
         )
+
+
+def warn_accumulation_dropped() -> None:
+    warnings.warn(
+        "A backward raised during gradient accumulation in ZeRO stage 1, where gradients "
+        "accumulate in place: the micro-batches accumulated since the last optimizer step were "
+        "discarded with it. The next step uses only the micro-batches that follow.",
+        RuntimeWarning,
+        stacklevel=5,
+    )

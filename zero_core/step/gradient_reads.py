@@ -37,16 +37,22 @@ class GradientReads:
         self._slot_of = {id(p): (unit.index, i) for unit in units for i, p in enumerate(unit.params)}
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, parameters: Parameters = None) -> torch.Tensor:
+        self._refuse_after_early_step("clip_grad_norm_")
         selected = self._select(parameters, "clip_grad_norm_")
         self._runtime.settle_gradients()
         self._optimizer_step.unscale_grads_once()
         return grad_ops.clip_grad_norm(self._units, self._comm, max_norm, norm_type, selected)
 
     def clip_grad_value(self, clip_value: float, parameters: Parameters = None) -> None:
+        self._refuse_after_early_step("clip_grad_value_")
         selected = self._select(parameters, "clip_grad_value_")
         self._runtime.settle_gradients()
         self._optimizer_step.unscale_grads_once()
         grad_ops.clip_grad_value(self._units, clip_value, selected)
+
+    def _refuse_after_early_step(self, what: str) -> None:
+        if self._runtime.step_in_backward is not None:
+            self._runtime.step_in_backward.refuse(what)
 
     def _select(self, parameters: Parameters, what: str) -> grad_ops.Selection | None:
         """``parameters`` (some of the model's; all when None) as unit slots, the same on every rank: ranks
@@ -82,5 +88,6 @@ class GradientReads:
 
     def discard(self) -> None:
         """``zero_grad``: the gradients accumulated since the last step are dropped."""
+        self._refuse_after_early_step("zero_grad()")
         self._runtime.quiesce()
         self._optimizer_step.discard_grads()

@@ -34,6 +34,7 @@ from ..optim.param_groups import OptimizerGroups
 from ..unit import FlatUnit
 from .prefetch_tuning import AutoPrefetch
 from .runtime import StepRuntime
+from .step_in_backward import EarlySteps, StepInBackward
 
 
 def _refuse_closure(args: tuple, kwargs: dict | None) -> None:
@@ -70,6 +71,7 @@ class OptimizerStep:
         self.config = config
         self.loss_scaler = loss_scaler
         self.auto_prefetch = auto_prefetch
+        self.in_backward: StepInBackward | None = None  # offload_step_in_backward: units stepped in backward
         self.grads_unscaled = False  # fp16: the accumulated gradients were divided by the loss scale
         self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
@@ -132,21 +134,24 @@ class OptimizerStep:
             depth = self.auto_prefetch.on_optimizer_step(self.comm)
             if depth is not None:
                 self.runtime.prefetch = depth
-        self._attach_master_grads(agreed)
+        # offload_step_in_backward: the units stepped while backward went on (their gradients are not attached
+        # again); refused here if they cannot count as this step's (see step_in_backward.py).
+        early = self.in_backward.finish(groups) if self.in_backward is not None else EarlySteps(None, frozenset())
+        self._attach_master_grads(agreed, early.stepped)
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
         if not self.last_step_skipped and (self.nvme is not None or self.steps_on_host):
-            self._step_offloaded(groups)
+            self._step_offloaded(groups, early)
 
-    def _step_offloaded(self, groups: OptimizerGroups) -> None:
+    def _step_offloaded(self, groups: OptimizerGroups, early: EarlySteps) -> None:
         """Offload: the step runs here (unit by unit with the NVMe tier), under the host's fused kernel, whose
         flag is restored whatever happens; the optimizer's own step that follows finds no gradient."""
         optimizer = groups.optimizer
         try:
             with fused_on_host(optimizer) if self.steps_on_host else contextlib.nullcontext():
                 if self.nvme is not None:
-                    self.nvme.step(groups, raw_step_of(optimizer))
+                    self.nvme.step(groups, raw_step_of(optimizer), earlier=early.walk)
                 else:
                     raw_step_of(optimizer)(optimizer)
         finally:
@@ -174,7 +179,7 @@ class OptimizerStep:
             self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings
         )
 
-    def _attach_master_grads(self, agreed: agreement.StepAgreement) -> None:
+    def _attach_master_grads(self, agreed: agreement.StepAgreement, stepped: frozenset[int]) -> None:
         if self.loss_scaler is not None:
             self.loss_scaler.update(agreed.found_inf)
             if agreed.found_inf:
@@ -184,7 +189,8 @@ class OptimizerStep:
                 self.last_step_skipped = True
         if not self.last_step_skipped:
             for unit, flags in zip(self.units, agreed.slot_flags):
-                unit.attach_master_grads(flags)
+                if unit.index not in stepped:
+                    unit.attach_master_grads(flags)
             if self.steps_on_host:
                 wait_for_host_copies(self.comm.device)  # the offloaded units' gradient shards have landed
 

@@ -30,6 +30,8 @@ class ReduceSchedule:
         # Which units were reduced since creation, as a sum of (unit index + 1): compared
         # across ranks at each step, so ranks that froze different units are caught.
         self.issued_fingerprint = 0
+        # Told each unit whose reduce landed, in reduce order (offload_step_in_backward steps it then).
+        self.on_reduced: Callable[[FlatUnit], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -64,6 +66,10 @@ class ReduceSchedule:
                 self._pending.append((unit, pending))
             while len(self._pending) > MAX_PENDING_REDUCES:
                 self._finish_oldest()
+        # Told of each reduce as soon as it landed (not when the cap forces a wait): the early step of
+        # that unit starts while backward goes on.
+        while self.on_reduced is not None and self._pending and self._pending[0][1].handle.is_completed():
+            self._finish_oldest()
 
     def across_groups(self) -> None:
         """Hybrid sharding: each unit's gradients reduced only inside its shard group so far,
@@ -73,10 +79,13 @@ class ReduceSchedule:
             if handle is not None:
                 unit.finish_reduce_across_groups(handle)
 
-    def wait_all(self) -> None:
+    def wait_all(self, *, abandoned: bool = False) -> None:
+        """Every reduce in flight landed (``abandoned``: of a backward that raised: nobody is told)."""
         while self._pending:
-            self._finish_oldest()
+            self._finish_oldest(tell=not abandoned)
 
-    def _finish_oldest(self) -> None:
+    def _finish_oldest(self, tell: bool = True) -> None:
         unit, pending = self._pending.popleft()
         unit.finish_reduce(pending)
+        if tell and self.on_reduced is not None:
+            self.on_reduced(unit)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,13 +42,14 @@ from torch.utils.hooks import RemovableHandle
 from ..config import StagePlan
 from ..unit import FlatUnit
 from . import hooks
-from .errors import LateGradientError, UnscaledBackwardError
+from .errors import LateGradientError, UnscaledBackwardError, warn_accumulation_dropped
 from .execution_order import ExecutionOrder
 from .forward_records import agreed_zero_roots
 from .gathering import GatherPolicy
 from .prefetch_tuning import AutoPrefetch
 from .reduce_schedule import ReduceSchedule
 from .state import PassState, TrainingState
+from .step_in_backward import StepInBackward
 
 # (args, kwargs) -> (args, kwargs)
 InputTransform = Callable[[tuple, dict], "tuple[tuple, dict]"]
@@ -84,6 +84,7 @@ class StepRuntime:
         self.input_cast = input_cast  # applied to every unit call (mixed precision)
         self.after_root_forward: list[Callable[[], None]] = []
         self.owner: object | None = None  # the engine over these parts: a model in use keeps it alive (owners.py)
+        self.step_in_backward: StepInBackward | None = None  # offload_step_in_backward: told of backward's progress
 
     # ----------------------------------------------------------- reports
     @property
@@ -183,19 +184,13 @@ class StepRuntime:
         """Forget the forward that raised, or the backward that raised (see ``PassState.abandon``)."""
         dropped_earlier = False
         if backward_too:
-            self.reduces.wait_all()  # issued on every rank alike; their results are dropped below
+            self.reduces.wait_all(abandoned=True)  # issued on every rank alike; their results are dropped below
             dropped_earlier = any([unit.discard_backward() for unit in self.units])
         self.gathering.abandoned()
         self.reduces.reset()
         self.passes.abandon(backward_too)
         if dropped_earlier:
-            warnings.warn(
-                "A backward raised during gradient accumulation in ZeRO stage 1, where gradients "
-                "accumulate in place: the micro-batches accumulated since the last optimizer step were "
-                "discarded with it. The next step uses only the micro-batches that follow.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            warn_accumulation_dropped()
 
     # ------------------------------------------------------------ forward
     @hooks.profiled("zero::pre_forward")
@@ -380,6 +375,8 @@ class StepRuntime:
         if not self.passes.begin_backward():
             return
         self.reduces.reset()
+        if self.step_in_backward is not None:
+            self.step_in_backward.backward_begins(self.require_grad_sync, self.reduces.sequence)
         for unit in self.units:
             unit.prepare_backward()
         hooks.at_end_of_backward(self._end_of_backward)
@@ -395,6 +392,8 @@ class StepRuntime:
             self.gathering.release(unit)
         if self.require_grad_sync:
             self.reduce_across_groups()  # hybrid sharding: once per synchronising backward, not per micro-batch
+        if self.step_in_backward is not None:
+            self.step_in_backward.backward_reduced()
         self.gathering.backward_ended()
         self.passes.end_backward()
         self.reduces.reset()

@@ -162,6 +162,11 @@ class FlatUnit:
         return self.grads.slot_has_grad
 
     @property
+    def has_every_grad(self) -> bool:
+        """Every parameter of the unit that requires grad has a gradient on this rank."""
+        return self.grads.has_every_grad()
+
+    @property
     def sharded_grads(self) -> torch.Tensor | None:
         """This rank's reduced gradient shard (S, reduce dtype), or None before any reduce."""
         return self.grads.sharded_grads

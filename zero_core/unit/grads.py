@@ -149,6 +149,12 @@ class UnitGrads:
     def _shard_range(self) -> tuple[int, int]:
         return self.layout.shard_range(self.comm.shard_rank)
 
+    def has_every_grad(self) -> bool:
+        """Every parameter that requires grad has a gradient (accumulated, or from the running backward)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            wanted = [i for i, param in enumerate(self.params) if param.requires_grad]
+        return all(self.slot_has_grad[i] or i in self._filled_this_backward for i in wanted)
+
     def commit_backward(self) -> None:
         """The backward completed: its gradients join those accumulated before it."""
         for slot_index in self._filled_this_backward:

@@ -1,0 +1,199 @@
+"""``offload_step_in_backward``: each offloaded unit steps on the host while backward goes on.
+
+ZeRO-Offload's overlap (DeepSpeed's SuperOffload runs the CPU Adam of a finished sub-group while backward
+continues). In a synchronising backward an offloaded unit's gradient shard is final as soon as its
+reduce-scatter has landed (with hybrid sharding: after the reduce across groups, at the end of backward).
+A worker thread then steps the unit on the host, its NVMe state read ahead and written behind
+(:class:`~zero_core.optim.nvme_state.UnitWalk`), while this thread back-propagates the units before it.
+``optimizer.step()`` waits for the worker and steps what is left as usual.
+
+A unit steps early only if every parameter of it that requires grad got a gradient on this rank: the
+step's agreement (which parameters have a gradient on any rank) then says the same, so no collective is
+needed, and ranks may differ in which units step early without changing a number.
+
+The update lands before ``optimizer.step()`` is called, so until then nothing may read or change what
+the step reads: another forward or backward (gradient accumulation goes inside ``engine.no_sync()``),
+clipping, ``zero_grad``, saving the optimizer's state, new hyperparameters (a scheduler stepped before the
+optimizer). Each is refused with a message that says so (:class:`Phase` is where the step is). A backward
+that raised after units had stepped, or hyperparameters changed under it, leaves the model partly
+updated: everything but loading a checkpoint is refused from then on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+from collections.abc import Callable
+from enum import Enum, auto
+from typing import NamedTuple
+
+import torch
+
+from ..optim.host_step import step_of_pieces
+from ..optim.nvme_state import NvmeOptimizerState, UnitWalk
+from ..optim.param_groups import OptimizerGroups
+from ..unit import FlatUnit
+
+
+class Phase(Enum):
+    """Where the early step is. Read by every refusal; moved only by :class:`StepInBackward`."""
+
+    IDLE = auto()  # nothing stepped since the last optimizer step
+    STEPPING = auto()  # a synchronising backward runs: reduced units go to the worker
+    STEPPED = auto()  # that backward ended; its units stepped (or are stepping) until optimizer.step()
+    BROKEN = auto()  # partly updated (a backward raised, or hyperparameters changed): load a checkpoint
+
+
+class EarlySteps(NamedTuple):
+    walk: UnitWalk | None  # with the NVMe tier: the walk that stepped them
+    stepped: frozenset[int]  # the units stepped during the backward
+
+
+class StepInBackward:
+    """The worker, the phase, and the hooks the runtime and the optimizer step call (see the module)."""
+
+    def __init__(
+        self,
+        units: list[FlatUnit],
+        groups: Callable[[], OptimizerGroups | None],
+        nvme: NvmeOptimizerState | None,
+        hybrid: bool,
+    ):
+        self.units, self._groups, self.nvme, self.hybrid = units, groups, nvme, hybrid
+        self.phase = Phase.IDLE
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-step")
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tasks: list[concurrent.futures.Future] = []
+        self._walk: UnitWalk | None = None
+        self._waiting: list[FlatUnit] = []  # offloaded units in reduce order, not yet handed to the worker
+        self._settings = 0  # the hyperparameters' fingerprint the early steps ran with
+        self.stepped: set[int] = set()  # units handed to the worker to step
+
+    # ------------------------------------------------------------- the backward
+    def backward_begins(self, synchronising: bool, reduce_order: list[FlatUnit]) -> None:
+        """A backward starts; in a synchronising one, the offloaded units may step as they are reduced."""
+        self.refuse("another backward")
+        self._reset()
+        groups = self._groups()
+        if not synchronising or groups is None:
+            return
+        try:
+            groups.read()
+        except ValueError:
+            return  # the step refuses these groups on every rank
+        if groups.changed_since_compared:
+            return  # groups changed since the last step: the step compares them first
+        self._settings = groups.settings_fingerprint
+        self._waiting = [unit for unit in reduce_order if unit.offloaded]
+        if self.nvme is not None:
+            order = [unit.index for unit in self._waiting]
+            self._walk = self.nvme.begin_walk(order, groups.optimizer)
+        self.phase = Phase.STEPPING
+
+    def unit_reduced(self, unit: FlatUnit) -> None:
+        """``unit``'s reduce-scatter landed (in this thread, in reduce order)."""
+        if self.phase is Phase.STEPPING and not self.hybrid and unit in self._waiting:
+            while self._waiting and self._waiting[0] is not unit:
+                self._hand_over(self._waiting.pop(0))  # not reduced in this backward: nothing to step
+            self._hand_over(self._waiting.pop(0))
+
+    def backward_reduced(self) -> None:
+        """The end of the backward: every gradient final (hybrid sharding: reduced across groups too)."""
+        if self.phase is not Phase.STEPPING:
+            return
+        while self._waiting:
+            self._hand_over(self._waiting.pop(0))
+        self.phase = Phase.STEPPED
+
+    def _hand_over(self, unit: FlatUnit) -> None:
+        """The unit's step to the worker, if its gradients are all here; else it steps in optimizer.step()."""
+        groups = self._groups()
+        step = None
+        if unit.has_every_grad and groups is not None:
+            unit.commit_backward()
+            unit.attach_master_grads(unit.slot_has_grad)  # from a GPU: copied to the host asynchronously
+            step = step_of_pieces(groups.optimizer, groups.pieces_of_unit(unit))
+            self.stepped.add(unit.index)
+        landed = torch.cuda.current_stream(unit.comm.device).record_event() if unit.comm.device.type == "cuda" else None
+        self._tasks.append(self._worker.submit(self._step_in_worker, unit, step, landed))
+
+    def _step_in_worker(self, unit: FlatUnit, step: Callable[[], object] | None, landed) -> None:  # type: ignore[no-untyped-def]
+        if landed is not None:
+            landed.synchronize()  # the gradient shard's copy to the host
+        try:
+            if self._walk is not None:
+                self._walk.step_unit(unit.index, step)
+            elif step is not None:
+                step()
+        finally:
+            if step is not None:
+                for master in unit.master_pieces:
+                    master.param.grad = None  # stepped here: optimizer.step() skips it
+
+    # ----------------------------------------------------------------- the step
+    def finish(self, groups: OptimizerGroups) -> EarlySteps:
+        """In ``optimizer.step()``: wait for the early steps; the units they stepped, and their NVMe walk
+        (its writes drain and its failures are raised with the step's)."""
+        self._settle()
+        if self.phase is Phase.IDLE:
+            return EarlySteps(None, frozenset())
+        self.refuse("optimizer.step()", unless=Phase.STEPPED)
+        errors = [task.exception() for task in self._tasks]
+        if any(errors) or groups.settings_fingerprint != self._settings:
+            self.phase = Phase.BROKEN
+            raise next((e for e in errors if e is not None), None) or ValueError(
+                "ZeRO (offload_step_in_backward): the optimizer's hyperparameters changed between the backward "
+                "and optimizer.step(), but the offloaded units had already stepped during the backward with "
+                "the old ones. Change them before the backward (step LR schedulers after optimizer.step()), "
+                "or turn offload_step_in_backward off. The model is partly updated: load the last checkpoint."
+            )
+        done = EarlySteps(self._walk, frozenset(self.stepped))
+        self.phase = Phase.IDLE
+        self._reset()
+        return done
+
+    def forget(self) -> None:
+        """A checkpoint was loaded over the model (or the step consumed the gradients): start afresh."""
+        self._settle()
+        concurrent.futures.wait(self._tasks)
+        if self._walk is not None:
+            self._walk.abandon()
+        self.phase = Phase.IDLE
+        self._reset()
+
+    def _settle(self) -> None:
+        """STEPPING outside a backward: that backward raised. Nothing handed over: as if no early step was
+        begun (reads issued ahead are dropped); else the model is partly updated."""
+        if self.phase is not Phase.STEPPING or torch._C._current_graph_task_id() != -1:
+            return
+        concurrent.futures.wait(self._tasks)
+        if self.stepped:
+            self.phase = Phase.BROKEN
+            return
+        if self._walk is not None:
+            self._walk.abandon()
+        self.phase = Phase.IDLE
+        self._reset()
+
+    # --------------------------------------------------------------- refusals
+    def refuse(self, what: str, unless: Phase = Phase.IDLE) -> None:
+        """Raise if ``what`` may not run now (see the module's docstring)."""
+        self._settle()
+        if self.phase in (Phase.IDLE, unless):
+            return
+        if self.phase is Phase.BROKEN:
+            raise RuntimeError(
+                f"ZeRO (offload_step_in_backward): {what} is refused: the model is partly updated (a backward "
+                "raised after some offloaded units had stepped during it, or the hyperparameters changed "
+                "between backward and step). Load the last checkpoint to go on."
+            )
+        raise RuntimeError(
+            f"ZeRO (offload_step_in_backward): {what} is refused between a backward and optimizer.step(): the "
+            "offloaded units already stepped during that backward, so call optimizer.step() first. "
+            "Accumulate gradients inside engine.no_sync(), and clip or change hyperparameters only with "
+            "offload_step_in_backward off."
+        )
+
+    refuse_forward = functools.partialmethod(refuse, "a forward")
