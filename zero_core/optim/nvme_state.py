@@ -129,21 +129,21 @@ class NvmeOptimizerState:
         self.offloaded = {index for index, unit in enumerate(units) if unit.offloaded}
         self.states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
+        self._behind: UnitWalk | None = None  # the last walk, whose last writes may still be going on
+        self._late_failures: list[str] = []  # of those writes, when settled outside a walk: raised by the next
 
     # ----------------------------------------------------------------- stepping
     def step(self, groups: OptimizerGroups, raw_step: RawStep, earlier: UnitWalk | None = None) -> None:
         """Step each unit's pieces with its state brought in (the caller then takes the pieces' gradients
         away, so the optimizer's own step that follows changes nothing). ``earlier``: the walk that stepped
-        units during backward (``offload_step_in_backward``); the units it stepped are not stepped again,
-        and its failures are raised with this walk's."""
+        units during backward (``offload_step_in_backward``); it goes on over the units it did not step."""
         optimizer = groups.optimizer
-        carried: list[str] = []
-        if earlier is not None:
-            earlier.drain(keep=0)
-            carried = earlier.failures
         order = [index for index in range(len(self.units)) if earlier is None or index not in earlier.stepped]
-        walk = self.begin_walk(order, optimizer)
-        walk.failures += carried
+        if earlier is None:
+            walk = self.begin_walk(order, optimizer)
+        else:
+            walk = earlier
+            walk.order += order
         with groups.restricted() as restrict_to:
 
             def step_unit(unit: FlatUnit) -> None:
@@ -155,16 +155,30 @@ class NvmeOptimizerState:
         self.end_walk(walk)
 
     def begin_walk(self, order: list[int], optimizer: torch.optim.Optimizer) -> UnitWalk:
-        """A walk over the units in ``order`` (each stepped or skipped in turn), its first reads issued."""
+        """A walk over the units in ``order`` (each stepped or skipped in turn), its first reads issued once
+        the last walk's writes are done (they drained behind it, during the forward since)."""
+        late = self._late_failures + self.settle()
+        self._late_failures = []
         walk = UnitWalk(self, order, optimizer)
+        walk.failures += late
         walk.read_ahead()
         return walk
 
     def end_walk(self, walk: UnitWalk) -> None:
-        """Every write of the walk drained, then its outcome agreed: the same error on every rank when any
-        failed (a collective: every rank ends its walks at the same point)."""
-        walk.drain(keep=0)
-        self._raise_if_any_rank_failed(walk.failures)
+        """The walk's outcome agreed: the same error on every rank when a read or write failed (a collective:
+        every rank ends its walks at the same point). Its last writes go on behind it, into the next forward;
+        a failure among them is raised at the end of the next walk (the state stays in memory meanwhile)."""
+        failures, walk.failures = walk.failures, []
+        self._behind = walk
+        self._raise_if_any_rank_failed(failures)
+
+    def settle(self) -> list[str]:
+        """The writes still going on behind the last walk are done (their units freed); their failures."""
+        behind, self._behind = self._behind, None
+        if behind is None:
+            return []
+        behind.drain(keep=0)
+        return behind.failures
 
     def needs_read(self, index: int) -> bool:
         state = self.states[index]
@@ -219,6 +233,7 @@ class NvmeOptimizerState:
 
     def make_resident(self) -> None:
         """Every unit's state in memory (until the next step writes it out): for readers of the whole state."""
+        self._late_failures += self.settle()
         failures: list[str] = []
         reads = [self.io.submit(s.read) for s in self.states if s.buffers and not s.resident]
         for future in reads:
@@ -228,9 +243,11 @@ class NvmeOptimizerState:
 
     def forget(self) -> None:
         """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds."""
+        self.settle()  # writes of the state replaced: their failures no longer matter
         self.states = [_UnitState(s.path) for s in self.states]
 
     def bytes_on_disk(self) -> int:
+        self._late_failures += self.settle()
         return sum(s.nbytes for s in self.states if s.buffers and not s.resident)
 
     def close(self) -> None:
