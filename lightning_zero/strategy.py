@@ -128,6 +128,12 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
         refuse_unsupported_callbacks(trainer.callbacks)
         check_precision(self._deepspeed, self.precision_plugin.precision, "Trainer")
         apply_to_trainer(self._deepspeed, trainer)
+        if self.zero_config.steps_in_backward and trainer.gradient_clip_val:
+            # Refused before any work, on every rank alike (the clip itself would be refused at the first step).
+            raise ValueError(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) cannot clip under offload_step_in_backward="
+                "True: the offloaded units step during backward, before clipping. Turn one of them off."
+            )
         make_parameters_comparable(finetuning_callbacks(trainer))
         if trainer.state.fn == TrainerFn.FITTING:
             if self._layer_sync is not None:

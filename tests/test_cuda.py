@@ -21,7 +21,7 @@ from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
-from .workers import config_for, train_clipped
+from .workers import config_for, relative_difference, train_clipped
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -246,6 +246,41 @@ def test_cuda_offload_steps_on_the_host_and_trains_like_the_device(tmp_path) -> 
         # fp32 stage 3 in memory: the master shard is the compute shard; offloaded, the compute shard stays
         # on the device and the optimizer's moments leave it.
         assert saved >= results["cpu-3-None"]["optimizer state bytes"] * 0.9
+
+
+def _gpu_step_in_backward(rank: int, world_size: int, directory: str) -> dict:
+    """offload_step_in_backward on a GPU: each unit's gradient shard copied to the host right after its
+    reduce-scatter, the worker waiting for it by an event; the same numbers as stepping in optimizer.step()."""
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    results = {}
+    for mode, stage, early in [(m, s, e) for m in ("cpu", "nvme") for s in (1, 3) for e in (False, True)]:
+        torch.manual_seed(0)
+        model = TinyTransformer(width=64).to(device)
+        config = dataclasses.replace(
+            config_for(stage), offload_optimizer=mode, offload_dir=directory, offload_step_in_backward=early
+        )
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+        losses = []
+        for step in range(4):
+            ids = batch(step, rank).to(device)
+            loss = lm_loss(model(ids), ids)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        results[f"{mode}-{stage}-{early}"] = {"losses": losses, "weights": engine.full_state_dict()}
+        del engine
+    return results
+
+
+def test_cuda_units_stepped_during_backward_train_exactly_as_in_the_step(tmp_path) -> None:
+    world_size = 2
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for results in run_distributed(_gpu_step_in_backward, world_size, str(tmp_path), backend=backend):
+        for mode in ("cpu", "nvme"):
+            for stage in (1, 3):
+                early, late = results[f"{mode}-{stage}-True"], results[f"{mode}-{stage}-False"]
+                assert early["losses"] == late["losses"], (mode, stage)
+                assert relative_difference(early["weights"], late["weights"]) == 0.0, (mode, stage)
 
 
 def _gpu_param_offload(rank: int, world_size: int, directory: str) -> dict:

@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.distributed
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-LAUNCHES = 3
+LAUNCHES = 2
 
 
 def _quick_start(steps: int) -> subprocess.CompletedProcess:

@@ -29,6 +29,8 @@ RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
 # Lightning's BackboneFinetuning unfreezes the first block (the shapes of the others)
 # at epoch 2 and adds it to the optimizer as a third param group.
 FINETUNING = dict(RESUMABLE, unfreeze_backbone_at=2)
+# Offloaded units step on the host while backward goes on (zero_core/step/step_in_backward.py).
+IN_BACKWARD = {"offload_optimizer": "cpu", "offload_step_in_backward": True}
 TWO_DEVICE_RUNS = [
     {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
     {"name": "zero1", "strategy": "zero1", **PARITY},
@@ -56,6 +58,11 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-bf16-true", "strategy": "zero3", "max_steps": 4, "precision": "bf16-true"},
     {"name": "zero3-16-mixed", "strategy": "zero3", "max_steps": 4, "plugin_precision": "16-mixed"},
     {"name": "zero3-fp32", "strategy": "zero3", "max_steps": 4},
+    {"name": "zero3-in-backward", "strategy": "zero3", "max_steps": 4, "settings": IN_BACKWARD},
+    {
+        "name": "zero3-in-backward-clip",
+        **{"strategy": "zero3", "max_steps": 1, "settings": IN_BACKWARD, "clip": 1.0, "expect_error": True},
+    },
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "ddp-resumable", "strategy": "ddp_find_unused_parameters_true", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
@@ -173,6 +180,20 @@ def test_stage3_summary_and_evaluation_loops(results: tuple) -> None:
     assert zero3["summary_trainable"] == sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert zero3["test"][0]["test_loss"] == pytest.approx(zero3["validate"][0]["val_loss"])
     assert zero3["predictions"].shape == (8, 6)
+
+
+@pytest.mark.distributed
+def test_offloaded_units_stepping_in_backward_train_as_the_in_memory_step(results: tuple) -> None:
+    """Lightning's loop (closure, then step) with the host step during backward: the in-memory run's losses
+    and weights up to the fused host kernel's rounding; gradient_clip_val is refused before any step."""
+    _, runs = results
+    ours, reference = runs["zero3-in-backward"], runs["zero3-fp32"]
+    # The host step takes torch's fused AdamW, the reference its default loop: one rounding apart per step,
+    # which AdamW turns into lr-sized steps where a gradient is near zero (hence the weights' tolerance).
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-4)
+    assert relative_difference(ours["weights"], reference["weights"]) < 2e-3
+    error = runs["zero3-in-backward-clip"]["error"]
+    assert error is not None and "cannot clip under offload_step_in_backward=True" in error
 
 
 @pytest.mark.distributed

@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
+from zero_core.step import step_in_backward
 from zero_core.step.step_in_backward import StepInBackward
 
 from .distributed import run_distributed
@@ -110,87 +112,83 @@ def test_units_stepped_during_backward_train_exactly_as_stepped_in_the_step(tmp_
             assert (result["state on disk"] > 0) == (case["offload_optimizer"] == "nvme"), case
 
 
+def _error_of(attempt: Callable[[], object]) -> str | None:
+    try:
+        attempt()
+        return None
+    except (RuntimeError, ValueError) as error:
+        return str(error)
+
+
 def _refusals(rank: int, world_size: int, directory: str) -> dict:
     case = {"stage": 3, "offload_optimizer": "nvme"}
     reference, ours = _engine(case, directory, early=False), _engine(case, directory, early=True)
     expected = _train(reference, rank, case, range(2))
-    engine_losses = _train(ours, rank, case, range(1))
+    losses_so_far = _train(ours, rank, case, range(1))
     ids = batch(10, rank)  # the second step's batch, as _train takes it
     loss = lm_loss(ours.model(ids), ids)
-    ours.backward(loss)
-    refused = {}
+    ours.backward(loss, retain_graph=True)  # so that a second backward can be tried
     attempts = {
         "forward": lambda: ours.model(ids),
+        "backward": lambda: ours.backward(loss),
         "clip": lambda: ours.clip_grad_norm_(1.0),
         "zero_grad": ours.zero_grad,
         "optimizer state": ours.optimizer.state_dict,
         "checkpoint": lambda: ours.save_checkpoint(Path(directory) / f"refused{rank}"),
+        "full state dict": ours.full_state_dict,
+        "gathered parameters": lambda: ours.gathered_parameters().__enter__(),
     }
-    for name, attempt in attempts.items():
-        try:
-            attempt()
-            refused[name] = None
-        except RuntimeError as error:
-            refused[name] = str(error)
+    refused = {name: _error_of(attempt) for name, attempt in attempts.items()}
     ours.step()  # nothing above changed what this step applies
-    engine_losses.append(loss.item())
-    same_after_refusals = engine_losses == expected
-    weights_after_refusals = relative_difference(ours.full_state_dict(), reference.full_state_dict())
+    losses_so_far.append(loss.item())
+    results = {
+        "refused": refused,
+        "same after refusals": losses_so_far == expected,
+        "weights after refusals": relative_difference(ours.full_state_dict(), reference.full_state_dict()),
+    }
 
     # Accumulating without no_sync: the second micro-batch's forward is refused.
-    loss = lm_loss(ours.model(ids), ids)
-    ours.backward(loss)
-    try:
-        ours.model(ids)
-        accumulation = None
-    except RuntimeError as error:
-        accumulation = str(error)
+    ours.backward(lm_loss(ours.model(ids), ids))
+    results["accumulation"] = _error_of(lambda: ours.model(ids))
     ours.step()
 
-    # A learning rate changed between backward and step: refused, and the model counts as partly updated
-    # until a checkpoint is loaded.
+    # What leaves the model partly updated, every rank alike, until a checkpoint is loaded.
     checkpoint = Path(directory) / "good"
     ours.save_checkpoint(checkpoint)
-    ours.backward(lm_loss(ours.model(ids), ids))
-    ours.optimizer.param_groups[0]["lr"] *= 2
-    try:
-        ours.step()
-        changed_lr = None
-    except ValueError as error:
-        changed_lr = str(error)
-    try:
-        ours.model(ids)
-        broken = None
-    except RuntimeError as error:
-        broken = str(error)
-    ours.load_checkpoint(checkpoint)
+    original_step_of_pieces = step_in_backward.step_of_pieces
 
-    # A backward that raises after units stepped (here at the embeddings, after every block was reduced).
-    hook = ours.model.embed.register_forward_hook(lambda module, args, output: _RaisesInBackward.apply(output))
-    try:
+    def failing_on_rank_1(*args):  # type: ignore[no-untyped-def]
+        step = original_step_of_pieces(*args)
+        return step if rank == 0 else lambda: (_ for _ in ()).throw(RuntimeError("no host memory"))
+
+    def changed_lr() -> Callable[[], None]:
+        ours.optimizer.param_groups[0]["lr"] *= 2
+        return lambda: None  # the checkpoint's learning rate comes back with it
+
+    def changed_group() -> Callable[[], None]:
+        removed = ours.optimizer.param_groups[0]["params"].pop()
+        return lambda: ours.optimizer.param_groups[0]["params"].append(removed)  # the groups the checkpoint has
+
+    for name, between in (("changed lr", changed_lr), ("changed group", changed_group), ("worker", None)):
+        step_in_backward.step_of_pieces = failing_on_rank_1 if between is None else original_step_of_pieces
         ours.backward(lm_loss(ours.model(ids), ids))
-        raised_in_backward = False
-    except RuntimeError:
-        raised_in_backward = True
+        undo = between() if between is not None else lambda: None
+        results[name] = _error_of(ours.step)
+        step_in_backward.step_of_pieces = original_step_of_pieces
+        results[f"after {name}"] = _error_of(lambda: ours.model(ids))
+        undo()
+        ours.load_checkpoint(checkpoint)
+
+    # A backward that raises once the last block's reduce was issued, maybe before its step began on some
+    # rank (in the middle block's backward): every rank counts the model partly updated, whatever the timing.
+    hook = ours.model.blocks[1].register_forward_pre_hook(lambda module, args: (_RaisesInBackward.apply(args[0]),))
+    results["raised in backward"] = _error_of(lambda: ours.backward(lm_loss(ours.model(ids), ids)))
     hook.remove()
-    try:
-        ours.model(ids)
-        broken_by_backward = None
-    except RuntimeError as error:
-        broken_by_backward = str(error)
+    results["broken by backward"] = _error_of(lambda: ours.model(ids))
     ours.load_checkpoint(checkpoint)
     ours.backward(lm_loss(ours.model(ids), ids))
     ours.step()  # trains again after the load
-    return {
-        "raised in backward": raised_in_backward,
-        "broken by backward": broken_by_backward,
-        "refused": refused,
-        "same after refusals": same_after_refusals,
-        "weights after refusals": weights_after_refusals,
-        "accumulation": accumulation,
-        "changed lr": changed_lr,
-        "broken": broken,
-    }
+    return results
 
 
 class _RaisesInBackward(torch.autograd.Function):
@@ -206,16 +204,21 @@ class _RaisesInBackward(torch.autograd.Function):
 @pytest.mark.distributed
 def test_what_would_see_or_change_a_half_applied_step_is_refused_alike_on_every_rank(tmp_path: Path) -> None:
     results = run_distributed(_refusals, 2, str(tmp_path))
-    assert results[0]["refused"] == results[1]["refused"]
+    for key in ("refused", "accumulation", "changed lr", "changed group", "after worker", "broken by backward"):
+        assert results[0][key] == results[1][key], key
     for result in results:
         for name, message in result["refused"].items():
             assert message is not None and "call optimizer.step() first" in message, name
         assert result["same after refusals"] and result["weights after refusals"] == 0.0
         assert result["accumulation"] is not None and "a forward is refused" in result["accumulation"]
-        assert result["changed lr"] is not None and "hyperparameters changed" in result["changed lr"]
-        assert result["broken"] is not None and "Load the last checkpoint" in result["broken"]
-        assert result["raised in backward"]
-        assert result["broken by backward"] is not None and "partly updated" in result["broken by backward"]
+        for name in ("changed lr", "changed group"):
+            assert result[name] is not None and "param groups or hyperparameters changed" in result[name]
+        # A host step that raised on rank 1 only: the step's agreement raises it on both.
+        assert result["worker"] is not None and "host steps during backward that raised" in result["worker"]
+        for name in ("changed lr", "changed group", "worker", "broken by backward"):
+            after = result[f"after {name}"] if name != "broken by backward" else result[name]
+            assert after is not None and "partly updated" in after and "Load the last checkpoint" in after, name
+        assert result["raised in backward"] == "a failure in backward"
 
 
 def test_fp16_is_refused_and_without_an_offloaded_optimizer_nothing_changes() -> None:

@@ -6,6 +6,7 @@ and the engine (a facade) holds the result.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import torch
@@ -150,9 +151,17 @@ def _step_in_backward(
         return None
     in_backward = StepInBackward(units, lambda: attachment.groups, nvme, hybrid=comm.replicas > 1)
     runtime.step_in_backward = optimizer_step.in_backward = attachment.in_backward = in_backward
-    runtime.reduces.on_reduced = in_backward.unit_reduced
+    runtime.reduces.on_reduced, runtime.reduces.on_issued = in_backward.unit_reduced, in_backward.unit_issued
     runtime.before_outermost_forward.append(in_backward.refuse_forward)
     return in_backward
+
+
+def _quiesce_for_load(runtime: StepRuntime) -> None:
+    """The entry barrier of a load: allowed between an early step and optimizer.step(), or after a half-applied
+    one (the load's weights replace it), once the worker is done."""
+    runtime.quiesce(model_access=False)
+    if runtime.step_in_backward is not None:
+        runtime.step_in_backward.wait()
 
 
 def build_parts(
@@ -206,6 +215,7 @@ def build_parts(
         model, units, spanning_every_rank(comm), attachment, loss_scaler, config.stage,
         steps_taken=lambda: optimizer_step.steps_taken,
         quiesce=runtime.quiesce,
+        quiesce_for_load=functools.partial(_quiesce_for_load, runtime),
         sync_buffers=buffer_sync.for_export,
         discard_grads=gradients.discard if in_backward is None else lambda: (in_backward.forget(), gradients.discard()),
         refresh_parameters=optimizer_step.refresh_parameters,

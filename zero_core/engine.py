@@ -1,9 +1,8 @@
 """``ZeroEngine``: the plain-PyTorch entry point to ZeRO stages 1, 2 and 3, and a facade over its parts.
 
-The model is sharded in place and keeps being called as before; the optimizer object is rebuilt in
-place over this rank's fp32 shard, so ``optimizer.step()`` and schedulers keep working. The parts
-(``build.py``) do the work; the engine only forwards to them. What each stage communicates:
-``config.StagePlan``.
+The model is sharded in place and keeps being called as before; the optimizer object is rebuilt in place over
+this rank's fp32 shard, so ``optimizer.step()`` and schedulers keep working. The parts (``build.py``) do the
+work; the engine only forwards to them. What each stage communicates: ``config.StagePlan``.
 """
 
 from __future__ import annotations
@@ -314,6 +313,7 @@ class ZeroEngine:
         """The model's state dict with full fp32 parameters, gathered one unit at a time: ``model.state_dict()``'s
         keys and order (tied parameters under each of their names). Every rank must call it."""
         keep = not rank0_only or self.rank == 0
+        self._runtime.quiesce()
         sync_buffers = self.sync_buffers_for_export
         return full_params.full_state_dict(self.model, self._units, sync_buffers, to_cpu=to_cpu, keep=keep)
 

@@ -28,9 +28,11 @@ from tests.lightning_module import BackboneTinyLM, ManualTinyLM, TinyLM  # noqa:
 from tests.models import Block  # noqa: E402
 
 
-def make_strategy(name: str, shard_group_size: int | None = None):  # type: ignore[no-untyped-def]
+def make_strategy(name: str, shard_group_size: int | None = None, settings: dict | None = None):  # type: ignore[no-untyped-def]
     if name.startswith("zero"):
-        return ZeroStrategy(stage=int(name[-1]), wrap_policy=Block, shard_group_size=shard_group_size)
+        return ZeroStrategy(
+            stage=int(name[-1]), wrap_policy=Block, shard_group_size=shard_group_size, **(settings or {})
+        )
     return name
 
 
@@ -83,7 +85,7 @@ def run(spec: dict, out: Path, devices: int) -> None:
         accelerator="cpu",
         devices=devices,
         num_nodes=spec.get("num_nodes", 1),
-        strategy=make_strategy(spec["strategy"], spec.get("shard_group_size")),
+        strategy=make_strategy(spec["strategy"], spec.get("shard_group_size"), spec.get("settings")),
         precision=spec.get("precision"),
         plugins=plugins,
         max_steps=spec["max_steps"],

@@ -44,6 +44,7 @@ class CheckpointTarget:
     stage: int
     steps_taken: Callable[[], int]
     quiesce: Callable[[], None]  # the runtime's entry barrier
+    quiesce_for_load: Callable[[], None]  # the same, but a load may also end a half-applied step
     sync_buffers: Callable[[], None]  # exports hold rank 0's buffers
     discard_grads: Callable[[], None]
     refresh_parameters: Callable[[], None]
@@ -70,6 +71,7 @@ def sharded_view(target: CheckpointTarget, operation: str | None = None) -> Shar
 
 
 def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
+    target.quiesce()
     return sharded_state(sharded_view(target), with_optimizer=False)[MODEL_KEY]
 
 
@@ -172,7 +174,7 @@ def _load(
     optimizer_path: str | os.PathLike | None,
     check_extra: Callable[[dict[str, Any]], None] | None,
 ) -> Resumed:
-    target.quiesce()
+    target.quiesce_for_load()
     view = sharded_view(target, f"loading checkpoint {path}")
     loaded = _read(view, path, optimizer_path, load_model, load_optimizer and target.optimizer is not None)
     if check_extra is not None:
@@ -208,7 +210,7 @@ def _load_full_state(
     strict: bool,
     optimizer_state: Mapping[str, Any] | None,
 ) -> None:
-    target.quiesce()
+    target.quiesce_for_load()
     where = "a state dict" if isinstance(source, Mapping) else str(source)
     view = sharded_view(target, None if optimizer_state is None else f"loading the optimizer state from {where}")
     weights = load_full_weights(view, source, strict=strict)

@@ -93,6 +93,9 @@ class OptimizerAttachment:
             self.nvme.make_resident()
 
     def bytes_on_disk(self) -> int:
+        """Read with the rest of the memory report: units stepping during backward are waited for first."""
+        if self.in_backward is not None:
+            self.in_backward.wait()
         return self.nvme.bytes_on_disk() if self.nvme is not None else 0
 
     def state_replaced(self) -> None:

@@ -42,17 +42,22 @@ def fused_on_host(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             group["fused"] = None
 
 
-def step_of_pieces(optimizer: torch.optim.Optimizer, pieces_by_group: list[list[torch.Tensor]]) -> Callable[[], None]:
+def step_of_pieces(
+    optimizer: torch.optim.Optimizer,
+    pieces_by_group: list[list[torch.Tensor]],
+    whole_groups: list[list[torch.Tensor]],
+) -> Callable[[], None]:
     """The optimizer's own update of just these pieces (one list per group), on the host's fused kernel where
-    ``fused_on_host`` would take it. It runs on a view of the optimizer that shares its state and settings
-    but lists only the pieces: the user's groups are not touched, so it may run in another thread while the
-    caller goes on (``offload_step_in_backward``)."""
+    ``fused_on_host`` takes it for the whole group (``whole_groups``: every piece of each; a group with pieces
+    on the device steps by torch's loop, the same numbers for every piece of it). It runs on a view of the
+    optimizer that shares its state and settings but lists only the pieces: the user's groups are not
+    touched, so it may run in another thread while the caller goes on (``offload_step_in_backward``)."""
     view = object.__new__(type(optimizer))
     view.__dict__.update(optimizer.__dict__)  # the same state dict and defaults: the update lands in the optimizer
     view.param_groups = [dict(group, params=pieces) for group, pieces in zip(optimizer.param_groups, pieces_by_group)]
     if isinstance(optimizer, FUSED_ON_HOST):
-        for group in view.param_groups:
-            if _takes_fused(group):
+        for group, whole in zip(view.param_groups, whole_groups):
+            if _takes_fused(dict(group, params=whole)):
                 group["fused"] = True
     raw_step = raw_step_of(optimizer)
     return lambda: raw_step(view)

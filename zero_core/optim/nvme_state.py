@@ -191,6 +191,9 @@ class NvmeOptimizerState:
         except OSError as error:
             failures.append(f"{error.strerror or error}: {error.filename or ''}".rstrip(": "))
             return False
+        except (RuntimeError, MemoryError) as error:  # no memory to read a unit's state into: agreed alike too
+            failures.append(f"{type(error).__name__}: {error}")
+            return False
 
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
         reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")

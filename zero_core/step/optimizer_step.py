@@ -107,6 +107,14 @@ class OptimizerStep:
     # ------------------------------------------------------------------ before
     def before(self, groups: OptimizerGroups, args: tuple = (), kwargs: dict | None = None) -> None:
         """The optimizer's step pre-hook: everything up to the optimizer's own update."""
+        try:
+            self._before(groups, args, kwargs)
+        except BaseException:
+            if self.in_backward is not None:
+                self.in_backward.step_raised()  # units that stepped during backward cannot be taken back
+            raise
+
+    def _before(self, groups: OptimizerGroups, args: tuple, kwargs: dict | None) -> None:
         _refuse_closure(args, kwargs)
         # A forward whose backward never ran (a skipped batch) ends here.
         # A step with no forward since the last waits here for that step's all-gathers.
@@ -122,7 +130,9 @@ class OptimizerStep:
             refused_group = error
         if self.loss_scaler is not None:
             self.unscale_grads_once()
-        agreed = self._agree(groups, refused=refused_group is not None)
+        # offload_step_in_backward: a unit's step that raised on some rank is raised alike on every rank.
+        early_failed = self.in_backward is not None and self.in_backward.failed_on_this_rank()
+        agreed = self._agree(groups, refused=refused_group is not None, early_failed=early_failed)
         if refused_group is not None:
             raise refused_group
         # Hyperparameters that differ (the agreement's checksum), or groups changed since they were
@@ -159,7 +169,7 @@ class OptimizerStep:
                 for master in unit.master_pieces:
                     master.param.grad = None  # stepped (or failed) here: the optimizer's own step skips them
 
-    def _agree(self, groups: OptimizerGroups, refused: bool) -> agreement.StepAgreement:
+    def _agree(self, groups: OptimizerGroups, refused: bool, early_failed: bool) -> agreement.StepAgreement:
         """One all-reduce: which parameters have a gradient anywhere, an overflow anywhere, and the
         same work and param groups on every rank (or the same error everywhere)."""
         counters = {
@@ -172,6 +182,7 @@ class OptimizerStep:
             "optimizer param groups (add_param_group on some ranks only?)": len(groups.names),
             "optimizer param groups, as a checksum of their parameter names": groups.fingerprint,
             "refused add_param_group calls": int(refused),
+            "host steps during backward that raised (offload_step_in_backward)": int(early_failed),
         }
         # Hyperparameters only report a difference; the comparison after the agreement then names it.
         settings = {"optimizer hyperparameters": groups.settings_fingerprint}

@@ -32,6 +32,7 @@ class ReduceSchedule:
         self.issued_fingerprint = 0
         # Told each unit whose reduce landed, in reduce order (offload_step_in_backward steps it then).
         self.on_reduced: Callable[[FlatUnit], None] | None = None
+        self.on_issued: Callable[[FlatUnit], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -61,6 +62,8 @@ class ReduceSchedule:
             self._next += 1
             self._issued.add(unit.index)
             self.issued_fingerprint += unit.index + 1
+            if self.on_issued is not None:
+                self.on_issued(unit)
             pending = unit.start_reduce()
             if pending is not None:
                 self._pending.append((unit, pending))

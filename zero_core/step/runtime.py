@@ -1,23 +1,18 @@
 """What happens during forward and backward: the runtime the hooks report to.
 
-The step moves through :class:`TrainingState` (``state.py``, whose
-:class:`PassState` alone writes it); every event reads it to decide what to do,
-and the first outermost forward (or optimizer step) after an interrupted step
-resets whatever that step left behind. The hooks themselves are in
-``hooks.py``, which units are gathered when in ``gathering.py``.
+The step moves through :class:`TrainingState` (``state.py``, whose :class:`PassState` alone writes it);
+every event reads it to decide what to do, and the first outermost forward (or optimizer step) after an
+interrupted step resets whatever that step left behind. The hooks themselves are in ``hooks.py``, which
+units are gathered when in ``gathering.py``. Per unit:
 
-Per unit:
-
-- pre-forward: (stage 3) wait for the unit's all-gather, prefetch the units
-  predicted to run next, release prefetched units that did not run; wrap the
-  unit's grad-requiring inputs so their backward tells us the unit's
-  backward is finished.
-- post-forward: (stage 3) release the unit; hook its outputs so the first
-  gradient reaching them gathers it again (pre-backward).
-- post-accumulate-grad hook per parameter: move the gradient into the unit's
-  flat gradient buffer.
-- post-backward (the wrapped inputs' backward, once every call of the unit
-  is back-propagated): release the unit, let the reduce schedule advance.
+- pre-forward: (stage 3) wait for the unit's all-gather, prefetch the units predicted to run next, release
+  prefetched units that did not run; wrap the unit's grad-requiring inputs so their backward tells us the
+  unit's backward is finished.
+- post-forward: (stage 3) release the unit; hook its outputs so the first gradient reaching them gathers it
+  again (pre-backward).
+- post-accumulate-grad hook per parameter: move the gradient into the unit's flat gradient buffer.
+- post-backward (the wrapped inputs' backward, once every call of the unit is back-propagated): release the
+  unit, let the reduce schedule advance.
 
 A forward hook that fires during backward is a recompute (activation
 checkpointing), not a new forward: it gathers the unit for its backward and
@@ -139,17 +134,19 @@ class StepRuntime:
         self._hooks.hook_trainable_params()
 
     # ------------------------------------------------------ interruptions
-    def quiesce(self, *, drop_pending_forward: bool = False) -> None:
+    def quiesce(self, *, drop_pending_forward: bool = False, model_access: bool = True) -> None:
         """The one entry barrier for everything outside a pass that reads or writes model state
         (steps, gradient reads, exports, loads, full parameters): clean up after a pass that raised,
         and wait for the post-step all-gathers still writing the parameters (stages 1/2). Every rank
-        calls it at the same points."""
+        calls it at the same points. ``model_access``: refused while offloaded units stepped early."""
         self.settle(drop_pending_forward=drop_pending_forward)
+        if model_access and self.step_in_backward is not None:
+            self.step_in_backward.refuse_model_access()
         self.wait_for_refresh()
 
     def settle_gradients(self, *, drop_pending_forward: bool = False) -> None:
         """Before gradients are read or changed: the barrier, then (hybrid sharding) the reduce across groups."""
-        self.quiesce(drop_pending_forward=drop_pending_forward)
+        self.quiesce(drop_pending_forward=drop_pending_forward, model_access=False)
         self.reduce_across_groups()
 
     def wait_for_refresh(self) -> None:
@@ -184,6 +181,8 @@ class StepRuntime:
         """Forget the forward that raised, or the backward that raised (see ``PassState.abandon``)."""
         dropped_earlier = False
         if backward_too:
+            if self.step_in_backward is not None:
+                self.step_in_backward.settle()  # its worker done before the gradients it reads go
             self.reduces.wait_all(abandoned=True)  # issued on every rank alike; their results are dropped below
             dropped_earlier = any([unit.discard_backward() for unit in self.units])
         self.gathering.abandoned()
@@ -372,6 +371,8 @@ class StepRuntime:
         self.reduces.across_groups()
 
     def _begin_backward(self) -> None:
+        if self.step_in_backward is not None and self.passes.state is not TrainingState.BACKWARD:
+            self.step_in_backward.refuse_backward()  # before anything of this backward is recorded
         if not self.passes.begin_backward():
             return
         self.reduces.reset()

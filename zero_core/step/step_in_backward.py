@@ -68,13 +68,13 @@ class StepInBackward:
         self._tasks: list[concurrent.futures.Future] = []
         self._walk: UnitWalk | None = None
         self._waiting: list[FlatUnit] = []  # offloaded units in reduce order, not yet handed to the worker
-        self._settings = 0  # the hyperparameters' fingerprint the early steps ran with
+        self._groups_seen = (0, 0)  # the groups' fingerprints (members, hyperparameters) the early steps ran with
+        self._issued = False  # an offloaded unit's reduce was issued in this backward (alike on every rank)
         self.stepped: set[int] = set()  # units handed to the worker to step
 
     # ------------------------------------------------------------- the backward
     def backward_begins(self, synchronising: bool, reduce_order: list[FlatUnit]) -> None:
-        """A backward starts; in a synchronising one, the offloaded units may step as they are reduced."""
-        self.refuse("another backward")
+        """A synchronising backward starts: the offloaded units may step as they are reduced."""
         self._reset()
         groups = self._groups()
         if not synchronising or groups is None:
@@ -85,12 +85,16 @@ class StepInBackward:
             return  # the step refuses these groups on every rank
         if groups.changed_since_compared:
             return  # groups changed since the last step: the step compares them first
-        self._settings = groups.settings_fingerprint
+        self._groups_seen = (groups.fingerprint, groups.settings_fingerprint)
         self._waiting = [unit for unit in reduce_order if unit.offloaded]
         if self.nvme is not None:
             order = [unit.index for unit in self._waiting]
             self._walk = self.nvme.begin_walk(order, groups.optimizer)
         self.phase = Phase.STEPPING
+
+    def unit_issued(self, unit: FlatUnit) -> None:
+        """``unit``'s reduce-scatter was issued (every rank issues the same, in the same order)."""
+        self._issued = self._issued or (self.phase is Phase.STEPPING and unit.offloaded)
 
     def unit_reduced(self, unit: FlatUnit) -> None:
         """``unit``'s reduce-scatter landed (in this thread, in reduce order)."""
@@ -110,16 +114,18 @@ class StepInBackward:
     def _hand_over(self, unit: FlatUnit) -> None:
         """The unit's step to the worker, if its gradients are all here; else it steps in optimizer.step()."""
         groups = self._groups()
-        step = None
+        step, pieces = None, []
         if unit.has_every_grad and groups is not None:
             unit.commit_backward()
             unit.attach_master_grads(unit.slot_has_grad)  # from a GPU: copied to the host asynchronously
-            step = step_of_pieces(groups.optimizer, groups.pieces_of_unit(unit))
+            pieces = groups.pieces_of_unit(unit)
+            step = step_of_pieces(groups.optimizer, pieces, groups.pieces_in_groups())
             self.stepped.add(unit.index)
         landed = torch.cuda.current_stream(unit.comm.device).record_event() if unit.comm.device.type == "cuda" else None
-        self._tasks.append(self._worker.submit(self._step_in_worker, unit, step, landed))
+        stepped = [piece for group in pieces for piece in group]
+        self._tasks.append(self._worker.submit(self._step_in_worker, unit, step, stepped, landed))
 
-    def _step_in_worker(self, unit: FlatUnit, step: Callable[[], object] | None, landed) -> None:  # type: ignore[no-untyped-def]
+    def _step_in_worker(self, unit: FlatUnit, step: Callable[[], object] | None, stepped: list, landed) -> None:  # type: ignore[no-untyped-def]
         if landed is not None:
             landed.synchronize()  # the gradient shard's copy to the host
         try:
@@ -128,51 +134,67 @@ class StepInBackward:
             elif step is not None:
                 step()
         finally:
-            if step is not None:
-                for master in unit.master_pieces:
-                    master.param.grad = None  # stepped here: optimizer.step() skips it
+            for piece in stepped:
+                piece.grad = None  # stepped here: optimizer.step() skips it (pieces in no group keep theirs)
+
+    def settle(self) -> None:
+        """Where a backward that raised is cleaned up (the runtime's settle, before it discards gradients; and
+        every entry below): STEPPING outside a backward means that backward raised. The worker is waited for.
+        If an offloaded unit's reduce had been issued (on every rank alike, so every rank decides alike), some
+        may have stepped: the model is partly updated. Otherwise nothing happened (reads ahead are dropped)."""
+        if self.phase is not Phase.STEPPING or torch._C._current_graph_task_id() != -1:
+            return
+        concurrent.futures.wait(self._tasks)
+        if self._issued:
+            self.phase = Phase.BROKEN
+            return
+        if self._walk is not None:
+            self._walk.abandon()
+        self.phase = Phase.IDLE
+        self._reset()
+
+    def wait(self) -> None:
+        """The worker has nothing left to do (readers of the optimizer's state that are not refused)."""
+        self.settle()
+        concurrent.futures.wait(self._tasks)
 
     # ----------------------------------------------------------------- the step
+    def failed_on_this_rank(self) -> bool:
+        """In ``optimizer.step()``, before the step's agreement (which compares it across ranks): the worker
+        done, did any of its steps raise here?"""
+        self.wait()
+        return self.phase is Phase.STEPPED and any(task.exception() is not None for task in self._tasks)
+
     def finish(self, groups: OptimizerGroups) -> EarlySteps:
-        """In ``optimizer.step()``: wait for the early steps; the units they stepped, and their NVMe walk
-        (its writes drain and its failures are raised with the step's)."""
-        self._settle()
+        """In ``optimizer.step()``, after its agreement: the units stepped early and their NVMe walk (it goes on
+        over the units left), or the refusal when they cannot count as this step's."""
         if self.phase is Phase.IDLE:
             return EarlySteps(None, frozenset())
         self.refuse("optimizer.step()", unless=Phase.STEPPED)
-        errors = [task.exception() for task in self._tasks]
-        if any(errors) or groups.settings_fingerprint != self._settings:
+        error = next((task.exception() for task in self._tasks if task.exception() is not None), None)
+        if error is not None or (groups.fingerprint, groups.settings_fingerprint) != self._groups_seen:
             self.phase = Phase.BROKEN
-            raise next((e for e in errors if e is not None), None) or ValueError(
-                "ZeRO (offload_step_in_backward): the optimizer's hyperparameters changed between the backward "
-                "and optimizer.step(), but the offloaded units had already stepped during the backward with "
-                "the old ones. Change them before the backward (step LR schedulers after optimizer.step()), "
-                "or turn offload_step_in_backward off. The model is partly updated: load the last checkpoint."
+            raise error or ValueError(
+                "ZeRO (offload_step_in_backward): the optimizer's param groups or hyperparameters changed between "
+                "the backward and optimizer.step(), but the offloaded units had already stepped during the "
+                "backward with the old ones. Change them before the backward (step LR schedulers after "
+                "optimizer.step()), or turn offload_step_in_backward off. The model is partly updated: load "
+                "the last checkpoint."
             )
         done = EarlySteps(self._walk, frozenset(self.stepped))
         self.phase = Phase.IDLE
         self._reset()
         return done
 
-    def forget(self) -> None:
-        """A checkpoint was loaded over the model (or the step consumed the gradients): start afresh."""
-        self._settle()
-        concurrent.futures.wait(self._tasks)
-        if self._walk is not None:
-            self._walk.abandon()
-        self.phase = Phase.IDLE
-        self._reset()
-
-    def _settle(self) -> None:
-        """STEPPING outside a backward: that backward raised. Nothing handed over: as if no early step was
-        begun (reads issued ahead are dropped); else the model is partly updated."""
-        if self.phase is not Phase.STEPPING or torch._C._current_graph_task_id() != -1:
-            return
-        concurrent.futures.wait(self._tasks)
-        if self.stepped:
+    def step_raised(self) -> None:
+        """``optimizer.step()`` raised (on every rank: its refusals are agreed) after units stepped early."""
+        if self.phase is Phase.STEPPED:
             self.phase = Phase.BROKEN
-            return
-        if self._walk is not None:
+
+    def forget(self) -> None:
+        """Weights were loaded over the model: whatever stepped early is overwritten; start afresh."""
+        self.wait()
+        if self._walk is not None and self.phase is not Phase.IDLE:
             self._walk.abandon()
         self.phase = Phase.IDLE
         self._reset()
@@ -180,14 +202,14 @@ class StepInBackward:
     # --------------------------------------------------------------- refusals
     def refuse(self, what: str, unless: Phase = Phase.IDLE) -> None:
         """Raise if ``what`` may not run now (see the module's docstring)."""
-        self._settle()
+        self.settle()
         if self.phase in (Phase.IDLE, unless):
             return
         if self.phase is Phase.BROKEN:
             raise RuntimeError(
                 f"ZeRO (offload_step_in_backward): {what} is refused: the model is partly updated (a backward "
-                "raised after some offloaded units had stepped during it, or the hyperparameters changed "
-                "between backward and step). Load the last checkpoint to go on."
+                "raised after offloaded units began to step during it, or the step was refused after they had). "
+                "Load the last checkpoint to go on."
             )
         raise RuntimeError(
             f"ZeRO (offload_step_in_backward): {what} is refused between a backward and optimizer.step(): the "
@@ -197,3 +219,5 @@ class StepInBackward:
         )
 
     refuse_forward = functools.partialmethod(refuse, "a forward")
+    refuse_backward = functools.partialmethod(refuse, "another backward")
+    refuse_model_access = functools.partialmethod(refuse, "reading or writing the model (state dicts, checkpoints)")
