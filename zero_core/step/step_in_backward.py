@@ -12,11 +12,14 @@ step's agreement (which parameters have a gradient on any rank) then says the sa
 needed, and ranks may differ in which units step early without changing a number.
 
 The update lands before ``optimizer.step()`` is called, so until then nothing may read or change what
-the step reads: another forward or backward (gradient accumulation goes inside ``engine.no_sync()``),
-clipping, ``zero_grad``, saving the optimizer's state, new hyperparameters (a scheduler stepped before the
-optimizer). Each is refused with a message that says so (:class:`Phase` is where the step is). A backward
-that raised after units had stepped, or hyperparameters changed under it, leaves the model partly
-updated: everything but loading a checkpoint is refused from then on.
+the step reads or writes: another forward or backward (gradient accumulation goes inside
+``engine.no_sync()``), clipping, ``zero_grad``, state dicts, gathered parameters and checkpoints, other param
+groups or hyperparameters (a scheduler stepped before the optimizer). Each is refused with a message that
+says so (:class:`Phase` is where the step is); a load waits for the worker. The model is left partly
+updated, and everything but loading a checkpoint refused, when the step is refused after units stepped
+(changed groups, a host step that raised: the step's agreement raises that on every rank), or when a
+backward raised after an offloaded unit's reduce was issued: that is the same on every rank, whereas what
+each rank had handed over depends on timing, so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ class Phase(Enum):
     IDLE = auto()  # nothing stepped since the last optimizer step
     STEPPING = auto()  # a synchronising backward runs: reduced units go to the worker
     STEPPED = auto()  # that backward ended; its units stepped (or are stepping) until optimizer.step()
-    BROKEN = auto()  # partly updated (a backward raised, or hyperparameters changed): load a checkpoint
+    BROKEN = auto()  # partly updated (a backward raised, or the step was refused): load a checkpoint
 
 
 class EarlySteps(NamedTuple):
