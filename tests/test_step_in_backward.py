@@ -169,14 +169,29 @@ def _refusals(rank: int, world_size: int, directory: str) -> dict:
         removed = ours.optimizer.param_groups[0]["params"].pop()
         return lambda: ours.optimizer.param_groups[0]["params"].append(removed)  # the groups the checkpoint has
 
-    for name, between in (("changed lr", changed_lr), ("changed group", changed_group), ("worker", None)):
+    def foreign_tensor_on_rank_1() -> Callable[[], None]:
+        # Added before the backward on one rank only: that rank steps nothing early, the other does; the
+        # step's agreement refuses it on both, and both count the model partly updated.
+        group = ours.optimizer.param_groups[0]["params"]
+        if rank == 1:
+            group.append(torch.zeros(1, requires_grad=True))
+        return lambda: group.pop() if rank == 1 else None
+
+    cases = [("changed lr", changed_lr), ("changed group", changed_group), ("worker", None)]
+    for name, between in [*cases, ("foreign tensor", foreign_tensor_on_rank_1)]:
         step_in_backward.step_of_pieces = failing_on_rank_1 if between is None else original_step_of_pieces
+        undo = between() if name == "foreign tensor" else lambda: None
         ours.backward(lm_loss(ours.model(ids), ids))
-        undo = between() if between is not None else lambda: None
+        if between is not None and name != "foreign tensor":
+            undo = between()
         results[name] = _error_of(ours.step)
         step_in_backward.step_of_pieces = original_step_of_pieces
         results[f"after {name}"] = _error_of(lambda: ours.model(ids))
         undo()
+        # Only a load of both the model and the optimizer's state ends it (each half holds part of the step).
+        results[f"weights only after {name}"] = _error_of(
+            lambda: ours.load_checkpoint(checkpoint, load_optimizer=False)
+        )
         ours.load_checkpoint(checkpoint)
 
     # A backward that raises once the last block's reduce was issued, maybe before its step began on some
@@ -206,6 +221,8 @@ def test_what_would_see_or_change_a_half_applied_step_is_refused_alike_on_every_
     results = run_distributed(_refusals, 2, str(tmp_path))
     for key in ("refused", "accumulation", "changed lr", "changed group", "after worker", "broken by backward"):
         assert results[0][key] == results[1][key], key
+    assert results[0]["foreign tensor"] == results[1]["foreign tensor"]  # the step's agreement, on both ranks
+    assert "refused add_param_group calls" in results[0]["foreign tensor"]
     for result in results:
         for name, message in result["refused"].items():
             assert message is not None and "call optimizer.step() first" in message, name
@@ -215,9 +232,12 @@ def test_what_would_see_or_change_a_half_applied_step_is_refused_alike_on_every_
             assert result[name] is not None and "param groups or hyperparameters changed" in result[name]
         # A host step that raised on rank 1 only: the step's agreement raises it on both.
         assert result["worker"] is not None and "host steps during backward that raised" in result["worker"]
-        for name in ("changed lr", "changed group", "worker", "broken by backward"):
+        for name in ("changed lr", "changed group", "worker", "foreign tensor", "broken by backward"):
             after = result[f"after {name}"] if name != "broken by backward" else result[name]
             assert after is not None and "partly updated" in after and "Load the last checkpoint" in after, name
+            if name != "broken by backward":
+                partial = result[f"weights only after {name}"]
+                assert partial is not None and "(load both)" in partial, name
         assert result["raised in backward"] == "a failure in backward"
 
 

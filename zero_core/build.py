@@ -156,12 +156,13 @@ def _step_in_backward(
     return in_backward
 
 
-def _quiesce_for_load(runtime: StepRuntime) -> None:
-    """The entry barrier of a load: allowed between an early step and optimizer.step(), or after a half-applied
-    one (the load's weights replace it), once the worker is done."""
+def _quiesce_for_load(runtime: StepRuntime, model_and_optimizer: bool) -> None:
+    """The entry barrier of a load: between an early step and optimizer.step(), or after a half-applied one,
+    only a load of both the model and the optimizer's state (which replaces what stepped), once the worker
+    is done."""
     runtime.quiesce(model_access=False)
     if runtime.step_in_backward is not None:
-        runtime.step_in_backward.wait()
+        runtime.step_in_backward.before_load(model_and_optimizer)
 
 
 def build_parts(

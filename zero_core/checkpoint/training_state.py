@@ -44,7 +44,7 @@ class CheckpointTarget:
     stage: int
     steps_taken: Callable[[], int]
     quiesce: Callable[[], None]  # the runtime's entry barrier
-    quiesce_for_load: Callable[[], None]  # the same, but a load may also end a half-applied step
+    quiesce_for_load: Callable[[bool], None]  # the same for a load (of the model and the optimizer's state?)
     sync_buffers: Callable[[], None]  # exports hold rank 0's buffers
     discard_grads: Callable[[], None]
     refresh_parameters: Callable[[], None]
@@ -174,7 +174,7 @@ def _load(
     optimizer_path: str | os.PathLike | None,
     check_extra: Callable[[dict[str, Any]], None] | None,
 ) -> Resumed:
-    target.quiesce_for_load()
+    target.quiesce_for_load(load_model and load_optimizer)
     view = sharded_view(target, f"loading checkpoint {path}")
     loaded = _read(view, path, optimizer_path, load_model, load_optimizer and target.optimizer is not None)
     if check_extra is not None:
@@ -210,7 +210,7 @@ def _load_full_state(
     strict: bool,
     optimizer_state: Mapping[str, Any] | None,
 ) -> None:
-    target.quiesce_for_load()
+    target.quiesce_for_load(optimizer_state is not None)
     where = "a state dict" if isinstance(source, Mapping) else str(source)
     view = sharded_view(target, None if optimizer_state is None else f"loading the optimizer state from {where}")
     weights = load_full_weights(view, source, strict=strict)

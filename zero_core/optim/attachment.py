@@ -81,14 +81,18 @@ class OptimizerAttachment:
             optimizer.register_step_post_hook(lambda *_: after(groups)),
             # Readers of optimizer.state_dict() see the whole state; a loaded one is the state from then on.
             optimizer.register_state_dict_pre_hook(lambda _: self.make_state_resident()),
+            optimizer.register_load_state_dict_pre_hook(lambda *_: self._refuse_while_stepped("load_state_dict()")),
             optimizer.register_load_state_dict_post_hook(lambda *_: self.state_replaced()),
             *groups.install_hooks(),
         ]
 
+    def _refuse_while_stepped(self, what: str) -> None:
+        if self.in_backward is not None:
+            self.in_backward.refuse(f"optimizer.{what}")
+
     def make_state_resident(self) -> None:
         """The whole optimizer state in memory (with the NVMe tier, until the next step writes it out)."""
-        if self.in_backward is not None:
-            self.in_backward.refuse("saving the optimizer's state")
+        self._refuse_while_stepped("state_dict() (or saving it)")
         if self.nvme is not None:
             self.nvme.make_resident()
 

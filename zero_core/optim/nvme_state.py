@@ -144,14 +144,18 @@ class NvmeOptimizerState:
         else:
             walk = earlier
             walk.order += order
-        with groups.restricted() as restrict_to:
+        try:
+            with groups.restricted() as restrict_to:
 
-            def step_unit(unit: FlatUnit) -> None:
-                restrict_to(unit)
-                raw_step(optimizer)
+                def step_unit(unit: FlatUnit) -> None:
+                    restrict_to(unit)
+                    raw_step(optimizer)
 
-            for index in order:
-                walk.step_unit(index, functools.partial(step_unit, self.units[index]))
+                for index in order:
+                    walk.step_unit(index, functools.partial(step_unit, self.units[index]))
+        except BaseException:
+            self.leave_behind(walk)  # its writes in flight drain behind it, as after a step
+            raise
         self.end_walk(walk)
 
     def begin_walk(self, order: list[int], optimizer: torch.optim.Optimizer) -> UnitWalk:
@@ -171,6 +175,12 @@ class NvmeOptimizerState:
         failures, walk.failures = walk.failures, []
         self._behind = walk
         self._raise_if_any_rank_failed(failures)
+
+    def leave_behind(self, walk: UnitWalk) -> None:
+        """A walk that ended without ``end_walk`` (its step raised): drained by the next ``settle``."""
+        if self._behind is not walk:
+            self._late_failures += self.settle()
+            self._behind = walk
 
     def settle(self) -> list[str]:
         """The writes still going on behind the last walk are done (their units freed); their failures."""
@@ -247,6 +257,7 @@ class NvmeOptimizerState:
     def forget(self) -> None:
         """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds."""
         self.settle()  # writes of the state replaced: their failures no longer matter
+        self._late_failures = []
         self.states = [_UnitState(s.path) for s in self.states]
 
     def bytes_on_disk(self) -> int:
@@ -316,12 +327,16 @@ class UnitWalk:
                 self.tier.states[index].free()
                 release_freed_memory()
 
-    def abandon(self) -> None:
+    def abandon(self, report: bool = True) -> None:
         """A walk given up before its end (its backward raised, or a load replaced the state): the reads
-        issued ahead are dropped (their files still hold the state), the writes drained."""
+        issued ahead are dropped (their files still hold the state), the writes drained; with ``report``
+        its failures go to the next walk's end (a load replacing the state drops them)."""
         for index, future in self.reads.items():
             if self.tier.finished(future, self.failures):
                 self.tier.states[index].free()
         self.reads.clear()
         release_freed_memory()
         self.drain(keep=0)
+        if report:
+            self.tier._late_failures += self.failures
+        self.failures = []

@@ -153,6 +153,8 @@ class OptimizerStep:
         groups.show_pieces()
         if not self.last_step_skipped and (self.nvme is not None or self.steps_on_host):
             self._step_offloaded(groups, early)
+        if self.in_backward is not None:
+            self.in_backward.step_done()
 
     def _step_offloaded(self, groups: OptimizerGroups, early: EarlySteps) -> None:
         """Offload: the step runs here (unit by unit with the NVMe tier), under the host's fused kernel, whose

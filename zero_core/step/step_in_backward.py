@@ -77,27 +77,30 @@ class StepInBackward:
 
     # ------------------------------------------------------------- the backward
     def backward_begins(self, synchronising: bool, reduce_order: list[FlatUnit]) -> None:
-        """A synchronising backward starts: the offloaded units may step as they are reduced."""
+        """A synchronising backward starts: the offloaded units may step as they are reduced. Every rank enters
+        STEPPING alike (the phase decides refusals, which must agree); one whose own groups the step will
+        refuse or compare first (a group added, changed or refused here) steps nothing early."""
         self._reset()
         groups = self._groups()
         if not synchronising or groups is None:
-            return
+            return  # no optimizer: none on any rank (attaching one is agreed)
+        self.phase = Phase.STEPPING
         try:
             groups.read()
         except ValueError:
-            return  # the step refuses these groups on every rank
+            return
         if groups.changed_since_compared:
-            return  # groups changed since the last step: the step compares them first
+            return
         self._groups_seen = (groups.fingerprint, groups.settings_fingerprint)
         self._waiting = [unit for unit in reduce_order if unit.offloaded]
         if self.nvme is not None:
             order = [unit.index for unit in self._waiting]
             self._walk = self.nvme.begin_walk(order, groups.optimizer)
-        self.phase = Phase.STEPPING
 
     def unit_issued(self, unit: FlatUnit) -> None:
-        """``unit``'s reduce-scatter was issued (every rank issues the same, in the same order)."""
-        self._issued = self._issued or (self.phase is Phase.STEPPING and unit.offloaded)
+        """``unit``'s reduce-scatter was issued (every rank issues the same, in the same order). With hybrid
+        sharding nothing is handed over before the end of backward: counted there instead."""
+        self._issued = self._issued or (self.phase is Phase.STEPPING and unit.offloaded and not self.hybrid)
 
     def unit_reduced(self, unit: FlatUnit) -> None:
         """``unit``'s reduce-scatter landed (in this thread, in reduce order)."""
@@ -110,6 +113,7 @@ class StepInBackward:
         """The end of the backward: every gradient final (hybrid sharding: reduced across groups too)."""
         if self.phase is not Phase.STEPPING:
             return
+        self._issued = self._issued or bool(self._waiting)
         while self._waiting:
             self._hand_over(self._waiting.pop(0))
         self.phase = Phase.STEPPED
@@ -175,7 +179,8 @@ class StepInBackward:
             return EarlySteps(None, frozenset())
         self.refuse("optimizer.step()", unless=Phase.STEPPED)
         error = next((task.exception() for task in self._tasks if task.exception() is not None), None)
-        if error is not None or (groups.fingerprint, groups.settings_fingerprint) != self._groups_seen:
+        changed = (groups.fingerprint, groups.settings_fingerprint) != self._groups_seen
+        if error is not None or (changed and self.stepped):
             self.phase = Phase.BROKEN
             raise error or ValueError(
                 "ZeRO (offload_step_in_backward): the optimizer's param groups or hyperparameters changed between "
@@ -184,21 +189,34 @@ class StepInBackward:
                 "optimizer.step()), or turn offload_step_in_backward off. The model is partly updated: load "
                 "the last checkpoint."
             )
-        done = EarlySteps(self._walk, frozenset(self.stepped))
-        self.phase = Phase.IDLE
-        self._reset()
-        return done
+        return EarlySteps(self._walk, frozenset(self.stepped))
+
+    def step_done(self) -> None:
+        """``optimizer.step()`` applied the rest of the step (until then the phase stays STEPPED)."""
+        if self.phase is Phase.STEPPED:
+            self.phase = Phase.IDLE
+            self._reset()
 
     def step_raised(self) -> None:
-        """``optimizer.step()`` raised (on every rank: its refusals are agreed) after units stepped early."""
+        """``optimizer.step()`` raised (on every rank: its refusals are agreed) after units stepped early: the
+        model is partly updated, and the walk's writes still going on drain behind it."""
         if self.phase is Phase.STEPPED:
             self.phase = Phase.BROKEN
+            if self._walk is not None and self.nvme is not None:
+                self.nvme.leave_behind(self._walk)
+
+    def before_load(self, model_and_optimizer: bool) -> None:
+        """A load starts: after an early step only one that replaces both the model and the optimizer's
+        state may end it (the step's updates live in both); the worker is waited for."""
+        self.wait()
+        if not model_and_optimizer:
+            self.refuse("a load of the model or of the optimizer's state alone (load both)")
 
     def forget(self) -> None:
-        """Weights were loaded over the model: whatever stepped early is overwritten; start afresh."""
+        """The model and the optimizer's state were loaded: whatever stepped early is overwritten."""
         self.wait()
         if self._walk is not None and self.phase is not Phase.IDLE:
-            self._walk.abandon()
+            self._walk.abandon(report=False)
         self.phase = Phase.IDLE
         self._reset()
 
