@@ -26,6 +26,11 @@ from .workers import config_for, relative_difference, train_clipped
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def _on_two_gpus(fn, *args: object) -> list:  # type: ignore[no-untyped-def]
+    """``fn`` on two ranks: NCCL with a GPU each, gloo where they share one."""
+    return run_distributed(fn, 2, *args, backend="nccl" if torch.cuda.device_count() >= 2 else "gloo")
+
+
 def _plain_losses(device: torch.device, rank: int, world_size: int) -> list[float]:
     """The same training without ZeRO: every rank's micro-batch, gradients averaged by hand."""
     torch.manual_seed(0)
@@ -119,9 +124,7 @@ def _gpu_model_access(rank: int, world_size: int) -> dict:
 
 
 def test_cuda_stage3_model_access() -> None:
-    world_size = 2
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    for result in run_distributed(_gpu_model_access, world_size, backend=backend):
+    for result in _on_two_gpus(_gpu_model_access):
         assert result["refused"]
         assert result["mismatched"] == []
         assert result["param_devices"] == {"cpu"}  # full values gathered to the host, unit by unit
@@ -169,9 +172,7 @@ def _gpu_resume(rank: int, world_size: int, directory: str) -> dict:
 
 
 def test_cuda_checkpoint_resumes_at_another_stage(tmp_path) -> None:
-    world_size = 2
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    for result in run_distributed(_gpu_resume, world_size, str(tmp_path), backend=backend):
+    for result in _on_two_gpus(_gpu_resume, str(tmp_path)):
         assert result["resumed"] == pytest.approx(result["uninterrupted"], rel=1e-5)
 
 
@@ -231,9 +232,7 @@ def _offloaded_run(
 
 
 def test_cuda_offload_steps_on_the_host_and_trains_like_the_device(tmp_path) -> None:
-    world_size = 2
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    for results in run_distributed(_gpu_offload, world_size, str(tmp_path), backend=backend):
+    for results in _on_two_gpus(_gpu_offload, str(tmp_path)):
         for name in ("cpu-3-None", "nvme-3-None"):
             assert results[name]["losses"] == pytest.approx(results["none-3-None"]["losses"], rel=1e-4), name
         assert results["cpu-2-bf16"]["losses"] == pytest.approx(results["none-2-bf16"]["losses"], rel=1e-2)
@@ -273,9 +272,7 @@ def _gpu_step_in_backward(rank: int, world_size: int, directory: str) -> dict:
 
 
 def test_cuda_units_stepped_during_backward_train_exactly_as_in_the_step(tmp_path) -> None:
-    world_size = 2
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    for results in run_distributed(_gpu_step_in_backward, world_size, str(tmp_path), backend=backend):
+    for results in _on_two_gpus(_gpu_step_in_backward, str(tmp_path)):
         for mode in ("cpu", "nvme"):
             for stage in (1, 3):
                 early, late = results[f"{mode}-{stage}-True"], results[f"{mode}-{stage}-False"]
@@ -315,9 +312,7 @@ def _gpu_param_offload(rank: int, world_size: int, directory: str) -> dict:
 
 
 def test_cuda_parameter_shards_rest_pinned_on_the_host_and_train_like_the_device(tmp_path) -> None:
-    world_size = 2
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    for results in run_distributed(_gpu_param_offload, world_size, str(tmp_path), backend=backend):
+    for results in _on_two_gpus(_gpu_param_offload, str(tmp_path)):
         # The same arithmetic on the device (the staged copy is exact): equal losses; the host step rounds apart.
         assert results["none-cpu-None"]["losses"] == results["none-none-None"]["losses"]
         assert results["none-cpu-bf16"]["losses"] == results["none-none-bf16"]["losses"]
@@ -369,8 +364,6 @@ def _gpu_activation_offload(rank: int, world_size: int) -> dict:
 
 
 def test_cuda_activation_offload_keeps_saved_tensors_on_the_host() -> None:
-    world_size = 2
-    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
-    for results in run_distributed(_gpu_activation_offload, world_size, backend=backend):
+    for results in _on_two_gpus(_gpu_activation_offload):
         assert results[True]["losses"] == results[False]["losses"]  # exact copies out and back
         assert results[True]["saved on the device"] < 0.5 * results[False]["saved on the device"], results
