@@ -115,11 +115,6 @@ class OptimizerGroups:
         """Per group (as last read), this rank's master pieces of its parameters."""
         return [[piece for name in names for piece in self._pieces_of[name]] for names in self.names]
 
-    def pieces_of_unit(self, unit: FlatUnit) -> list[list[nn.Parameter]]:
-        """Per group (as last read), this rank's master pieces of its parameters that ``unit`` holds."""
-        own = {id(master.param) for master in unit.master_pieces}
-        return [[piece for piece in group if id(piece) in own] for group in self.pieces_in_groups()]
-
     @property
     def changed_since_compared(self) -> bool:
         return self.names != self.names_compared

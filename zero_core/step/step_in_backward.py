@@ -73,6 +73,8 @@ class StepInBackward:
         self._waiting: list[FlatUnit] = []  # offloaded units in reduce order, not yet handed to the worker
         self._groups_seen = (0, 0)  # the groups' fingerprints (members, hyperparameters) the early steps ran with
         self._issued = False  # an offloaded unit's reduce was issued in this backward (alike on every rank)
+        self._optimizer: torch.optim.Optimizer | None = None  # what the early steps step, and its groups'
+        self._pieces_in_groups: list[list[torch.Tensor]] = []  # pieces (read once, when the backward begins)
         self.stepped: set[int] = set()  # units handed to the worker to step
 
     # ------------------------------------------------------------- the backward
@@ -92,6 +94,7 @@ class StepInBackward:
         if groups.changed_since_compared:
             return
         self._groups_seen = (groups.fingerprint, groups.settings_fingerprint)
+        self._optimizer, self._pieces_in_groups = groups.optimizer, groups.pieces_in_groups()
         self._waiting = [unit for unit in reduce_order if unit.offloaded]
         if self.nvme is not None:
             order = [unit.index for unit in self._waiting]
@@ -103,10 +106,9 @@ class StepInBackward:
         self._issued = self._issued or (self.phase is Phase.STEPPING and unit.offloaded and not self.hybrid)
 
     def unit_reduced(self, unit: FlatUnit) -> None:
-        """``unit``'s reduce-scatter landed (in this thread, in reduce order)."""
-        if self.phase is Phase.STEPPING and not self.hybrid and unit in self._waiting:
-            while self._waiting and self._waiting[0] is not unit:
-                self._hand_over(self._waiting.pop(0))  # not reduced in this backward: nothing to step
+        """``unit``'s reduce-scatter landed (in this thread, in reduce order: ``_waiting``'s order, taken from
+        the same sequence, so the unit is the first waiting one when it is waiting at all)."""
+        if self.phase is Phase.STEPPING and not self.hybrid and self._waiting and self._waiting[0] is unit:
             self._hand_over(self._waiting.pop(0))
 
     def backward_reduced(self) -> None:
@@ -120,13 +122,13 @@ class StepInBackward:
 
     def _hand_over(self, unit: FlatUnit) -> None:
         """The unit's step to the worker, if its gradients are all here; else it steps in optimizer.step()."""
-        groups = self._groups()
         step, pieces = None, []
-        if unit.has_every_grad and groups is not None:
+        if unit.has_every_grad and self._optimizer is not None:
             unit.commit_backward()
             unit.attach_master_grads(unit.slot_has_grad)  # from a GPU: copied to the host asynchronously
-            pieces = groups.pieces_of_unit(unit)
-            step = step_of_pieces(groups.optimizer, pieces, groups.pieces_in_groups())
+            own = {id(master.param) for master in unit.master_pieces}
+            pieces = [[piece for piece in group if id(piece) in own] for group in self._pieces_in_groups]
+            step = step_of_pieces(self._optimizer, pieces, self._pieces_in_groups)
             self.stepped.add(unit.index)
         landed = torch.cuda.current_stream(unit.comm.device).record_event() if unit.comm.device.type == "cuda" else None
         stepped = [piece for group in pieces for piece in group]
