@@ -24,13 +24,13 @@ HONOURED = {
     "zero_stage": "stage",
     "offload_optimizer_device": "offload_optimizer",
     "offload_optimizer_nvme_path": "offload_dir",
-    "offload_param_device": "offload_params",  # "nvme" is then refused by the setting's own check
+    "offload_param_device": "offload_params",
+    "offload_param_nvme_path": "offload_dir",
 }
 
 _MULTINODE = "multi-node runs take Accelerate's --num_machines, --machine_rank and --main_process_ip"
 REFUSED = {
     "deepspeed_config_file": "give the ZeRO settings as a YAML file with --zero_config_file (--help lists its keys)",
-    "offload_param_nvme_path": "parameters offload to the host only yet (--offload_param_device cpu)",
     "gradient_accumulation_steps": "set it in the script: Accelerator(gradient_accumulation_steps=...)",
     "gradient_clipping": "clip in the script: accelerator.clip_grad_norm_(model.parameters(), max_norm)",
     "zero3_init_flag": "stage 3 shards a model built on the meta device unit by unit; leave it out",
@@ -60,6 +60,7 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
     if refused:
         raise ValueError("DeepSpeed's flags have no meaning here; " + "; ".join(refused) + ".")
     settings = {setting.text.name: setting for setting in user_settings()}
+    honoured: dict[str, str] = {}  # setting name -> the DeepSpeed flag that gave it
     for dest, name in HONOURED.items():
         value = getattr(args, dest, None)
         if value is None:
@@ -72,7 +73,9 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
                 f"{_flag(dest)} {value} and {setting.text.flag} {setting.text.format(values[name])} disagree: "
                 f"give the {name} once."
             )
-        values[name] = parsed
+        if name in honoured and values[name] != parsed:  # both offload flags' nvme paths: one offload_dir
+            raise ValueError(f"{_flag(dest)} {value} and {honoured[name]} {values[name]} disagree: give one {name}.")
+        values[name], honoured[name] = parsed, _flag(dest)
 
 
 def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_given: bool = False) -> dict[str, Any]:

@@ -42,7 +42,10 @@ OFFLOAD_CONTESTANTS = (
     "zero3_cpu_params",  # both offloads
     "zero1_nvme_in_backward",  # ZeroConfig(offload_step_in_backward=True): each unit steps while backward goes on
     "zero3_nvme_in_backward",
+    "zero3_infinity",  # ZeRO-Infinity: offload_optimizer="nvme" and offload_params="nvme"
+    "zero3_infinity_in_backward",
     "deepspeed3_nvme",  # DeepSpeed ZeRO-3 with offload_optimizer nvme (its async I/O op needs libaio-dev)
+    "deepspeed3_infinity",  # and offload_param nvme
 )
 STAGE_OF = {
     "ddp": 0,
@@ -65,7 +68,10 @@ STAGE_OF = {
     "zero3_cpu_params": 3,
     "zero1_nvme_in_backward": 1,
     "zero3_nvme_in_backward": 3,
+    "zero3_infinity": 3,
+    "zero3_infinity_in_backward": 3,
     "deepspeed3_nvme": 3,
+    "deepspeed3_infinity": 3,
 }
 
 
@@ -159,13 +165,16 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
         )
     directory = os.environ.get("ZERO_BENCH_OFFLOAD_DIR", tempfile.gettempdir())
     if name.startswith("deepspeed"):
-        return _deepspeed(STAGE_OF[name], model, loss_fn, nvme_path=directory if name.endswith("_nvme") else None)
+        nvme_path = directory if name.endswith(("_nvme", "_infinity")) else None
+        return _deepspeed(STAGE_OF[name], model, loss_fn, nvme_path, params_too=name.endswith("_infinity"))
     stage = STAGE_OF[name]
     offload: dict[str, Any] = {}
     kind = name
     if kind.endswith("_in_backward"):
         kind, offload = kind.removesuffix("_in_backward"), {"offload_step_in_backward": True}
-    if kind.endswith("_nvme"):
+    if kind.endswith("_infinity"):
+        offload.update(offload_optimizer="nvme", offload_params="nvme", offload_dir=directory)
+    elif kind.endswith("_nvme"):
         offload.update(offload_optimizer="nvme", offload_dir=directory)
     elif "_cpu" in kind:
         offload.update(offload_optimizer="cpu")
@@ -178,7 +187,9 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
     return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)
 
 
-def _deepspeed(stage: int, model: nn.Module, loss_fn: Callable, nvme_path: str | None = None) -> Contestant:
+def _deepspeed(
+    stage: int, model: nn.Module, loss_fn: Callable, nvme_path: str | None = None, params_too: bool = False
+) -> Contestant:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         import deepspeed
@@ -196,6 +207,9 @@ def _deepspeed(stage: int, model: nn.Module, loss_fn: Callable, nvme_path: str |
         name += "_nvme"
         config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
         config["aio"] = {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}
+    if params_too:  # and the fp32 parameter partitions through its parameter swapper
+        name = f"deepspeed{stage}_infinity"
+        config["zero_optimization"]["offload_param"] = {"device": "nvme", "nvme_path": nvme_path}
     optimizer = _adamw(model.parameters())
     if nvme_path is not None:  # DeepSpeed's own fast path for an offloaded step: its SIMD CPU Adam(W)
         from deepspeed.ops.adam import DeepSpeedCPUAdam

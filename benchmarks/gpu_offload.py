@@ -40,6 +40,7 @@ CONTESTANTS = {
     "zero3_cpu_params": ("optimizer and parameters to host", 1.0),
     "zero3_cpu_params_in_backward": ("the same, host step during backward", 1.0),
     "zero3_nvme_cpu_params": ("moments to disk, parameters and master to host", 1.0),
+    "zero3_infinity": ("moments and parameters to disk, master to host", 1.0),
     "fsdp2": ("nothing", 18.0),
     "fsdp2_offload": ("CPUOffloadPolicy: parameters, gradients, optimizer to host", 1.0),
     "deepspeed3_offload": ("offload_optimizer and offload_param: cpu", 1.0),
@@ -65,9 +66,10 @@ def _build(name: str, config: GPTConfig, device: torch.device, scratch: str):  #
     if name.startswith("zero3"):
         from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
 
+        on_disk = "nvme" in name or "infinity" in name  # zero3_infinity: both offloads on NVMe
         settings = {
-            "offload_optimizer": "nvme" if "nvme" in name else "cpu" if "_cpu" in name else "none",
-            "offload_params": "cpu" if name.endswith("params") or "params_" in name else "none",
+            "offload_optimizer": "nvme" if on_disk else "cpu" if "_cpu" in name else "none",
+            "offload_params": "nvme" if "infinity" in name else "cpu" if "params" in name else "none",
             "offload_step_in_backward": name.endswith("in_backward"),
             "offload_dir": scratch,
         }

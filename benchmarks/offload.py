@@ -4,7 +4,8 @@
 
 Measures the offload directory's write (synced) and read (page cache dropped) bandwidth, then runs
 zero1, zero1_cpu, zero1_nvme, zero3, zero3_cpu, zero3_nvme, zero3_params (offload_params="cpu"),
-zero3_cpu_params (both) and DeepSpeed's ZeRO-3 in memory and with its NVMe optimizer offload side by side
+zero3_cpu_params (both), zero3_infinity (both on NVMe), the step during backward, and DeepSpeed's ZeRO-3 in
+memory and with its NVMe optimizer offload side by side
 (2 ranks, the same machine state), and writes a
 table: the median step, the optimizer step alone, the bytes each step moves to and from disk (all
 ranks) and the disk bound (those bytes over the measured bandwidth). ``--publish`` writes the tracked
@@ -34,7 +35,10 @@ PAIRS = (
     ("zero3", "zero3_cpu_params"),
     ("zero1", "zero1_nvme_in_backward"),
     ("zero3", "zero3_nvme_in_backward"),
+    ("zero3", "zero3_infinity"),
+    ("zero3", "zero3_infinity_in_backward"),
     ("deepspeed3", "deepspeed3_nvme"),
+    ("deepspeed3", "deepspeed3_infinity"),
 )
 PROBE_BYTES = 512 * 2**20
 
@@ -68,21 +72,30 @@ def row(in_memory: dict, offloaded: dict, write_bw: float, read_bw: float) -> st
         failure = in_memory.get("failed") or offloaded.get("failed")
         return f"| {offloaded['contestant']} | failed: {failure[-200:]!r} |"
     ranks = offloaded["world_size"]
-    if offloaded["breakdown"] is not None:
+    if offloaded["contestant"] == "deepspeed3_infinity":  # each fp32 partition with its moments, and the
+        # parameter partition (fp32 here) written after the step and read for forward and backward
+        written, read = (12 + 4) * offloaded["numel"], (12 + 2 * 4) * offloaded["numel"]
+    elif "infinity" in offloaded["contestant"]:
+        # Per element: Adam's two fp32 moments written and read once, the fp32 parameter shard written after
+        # the step and read for the forward's gather and again for backward's.
+        written, read = (8 + 4) * offloaded["numel"], (8 + 2 * 4) * offloaded["numel"]
+    elif offloaded["breakdown"] is not None:
         breakdown = offloaded["breakdown"]
-        on_disk = breakdown.get("nvme_bytes_between_steps", breakdown["nvme_bytes"]) * ranks  # written, read once
+        written = read = breakdown.get("nvme_bytes_between_steps", breakdown["nvme_bytes"]) * ranks
+    else:  # DeepSpeed: its optimizer swapper moves each fp32 partition with its two moments (12 bytes each)
+        written = read = 12 * offloaded["numel"] if offloaded["contestant"].endswith("_nvme") else 0
+    if offloaded["breakdown"] is not None:
         before = in_memory["breakdown"]["optimizer_state_bytes"] / 2**20
         state = f"{before:.0f} -> {offloaded['breakdown']['optimizer_state_bytes'] / 2**20:.0f} MiB"
-    else:  # DeepSpeed: its optimizer swapper moves each fp32 partition with its two moments (12 bytes each)
-        on_disk = 12 * offloaded["numel"] if offloaded["contestant"].endswith("_nvme") else 0
+    else:
         state = "not reported"
-    bound = on_disk / write_bw + on_disk / read_bw
+    bound = written / write_bw + read / read_bw
     step, base = offloaded["median_step_s"], in_memory["median_step_s"]
     optimizer = offloaded["phase_median_s"]["optimizer step"]
     base_optimizer = in_memory["phase_median_s"]["optimizer step"]
     return (
         f"| {offloaded['contestant']} | {base:.2f} | {step:.2f} | {base_optimizer:.2f} -> {optimizer:.2f} | "
-        f"{on_disk / 2**20:.0f} MiB + {on_disk / 2**20:.0f} MiB | {bound:.2f} | {step / max(base, bound):.2f}x | "
+        f"{written / 2**20:.0f} MiB + {read / 2**20:.0f} MiB | {bound:.2f} | {step / max(base, bound):.2f}x | "
         f"{state} |"
     )
 

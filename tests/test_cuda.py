@@ -283,24 +283,24 @@ def test_cuda_units_stepped_during_backward_train_exactly_as_in_the_step(tmp_pat
 def _gpu_param_offload(rank: int, world_size: int, directory: str) -> dict:
     """offload_params="cpu" on a GPU: the parameter shards rest in pinned host memory and are staged to the
     device on the all-gather's stream for each gather; with offload_optimizer="cpu" too, the device keeps no
-    model state between steps."""
+    model state between steps. "nvme": the same through the shards' files."""
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.backends.cuda.matmul.allow_tf32 = False
     results = {}
     for optimizer_mode, params_mode, precision in [
         ("none", "none", None), ("none", "cpu", None), ("cpu", "cpu", None), ("none", "none", "bf16"),
-        ("none", "cpu", "bf16"),
+        ("none", "cpu", "bf16"), ("none", "nvme", "bf16"), ("nvme", "nvme", None),
     ]:  # fmt: skip
         engine, losses, before = _offloaded_run(
             device, rank, config_for(3, prefetch=2), precision, offload_optimizer=optimizer_mode,
-            offload_params=params_mode,
+            offload_params=params_mode, offload_dir=directory,
         )  # fmt: skip
         report = engine.memory_report()
         reports = engine.unit_reports()
         results[f"{optimizer_mode}-{params_mode}-{precision}"] = {
             "losses": losses,
             "units offloaded": sum(r.params_offloaded for r in reports)
-            == (len(reports) if params_mode == "cpu" else 0),
+            == (len(reports) if params_mode != "none" else 0),
             "shard bytes": sum(r.shard_numel for r in reports) * (2 if precision else 4),
             "allocated on the device": torch.cuda.memory_allocated(device) - before,  # what is really alive there
             "pinned on the host": torch.cuda.host_memory_stats().get("active_bytes.current", 0),  # in use now
@@ -317,6 +317,9 @@ def test_cuda_parameter_shards_rest_pinned_on_the_host_and_train_like_the_device
         assert results["none-cpu-None"]["losses"] == results["none-none-None"]["losses"]
         assert results["none-cpu-bf16"]["losses"] == results["none-none-bf16"]["losses"]
         assert results["cpu-cpu-None"]["losses"] == pytest.approx(results["none-none-None"]["losses"], rel=1e-4)
+        # offload_params="nvme": the shards go through their files exactly.
+        assert results["none-nvme-bf16"]["losses"] == results["none-none-bf16"]["losses"]
+        assert results["nvme-nvme-None"]["losses"] == pytest.approx(results["none-none-None"]["losses"], rel=1e-4)
         for name, result in results.items():
             assert result["units offloaded"], name
             if "-cpu-" in name:
@@ -327,12 +330,14 @@ def test_cuda_parameter_shards_rest_pinned_on_the_host_and_train_like_the_device
             results["none-none-bf16"]["allocated on the device"] - results["none-cpu-bf16"]["allocated on the device"]
         )
         assert saved >= 0.9 * results["none-cpu-bf16"]["shard bytes"]
+        on_disk = (
+            results["none-none-bf16"]["allocated on the device"] - results["none-nvme-bf16"]["allocated on the device"]
+        )
+        assert on_disk >= 0.9 * results["none-nvme-bf16"]["shard bytes"]
         # Both offloads: between steps no parameter shard, master or optimizer state is on the device (no staging
         # buffer left alive either: the allocation is what is really there).
-        assert (
-            results["cpu-cpu-None"]["allocated on the device"]
-            < 0.1 * results["none-none-None"]["allocated on the device"]
-        )
+        for both in ("cpu-cpu-None", "nvme-nvme-None"):
+            assert results[both]["allocated on the device"] < 0.1 * results["none-none-None"]["allocated on the device"]
 
 
 def _gpu_activation_offload(rank: int, world_size: int) -> dict:

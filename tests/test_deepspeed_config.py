@@ -59,7 +59,8 @@ def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() ->
             "stage": 2,
             "overlap_comm": False,
             "sub_group_size": 1e9,
-            "offload_param": {"device": "nvme"},
+            "offload_param": {"device": "disk"},
+            "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
         },
         "fp16": {"enabled": True, "loss_scale_window": 1000},
         "flops_profiler": {"enabled": True},
@@ -71,7 +72,7 @@ def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() ->
         "optimizer={'type': 'AdamW', 'params': {'lr': 0.0001}} (build the optimizer in the script",
         "zero_optimization.overlap_comm=False (collectives always overlap here",
         "zero_optimization.sub_group_size=1000000000.0 (the offloaded step already runs unit by unit)",
-        "zero_optimization.offload_param.device='nvme' (parameters offload to 'cpu' only yet",
+        "zero_optimization.offload_param.device='disk' (none, cpu or nvme)",
         "fp16.loss_scale_window=1000 (our dynamic loss scaler has loss_scale_window 2000)",
         "flops_profiler={'enabled': True} (",
     ):
@@ -83,6 +84,14 @@ def test_every_key_without_an_equivalent_is_refused_at_once_with_what_to_do() ->
         with pytest.raises(ValueError, match=r"zero_optimization.stage is not set \(DeepSpeed then trains without"):
             from_deepspeed(no_stage)
         assert "stage" not in from_deepspeed(no_stage, stage_given=True).settings  # the stage comes from elsewhere
+    # ZeRO-Infinity: both sections may name the NVMe path; ours is one offload_dir, so they must agree.
+    infinity = {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/a"}}
+    settings = from_deepspeed(
+        {"zero_optimization": {**infinity, "offload_param": {"device": "nvme", "nvme_path": "/a"}}}
+    )
+    assert (settings.settings["offload_params"], settings.settings["offload_dir"]) == ("nvme", "/a")
+    with pytest.raises(ValueError, match=r"offload_param.nvme_path='/b' \(the other offload section's nvme_path"):
+        from_deepspeed({"zero_optimization": {**infinity, "offload_param": {"device": "nvme", "nvme_path": "/b"}}})
     # DeepSpeed reads a null offload_param as none.
     assert "offload_params" not in from_deepspeed({"zero_optimization": {"stage": 3, "offload_param": None}}).settings
 

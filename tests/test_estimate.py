@@ -34,10 +34,14 @@ CASES = [
     (3, None, "params", "adamw"),
     (3, BF16, "params", "adamw"),
     (3, None, "cpu+params", "adamw"),
+    # offload_params="nvme": the shards in files (in fp32 the master stays a tensor of its own).
+    (3, None, "params-nvme", "adamw"),
+    (3, BF16, "nvme+params-nvme", "adamw"),
 ]
 # The offload column: offload_optimizer, then "+params" for offload_params="cpu" ("params" alone: only that).
 OFFLOADS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "nvme": ("nvme", "none")}
 OFFLOADS |= {"params": ("none", "cpu"), "cpu+params": ("cpu", "cpu")}
+OFFLOADS |= {"params-nvme": ("none", "nvme"), "nvme+params-nvme": ("nvme", "nvme")}
 STATE_BYTES = {"adamw": 8, "sgd": 4}  # per parameter: two fp32 moments, one momentum buffer
 
 
@@ -52,7 +56,7 @@ def _measure(rank: int, world_size: int, directory: str) -> list[dict]:
             config_for(stage, precision=precision),
             offload_optimizer=offload_optimizer,
             offload_params=offload_params,
-            offload_dir=directory if offload == "nvme" else None,
+            offload_dir=directory if "nvme" in offload else None,
         )
         engine = ZeroEngine(model, make_optimizer(optimizer, model), config)
         for step in range(2):

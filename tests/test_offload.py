@@ -228,10 +228,10 @@ def _failures(rank: int, world_size: int, directory: str) -> dict:
 def test_bad_offload_dirs_and_disk_errors_fail_alike_on_every_rank(tmp_path: Path) -> None:
     results = run_distributed(_failures, 2, str(tmp_path))
     first, second = results
-    assert "needs offload_dir" in first["no directory"]
+    assert "need offload_dir" in first["no directory"]
     assert "is not a directory" in first["a file"]
     assert first["too small"] == second["too small"] and "rank 1:" in first["too small"]
-    assert "GiB free; this rank's optimizer state needs" in first["too small"]
+    assert "GiB free; this rank's offloaded state needs" in first["too small"]
     assert first["stale removed"] and second["stale removed"]
     assert first["disk full"] == second["disk full"] and "No space left on device" in first["disk full"]
     assert "on ranks [1]" in first["disk full"] and "the last checkpoint is untouched" in first["disk full"]

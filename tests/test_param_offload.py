@@ -1,23 +1,29 @@
-"""offload_params="cpu" (stage 3): each sharded unit's parameter shard rests in host memory and is staged
-to the device for each gather. Training equals the in-memory run bit for bit, the shards really rest on the
-host (the device's staging buffers are empty between gathers and bounded by the gathers in flight during
-forward and backward), the report and the estimate count them, checkpoints cross modes, and every setting
-that cannot mean anything is refused."""
+"""offload_params (stage 3): each sharded unit's parameter shard rests in host memory ("cpu") or in a file
+("nvme") and is staged to the device for each gather. Training equals the in-memory run bit for bit, the
+shards really rest where they should (the device's staging buffers are empty between gathers and bounded by
+the gathers in flight during forward and backward; with "nvme" the files hold every shard and memory only the
+few read ahead or waiting for their writes), the report and the estimate count them, checkpoints cross modes,
+a failed read or write is raised alike on every rank, and every setting that cannot mean anything is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+import zero_core.unit.shard_files as shard_files
 import zero_core.unit.storage as storage
-from zero_core import MixedPrecision, UnitReport, ZeroConfig, ZeroEngine, estimate
+from zero_core import MixedPrecision, OffloadError, UnitReport, ZeroConfig, ZeroEngine, estimate
 from zero_core.estimate import EstimateSettings, UnitCount, estimate_units
 
 from .distributed import run_distributed
-from .models import TinyTransformer, batch, make_optimizer
+from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, relative_difference, train_accumulated
 
 PRECISIONS = {
@@ -143,12 +149,186 @@ def test_parameter_shards_rest_on_the_host_and_training_is_bit_for_bit_the_same(
             assert 0 < result["most staged in a pass"] <= result["prefetch"] * result["largest shard bytes"], case
 
 
+DISK_CASES = [
+    {},
+    {"precision": "bf16", "offload_optimizer": "nvme", "offload_units_in_memory": 1},
+    {"precision": "fp16"},
+    {"optimizer": "sgd", "accumulate": 2, "prefetch": 2},
+    {"offload_optimizer": "cpu", "offload_fraction": 0.3, "shard_group_size": 1},
+    # The worker thread steps the masters while backward reads the shards' files: no clipping here.
+    {"offload_optimizer": "nvme", "precision": "bf16", "offload_step_in_backward": True, "unclipped": True},
+]
+
+
+def _train_unclipped(engine: ZeroEngine, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids = batch(10 * step, rank)
+        loss = lm_loss(engine.model(ids), ids)
+        engine.backward(loss)
+        losses.append(loss.item())
+        engine.step()
+    return losses
+
+
+@contextlib.contextmanager
+def _tiers_made() -> Iterator[list[shard_files.ShardFiles]]:
+    """The parameter-file tiers engines make meanwhile."""
+    made: list[shard_files.ShardFiles] = []
+    original = shard_files.ShardFiles.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        made.append(self)
+
+    shard_files.ShardFiles.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield made
+    finally:
+        shard_files.ShardFiles.__init__ = original  # type: ignore[method-assign]
+
+
+def _in_memory(tier: shard_files.ShardFiles) -> int:
+    """The shards' bytes really in memory now: their storages' sizes."""
+    return sum(file.shard.untyped_storage().nbytes() for file in tier.files)
+
+
+def _on_disk(rank: int, world_size: int, directory: str) -> list[dict]:
+    """Each case beside the in-memory run, the shards' bytes in memory recorded at every gather of forward
+    and backward, and the files' real sizes after training."""
+    results = []
+    original_wait, original_start = storage.ParamStorage.wait_gathered, storage.ParamStorage.start_gather
+    for case in DISK_CASES:
+        case = dict(case)
+        accumulate, unclipped = case.pop("accumulate", 1), case.pop("unclipped", False)
+        fused = {"optimizer": "adamw-fused"} if "offload_optimizer" in case else {}
+        reference = _engine("none", directory, **dict(case, **fused, offload_step_in_backward=False))
+        train = (
+            (lambda e, r, s: _train_unclipped(e, r, s))
+            if unclipped
+            else (lambda e, r, s: train_accumulated(e, r, s, accumulate))
+        )
+        expected = train(reference, rank, range(4))
+        in_memory: list[int] = []
+        with _tiers_made() as tiers:
+            ours = _engine("nvme", directory, **case)
+        (tier,) = tiers
+
+        def recorded(original):  # type: ignore[no-untyped-def]
+            def method(self):  # type: ignore[no-untyped-def]
+                original(self)
+                in_memory.append(_in_memory(tier))
+
+            return method
+
+        storage.ParamStorage.wait_gathered = recorded(original_wait)  # type: ignore[method-assign]
+        storage.ParamStorage.start_gather = recorded(original_start)  # type: ignore[method-assign]
+        try:
+            losses = train(ours, rank, range(4))
+        finally:
+            storage.ParamStorage.wait_gathered = original_wait  # type: ignore[method-assign]
+            storage.ParamStorage.start_gather = original_start  # type: ignore[method-assign]
+        tier.drain(keep=0)  # the last writes, still going on behind the step
+        files = sorted(tier.directory.glob("params*.bin"))
+        shards = [_shard_bytes(ours, r) for r in ours.unit_reports() if r.params_offloaded]
+        results.append(
+            {
+                "case": {"accumulate": accumulate, **case},
+                "same losses": losses == expected,
+                "weights difference": relative_difference(ours.full_state_dict(), reference.full_state_dict()),
+                "file sizes": sorted(os.path.getsize(f) for f in files),
+                "shard bytes": sorted(shards),
+                "most in memory in a pass": max(in_memory),
+                "bound": (ours.config.offload_units_in_memory + 1) * max(shards),  # writes waiting, one read ahead
+                "in memory at rest": _in_memory(tier),
+                "reported on disk": ours.memory_report().nvme_bytes,
+            }
+        )
+        del ours
+    return results
+
+
+@pytest.mark.distributed
+def test_nvme_parameter_shards_rest_in_files_and_training_is_bit_for_bit_the_same(tmp_path: Path) -> None:
+    for rank_results in run_distributed(_on_disk, 2, str(tmp_path)):
+        for result in rank_results:
+            case = result["case"]
+            assert result["same losses"] and result["weights difference"] == 0.0, case
+            # One file per sharded unit, holding exactly its shard; nothing of it in memory once written.
+            assert result["file sizes"] == result["shard bytes"], case
+            assert result["in memory at rest"] == 0, case
+            if case.get("offload_optimizer") != "nvme":  # else the optimizer's files are in it too
+                assert result["reported on disk"] == sum(result["file sizes"]), case
+            # During forward and backward: the shards read ahead and those waiting for their writes, no more.
+            assert 0 < result["most in memory in a pass"] <= result["bound"], case
+
+
+def _disk_failures(rank: int, world_size: int, directory: str) -> dict:
+    """On rank 1 only: a shard's file lost (its read fails), then a full disk (its writes fail). Both are
+    raised alike on every rank, before a step uses what they computed; the last checkpoint then loads and
+    training goes on exactly as without them."""
+    results = {}
+    with _tiers_made() as tiers:
+        engine = _engine("nvme", directory)
+    (tier,) = tiers
+
+    def outcome(steps: range) -> str:
+        try:
+            train_accumulated(engine, rank, steps)
+            return "trained"
+        except OffloadError as error:
+            return str(error)
+
+    train_accumulated(engine, rank, range(1))
+    checkpoint = Path(directory) / "ckpt-disk-failures"
+    engine.save_checkpoint(checkpoint)
+    tier.drain(keep=0)
+    if rank == 1:
+        (tier.directory / "params1.bin").unlink()
+    results["lost file"] = outcome(range(1, 2))
+    engine.load_checkpoint(checkpoint)  # writes every shard again
+    original_write = shard_files.write_tensors
+
+    def disk_full(path: Path, tensors: list[torch.Tensor]) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    if rank == 1:
+        shard_files.write_tensors = disk_full
+    try:
+        results["disk full"] = outcome(range(1, 3))
+    finally:
+        shard_files.write_tensors = original_write
+    engine.load_checkpoint(checkpoint)
+    train_accumulated(engine, rank, range(1, 3))
+    results["after the failures"] = engine.full_state_dict()
+    reference = _engine("none", directory)
+    train_accumulated(reference, rank, range(3))
+    results["reference"] = reference.full_state_dict()
+    return results
+
+
+@pytest.mark.distributed
+def test_a_lost_file_or_a_full_disk_fails_alike_on_every_rank_and_the_last_checkpoint_resumes(tmp_path: Path) -> None:
+    first, second = run_distributed(_disk_failures, 2, str(tmp_path))
+    assert first["lost file"] == second["lost file"]
+    assert (
+        "No such file or directory" in first["lost file"]
+        and "on ranks [1]); found at the end of a forward" in (first["lost file"])
+    )
+    assert first["disk full"] == second["disk full"]
+    assert "No space left on device" in first["disk full"] and "on ranks [1]" in first["disk full"]
+    assert "the last checkpoint is untouched" in first["disk full"]
+    for result in (first, second):
+        assert relative_difference(result["after the failures"], result["reference"]) == 0.0
+
+
 def _round_trips(rank: int, world_size: int, directory: str) -> dict:
     results = {}
     uninterrupted = _engine("none", directory)
     train_accumulated(uninterrupted, rank, range(4))
     expected = uninterrupted.full_state_dict()
-    for saved_with, loaded_with, stage in (("cpu", "none", 3), ("none", "cpu", 3), ("cpu", "none", 2)):
+    crossings = (("cpu", "none", 3), ("none", "cpu", 3), ("cpu", "none", 2), ("nvme", "cpu", 3), ("none", "nvme", 3))
+    for saved_with, loaded_with, stage in crossings:
         first = _engine(saved_with, directory)
         train_accumulated(first, rank, range(2))
         path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}-{stage}"
@@ -159,13 +339,14 @@ def _round_trips(rank: int, world_size: int, directory: str) -> dict:
         results[f"{saved_with} -> {loaded_with} at stage {stage}"] = relative_difference(
             second.full_state_dict(), expected
         )
-    # Writing a full parameter value (load_state_dict) reaches the host shard the next gather stages.
-    engine = _engine("cpu", directory)
-    new_values = {k: torch.full_like(v, 0.25) for k, v in engine.full_state_dict().items()}
-    engine.model.load_state_dict(new_values)
-    ids = batch(0, rank)
-    with torch.no_grad():
-        results["forward after a load"] = engine.model(ids).tolist() == _forward_with(new_values, ids)
+    # Writing a full parameter value (load_state_dict) reaches the host shard (or its file) the next gather stages.
+    for mode in ("cpu", "nvme"):
+        engine = _engine(mode, directory)
+        new_values = {k: torch.full_like(v, 0.25) for k, v in engine.full_state_dict().items()}
+        engine.model.load_state_dict(new_values)
+        ids = batch(0, rank)
+        with torch.no_grad():
+            results[f"forward after a load, {mode}"] = engine.model(ids).tolist() == _forward_with(new_values, ids)
     return results
 
 
@@ -180,15 +361,15 @@ def _forward_with(values: dict[str, torch.Tensor], ids: torch.Tensor) -> list:
 @pytest.mark.distributed
 def test_checkpoints_cross_parameter_offload_modes_and_stages(tmp_path: Path) -> None:
     for results in run_distributed(_round_trips, 2, str(tmp_path)):
-        assert results.pop("forward after a load")
+        assert results.pop("forward after a load, cpu") and results.pop("forward after a load, nvme")
         assert all(difference == 0.0 for difference in results.values()), results
 
 
 def test_what_cannot_mean_anything_is_refused_with_what_to_do() -> None:
     with pytest.raises(ValueError, match="offload_params='cpu' needs stage=3: at stage 1 every rank keeps"):
         ZeroConfig(stage=1, offload_params="cpu")
-    with pytest.raises(ValueError, match="offload_params='nvme' is not supported yet: use offload_params='cpu'"):
-        ZeroConfig(stage=3, offload_params="nvme")
+    with pytest.raises(ValueError, match="offload_params='nvme' needs stage=3: at stage 2 every rank keeps"):
+        ZeroConfig(stage=2, offload_params="nvme")
     with pytest.raises(ValueError, match="offload_params='gpu' is invalid: use 'none' or 'cpu' or 'nvme'"):
         ZeroConfig(stage=3, offload_params="gpu")
 
@@ -211,3 +392,21 @@ def test_the_estimate_moves_the_shards_to_the_host() -> None:
     units = [UnitCount(numel, numel)]
     on_cpu = estimate_units(units, EstimateSettings(world, offload_params="cpu", host_is_device=True))[3]
     assert on_cpu.host_bytes == 4 * shard and on_cpu.optimizer_state_bytes == 8 * shard  # the master is the shard
+
+
+def test_the_estimate_moves_nvme_shards_to_the_files() -> None:
+    """offload_params="nvme": the shards' bytes leave memory for the files; the master stays where it was (in
+    fp32 a tensor of its own: the shard on disk is a copy). With both offloads on NVMe (bf16), the device holds
+    the gradient shard only, the host the master and the gradient copy."""
+    numel, world = 1_000_000, 4
+    shard = numel / world
+    for precision, compute in ((MixedPrecision(compute_dtype=torch.bfloat16), 2), (MixedPrecision(), 4)):
+        plain = estimate(numel, world, precision=precision)[3]
+        on_disk = estimate(numel, world, precision=precision, offload_params="nvme")[3]
+        assert (on_disk.parameter_bytes, on_disk.host_bytes, on_disk.nvme_bytes) == (0, 0, shard * compute)
+        master_of_its_own = 4 * shard if compute == 4 else 0
+        assert on_disk.device_bytes == plain.device_bytes - shard * compute + master_of_its_own
+    bf16 = MixedPrecision(compute_dtype=torch.bfloat16)
+    both = estimate(numel, world, precision=bf16, offload_params="nvme", offload_optimizer="nvme")[3]
+    assert both.device_bytes == 4 * shard and both.host_bytes == (4 + 4) * shard
+    assert both.nvme_bytes == (2 + 8) * shard

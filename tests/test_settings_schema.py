@@ -244,6 +244,11 @@ def test_deepspeeds_flags_with_a_meaning_here_are_honoured() -> None:
     assert plugin.offload_params == "cpu"
     with pytest.raises(ValueError, match="offload_params='cpu' needs stage=3"):
         plugin_from_arguments(["--zero_stage", "2", "--offload_param_device", "cpu", "t.py"])
+    nvme = ["--zero_stage", "3", "--offload_param_device", "nvme", "--offload_param_nvme_path", "/nvme"]
+    plugin, _ = plugin_from_arguments([*nvme, "t.py"])
+    assert (plugin.offload_params, plugin.offload_dir) == ("nvme", "/nvme")
+    with pytest.raises(ValueError, match="--offload_param_nvme_path /other and --offload_optimizer_nvme_path /nvme"):
+        plugin_from_arguments([*nvme[:4], "--offload_optimizer_nvme_path", "/nvme", nvme[4], "/other", "t.py"])
 
 
 @pytest.mark.parametrize("dest", sorted(REFUSED))

@@ -38,6 +38,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms
     "deepspeed_config": (1, "deepspeed_config"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
+    "file_io": (0, "file_io"),  # tensors to and from the NVMe tier's files, for the optimizer's and the shards'
     "hook_copies": (0, "hook_copies"),  # the engine's hooks, inert in a deep copy of the model
 }
 MAX_FILE_LINES = 400

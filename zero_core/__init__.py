@@ -16,10 +16,10 @@ from .collectives.shutdown import destroy_process_group_at_exit
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .estimate import ZeroEstimate, estimate
+from .file_io import OffloadError
 from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm
-from .optim.nvme_state import OffloadError
 from .settings import Setting
 from .setup_summary import setup_summary
 from .step.errors import UnscaledBackwardError

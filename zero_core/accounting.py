@@ -18,7 +18,7 @@ class MemoryReport:
     parameter_bytes: int
     gradient_bytes: int
     optimizer_state_bytes: int  # includes the fp32 master shard when it is a separate tensor
-    nvme_bytes: int = 0  # optimizer state in offload_optimizer="nvme"'s files now (not in memory)
+    nvme_bytes: int = 0  # in the NVMe tier's files now, not in memory: optimizer state, parameter shards
     # Of the three above, what the offloaded units keep in host memory: their master shards, optimizer state
     # and gradient copies (offload_optimizer) and their parameter shards at rest (offload_params). The rest
     # is on the device.
@@ -115,25 +115,30 @@ def measure_model_state(
     offloaded = [u for u in units if u.offloaded]
     # The master shard by its own bytes: on a CPU device it can be a slice of the full parameters' storage.
     on_host = sum(u.master_shard.numel() * u.master_shard.element_size() for u in offloaded)
-    # offload_params: the parameter shards at rest, unless one is an offloaded master itself (counted above).
+    # offload_params: the parameter shards at rest, unless one is an offloaded master itself (counted above);
+    # with "nvme" only while in memory (read for a gather, or waiting for its write).
     masters_on_host = {u.master_shard.untyped_storage().data_ptr() for u in offloaded}
     on_host += sum(
-        u.host_shard.numel() * u.host_shard.element_size()
+        min(u.host_shard.numel() * u.host_shard.element_size(), u.host_shard.untyped_storage().nbytes())
         for u in units
         if u.host_shard is not None and u.host_shard.untyped_storage().data_ptr() not in masters_on_host
     )
     on_host += StorageCounter().count(
         [u.host_grads for u in offloaded] + state_of(m.param for u in offloaded for m in u.master_pieces)
     )
+    nvme_bytes += sum(u.param_bytes_on_disk for u in units)  # offload_params="nvme"
     return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host)
 
 
-def _parameter_shards_on_host(
-    shard: float, compute_bytes: int, offloaded: float, host_is_device: bool, master: float
+def _parameter_shards_moved(
+    mode: str, shard: float, compute_bytes: int, offloaded: float, host_is_device: bool, master: float
 ) -> tuple[float, float]:
-    """offload_params: (the parameter bytes that move to the host, the master bytes after the move). In fp32
-    an offloaded master on the host is the parameter shard itself (one tensor, counted as parameters);
-    every other unit keeps its master where it was and gets a host copy of its shard."""
+    """offload_params: (the parameter bytes that move to the host or the files, the master bytes after the
+    move). "nvme": every shard is a copy in the compute dtype, and the master a tensor of its own (in fp32 it
+    was the shard). "cpu": in fp32 an offloaded master on the host is the parameter shard itself (one tensor,
+    counted as parameters); every other unit keeps its master where it was and gets a host copy of its shard."""
+    if mode == "nvme":
+        return shard * compute_bytes, 4 * shard
     if compute_bytes != 4:
         return shard * compute_bytes, master  # a host copy in the compute dtype; the master is unchanged
     # fp32: the offloaded share's host master is its shard; the rest gets a host copy, and on a GPU its
@@ -155,8 +160,7 @@ def expected_model_state_bytes(
     host_is_device: bool = False,
     offload_params: str = "none",
 ) -> MemoryReport:
-    """The README's formulas, padding aside. ``stage=0`` means DDP; ``world_size``: the ranks a
-    shard divides over (the shard group's size under hybrid sharding).
+    """The README's formulas, padding aside. ``stage=0``: DDP; ``world_size``: the ranks a shard divides over.
 
     The fp32 master copy exists only when computing in lower precision, or for the offloaded share
     (its master lives on the host, the compute shard stays on the device); otherwise the parameters
@@ -171,7 +175,7 @@ def expected_model_state_bytes(
     (between steps; over the ``gradient_numel``, as the tier's files cover a unit's whole shard).
     On a GPU the offloaded reduced gradient shards are copied into fp32 host buffers; ``host_is_device``
     (a CPU device) steps on the shard in place, and in fp32 the parameters' own shard is the master.
-    ``offload_params="cpu"`` (stage 3) moves the parameter shards into ``host_bytes`` (see the helper).
+    ``offload_params`` (stage 3) moves the parameter shards into ``host_bytes`` or ``nvme_bytes`` (the helper).
     """
     compute = torch.empty(0, dtype=precision.compute_dtype).element_size()
     reduce = torch.empty(0, dtype=precision.reduce_dtype).element_size()
@@ -193,11 +197,12 @@ def expected_model_state_bytes(
     # elements and padding too): as many elements as the gradient shard.
     on_disk = offloaded * with_grads / world_size * state_bytes if offload_optimizer == "nvme" else 0.0
     in_memory = (1 - offloaded) * state if offload_optimizer == "nvme" else state
-    params_on_host = 0.0
-    if offload_params != "none" and stage == 3:
-        params_on_host, master = _parameter_shards_on_host(shard, compute, offloaded, host_is_device, master)
     host = 4 * offloaded * shard + host_grads + (offloaded * state if offload_optimizer == "cpu" else 0.0)
-    host += params_on_host
+    if offload_params != "none" and stage == 3:
+        moved, master = _parameter_shards_moved(offload_params, shard, compute, offloaded, host_is_device, master)
+        params, host, on_disk = (
+            (params, host + moved, on_disk) if offload_params == "cpu" else (0, host, on_disk + moved)
+        )
     return MemoryReport(
         round(params), round(grads + host_grads), round(master + in_memory), round(on_disk), round(host)
     )

@@ -41,7 +41,7 @@ from .step.partitioned_activations import PartitionedActivations, check_partitio
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
 from .step.step_in_backward import StepInBackward
-from .unit import FlatUnit, ParameterDigests, check_wrap_classes_present, plan_units
+from .unit import FlatUnit, ParameterDigests, ShardFiles, UnitPlan, check_wrap_classes_present, plan_units
 from .unit.tensor_parallel import local_shape
 
 
@@ -59,6 +59,13 @@ class EngineParts(NamedTuple):
     buffer_sync: BufferSync
     checkpoints: CheckpointTarget
     hooks: list[Any]  # every hook handle the parts installed on the model
+
+
+class OffloadFiles(NamedTuple):
+    """The NVMe tier's files of this rank: its scratch directory, and the parameter shards' files in it."""
+
+    scratch: ScratchDirectory | None  # offload_optimizer or offload_params "nvme"
+    params: ShardFiles | None  # offload_params="nvme"
 
 
 def model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -79,7 +86,7 @@ def build_units(
     comm: CommContext,
     digests: ParameterDigests,
     param_init_fn: ParamInitFn | None,
-) -> list[FlatUnit]:
+) -> tuple[list[FlatUnit], OffloadFiles]:
     """Every rank agrees on the setup, then each unit is flattened and sharded (children first)."""
     on_meta = model_is_on_meta(model)
     if on_meta:
@@ -98,6 +105,7 @@ def build_units(
     if config.offload_optimizer != "none":
         trainable = [sum(p.numel() for p in plan.params if p.requires_grad) for plan in plans]
         offloaded = units_to_offload(trainable, config.offload_fraction)
+    files = open_offload_files(plans, offloaded, config, comm)
     materialiser = MetaMaterialiser(model, comm.device, param_init_fn) if on_meta else None
     # In construction order (children first, in registration order): a meta model's modules are
     # initialised as eager construction initialises them (the same seed gives the same weights),
@@ -112,18 +120,43 @@ def build_units(
             units[plan.index] = FlatUnit(
                 plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests,
                 offloaded=plan.index in offloaded, params_offloaded=config.offload_params != "none",
+                param_files=files.params,
             )  # fmt: skip
     digests.track([units[i] for i in range(len(plans))])
-    return [units[i] for i in range(len(plans))]
+    return [units[i] for i in range(len(plans))], files
 
 
-def build_nvme_state(units: list[FlatUnit], config: ZeroConfig, comm: CommContext) -> NvmeOptimizerState | None:
-    """offload_optimizer="nvme": this rank's scratch directory, checked on every rank (room for two fp32
-    moments per element of its offloaded units' shards, Adam's), and the tier over it."""
+def open_offload_files(
+    plans: list[UnitPlan], offloaded: set[int], config: ZeroConfig, comm: CommContext
+) -> OffloadFiles:
+    """offload_optimizer or offload_params "nvme": this rank's scratch directory, checked on every rank for
+    room for what goes there (two fp32 moments per element of each offloaded unit's shard, Adam's; each
+    sharded unit's parameter shard), and the parameter shards' files in it."""
+    if "nvme" not in (config.offload_optimizer, config.offload_params):
+        return OffloadFiles(None, None)
+    numels = {plan.index: sum(local_shape(p).numel() for p in plan.params) for plan in plans}
+    shards = {index: -(-numel // comm.shard_size) for index, numel in numels.items()}  # padded as the layout pads
+    needed = 0
+    if config.offload_optimizer == "nvme":
+        needed += 2 * 4 * sum(shards[index] for index in offloaded)
+    if config.offload_params == "nvme":
+        compute_bytes = torch.empty(0, dtype=config.mixed_precision.compute_dtype).element_size()
+        at_rest = [index for index, numel in numels.items() if config.unit_plan(numel).params_sharded_at_rest]
+        needed += compute_bytes * sum(shards[index] for index in at_rest)
+    scratch = ScratchDirectory(config.offload_dir, comm, needed)
+    params = None
+    if config.offload_params == "nvme":
+        params = ShardFiles(scratch.path, config.offload_units_in_memory, directory_owner=scratch)
+    return OffloadFiles(scratch, params)
+
+
+def build_nvme_state(
+    units: list[FlatUnit], config: ZeroConfig, comm: CommContext, scratch: ScratchDirectory | None
+) -> NvmeOptimizerState | None:
+    """offload_optimizer="nvme": the tier over this rank's scratch directory."""
     if config.offload_optimizer != "nvme":
         return None
-    needed = 2 * 4 * sum(unit.master_shard.numel() for unit in units if unit.offloaded)
-    scratch = ScratchDirectory(config.offload_dir, comm, needed)
+    assert scratch is not None  # opened with the units
     return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory)
 
 
@@ -175,7 +208,7 @@ def build_parts(
     # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
     digests = ParameterDigests()
     check_partition_activations(model, config, comm.tensor_parallel_size)  # before the setup's collectives
-    units = build_units(model, config, optimizer, comm, digests, param_init_fn)
+    units, files = build_units(model, config, optimizer, comm, digests, param_init_fn)
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
     precision = config.mixed_precision
@@ -183,17 +216,17 @@ def build_parts(
     auto_prefetch = None
     if config.prefetch == "auto":
         auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)
+    input_cast = floating_inputs_cast(precision.compute_dtype) if precision.compute_dtype != torch.float32 else None
     runtime = StepRuntime(
-        units,
-        config.plan,
-        UNTUNED_DEPTH if auto_prefetch else config.prefetch,
-        auto_prefetch=auto_prefetch,
-        requires_scaled_backward=loss_scaler is not None,
-        input_cast=floating_inputs_cast(precision.compute_dtype) if precision.compute_dtype != torch.float32 else None,
-    )
-    nvme = build_nvme_state(units, config, comm)
+        units, config.plan, UNTUNED_DEPTH if auto_prefetch else config.prefetch, auto_prefetch=auto_prefetch,
+        requires_scaled_backward=loss_scaler is not None, input_cast=input_cast,
+    )  # fmt: skip
+    nvme = build_nvme_state(units, config, comm, files.scratch)
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
-    optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme)
+    param_files = files.params if files.params is not None and files.params.files else None  # no unit sharded: none
+    optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme, param_files)
+    if param_files is not None:  # a failed read of a parameter shard: raised alike before the forward's output is used
+        runtime.after_root_forward.append(functools.partial(param_files.agree, comm, "at the end of a forward"))
     comm.position = lambda: Position(runtime.state.name.lower().replace("_", "-"), optimizer_step.steps_taken)
     runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
     buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)

@@ -227,13 +227,14 @@ class ZeroConfig:
         parse=str,
         example="nvme",
     )
-    # Stage 3: a sharded unit's parameter shard rests on the host, staged to the device per gather (unit/storage.py).
+    # Stage 3: a sharded unit's parameter shard rests on the host (or in a file: unit/shard_files.py), staged to
+    # the device per gather (unit/storage.py).
     offload_params: str = setting(
         "none",
         doc='stage 3: "cpu": the parameter shards at rest in host memory, copied to the device for each '
-        'gather; "none": on the device',
+        'gather; "nvme": in files under offload_dir, read back for each gather; "none": on the device',
         parse=str,
-        example="cpu",
+        example="nvme",
     )
     # The paper's P_a+cpu (step/activation_offload.py; with partition_activations only the slices are kept).
     offload_activations: bool = setting(
@@ -254,7 +255,8 @@ class ZeroConfig:
     )
     offload_dir: str | None = setting(
         None,
-        doc="with offload_optimizer='nvme': the directory (on a fast local disk) for the per-run scratch files",
+        doc="with offload_optimizer or offload_params 'nvme': the directory (on a fast local disk) for the "
+        "per-run scratch files",
         parse=lambda text: None if text.strip().lower() in ("", "none") else text,
         example="/local_nvme",
     )
@@ -267,7 +269,8 @@ class ZeroConfig:
     )
     offload_units_in_memory: int = setting(
         2,
-        doc="with offload_optimizer='nvme': the most units whose optimizer state is in memory at once",
+        doc="with 'nvme' offload: the most units whose optimizer state (and, apart, whose parameter shards "
+        "waiting to be written) are in memory at once",
         parse=int,
         example=3,
     )
@@ -341,11 +344,6 @@ class ZeroConfig:
         if not _is_count(self.offload_units_in_memory, minimum=1):
             raise ValueError(
                 f"ZeroConfig.offload_units_in_memory={self.offload_units_in_memory!r} is invalid: use an integer >= 1."
-            )
-        if self.offload_params == "nvme":
-            raise ValueError(
-                "ZeroConfig.offload_params='nvme' is not supported yet: use offload_params='cpu' (the parameter "
-                "shards in host memory) with offload_optimizer='nvme' (the optimizer state on disk)."
             )
         if self.offload_params != "none" and self.stage != 3:
             raise ValueError(

@@ -144,7 +144,7 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
             else:
                 result.settings["offload_optimizer"] = value
         elif key == "nvme_path":
-            result.settings["offload_dir"] = str(value)
+            _nvme_path(f"{name}.nvme_path", value, result, refused)
         elif key == "ratio":  # Twin-Flow: the share of the optimizer offloaded
             if value != AUTO:
                 _number(f"{name}.ratio", value, lambda n: result.settings.__setitem__("offload_fraction", n), refused)
@@ -152,6 +152,15 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
             pass  # host buffers are pinned on GPUs; the NVMe tier's reads ahead are offload_units_in_memory
         else:
             refused.append(_refusal(f"{name}.{key}", value))
+
+
+def _nvme_path(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    """Both offload sections may name a path: ours is one offload_dir, so they must agree."""
+    earlier = result.settings.get("offload_dir")
+    if earlier is not None and earlier != str(value):
+        refused.append(f"{name}={value!r} (the other offload section's nvme_path is {earlier!r}: one directory)")
+    else:
+        result.settings["offload_dir"] = str(value)
 
 
 def _offload_param(name: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
@@ -162,14 +171,14 @@ def _offload_param(name: str, section: Any, result: DeepSpeedSettings, refused: 
         return
     for key, value in section.items():
         if key == "device":
-            if value == "nvme":
-                refused.append(f"{name}.device='nvme' (parameters offload to 'cpu' only yet; nvme: the optimizer)")
-            elif value not in ("none", "cpu"):
-                refused.append(f"{name}.device={value!r} (none or cpu)")
-            elif value == "cpu":
-                result.settings["offload_params"] = "cpu"
+            if value not in ("none", "cpu", "nvme"):
+                refused.append(f"{name}.device={value!r} (none, cpu or nvme)")
+            elif value != "none":
+                result.settings["offload_params"] = value
+        elif key == "nvme_path":
+            _nvme_path(f"{name}.nvme_path", value, result, refused)
         elif key in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
-            pass  # pinned on GPUs; DeepSpeed's NVMe staging buffers, which have no counterpart with "cpu"
+            pass  # pinned on GPUs; DeepSpeed's NVMe staging buffers: ours are offload_units_in_memory
         else:
             refused.append(_refusal(f"{name}.{key}", value))
 

@@ -48,7 +48,7 @@ class EstimateSettings:
     offload_optimizer: str = "none"
     offload_fraction: float = 1.0
     host_is_device: bool = False  # a CPU device: an offloaded unit's master and gradient shard stay in place
-    offload_params: str = "none"  # stage 3: the parameter shards at rest in host memory ("cpu")
+    offload_params: str = "none"  # stage 3: the parameter shards at rest in host memory ("cpu") or files ("nvme")
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -64,8 +64,8 @@ class EstimateSettings:
             raise ValueError(f"offload_optimizer={self.offload_optimizer!r} is invalid: use {modes}.")
         if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1].")
-        if self.offload_params not in ("none", "cpu"):
-            raise ValueError(f"offload_params={self.offload_params!r} is invalid: use 'none' or 'cpu'.")
+        if self.offload_params not in ("none", "cpu", "nvme"):
+            raise ValueError(f"offload_params={self.offload_params!r} is invalid: use 'none', 'cpu' or 'nvme'.")
         if not isinstance(self.optimizer_state_bytes_per_param, int) or self.optimizer_state_bytes_per_param < 0:
             raise ValueError(
                 f"optimizer_state_bytes_per_param={self.optimizer_state_bytes_per_param!r} is invalid: use 8 "

@@ -122,7 +122,7 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
     if offload:
         lines.append(
             "DDP: no offload. host: offloaded master, optimizer state and gradient copies, and (stage 3, "
-            "offload_params) the parameter shards; nvme: files."
+            "offload_params='cpu') the parameter shards; nvme: files (optimizer state, parameter shards)."
         )
     return "\n".join(lines)
 
@@ -147,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--offload-optimizer", choices=OFFLOAD_MODES, default="none")
     parser.add_argument("--offload-fraction", type=float, default=1.0, help="share offloaded, in (0, 1]")
     parser.add_argument(
-        "--offload-params", choices=("none", "cpu"), default="none", help="stage 3: parameter shards on the host"
+        "--offload-params", choices=OFFLOAD_MODES, default="none", help="stage 3: parameter shards on the host or disk"
     )
     parser.add_argument(
         "--device",

@@ -16,9 +16,7 @@ were stepped (no collective runs in between), and the files of the run are remov
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,16 +24,12 @@ from pathlib import Path
 import torch
 
 from ..collectives import CommContext, all_gather_objects
+from ..file_io import OffloadError, agreed_failure, free, read_tensors, release_freed_memory, succeeded, write_tensors
 from ..unit import FlatUnit
 from .param_groups import OptimizerGroups
 from .scratch import ScratchDirectory
 
 RawStep = Callable[[torch.optim.Optimizer], object]
-
-
-class OffloadError(RuntimeError):
-    """Reading or writing the offloaded optimizer state failed (on some rank); raised alike on every rank.
-    The units whose state could not be read did not step; the last checkpoint is untouched."""
 
 
 @dataclass
@@ -52,59 +46,16 @@ class _UnitState:
 
     def free(self) -> None:
         for buffer in self.buffers.values():
-            buffer.untyped_storage().resize_(0)
+            free(buffer)
         self.resident = False
 
     def write(self) -> None:
-        with open(self.path, "wb") as file:
-            for buffer in self.buffers.values():
-                file.write(_bytes_of(buffer))
-            file.flush()
-            # On disk, not in the page cache: cached pages are memory too (a memory cap counts them).
-            os.fdatasync(file.fileno())
-            _drop_cached_pages(file.fileno())
+        write_tensors(self.path, list(self.buffers.values()))
 
     def read(self) -> None:
         """Give the buffers their bytes back and fill them from the file."""
-        for buffer in self.buffers.values():
-            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        with open(self.path, "rb") as file:
-            for buffer in self.buffers.values():
-                view = _bytes_of(buffer)
-                if file.readinto(view) != len(view):
-                    raise OSError(f"{self.path} is shorter than the state written to it")
-            _drop_cached_pages(file.fileno())
+        read_tensors(self.path, list(self.buffers.values()))
         self.resident = True
-
-
-def _load_malloc_trim() -> Callable[[int], int] | None:
-    try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
-        return None  # not glibc: its allocator returns memory by its own rules
-
-
-_MALLOC_TRIM = _load_malloc_trim()
-
-
-def release_freed_memory() -> None:
-    """Hand the memory of freed state back to the system now. glibc keeps freed blocks below its
-    (dynamic) mmap threshold in the heap, so without this a unit's state, freed, would still count
-    against the process's memory (and a memory cap) as if it were in memory."""
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _drop_cached_pages(descriptor: int) -> None:
-    if hasattr(os, "posix_fadvise"):  # Linux; elsewhere the kernel keeps what it likes
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-
-
-def _bytes_of(buffer: torch.Tensor) -> memoryview:
-    """The buffer's memory as bytes, for file I/O. Not through ``.numpy()``: a storage shared with numpy
-    can no longer be resized, and freeing is resizing to zero."""
-    nbytes = buffer.numel() * buffer.element_size()
-    return memoryview((ctypes.c_char * nbytes).from_address(buffer.data_ptr())).cast("B")
 
 
 def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
@@ -195,25 +146,13 @@ class NvmeOptimizerState:
         return bool(state.buffers) and not state.resident
 
     def finished(self, future: concurrent.futures.Future, failures: list[str]) -> bool:
-        try:
-            future.result()
-            return True
-        except OSError as error:
-            failures.append(f"{error.strerror or error}: {error.filename or ''}".rstrip(": "))
-            return False
-        except (RuntimeError, MemoryError) as error:  # no memory to read a unit's state into: agreed alike too
-            failures.append(f"{type(error).__name__}: {error}")
-            return False
+        return succeeded(future, failures)
 
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
         reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")
-        ranks = [rank for rank, failure in enumerate(reported) if failure]
-        if ranks:
-            raise OffloadError(
-                f"ZeRO: the optimizer state offloaded to {self.scratch.root} could not be read or written "
-                f"({reported[ranks[0]]}, on ranks {ranks}). Free disk space or choose another offload_dir; "
-                "the last checkpoint is untouched (resume from it)."
-            )
+        error = agreed_failure(reported, f"the optimizer state offloaded to {self.scratch.root}")
+        if error is not None:
+            raise error
 
     # ---------------------------------------------------------------- the state
     def adopt(self, index: int, optimizer: torch.optim.Optimizer) -> None:

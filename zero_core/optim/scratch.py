@@ -64,7 +64,7 @@ def _problem(root: Path, needed_bytes: int) -> str | None:
         return f"{root} is not writable ({error.strerror})"
     free = shutil.disk_usage(root).free
     if free < needed_bytes:
-        needed = f"this rank's optimizer state needs {needed_bytes / 2**30:.2f} GiB"
+        needed = f"this rank's offloaded state needs {needed_bytes / 2**30:.2f} GiB"
         return f"{root} has {free / 2**30:.2f} GiB free; {needed}"
     return None
 
@@ -75,15 +75,15 @@ class ScratchDirectory:
     def __init__(self, root: str | os.PathLike | None, comm: CommContext, needed_bytes: int):
         if root is None:
             raise ValueError(
-                "offload_optimizer='nvme' needs offload_dir: a directory on a fast local disk for the run's "
-                "scratch files (ZeroConfig(offload_dir=...), or the adapters' offload_dir setting)."
+                "offload_optimizer='nvme' and offload_params='nvme' need offload_dir: a directory on a fast local "
+                "disk for the run's scratch files (ZeroConfig(offload_dir=...), or the adapters' offload_dir setting)."
             )
         self.root = Path(root)
         problems = all_gather_objects(comm, _problem(self.root, needed_bytes), "checking offload_dir")
         failing = {rank: problem for rank, problem in enumerate(problems) if problem}
         if failing:
             listed = "; ".join(f"rank {rank}: {problem}" for rank, problem in failing.items())
-            raise ValueError(f"offload_dir={str(root)!r} cannot hold the offloaded optimizer state: {listed}.")
+            raise ValueError(f"offload_dir={str(root)!r} cannot hold the offloaded state: {listed}.")
         run_id = all_gather_objects(comm, uuid.uuid4().hex, "naming the offload run")[0]  # rank 0's: one parent per run
         remove_stale_runs(self.root)
         self.path = self.root / f"{PREFIX}{run_id}" / f"rank{comm.rank}"

@@ -6,7 +6,9 @@ starts the all-gathers of the units the recorded order predicts next
 neither running nor predicted. Stages 1/2 keep parameters gathered: a unit
 only waits for its post-step all-gather, if it is still running. Inside
 :meth:`GatherPolicy.suspend` (full parameters swapped in by
-``gathered_parameters``) nothing is gathered or released.
+``gathered_parameters``) nothing is gathered or released. With
+``offload_params="nvme"`` the parameter shard of the unit after the
+prefetched ones is read from its file meanwhile.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ class GatherPolicy:
         self.prefetch = prefetch  # units gathered ahead of the one running; prefetch="auto" changes it
         self.auto_prefetch = auto_prefetch  # prefetch="auto": times gathers and forwards
         self.order = ExecutionOrder()
+        # offload_params="nvme": the unit after the prefetched ones has its shard read from disk meanwhile.
+        self.reads_ahead = 1 if any(unit.params_on_disk for unit in units) else 0
         self.peak_live_units = 0
         self._suspended = False
 
@@ -47,21 +51,23 @@ class GatherPolicy:
     # ---------------------------------------------------------------- gather
     def for_forward(self, unit: FlatUnit, keep: set[int], *, timed: bool) -> None:
         """``unit`` runs its forward now; ``timed`` when prefetch="auto" measures this forward."""
-        predicted = self.order.forward.record(unit.index, self.prefetch)
+        predicted = self.order.forward.record(unit.index, self.prefetch + self.reads_ahead)
         self._gather(unit, predicted, keep, timed=timed)
 
     def for_backward(self, unit: FlatUnit, keep: set[int]) -> None:
         """``unit``'s backward starts now."""
-        predicted = self.order.backward.record(unit.index, self.prefetch)
+        predicted = self.order.backward.record(unit.index, self.prefetch + self.reads_ahead)
         self._gather(unit, predicted, keep, timed=False)
 
     def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int], *, timed: bool) -> None:
-        """Gather ``unit``, prefetch ``predicted``; release any other unit not in ``keep``."""
+        """Gather ``unit``, prefetch ``predicted`` (its last ``reads_ahead`` units only read from disk); release
+        any other unit not in ``keep``."""
         if self._suspended:
             return
         if not self.plan.params_sharded_at_rest:
             unit.wait_gathered()  # stages 1/2: the post-step all-gather, if it is still running
             return
+        predicted, read_ahead = predicted[: self.prefetch], predicted[self.prefetch :]
         wanted = keep | {unit.index} | set(predicted)
         for other in self.units:
             if other.index not in wanted and other.state is not StorageState.SHARDED:
@@ -72,6 +78,8 @@ class GatherPolicy:
             unit.wait_gathered()
         for index in predicted:
             self.units[index].start_gather()
+        for index in read_ahead:
+            self.units[index].read_ahead()
         live = sum(u.state is not StorageState.SHARDED for u in self.units)
         self.peak_live_units = max(self.peak_live_units, live)
 

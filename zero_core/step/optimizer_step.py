@@ -31,7 +31,7 @@ from ..optim.host_step import fused_on_host
 from ..optim.loss_scaling import DynamicLossScaler
 from ..optim.nvme_state import NvmeOptimizerState, raw_step_of
 from ..optim.param_groups import OptimizerGroups
-from ..unit import FlatUnit
+from ..unit import FlatUnit, ShardFiles
 from .prefetch_tuning import AutoPrefetch
 from .runtime import StepRuntime
 from .step_in_backward import EarlySteps, StepInBackward
@@ -61,9 +61,11 @@ class OptimizerStep:
         loss_scaler: DynamicLossScaler | None,
         auto_prefetch: AutoPrefetch | None,
         nvme: NvmeOptimizerState | None = None,
+        param_files: ShardFiles | None = None,
     ):
         self.units = units
         self.nvme = nvme  # offload_optimizer="nvme": the step runs here, unit by unit
+        self.param_files = param_files  # offload_params="nvme": a failed read in backward is raised before the step
         # offload_optimizer: the offloaded units step on the host, with torch's fused CPU kernel where it applies.
         self.steps_on_host = any(unit.offloaded for unit in units)
         self.comm = comm
@@ -119,6 +121,8 @@ class OptimizerStep:
         # A forward whose backward never ran (a skipped batch) ends here.
         # A step with no forward since the last waits here for that step's all-gathers.
         self.runtime.settle_gradients(drop_pending_forward=True)
+        if self.param_files is not None:
+            self.param_files.agree(self.comm, "before an optimizer step")
         self.last_step_skipped = False
         self._step_calls += 1
         # Groups added or replaced since the last step train from this one. A refused group is reported

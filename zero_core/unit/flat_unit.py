@@ -19,6 +19,7 @@ from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
 from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
 from .plan import UnitPlan
+from .shard_files import ShardFiles
 from .storage import ParamStorage, StorageState
 from .tensor_parallel import local_shape, place_in_whole
 
@@ -40,6 +41,7 @@ class FlatUnit:
         comparisons: Comparisons | None = None,
         offloaded: bool = False,
         params_offloaded: bool = False,
+        param_files: ShardFiles | None = None,
     ):
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
@@ -59,7 +61,7 @@ class FlatUnit:
         self.host_grads: torch.Tensor | None = None  # (S, fp32) pinned, made at the first step (GPU devices)
         self.storage = ParamStorage(
             self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label,
-            host_master=offloaded, host_params=params_offloaded,
+            host_master=offloaded, host_params=params_offloaded, param_files=param_files,
         )  # fmt: skip
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
@@ -91,6 +93,19 @@ class FlatUnit:
     def params_offloaded(self) -> bool:
         """offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers."""
         return self.storage.params_on_host
+
+    @property
+    def params_on_disk(self) -> bool:
+        """offload_params="nvme": the parameter shard rests in a file between gathers."""
+        return self.storage.shard_file is not None
+
+    @property
+    def param_bytes_on_disk(self) -> int:
+        return self.storage.bytes_on_disk
+
+    def read_ahead(self) -> None:
+        """offload_params="nvme": start reading the parameter shard back, for a gather predicted soon."""
+        self.storage.read_ahead()
 
     @property
     def host_shard(self) -> torch.Tensor | None:

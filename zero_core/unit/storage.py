@@ -20,6 +20,9 @@ unless hybrid sharding splits the ranks into groups):
   staging buffer on the device: filled from ``host_shard`` on the
   all-gather's stream right before each gather, freed once the gather
   landed. On a CPU device the same path runs, host and device the same memory.
+  With ``offload_params="nvme"`` it is never the master, and its bytes rest in a
+  file (``shard_file``, shard_files.py): read back for each gather, written
+  after each refresh.
 
 Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 ``_to_unsharded``): calling it in the state it leads to does nothing.
@@ -37,6 +40,7 @@ from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
+from .shard_files import ShardFile, ShardFiles
 from .tensor_parallel import local_piece_of, local_values, point_at
 
 
@@ -63,6 +67,7 @@ class ParamStorage:
         label: str,
         host_master: bool = False,
         host_params: bool = False,
+        param_files: ShardFiles | None = None,
     ):
         self.layout, self.params, self.comm, self.label = layout, params, comm, label
         self.sharded_at_rest = sharded_at_rest
@@ -71,9 +76,10 @@ class ParamStorage:
         self._gather_handle: Handle | None = None
         self._flatten_parameters(precision.compute_dtype, host_master)
         self.host_shard: torch.Tensor | None = None
+        self.shard_file: ShardFile | None = None  # offload_params="nvme": where host_shard's bytes rest
         self._host_shard_read: torch.cuda.Event | None = None  # the last asynchronous copy out of host_shard
         if host_params and sharded_at_rest:
-            self._move_shard_to_host(precision.compute_dtype)
+            self._move_shard_to_host(precision.compute_dtype, param_files)
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
 
     def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool) -> None:
@@ -115,16 +121,19 @@ class ParamStorage:
         for slot, value in zip(replicated, values.split([slot.numel for slot in replicated])):
             slot_view(padded_full, slot).copy_(value.view(slot.shape))
 
-    def _move_shard_to_host(self, compute_dtype: torch.dtype) -> None:
-        """offload_params: the parameter shard rests in host memory; the device keeps an empty staging buffer."""
+    def _move_shard_to_host(self, compute_dtype: torch.dtype, param_files: ShardFiles | None) -> None:
+        """offload_params: the parameter shard rests in host memory (or, "nvme", in a file); the device keeps
+        an empty staging buffer."""
         on_host = self.master_shard.device.type == "cpu" and compute_dtype == torch.float32
-        if on_host:
+        if on_host and param_files is None:
             self.host_shard = self.master_shard  # the host fp32 master is the shard itself: no second copy
-        elif self.compute_shard.device.type == "cpu":
+        elif self.compute_shard.device.type == "cpu" and self.compute_shard is not self.master_shard:
             self.host_shard = self.compute_shard
-        else:
+        else:  # a copy of its own (to a file: the master stays where the optimizer keeps it)
             self.host_shard = host_zeros(self.compute_shard.numel(), compute_dtype, self.comm.device)
             self.host_shard.copy_(self.compute_shard)
+        if param_files is not None:
+            self.shard_file = param_files.file_for(self.host_shard)
         self.compute_shard = torch.empty(self.host_shard.numel(), dtype=compute_dtype, device=self.comm.device)
         self._staging_nbytes = self.compute_shard.untyped_storage().nbytes()
         self.compute_shard.untyped_storage().resize_(0)
@@ -133,13 +142,33 @@ class ParamStorage:
     def params_on_host(self) -> bool:
         return self.host_shard is not None
 
-    def _shard_for_writing(self) -> torch.Tensor:
-        """Where this rank's parameter shard (compute dtype) lives between gathers, ready to be written: a copy
-        still reading the host shard (to the device, for a gather) is waited for first."""
+    @property
+    def bytes_on_disk(self) -> int:
+        """offload_params="nvme": the shard's bytes when its file holds them and memory does not."""
+        file = self.shard_file
+        return file.nbytes if file is not None and file.on_disk and file.shard.untyped_storage().nbytes() == 0 else 0
+
+    def _wait_host_shard_read(self) -> None:
+        """A copy still reading the host shard (to the device, for a gather) is done; with a file, the shard's
+        memory is then freed (the file holds its values)."""
         if self._host_shard_read is not None:
             self._host_shard_read.synchronize()
             self._host_shard_read = None
+        if self.shard_file is not None:
+            self.shard_file.in_use = False
+            self.shard_file.release()
+
+    def _shard_for_writing(self, keep_values: bool = True) -> torch.Tensor:
+        """Where this rank's parameter shard (compute dtype) lives between gathers, ready to be written (then
+        :meth:`_shard_written`); ``keep_values=False``: all of it is overwritten (a file is not read)."""
+        self._wait_host_shard_read()
+        if self.shard_file is not None:
+            return self.shard_file.for_writing(keep_values)
         return self.host_shard if self.host_shard is not None else self.compute_shard
+
+    def _shard_written(self) -> None:
+        if self.shard_file is not None:
+            self.shard_file.store()  # written behind, freed once on disk
 
     # ------------------------------------------------------------ transitions
     @property
@@ -160,7 +189,11 @@ class ParamStorage:
         advise_huge_pages(self.gathered_params)
         if self.host_shard is not None:
             self.compute_shard.untyped_storage().resize_(self._staging_nbytes)
-            self._host_shard_read = copy_to_device(self.compute_shard, self.host_shard, self.comm.all_gather_stream)
+            source = self.shard_file.values() if self.shard_file is not None else self.host_shard
+            self._host_shard_read = copy_to_device(self.compute_shard, source, self.comm.all_gather_stream)
+            if self.shard_file is not None:
+                self.shard_file.in_use = self._host_shard_read is not None  # a GPU's copy: freed once landed
+                self.shard_file.release()
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = StorageState.PREFETCHING
 
@@ -172,11 +205,20 @@ class ParamStorage:
             self._gather_handle = None
             if self.host_shard is not None:
                 self.compute_shard.untyped_storage().resize_(0)  # landed: the staging copy is not needed
+            if self.shard_file is not None:
+                self._wait_host_shard_read()
             self.state = StorageState.GATHERED
             self.guard.guard(False)
 
+    def read_ahead(self) -> None:
+        """offload_params="nvme": start reading the shard of a unit predicted to gather soon."""
+        if self.shard_file is not None and self.state is StorageState.SHARDED:
+            self.shard_file.read_ahead()
+
     def release(self) -> None:
-        """Stage 3: any state -> SHARDED, freeing the full parameters."""
+        """Stage 3: any state -> SHARDED, freeing the full parameters (and a shard read ahead for nothing)."""
+        if self.shard_file is not None:
+            self.shard_file.release()
         if not self.sharded_at_rest or self.state is StorageState.SHARDED:
             return
         self.wait_gathered()
@@ -194,11 +236,12 @@ class ParamStorage:
         """
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
-        shard = self._shard_for_writing()
+        shard = self._shard_for_writing(keep_values=False)
         if shard.data_ptr() != self.master_shard.data_ptr():
             # From pinned host memory (offload) asynchronously, in stream order before the all-gather;
             # into host memory (offload_params) from a device master, which waits for the step.
             shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned() and shard.is_cuda)
+        self._shard_written()
         if self.sharded_at_rest:
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
@@ -229,6 +272,7 @@ class ParamStorage:
         shard_view(self.master_shard, piece).copy_(source)
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard_view(shard, piece).copy_(source)
+        self._shard_written()
         return True
 
     def gather_full_master(self) -> torch.Tensor:
@@ -239,15 +283,16 @@ class ParamStorage:
 
     def load_master_shard(self, shard: torch.Tensor) -> None:
         """This rank's new fp32 master shard; the compute copies follow at the next refresh."""
-        self._shard_for_writing()  # first: the master may be the host shard a copy still reads
+        self._wait_host_shard_read()  # first: the master may be the host shard a copy still reads
         self.master_shard.copy_(shard)
 
     def load_full_master(self, full: torch.Tensor) -> None:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
-        shard = self._shard_for_writing()  # first: the master may be the host shard a copy still reads
+        shard = self._shard_for_writing(keep_values=False)  # first: the master may be the host shard a copy reads
         self.master_shard.copy_(full[lo:hi])
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard.copy_(self.master_shard)
+        self._shard_written()
         if not self.sharded_at_rest:
             self.gathered_params.copy_(full)

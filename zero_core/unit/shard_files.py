@@ -1,0 +1,141 @@
+"""offload_params="nvme" (ZeRO-Infinity's parameter tier): each sharded unit's parameter shard rests in a
+file of its own, ``<run dir>/params<i>.bin``, between gathers.
+
+In memory the shard (``ParamStorage.host_shard``) keeps its identity and shape, its storage resized to zero
+bytes while the file holds it. A gather reads it back (issued ahead, for the unit after the prefetched ones,
+by :meth:`ShardFile.read_ahead`), copies it into the device's staging buffer and frees it again: the file
+did not change. After a step (or a load) the new values are written behind: the next units' refresh goes
+on while earlier ones are written, at most ``units_in_memory`` shards wait in memory for their writes, and
+a shard is freed once its write is on disk (a failed write keeps it: it is the only copy).
+
+Every method runs on the thread that runs forward, backward and the step; the pool's threads only move
+bytes between a tensor's memory and its file. A failed read fills the shard with zeros instead of raising:
+this rank still joins the gather, so no rank waits alone. Failures (reads and writes) are then raised alike
+on every rank by :meth:`ShardFiles.agree`, at the end of each forward and before each optimizer step, so no
+step applies what a failed read computed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from pathlib import Path
+
+import torch
+
+from ..collectives import CommContext, all_gather_objects
+from ..file_io import agreed_failure, free, has_bytes, read_tensors, release_freed_memory, succeeded, write_tensors
+
+
+class ShardFiles:
+    """The parameter shards' files of one rank: the I/O pool, the writes in flight, the failures."""
+
+    def __init__(self, directory: Path, units_in_memory: int, directory_owner: object = None):
+        self.directory, self.units_in_memory = directory, units_in_memory
+        self._directory_owner = directory_owner  # removes the directory once no longer referenced: kept alive
+        self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-param-files")
+        self.files: list[ShardFile] = []
+        self.writes: dict[ShardFile, concurrent.futures.Future] = {}  # oldest first
+        self.failures: list[str] = []  # this rank's, raised alike on every rank by the next agree()
+
+    def file_for(self, shard: torch.Tensor) -> ShardFile:
+        """``shard``'s values go to a file of its own now (written behind) and rest there from then on."""
+        file = ShardFile(self, self.directory / f"params{len(self.files)}.bin", shard)
+        self.files.append(file)
+        file.store()
+        return file
+
+    def drain(self, keep: int, wait: bool = True) -> None:
+        """Settle the oldest writes until at most ``keep`` are in flight (``wait=False``: only those done)."""
+        while len(self.writes) > keep:
+            file, future = next(iter(self.writes.items()))
+            if not wait and not future.done():
+                return
+            del self.writes[file]
+            file.written(self._outcome(future))
+
+    def wait_for_write(self, file: ShardFile) -> None:
+        """``file``'s write in flight is done (its shard stays in memory, for the caller)."""
+        file.on_disk = self._outcome(self.writes.pop(file))
+
+    def _outcome(self, future: concurrent.futures.Future) -> bool:
+        return succeeded(future, self.failures)
+
+    def agree(self, comm: CommContext, where: str) -> None:
+        """The same OffloadError on every rank if a read or write failed on any (a collective: every rank
+        calls it at the same points). The writes behind the last step are waited for first (by the end of the
+        next forward they are done): every failure so far is in this agreement."""
+        self.drain(keep=0)
+        failure = self.failures[0] if self.failures else None
+        self.failures = []
+        reported = all_gather_objects(comm, failure, f"the parameter shards' files, {where}")
+        what = f"the parameter shards offloaded to {self.directory.parent.parent}"
+        error = agreed_failure(reported, what, f"; found {where}, and nothing was stepped with what it computed")
+        if error is not None:
+            raise error
+
+    def bytes_on_disk(self) -> int:
+        """The shards whose bytes are on disk and not in memory."""
+        self.drain(keep=0, wait=False)
+        return sum(file.nbytes for file in self.files if file.on_disk and not has_bytes(file.shard))
+
+    def close(self) -> None:
+        self.drain(keep=0)
+        self.io.shutdown(wait=True)
+
+
+class ShardFile:
+    """One unit's parameter shard and its file. ``on_disk``: the file holds the shard's current values."""
+
+    def __init__(self, tier: ShardFiles, path: Path, shard: torch.Tensor):
+        self.tier, self.path, self.shard = tier, path, shard
+        self.nbytes = shard.numel() * shard.element_size()
+        self.on_disk = False
+        self.in_use = False  # an asynchronous copy (to the device) still reads the shard's memory
+        self._read: concurrent.futures.Future | None = None
+
+    def read_ahead(self) -> None:
+        """Start reading the shard back into memory, unless it is there or on its way."""
+        self.tier.drain(keep=0, wait=False)  # the shards whose writes are done since are freed
+        if self._read is None and not has_bytes(self.shard):
+            self.shard.untyped_storage().resize_(self.nbytes)  # here: the pool's threads only move bytes
+            self._read = self.tier.io.submit(read_tensors, self.path, [self.shard])
+
+    def values(self) -> torch.Tensor:
+        """The shard, its values in memory (read now if no read was issued ahead)."""
+        self.read_ahead()
+        if self._read is not None:
+            read, self._read = self._read, None
+            if not self.tier._outcome(read):
+                self.shard.zero_()  # this rank still joins the gather; agree() raises it on every rank
+        return self.shard
+
+    def for_writing(self, keep_values: bool) -> torch.Tensor:
+        """The shard in memory, to be changed and then :meth:`store`-d (``keep_values=False``: the caller
+        overwrites all of it, nothing is read). A write of its earlier values is waited for first."""
+        if self in self.tier.writes:
+            self.tier.wait_for_write(self)  # its bytes must not change under the write
+        if keep_values or self._read is not None:  # a read issued ahead lands before the shard is overwritten
+            return self.values()
+        if not has_bytes(self.shard):
+            self.shard.untyped_storage().resize_(self.nbytes)
+        return self.shard
+
+    def store(self) -> None:
+        """The shard's values changed: written behind (freed once on disk), with at most ``units_in_memory``
+        shards waiting in memory for their writes."""
+        self.on_disk = False
+        self.tier.writes[self] = self.tier.io.submit(write_tensors, self.path, [self.shard])
+        self.tier.drain(keep=self.tier.units_in_memory)
+
+    def written(self, succeeded: bool) -> None:
+        self.on_disk = succeeded
+        self.release()
+
+    def release(self) -> None:
+        """The shard's values are not needed in memory now: freed if the file holds them (a read issued ahead
+        is waited for; a shard still being written, or copied, is freed when that is done)."""
+        if self._read is not None:
+            self.values()
+        if self.on_disk and not self.in_use and self not in self.tier.writes and has_bytes(self.shard):
+            free(self.shard)
+            release_freed_memory()
