@@ -280,6 +280,9 @@ def _disk_failures(rank: int, world_size: int, directory: str) -> dict:
             return str(error)
 
     train_accumulated(engine, rank, range(1))
+    with engine.gathered_parameters(writeback=False), torch.no_grad():
+        if rank == 0:  # a forward on one rank alone reads no file and must not wait for the other
+            engine.model(batch(0, rank))
     checkpoint = Path(directory) / "ckpt-disk-failures"
     engine.save_checkpoint(checkpoint)
     tier.drain(keep=0)
@@ -410,3 +413,24 @@ def test_the_estimate_moves_nvme_shards_to_the_files() -> None:
     both = estimate(numel, world, precision=bf16, offload_params="nvme", offload_optimizer="nvme")[3]
     assert both.device_bytes == 4 * shard and both.host_bytes == (4 + 4) * shard
     assert both.nvme_bytes == (2 + 8) * shard
+
+
+def test_a_part_written_over_a_failed_read_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    """write_param into a shard whose read failed: storing zeros and that part would destroy the file's other
+    values; nothing is written, and the failure waits for the next agreement."""
+    tier = shard_files.ShardFiles(tmp_path, units_in_memory=1)
+    file = tier.file_for(torch.arange(8, dtype=torch.float32))
+    tier.drain(keep=0)
+    assert file.shard.untyped_storage().nbytes() == 0  # on disk, not in memory
+    good = (tmp_path / "params0.bin").read_bytes()
+    original_read = shard_files.read_tensors
+    shard_files.read_tensors = lambda path, tensors: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error", str(path)))
+    try:
+        file.for_writing(keep_values=True)[:2] = -1.0
+    finally:
+        shard_files.read_tensors = original_read
+    file.store()
+    tier.drain(keep=0)
+    assert (tmp_path / "params0.bin").read_bytes() == good
+    assert tier.read_failures == [f"I/O error: {tmp_path / 'params0.bin'}"]
+    assert file.values().tolist() == list(range(8))  # read again: the file's values

@@ -189,6 +189,23 @@ def _step_in_backward(
     return in_backward
 
 
+def _agreed_after_each_forward(
+    param_files: ShardFiles | None, runtime: StepRuntime, comm: CommContext
+) -> ShardFiles | None:
+    """offload_params="nvme" with some unit sharded (else None): a failed read or write of a shard's file is
+    raised alike on every rank at the end of each forward, before its output is used. Not after a forward
+    inside gathered_parameters(): it reads no file, and may run on one rank only; the next agreement raises."""
+    if param_files is None or not param_files.files:
+        return None
+
+    def agree() -> None:
+        if not runtime.suspended:
+            param_files.agree(comm, "at the end of a forward")
+
+    runtime.after_root_forward.append(agree)
+    return param_files
+
+
 def _quiesce_for_load(runtime: StepRuntime, model_and_optimizer: bool) -> None:
     """The entry barrier of a load: between an early step and optimizer.step(), or after a half-applied one,
     only a load of both the model and the optimizer's state (which replaces what stepped), once the worker
@@ -223,10 +240,8 @@ def build_parts(
     )  # fmt: skip
     nvme = build_nvme_state(units, config, comm, files.scratch)
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
-    param_files = files.params if files.params is not None and files.params.files else None  # no unit sharded: none
+    param_files = _agreed_after_each_forward(files.params, runtime, comm)
     optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme, param_files)
-    if param_files is not None:  # a failed read of a parameter shard: raised alike before the forward's output is used
-        runtime.after_root_forward.append(functools.partial(param_files.agree, comm, "at the end of a forward"))
     comm.position = lambda: Position(runtime.state.name.lower().replace("_", "-"), optimizer_step.steps_taken)
     runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
     buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)

@@ -31,6 +31,7 @@ class GatherPolicy:
         self.order = ExecutionOrder()
         # offload_params="nvme": the unit after the prefetched ones has its shard read from disk meanwhile.
         self.reads_ahead = 1 if any(unit.params_on_disk for unit in units) else 0
+        self._read_ahead: set[int] = set()  # the units whose shards were last read ahead
         self.peak_live_units = 0
         self._suspended = False
 
@@ -78,6 +79,9 @@ class GatherPolicy:
             unit.wait_gathered()
         for index in predicted:
             self.units[index].start_gather()
+        for index in self._read_ahead - set(read_ahead) - wanted:
+            self.units[index].release()  # read ahead for an order that did not happen: its memory is freed
+        self._read_ahead = set(read_ahead)
         for index in read_ahead:
             self.units[index].read_ahead()
         live = sum(u.state is not StorageState.SHARDED for u in self.units)

@@ -96,6 +96,8 @@ class OptimizerStep:
 
     def refresh_parameters(self) -> None:
         """The compute copies (full parameters in stages 1/2) brought up to date with the master shards, now."""
+        if self.param_files is not None:
+            self.param_files.rewrite_all()
         for unit in self.units:
             unit.start_refresh(guard=False)
         self.runtime.wait_for_refresh()

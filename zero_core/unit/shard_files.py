@@ -18,6 +18,7 @@ step applies what a failed read computed.
 from __future__ import annotations
 
 import concurrent.futures
+import weakref
 from pathlib import Path
 
 import torch
@@ -35,7 +36,13 @@ class ShardFiles:
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-param-files")
         self.files: list[ShardFile] = []
         self.writes: dict[ShardFile, concurrent.futures.Future] = {}  # oldest first
-        self.failures: list[str] = []  # this rank's, raised alike on every rank by the next agree()
+        # This rank's, raised alike on every rank by the next agree(): reads (what they computed is wrong) and
+        # writes (the shard stays in memory until written again).
+        self.read_failures: list[str] = []
+        self.write_failures: list[str] = []
+        # When the engine goes away, its writes in flight end before the directory is removed (it is removed
+        # when the owner goes, which this tier keeps alive).
+        weakref.finalize(self, self.io.shutdown, wait=True)
 
     def file_for(self, shard: torch.Tensor) -> ShardFile:
         """``shard``'s values go to a file of its own now (written behind) and rest there from then on."""
@@ -51,25 +58,29 @@ class ShardFiles:
             if not wait and not future.done():
                 return
             del self.writes[file]
-            file.written(self._outcome(future))
+            file.written(succeeded(future, self.write_failures))
 
     def wait_for_write(self, file: ShardFile) -> None:
         """``file``'s write in flight is done (its shard stays in memory, for the caller)."""
-        file.on_disk = self._outcome(self.writes.pop(file))
+        file.on_disk = succeeded(self.writes.pop(file), self.write_failures)
 
-    def _outcome(self, future: concurrent.futures.Future) -> bool:
-        return succeeded(future, self.failures)
+    def rewrite_all(self) -> None:
+        """Every shard is about to be written anew (a load, a refresh from the master): the failed writes of
+        their earlier values no longer matter. Failed reads still do (what they computed is not stepped)."""
+        self.drain(keep=0)
+        self.write_failures = []
 
     def agree(self, comm: CommContext, where: str) -> None:
         """The same OffloadError on every rank if a read or write failed on any (a collective: every rank
         calls it at the same points). The writes behind the last step are waited for first (by the end of the
         next forward they are done): every failure so far is in this agreement."""
         self.drain(keep=0)
-        failure = self.failures[0] if self.failures else None
-        self.failures = []
-        reported = all_gather_objects(comm, failure, f"the parameter shards' files, {where}")
-        what = f"the parameter shards offloaded to {self.directory.parent.parent}"
-        error = agreed_failure(reported, what, f"; found {where}, and nothing was stepped with what it computed")
+        failures = self.read_failures + self.write_failures
+        self.read_failures, self.write_failures = [], []
+        reported = all_gather_objects(comm, failures[0] if failures else None, f"the parameter shards' files, {where}")
+        error = agreed_failure(
+            reported, f"the parameter shards offloaded to {self.directory.parent.parent}", f"; found {where}"
+        )
         if error is not None:
             raise error
 
@@ -91,6 +102,7 @@ class ShardFile:
         self.nbytes = shard.numel() * shard.element_size()
         self.on_disk = False
         self.in_use = False  # an asynchronous copy (to the device) still reads the shard's memory
+        self._store_dropped = False  # the next store() writes nothing (see for_writing)
         self._read: concurrent.futures.Future | None = None
 
     def read_ahead(self) -> None:
@@ -102,12 +114,20 @@ class ShardFile:
 
     def values(self) -> torch.Tensor:
         """The shard, its values in memory (read now if no read was issued ahead)."""
-        self.read_ahead()
-        if self._read is not None:
-            read, self._read = self._read, None
-            if not self.tier._outcome(read):
-                self.shard.zero_()  # this rank still joins the gather; agree() raises it on every rank
+        self._fill()
         return self.shard
+
+    def _fill(self) -> bool:
+        """The shard's values in memory; False if its read failed (it then holds zeros: this rank still joins
+        the gather, and agree() raises the failure on every rank)."""
+        self.read_ahead()
+        if self._read is None:
+            return True
+        read, self._read = self._read, None
+        if succeeded(read, self.tier.read_failures):
+            return True
+        self.shard.zero_()
+        return False
 
     def for_writing(self, keep_values: bool) -> torch.Tensor:
         """The shard in memory, to be changed and then :meth:`store`-d (``keep_values=False``: the caller
@@ -115,7 +135,9 @@ class ShardFile:
         if self in self.tier.writes:
             self.tier.wait_for_write(self)  # its bytes must not change under the write
         if keep_values or self._read is not None:  # a read issued ahead lands before the shard is overwritten
-            return self.values()
+            # A part written over a shard whose read failed is not stored: zeros would replace the file's values.
+            self._store_dropped = not self._fill() and keep_values
+            return self.shard
         if not has_bytes(self.shard):
             self.shard.untyped_storage().resize_(self.nbytes)
         return self.shard
@@ -123,6 +145,10 @@ class ShardFile:
     def store(self) -> None:
         """The shard's values changed: written behind (freed once on disk), with at most ``units_in_memory``
         shards waiting in memory for their writes."""
+        if self._store_dropped:  # over a failed read (raised by the next agree()): the file keeps its values
+            self._store_dropped = False
+            self.release()
+            return
         self.on_disk = False
         self.tier.writes[self] = self.tier.io.submit(write_tensors, self.path, [self.shard])
         self.tier.drain(keep=self.tier.units_in_memory)

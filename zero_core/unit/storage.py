@@ -129,7 +129,10 @@ class ParamStorage:
             self.host_shard = self.master_shard  # the host fp32 master is the shard itself: no second copy
         elif self.compute_shard.device.type == "cpu" and self.compute_shard is not self.master_shard:
             self.host_shard = self.compute_shard
-        else:  # a copy of its own (to a file: the master stays where the optimizer keeps it)
+        elif param_files is not None:  # a copy of its own, the master staying where the optimizer keeps it;
+            # pageable: a pinned storage resized to zero goes back to torch's pinned cache, not to the system.
+            self.host_shard = self.compute_shard.to("cpu", copy=True)
+        else:
             self.host_shard = host_zeros(self.compute_shard.numel(), compute_dtype, self.comm.device)
             self.host_shard.copy_(self.compute_shard)
         if param_files is not None:
@@ -192,7 +195,8 @@ class ParamStorage:
             source = self.shard_file.values() if self.shard_file is not None else self.host_shard
             self._host_shard_read = copy_to_device(self.compute_shard, source, self.comm.all_gather_stream)
             if self.shard_file is not None:
-                self.shard_file.in_use = self._host_shard_read is not None  # a GPU's copy: freed once landed
+                # From pinned memory a GPU's copy runs on after this returns: freed once it landed.
+                self.shard_file.in_use = self._host_shard_read is not None and source.is_pinned()
                 self.shard_file.release()
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = StorageState.PREFETCHING
