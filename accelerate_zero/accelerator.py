@@ -84,6 +84,9 @@ class ZeroAccelerator(Accelerator):
         self._data_parallel = DataParallelRanks(self.device_mesh) if self.device_mesh is not None else None
         # Against what Accelerate settled on (the keyword, a GradientAccumulationPlugin or its variable).
         check_deepspeed_accumulation(self.zero_plugin, self.gradient_accumulation_steps)
+        check_step_in_backward_accumulation(
+            self.zero_plugin, self.gradient_accumulation_steps, self.gradient_state.plugin_kwargs
+        )
         # Accelerate's autocast stays (``accelerator.autocast()``, and the forward's in prepare_model);
         # its GradScaler does not: the engine scales fp16 losses and unscales its own gradient shards.
         self.scaler = None
@@ -373,4 +376,18 @@ def check_deepspeed_accumulation(plugin: ZeroPlugin, accumulation: int) -> None:
         raise ValueError(
             f"The DeepSpeed config accumulates {steps} micro-batches: pass "
             f"ZeroAccelerator(gradient_accumulation_steps={steps}, ...) (got {accumulation})."
+        )
+
+
+def check_step_in_backward_accumulation(plugin: ZeroPlugin, accumulation: int, plugin_kwargs: dict) -> None:
+    """offload_step_in_backward steps each offloaded unit in a synchronising backward. With Accelerate's
+    ``sync_each_batch`` every micro-batch's backward synchronises, and the second would be refused in the
+    middle of the first step: refused here, before any work."""
+    early = plugin.offload_step_in_backward and plugin.offload_optimizer != "none"
+    if early and accumulation > 1 and plugin_kwargs.get("sync_each_batch", False):
+        raise ValueError(
+            "offload_step_in_backward=True steps in the backward that synchronises gradients, and "
+            "GradientAccumulationPlugin(sync_each_batch=True) synchronises every micro-batch's: drop "
+            "sync_each_batch (the micro-batches then accumulate without synchronising), or turn "
+            "offload_step_in_backward off."
         )

@@ -419,3 +419,33 @@ def test_an_fp16_step_skipped_on_overflow_leaves_the_scheduler_as_accelerates_ow
         applied += not skipped
         assert lr == pytest.approx(1e-2 * 0.5**applied)
     assert applied == report["steps taken"] >= 1
+
+
+SYNC_EACH_BATCH = """
+from accelerate.utils import GradientAccumulationPlugin
+from accelerate_zero import ZeroAccelerator, ZeroPlugin
+early = ZeroPlugin(stage=2, offload_optimizer="cpu", offload_step_in_backward=True)
+for sync_each_batch in (False, True):
+    accumulation = GradientAccumulationPlugin(num_steps=2, sync_each_batch=sync_each_batch)
+    try:
+        ZeroAccelerator(zero_plugin=early, cpu=True, gradient_accumulation_plugin=accumulation)
+        print("built")
+    except ValueError as error:
+        print(error)
+"""
+
+
+@pytest.mark.distributed  # a process of its own for Accelerate's once-per-process state
+def test_the_step_during_backward_with_sync_each_batch_is_refused_before_any_work() -> None:
+    """Every micro-batch's backward would synchronise, and the second would be refused mid-step."""
+    result = subprocess.run(
+        [sys.executable, "-c", SYNC_EACH_BATCH],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).parents[1],
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    without, with_it = result.stdout.strip().splitlines()[-2:]
+    assert without == "built"
+    assert "GradientAccumulationPlugin(sync_each_batch=True) synchronises every micro-batch's: drop" in with_it
