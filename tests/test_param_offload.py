@@ -20,7 +20,10 @@ import torch
 import zero_core.unit.shard_files as shard_files
 import zero_core.unit.storage as storage
 from zero_core import MixedPrecision, OffloadError, UnitReport, ZeroConfig, ZeroEngine, estimate
+from zero_core.config import StagePlan
 from zero_core.estimate import EstimateSettings, UnitCount, estimate_units
+from zero_core.step.gathering import GatherPolicy
+from zero_core.unit import StorageState
 
 from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
@@ -434,3 +437,40 @@ def test_a_part_written_over_a_failed_read_leaves_the_file_as_it_was(tmp_path: P
     assert (tmp_path / "params0.bin").read_bytes() == good
     assert tier.read_failures == [f"I/O error: {tmp_path / 'params0.bin'}"]
     assert file.values().tolist() == list(range(8))  # read again: the file's values
+
+
+class _UnitOnDisk:
+    """What GatherPolicy sees of a unit whose shard rests in a file: whether it is in memory for a read ahead."""
+
+    params_on_disk = True
+
+    def __init__(self, index: int):
+        self.index, self.state, self.read_into_memory = index, StorageState.SHARDED, False
+
+    def read_ahead(self) -> None:
+        self.read_into_memory = self.state is StorageState.SHARDED
+
+    def start_gather(self) -> None:
+        if self.state is StorageState.SHARDED:
+            self.state, self.read_into_memory = StorageState.PREFETCHING, False  # copied to the device, freed
+
+    def wait_gathered(self) -> None:
+        self.start_gather()
+        self.state = StorageState.GATHERED
+
+    def release(self) -> None:
+        self.state, self.read_into_memory = StorageState.SHARDED, False
+
+
+def test_shards_read_ahead_for_an_order_that_did_not_happen_are_freed() -> None:
+    """A forward that skips the units the last one predicted (every third unit runs): each shard read ahead
+    for nothing is freed at the next gather, so one at most is in memory for a read ahead."""
+    units = [_UnitOnDisk(index) for index in range(10)]
+    policy = GatherPolicy(units, StagePlan.for_stage(3), prefetch=1, auto_prefetch=None)  # type: ignore[arg-type]
+    most = 0
+    for order in (range(10), range(0, 10, 3)):
+        for index in order:
+            policy.for_forward(units[index], keep=set(), timed=False)  # type: ignore[arg-type]
+            most = max(most, sum(unit.read_into_memory for unit in units))
+        policy.forward_ended()
+    assert most == 1
