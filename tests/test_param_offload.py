@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import errno
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -70,12 +70,32 @@ def _shard_bytes(engine: ZeroEngine, report: UnitReport) -> int:
     return report.shard_numel * torch.empty(0, dtype=engine.config.mixed_precision.compute_dtype).element_size()
 
 
+@contextlib.contextmanager
+def _after_each_gather(record: Callable[[], None]) -> Iterator[None]:
+    """``record()`` after every start and end of a unit's gather (forward and backward) meanwhile."""
+    original_wait, original_start = storage.ParamStorage.wait_gathered, storage.ParamStorage.start_gather
+
+    def recorded(original):  # type: ignore[no-untyped-def]
+        def method(self):  # type: ignore[no-untyped-def]
+            original(self)
+            record()
+
+        return method
+
+    storage.ParamStorage.wait_gathered = recorded(original_wait)  # type: ignore[method-assign]
+    storage.ParamStorage.start_gather = recorded(original_start)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        storage.ParamStorage.wait_gathered = original_wait  # type: ignore[method-assign]
+        storage.ParamStorage.start_gather = original_start  # type: ignore[method-assign]
+
+
 def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
     """Each case beside the in-memory run; the parameter bytes really alive (``memory_report``: every
     storage the units keep, staging buffers included) recorded in both, in forward and backward: the
     gathers follow the same schedule, so the difference is what the staging buffers hold."""
     results = []
-    original_wait, original_start = storage.ParamStorage.wait_gathered, storage.ParamStorage.start_gather
     for case in CASES:
         case = dict(case)
         accumulate = case.pop("accumulate", 1)
@@ -85,17 +105,11 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         engines: dict[str, ZeroEngine] = {}
         training: list[str] = []  # the engine training now
 
-        def recorded(original):  # type: ignore[no-untyped-def]
-            def method(self):  # type: ignore[no-untyped-def]
-                original(self)
-                if training:  # not while an engine is being built
-                    alive[training[-1]].append(engines[training[-1]].memory_report().parameter_bytes)
+        def record() -> None:
+            if training:  # not while an engine is being built
+                alive[training[-1]].append(engines[training[-1]].memory_report().parameter_bytes)
 
-            return method
-
-        storage.ParamStorage.wait_gathered = recorded(original_wait)  # type: ignore[method-assign]
-        storage.ParamStorage.start_gather = recorded(original_start)  # type: ignore[method-assign]
-        try:
+        with _after_each_gather(record):
             engines["reference"] = reference = _engine("none", directory, **dict(case, **fused))
             training.append("reference")
             expected = train_accumulated(reference, rank, range(4), accumulate)
@@ -103,9 +117,6 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
             engines["ours"] = ours = _engine("cpu", directory, **case)
             training.append("ours")
             losses = train_accumulated(ours, rank, range(4), accumulate)
-        finally:
-            storage.ParamStorage.wait_gathered = original_wait  # type: ignore[method-assign]
-            storage.ParamStorage.start_gather = original_start  # type: ignore[method-assign]
         reports = ours.unit_reports()
         offloaded = [r for r in reports if r.params_offloaded]
         fp32 = ours.config.mixed_precision.compute_dtype == torch.float32
@@ -200,7 +211,6 @@ def _on_disk(rank: int, world_size: int, directory: str) -> list[dict]:
     """Each case beside the in-memory run, the shards' bytes in memory recorded at every gather of forward
     and backward, and the files' real sizes after training."""
     results = []
-    original_wait, original_start = storage.ParamStorage.wait_gathered, storage.ParamStorage.start_gather
     for case in DISK_CASES:
         case = dict(case)
         accumulate, unclipped = case.pop("accumulate", 1), case.pop("unclipped", False)
@@ -217,20 +227,8 @@ def _on_disk(rank: int, world_size: int, directory: str) -> list[dict]:
             ours = _engine("nvme", directory, **case)
         (tier,) = tiers
 
-        def recorded(original):  # type: ignore[no-untyped-def]
-            def method(self):  # type: ignore[no-untyped-def]
-                original(self)
-                in_memory.append(_in_memory(tier))
-
-            return method
-
-        storage.ParamStorage.wait_gathered = recorded(original_wait)  # type: ignore[method-assign]
-        storage.ParamStorage.start_gather = recorded(original_start)  # type: ignore[method-assign]
-        try:
+        with _after_each_gather(lambda: in_memory.append(_in_memory(tier))):
             losses = train(ours, rank, range(4))
-        finally:
-            storage.ParamStorage.wait_gathered = original_wait  # type: ignore[method-assign]
-            storage.ParamStorage.start_gather = original_start  # type: ignore[method-assign]
         tier.drain(keep=0)  # the last writes, still going on behind the step
         files = sorted(tier.directory.glob("params*.bin"))
         shards = [_shard_bytes(ours, r) for r in ours.unit_reports() if r.params_offloaded]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import user_settings
+from .config import OFFLOAD_MODES, user_settings
 
 # DeepSpeed's "auto" (filled in by Hugging Face's integration): the value the framework would have.
 AUTO = "auto"
@@ -139,7 +139,7 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
         return
     for key, value in section.items():
         if key == "device":
-            if value not in ("none", "cpu", "nvme"):
+            if value not in OFFLOAD_MODES:
                 refused.append(f"{name}.device={value!r} (none, cpu or nvme)")
             else:
                 result.settings["offload_optimizer"] = value
@@ -171,7 +171,7 @@ def _offload_param(name: str, section: Any, result: DeepSpeedSettings, refused: 
         return
     for key, value in section.items():
         if key == "device":
-            if value not in ("none", "cpu", "nvme"):
+            if value not in OFFLOAD_MODES:
                 refused.append(f"{name}.device={value!r} (none, cpu or nvme)")
             elif value != "none":
                 result.settings["offload_params"] = value

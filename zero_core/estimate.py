@@ -64,8 +64,9 @@ class EstimateSettings:
             raise ValueError(f"offload_optimizer={self.offload_optimizer!r} is invalid: use {modes}.")
         if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
             raise ValueError(f"offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1].")
-        if self.offload_params not in ("none", "cpu", "nvme"):
-            raise ValueError(f"offload_params={self.offload_params!r} is invalid: use 'none', 'cpu' or 'nvme'.")
+        if self.offload_params not in OFFLOAD_MODES:
+            modes = " or ".join(repr(mode) for mode in OFFLOAD_MODES)
+            raise ValueError(f"offload_params={self.offload_params!r} is invalid: use {modes}.")
         if not isinstance(self.optimizer_state_bytes_per_param, int) or self.optimizer_state_bytes_per_param < 0:
             raise ValueError(
                 f"optimizer_state_bytes_per_param={self.optimizer_state_bytes_per_param!r} is invalid: use 8 "

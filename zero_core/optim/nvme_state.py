@@ -145,9 +145,6 @@ class NvmeOptimizerState:
         state = self.states[index]
         return bool(state.buffers) and not state.resident
 
-    def finished(self, future: concurrent.futures.Future, failures: list[str]) -> bool:
-        return succeeded(future, failures)
-
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
         reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")
         error = agreed_failure(reported, f"the optimizer state offloaded to {self.scratch.root}")
@@ -189,7 +186,7 @@ class NvmeOptimizerState:
         failures: list[str] = []
         reads = [self.io.submit(s.read) for s in self.states if s.buffers and not s.resident]
         for future in reads:
-            self.finished(future, failures)
+            succeeded(future, failures)
         if failures:
             raise OffloadError(f"ZeRO: the offloaded optimizer state could not be read back ({failures[0]}).")
 
@@ -244,7 +241,7 @@ class UnitWalk:
         current = self.reads.pop(index, None)
         self.drain(keep=max(0, limit - 1 - len(self.reads)))
         self.read_ahead(reserve=1)
-        if current is not None and not tier.finished(current, self.failures):
+        if current is not None and not succeeded(current, self.failures):
             return  # its state could not be read: it does not step (the error is raised at the walk's end)
         if step is None:
             if current is not None:
@@ -262,7 +259,7 @@ class UnitWalk:
         (one whose write failed stays in memory: it is the only copy)."""
         while len(self.writes) > keep:
             index = next(iter(self.writes))
-            if self.tier.finished(self.writes.pop(index), self.failures):
+            if succeeded(self.writes.pop(index), self.failures):
                 self.tier.states[index].free()
                 release_freed_memory()
 
@@ -271,7 +268,7 @@ class UnitWalk:
         issued ahead are dropped (their files still hold the state), the writes drained; with ``report``
         its failures go to the next walk's end (a load replacing the state drops them)."""
         for index, future in self.reads.items():
-            if self.tier.finished(future, self.failures):
+            if succeeded(future, self.failures):
                 self.tier.states[index].free()
         self.reads.clear()
         release_freed_memory()

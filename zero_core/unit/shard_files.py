@@ -84,15 +84,6 @@ class ShardFiles:
         if error is not None:
             raise error
 
-    def bytes_on_disk(self) -> int:
-        """The shards whose bytes are on disk and not in memory."""
-        self.drain(keep=0, wait=False)
-        return sum(file.nbytes for file in self.files if file.on_disk and not has_bytes(file.shard))
-
-    def close(self) -> None:
-        self.drain(keep=0)
-        self.io.shutdown(wait=True)
-
 
 class ShardFile:
     """One unit's parameter shard and its file. ``on_disk``: the file holds the shard's current values."""
@@ -104,6 +95,11 @@ class ShardFile:
         self.in_use = False  # an asynchronous copy (to the device) still reads the shard's memory
         self._store_dropped = False  # the next store() writes nothing (see for_writing)
         self._read: concurrent.futures.Future | None = None
+
+    @property
+    def bytes_on_disk(self) -> int:
+        """The shard's bytes when the file holds its values and memory does not."""
+        return self.nbytes if self.on_disk and not has_bytes(self.shard) else 0
 
     def read_ahead(self) -> None:
         """Start reading the shard back into memory, unless it is there or on its way."""

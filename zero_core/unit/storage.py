@@ -148,8 +148,7 @@ class ParamStorage:
     @property
     def bytes_on_disk(self) -> int:
         """offload_params="nvme": the shard's bytes when its file holds them and memory does not."""
-        file = self.shard_file
-        return file.nbytes if file is not None and file.on_disk and file.shard.untyped_storage().nbytes() == 0 else 0
+        return self.shard_file.bytes_on_disk if self.shard_file is not None else 0
 
     def _wait_host_shard_read(self) -> None:
         """A copy still reading the host shard (to the device, for a gather) is done; with a file, the shard's
