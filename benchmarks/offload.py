@@ -72,13 +72,10 @@ def row(in_memory: dict, offloaded: dict, write_bw: float, read_bw: float) -> st
         failure = in_memory.get("failed") or offloaded.get("failed")
         return f"| {offloaded['contestant']} | failed: {failure[-200:]!r} |"
     ranks = offloaded["world_size"]
-    if offloaded["contestant"] == "deepspeed3_infinity":  # each fp32 partition with its moments, and the
-        # parameter partition (fp32 here) written after the step and read for forward and backward
+    if "infinity" in offloaded["contestant"]:  # ours and DeepSpeed's alike, per element: the fp32 master with
+        # Adam's two fp32 moments written and read once, the parameter shard (fp32 here) written after the step
+        # and read for the forward's gather and again for backward's.
         written, read = (12 + 4) * offloaded["numel"], (12 + 2 * 4) * offloaded["numel"]
-    elif "infinity" in offloaded["contestant"]:
-        # Per element: Adam's two fp32 moments written and read once, the fp32 parameter shard written after
-        # the step and read for the forward's gather and again for backward's.
-        written, read = (8 + 4) * offloaded["numel"], (8 + 2 * 4) * offloaded["numel"]
     elif offloaded["breakdown"] is not None:
         breakdown = offloaded["breakdown"]
         written = read = breakdown.get("nvme_bytes_between_steps", breakdown["nvme_bytes"]) * ranks

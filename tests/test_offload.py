@@ -75,9 +75,12 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         ours = _engine(stage, "nvme", directory, **case)
         (run,) = set(Path(directory).glob("lightning-zero-*")) - runs_before  # this engine's scratch directory
         alive_in_step: list[int] = []
+        masters_alive_in_step: list[int] = []
+        filed_masters = [u.resting_master for u in ours._units if u.master_rests_on_disk]
 
         def adopt(self, index, optimizer, original=original_adopt):  # type: ignore[no-untyped-def]
             alive_in_step.append(_state_bytes_alive(optimizer))  # right after a unit stepped, mid-step
+            masters_alive_in_step.append(StorageCounter().count(filed_masters))
             return original(self, index, optimizer)
 
         nvme_state.NvmeOptimizerState.adopt = adopt
@@ -98,10 +101,16 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         results.append(
             {
                 "case": {"stage": stage, "accumulate": accumulate, **case},
+                # Measured first: reading the weights brings the whole state back (until the next step).
+                "resident after the step": _state_bytes_alive(ours.optimizer),
+                "masters in memory after the step": StorageCounter().count(filed_masters),
+                "masters in files": len(filed_masters),
+                "master bound in a step": case.get("offload_units_in_memory", 2)
+                * max(4 * r.shard_numel for r in reports),
+                "most master bytes alive in a step": max(masters_alive_in_step, default=0),
                 "same losses": losses == expected,
                 "weights difference": relative_difference(ours.full_state_dict(), reference.full_state_dict()),
                 "resident right after the step": resident_right_after,
-                "resident after the step": _state_bytes_alive(ours.optimizer),
                 "scalar state bytes": 8 * len(ours.optimizer.state),
                 "kept in memory": kept,
                 "offloaded units": len(offloaded),
@@ -135,6 +144,12 @@ def test_nvme_optimizer_state_trains_bit_for_bit_like_memory_and_stays_out_of_me
             assert result["files"] == result["offloaded units"] and result["bytes on disk"] > 0, case
             assert (result["offloaded units"] < result["units"]) == ("offload_fraction" in case), case
             assert result["reported on disk"] == result["bytes on disk"], case
+            # The fp32 master rests in the files beside the moments where it is a tensor of its own (computing in
+            # bf16/fp16); in fp32 on a CPU device it is the parameters' own memory and stays.
+            low_precision = case.get("precision") in ("bf16", "fp16")
+            assert result["masters in files"] == (result["offloaded units"] if low_precision else 0), case
+            assert result["masters in memory after the step"] == 0, case
+            assert result["most master bytes alive in a step"] <= result["master bound in a step"], case
 
 
 def _round_trips(rank: int, world_size: int, directory: str) -> dict:
@@ -143,17 +158,26 @@ def _round_trips(rank: int, world_size: int, directory: str) -> dict:
     uninterrupted = _engine(3, "none", directory, optimizer="adamw-fused")
     train_accumulated(uninterrupted, rank, range(4))
     expected = uninterrupted.full_state_dict()
-    modes = [("nvme", "none", 1), ("none", "nvme", 3), ("nvme", "nvme", 2)]
-    modes += [("cpu", "none", 3), ("none", "cpu", 2), ("cpu", "nvme", 1), ("nvme", "cpu", 3)]
-    for saved_with, loaded_with, stage in modes:
-        first = _engine(3, saved_with, directory, optimizer="adamw-fused")
+    modes = [("nvme", "none", 1, "fp32"), ("none", "nvme", 3, "fp32"), ("nvme", "nvme", 2, "fp32")]
+    modes += [("cpu", "none", 3, "fp32"), ("none", "cpu", 2, "fp32"), ("cpu", "nvme", 1, "fp32")]
+    modes += [("nvme", "cpu", 3, "fp32")]
+    # bf16: the masters rest in the files too (tensors of their own): saved from there, loaded into there.
+    modes += [("nvme", "nvme", 3, "bf16")]
+    expected_in = {"fp32": expected}
+    uninterrupted = _engine(3, "none", directory, optimizer="adamw-fused", precision="bf16")
+    train_accumulated(uninterrupted, rank, range(4))
+    expected_in["bf16"] = uninterrupted.full_state_dict()
+    for saved_with, loaded_with, stage, precision in modes:
+        first = _engine(3, saved_with, directory, optimizer="adamw-fused", precision=precision)
         train_accumulated(first, rank, range(2))
-        path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}"
+        path = Path(directory) / f"ckpt-{saved_with}-{loaded_with}-{precision}"
         first.save_checkpoint(path)
-        second = _engine(stage, loaded_with, directory, optimizer="adamw-fused")
+        second = _engine(stage, loaded_with, directory, optimizer="adamw-fused", precision=precision)
+        train_accumulated(second, rank, range(1))  # its masters in the files, then replaced by the load
         second.load_checkpoint(path)
         train_accumulated(second, rank, range(2, 4))
-        results[f"{saved_with} -> {loaded_with}"] = relative_difference(second.full_state_dict(), expected)
+        name = f"{saved_with} -> {loaded_with}, {precision}"
+        results[name] = relative_difference(second.full_state_dict(), expected_in[precision])
     engine = _engine(3, "nvme", directory)
     reference = _engine(3, "none", directory, optimizer="adamw-fused")
     train_accumulated(engine, rank, range(2))

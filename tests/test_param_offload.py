@@ -401,7 +401,7 @@ def test_the_estimate_moves_the_shards_to_the_host() -> None:
 def test_the_estimate_moves_nvme_shards_to_the_files() -> None:
     """offload_params="nvme": the shards' bytes leave memory for the files; the master stays where it was (in
     fp32 a tensor of its own: the shard on disk is a copy). With both offloads on NVMe (bf16), the device holds
-    the gradient shard only, the host the master and the gradient copy."""
+    the gradient shard only, the host the gradient copy, the files the shard, the master and the moments."""
     numel, world = 1_000_000, 4
     shard = numel / world
     for precision, compute in ((MixedPrecision(compute_dtype=torch.bfloat16), 2), (MixedPrecision(), 4)):
@@ -412,8 +412,8 @@ def test_the_estimate_moves_nvme_shards_to_the_files() -> None:
         assert on_disk.device_bytes == plain.device_bytes - shard * compute + master_of_its_own
     bf16 = MixedPrecision(compute_dtype=torch.bfloat16)
     both = estimate(numel, world, precision=bf16, offload_params="nvme", offload_optimizer="nvme")[3]
-    assert both.device_bytes == 4 * shard and both.host_bytes == (4 + 4) * shard
-    assert both.nvme_bytes == (2 + 8) * shard
+    assert both.device_bytes == 4 * shard and both.host_bytes == 4 * shard
+    assert both.nvme_bytes == (2 + 4 + 8) * shard
 
 
 def test_a_part_written_over_a_failed_read_leaves_the_file_as_it_was(tmp_path: Path) -> None:
@@ -435,6 +435,20 @@ def test_a_part_written_over_a_failed_read_leaves_the_file_as_it_was(tmp_path: P
     assert (tmp_path / "params0.bin").read_bytes() == good
     assert tier.read_failures == [f"I/O error: {tmp_path / 'params0.bin'}"]
     assert file.values().tolist() == list(range(8))  # read again: the file's values
+
+
+def test_a_shard_handed_out_for_writing_is_not_freed_before_it_is_stored(tmp_path: Path) -> None:
+    """With offload_step_in_backward the worker writes a unit's new shard (the master's values, right after its
+    step) while backward releases shards: between for_writing and store, a release must not free it."""
+    tier = shard_files.ShardFiles(tmp_path, units_in_memory=1)
+    file = tier.file_for(torch.arange(8, dtype=torch.float32))
+    tier.drain(keep=0)
+    shard = file.for_writing(keep_values=False)
+    file.release()  # what backward's end of a unit, or a drain of other writes, calls meanwhile
+    shard.copy_(torch.full((8,), 7.0))  # freed memory here would crash, or write nowhere
+    file.store()
+    tier.drain(keep=0)
+    assert file.values().tolist() == [7.0] * 8
 
 
 class _UnitOnDisk:

@@ -62,7 +62,7 @@ def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]
             refreshing=unit.refreshing,
             offloaded=unit.offloaded,
             params_offloaded=unit.params_offloaded,
-            shard_numel=unit.master_shard.numel(),
+            shard_numel=unit.resting_master.numel(),
             trainable_shard_numel=sum(
                 m.piece.numel for m in unit.master_pieces if unit.params[m.piece.slot.index].requires_grad
             ),
@@ -90,6 +90,11 @@ class StorageCounter:
         return total
 
 
+def _bytes_in_memory(tensor: torch.Tensor) -> int:
+    """A tensor's own bytes (not those of a larger storage it is a slice of); 0 while a file holds them."""
+    return min(tensor.numel() * tensor.element_size(), tensor.untyped_storage().nbytes())
+
+
 def measure_model_state(
     model: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer | None, nvme_bytes: int = 0
 ) -> MemoryReport:
@@ -111,15 +116,16 @@ def measure_model_state(
         keys = optimizer_state.keys() if pieces is None else [p for p in pieces if p in optimizer_state]
         return [value for key in keys for value in optimizer_state[key].values() if isinstance(value, torch.Tensor)]
 
-    optimizer_bytes = counter.count([u.master_shard for u in units] + state_of())
+    # The masters as they rest (nothing read back): with the NVMe optimizer tier their files may hold them.
+    optimizer_bytes = counter.count([u.resting_master for u in units] + state_of())
     offloaded = [u for u in units if u.offloaded]
-    # The master shard by its own bytes: on a CPU device it can be a slice of the full parameters' storage.
-    on_host = sum(u.master_shard.numel() * u.master_shard.element_size() for u in offloaded)
-    # offload_params: the parameter shards at rest, unless one is an offloaded master itself (counted above);
-    # with "nvme" only while in memory (read for a gather, or waiting for its write).
-    masters_on_host = {u.master_shard.untyped_storage().data_ptr() for u in offloaded}
+    # The master shard by its own bytes (on a CPU device it can be a slice of the full parameters' storage),
+    # while in memory. offload_params: the parameter shards at rest, unless one is an offloaded master itself
+    # (counted already); with "nvme" only while in memory (read for a gather, or waiting for its write).
+    on_host = sum(_bytes_in_memory(u.resting_master) for u in offloaded)
+    masters_on_host = {u.resting_master.untyped_storage().data_ptr() for u in offloaded}
     on_host += sum(
-        min(u.host_shard.numel() * u.host_shard.element_size(), u.host_shard.untyped_storage().nbytes())
+        _bytes_in_memory(u.host_shard)
         for u in units
         if u.host_shard is not None and u.host_shard.untyped_storage().data_ptr() not in masters_on_host
     )
@@ -146,6 +152,14 @@ def _parameter_shards_moved(
     return 4 * (1 - offloaded) * shard, 0.0 if host_is_device else 4 * (1 - offloaded) * shard
 
 
+def _masters_in_files(optimizer: str, low_precision: bool, host_is_device: bool, stage: int, params: str) -> int:
+    """offload_optimizer="nvme": the master bytes per offloaded shard element that rest in the tier's files
+    beside the moments: 4, unless the master is the parameters' own memory (fp32 on a CPU device; but stage 3
+    with the parameter shards in files of their own keeps a master of its own)."""
+    stands_alone = low_precision or not host_is_device or (stage == 3 and params == "nvme")
+    return 4 if optimizer == "nvme" and stands_alone else 0
+
+
 def expected_model_state_bytes(
     stage: int,
     numel: int,
@@ -170,21 +184,19 @@ def expected_model_state_bytes(
     parameter; stages 2/3 a shard for the ``gradient_numel`` (default: the trainable ones; the engine
     holds one for every element of a unit with any trainable parameter).
 
-    ``offload_optimizer`` ("cpu" or "nvme", stages 1-3) moves ``offload_fraction`` of the elements'
-    master and state into ``host_bytes``; "nvme" moves their optimizer state into ``nvme_bytes``
-    (between steps; over the ``gradient_numel``, as the tier's files cover a unit's whole shard).
-    On a GPU the offloaded reduced gradient shards are copied into fp32 host buffers; ``host_is_device``
-    (a CPU device) steps on the shard in place, and in fp32 the parameters' own shard is the master.
-    ``offload_params`` (stage 3) moves the parameter shards into ``host_bytes`` or ``nvme_bytes`` (the helper).
+    ``offload_optimizer`` ("cpu" or "nvme", stages 1-3) moves ``offload_fraction`` of the elements' master
+    and state into ``host_bytes``; "nvme" moves their state (over the ``gradient_numel``: a unit's file covers
+    its whole shard) and master (``_masters_in_files``) on into ``nvme_bytes``. On a GPU the offloaded gradient
+    shards get fp32 host copies; ``host_is_device`` (a CPU device) steps on the shard in place, and in fp32 the
+    parameters' own shard is the master. ``offload_params`` (stage 3): ``_parameter_shards_moved``.
     """
     compute = torch.empty(0, dtype=precision.compute_dtype).element_size()
     reduce = torch.empty(0, dtype=precision.reduce_dtype).element_size()
     low_precision = precision.compute_dtype != torch.float32
     state_bytes = optimizer_state_bytes_per_param
     trainable = numel if trainable_numel is None else trainable_numel
-    if stage == 0:
-        master = 4 * numel if low_precision else 0
-        return MemoryReport(numel * compute, trainable * compute, int(trainable * state_bytes + master))
+    if stage == 0:  # the fp32 master is a copy of its own in lower precision
+        return MemoryReport(numel * compute, trainable * compute, trainable * state_bytes + 4 * numel * low_precision)
     with_grads = trainable if gradient_numel is None else gradient_numel
     offloaded = 0.0 if offload_optimizer == "none" else offload_fraction
     shard, trainable_shard = numel / world_size, trainable / world_size
@@ -203,6 +215,8 @@ def expected_model_state_bytes(
         params, host, on_disk = (
             (params, host + moved, on_disk) if offload_params == "cpu" else (0, host, on_disk + moved)
         )
-    return MemoryReport(
-        round(params), round(grads + host_grads), round(master + in_memory), round(on_disk), round(host)
+    filed = (
+        offloaded * shard * _masters_in_files(offload_optimizer, low_precision, host_is_device, stage, offload_params)
     )
+    master, host, on_disk = master - filed, host - filed, on_disk + filed
+    return MemoryReport(*(round(b) for b in (params, grads + host_grads, master + in_memory, on_disk, host)))

@@ -62,10 +62,12 @@ class EngineParts(NamedTuple):
 
 
 class OffloadFiles(NamedTuple):
-    """The NVMe tier's files of this rank: its scratch directory, and the parameter shards' files in it."""
+    """The NVMe tier's files of this rank: its scratch directory, and the optimizer state's and the parameter
+    shards' files in it (units join both as they are built)."""
 
     scratch: ScratchDirectory | None  # offload_optimizer or offload_params "nvme"
     params: ShardFiles | None  # offload_params="nvme"
+    optimizer: NvmeOptimizerState | None = None  # offload_optimizer="nvme"
 
 
 def model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -121,7 +123,12 @@ def build_units(
                 plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests,
                 offloaded=plan.index in offloaded, params_offloaded=config.offload_params != "none",
                 param_files=files.params,
+                master_on_disk=plan.index in offloaded and config.offload_optimizer == "nvme",
             )  # fmt: skip
+            if files.optimizer is not None:
+                files.optimizer.add_unit(units[plan.index])  # its master to its file now
+    if files.optimizer is not None:
+        files.optimizer.all_units_added()
     digests.track([units[i] for i in range(len(plans))])
     return [units[i] for i in range(len(plans))], files
 
@@ -130,34 +137,30 @@ def open_offload_files(
     plans: list[UnitPlan], offloaded: set[int], config: ZeroConfig, comm: CommContext
 ) -> OffloadFiles:
     """offload_optimizer or offload_params "nvme": this rank's scratch directory, checked on every rank for
-    room for what goes there (two fp32 moments per element of each offloaded unit's shard, Adam's; each
-    sharded unit's parameter shard), and the parameter shards' files in it."""
+    room for what goes there (two fp32 moments per element of each offloaded unit's shard, Adam's, and its
+    fp32 master; each sharded unit's parameter shard), and the parameter shards' files in it."""
     if "nvme" not in (config.offload_optimizer, config.offload_params):
         return OffloadFiles(None, None)
     numels = {plan.index: sum(local_shape(p).numel() for p in plan.params) for plan in plans}
     shards = {index: -(-numel // comm.shard_size) for index, numel in numels.items()}  # padded as the layout pads
     needed = 0
     if config.offload_optimizer == "nvme":
-        needed += 2 * 4 * sum(shards[index] for index in offloaded)
+        # The master too, unless it is the parameters' own memory (fp32 on a CPU device; stage 3's shards in
+        # files are copies of their own).
+        fp32_on_cpu = config.mixed_precision.compute_dtype == torch.float32 and comm.device.type == "cpu"
+        master = 0 if fp32_on_cpu and config.offload_params != "nvme" else 4
+        needed += (2 * 4 + master) * sum(shards[index] for index in offloaded)
     if config.offload_params == "nvme":
         compute_bytes = torch.empty(0, dtype=config.mixed_precision.compute_dtype).element_size()
         at_rest = [index for index, numel in numels.items() if config.unit_plan(numel).params_sharded_at_rest]
         needed += compute_bytes * sum(shards[index] for index in at_rest)
     scratch = ScratchDirectory(config.offload_dir, comm, needed)
-    params = None
+    params = optimizer = None
     if config.offload_params == "nvme":
         params = ShardFiles(scratch.path, config.offload_units_in_memory, directory_owner=scratch)
-    return OffloadFiles(scratch, params)
-
-
-def build_nvme_state(
-    units: list[FlatUnit], config: ZeroConfig, comm: CommContext, scratch: ScratchDirectory | None
-) -> NvmeOptimizerState | None:
-    """offload_optimizer="nvme": the tier over this rank's scratch directory."""
-    if config.offload_optimizer != "nvme":
-        return None
-    assert scratch is not None  # opened with the units
-    return NvmeOptimizerState(units, comm, scratch, config.offload_units_in_memory)
+    if config.offload_optimizer == "nvme":
+        optimizer = NvmeOptimizerState(len(plans), comm, scratch, config.offload_units_in_memory)
+    return OffloadFiles(scratch, params, optimizer)
 
 
 def _activation_hooks(model: nn.Module, units: list[FlatUnit], comm: CommContext, config: ZeroConfig) -> list[Any]:
@@ -238,7 +241,7 @@ def build_parts(
         units, config.plan, UNTUNED_DEPTH if auto_prefetch else config.prefetch, auto_prefetch=auto_prefetch,
         requires_scaled_backward=loss_scaler is not None, input_cast=input_cast,
     )  # fmt: skip
-    nvme = build_nvme_state(units, config, comm, files.scratch)
+    nvme = files.optimizer
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
     param_files = _agreed_after_each_forward(files.params, runtime, comm)
     optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme, param_files)

@@ -1,16 +1,19 @@
 """The optimizer's per-element state on NVMe (ZeRO-Infinity's tier), one file per unit.
 
-Between steps each unit's per-element state (Adam's two moments, SGD's momentum: every tensor shaped
-like a master piece) lives in ``<run dir>/unit<i>.bin``; in memory its tensors keep their identity,
-shapes and offsets, but their storage is resized to zero bytes (FSDP2's trick), so nothing holds them.
-The step runs unit by unit: the state of the next units is read by a thread pool while the current
-unit steps, each unit's state is written back behind it, and at most ``units_in_memory`` units are in
-memory at once. Scalar state (Adam's ``step``) stays in memory.
+Between steps each unit's fp32 master shard and per-element state (Adam's two moments, SGD's momentum:
+every tensor shaped like a master piece) live in ``<run dir>/unit<i>.bin``, as DeepSpeed's NVMe optimizer
+offload keeps them; in memory the tensors keep their identity, shapes and offsets, but their storage is
+resized to zero bytes (FSDP2's trick), so nothing holds them. (A master that is the parameters' own memory,
+fp32 on a CPU device, stays where it is.) The step runs unit by unit: the state of the next units is read by
+a thread pool while the current unit steps, the unit's compute copy takes the new master's values, its state
+is written back behind it, and at most ``units_in_memory`` units are in memory at once. Scalar state (Adam's
+``step``) stays in memory.
 
-Every reader of the state outside the step (``optimizer.state_dict()``, checkpoints) calls
-:meth:`NvmeOptimizerState.make_resident` first: the whole state comes back into memory until the next
-step writes it out again. A failed read or write raises the same error on every rank after the units
-were stepped (no collective runs in between), and the files of the run are removed at exit.
+Every reader of the state outside the step calls :meth:`NvmeOptimizerState.make_resident` first: the
+optimizer's ``state_dict()`` (its pre-hook), and any reader of a unit's master (``ParamStorage.master_shard``
+calls it): the whole state comes back into memory until the next step writes it out again. A failed read or
+write raises the same error on every rank after the units were stepped (no collective runs in between), and
+the files of the run are removed at exit.
 """
 
 from __future__ import annotations
@@ -24,7 +27,16 @@ from pathlib import Path
 import torch
 
 from ..collectives import CommContext, all_gather_objects
-from ..file_io import OffloadError, agreed_failure, free, read_tensors, release_freed_memory, succeeded, write_tensors
+from ..file_io import (
+    OffloadError,
+    agreed_failure,
+    free,
+    has_bytes,
+    read_tensors,
+    release_freed_memory,
+    succeeded,
+    write_tensors,
+)
 from ..unit import FlatUnit
 from .param_groups import OptimizerGroups
 from .scratch import ScratchDirectory
@@ -34,27 +46,33 @@ RawStep = Callable[[torch.optim.Optimizer], object]
 
 @dataclass
 class _UnitState:
-    """One unit's per-element state: a flat buffer per state key, each piece's tensor a view of it."""
+    """One unit's state in its file: its master shard (when it rests there) and a flat buffer per state key,
+    each piece's tensor a view of it."""
 
     path: Path
+    master: torch.Tensor | None = None  # the unit's fp32 master shard, when it is a tensor of its own
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    resident: bool = True  # the buffers hold their bytes (else their storage is empty and the file holds them)
+    resident: bool = True  # the tensors hold their bytes (else their storage is empty and the file holds them)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return ([self.master] if self.master is not None else []) + list(self.buffers.values())
 
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
     def free(self) -> None:
-        for buffer in self.buffers.values():
-            free(buffer)
+        for tensor in self.tensors:
+            free(tensor)
         self.resident = False
 
     def write(self) -> None:
-        write_tensors(self.path, list(self.buffers.values()))
+        write_tensors(self.path, self.tensors)
 
     def read(self) -> None:
-        """Give the buffers their bytes back and fill them from the file."""
-        read_tensors(self.path, list(self.buffers.values()))
+        """Give the tensors their bytes back and fill them from the file."""
+        read_tensors(self.path, self.tensors)
         self.resident = True
 
 
@@ -73,15 +91,39 @@ def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
 class NvmeOptimizerState:
     """The per-unit files, the step that brings units in and out, and reads of the whole state."""
 
-    def __init__(self, units: list[FlatUnit], comm: CommContext, scratch: ScratchDirectory, units_in_memory: int):
-        self.units, self.comm, self.scratch = units, comm, scratch
+    def __init__(self, unit_count: int, comm: CommContext, scratch: ScratchDirectory, units_in_memory: int):
+        """Opened before the units are built; each joins it as it is (:meth:`add_unit`)."""
+        self.comm, self.scratch = comm, scratch
         self.units_in_memory = units_in_memory
+        self.units: list[FlatUnit] = []  # by index, once all joined
+        self._joined: dict[int, FlatUnit] = {}
         # The units whose state goes to disk (offload_fraction); the others' stays in memory and steps in place.
-        self.offloaded = {index for index, unit in enumerate(units) if unit.offloaded}
-        self.states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(len(units))]
+        self.offloaded: set[int] = set()
+        self.states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(unit_count)]
+        self._setup_failures: list[str] = []
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
         self._behind: UnitWalk | None = None  # the last walk, whose last writes may still be going on
         self._late_failures: list[str] = []  # of those writes, when settled outside a walk: raised by the next
+
+    def add_unit(self, unit: FlatUnit) -> None:
+        """A unit as it is built: a master that rests in its file goes there now, so the masters never all sit
+        in memory at once, not even while the model is set up (a failed write keeps it: agreed at the end)."""
+        self._joined[unit.index] = unit
+        if unit.offloaded:
+            self.offloaded.add(unit.index)
+        if unit.master_rests_on_disk:
+            state = self.states[unit.index]
+            state.master = unit.resting_master
+            unit.storage.bring_master_back = self.make_resident  # its readers get the whole state back
+            if succeeded(self.io.submit(state.write), self._setup_failures):
+                state.free()
+                release_freed_memory()
+
+    def all_units_added(self) -> None:
+        """Every unit joined (every rank calls this, a collective): a failed write is raised alike on all."""
+        self.units = [self._joined[index] for index in range(len(self.states))]
+        failures, self._setup_failures = self._setup_failures, []
+        self._raise_if_any_rank_failed(failures)
 
     # ----------------------------------------------------------------- stepping
     def step(self, groups: OptimizerGroups, raw_step: RawStep, earlier: UnitWalk | None = None) -> None:
@@ -143,7 +185,7 @@ class NvmeOptimizerState:
 
     def needs_read(self, index: int) -> bool:
         state = self.states[index]
-        return bool(state.buffers) and not state.resident
+        return bool(state.tensors) and not state.resident
 
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
         reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")
@@ -169,7 +211,7 @@ class NvmeOptimizerState:
                     view = buffer[piece.shard_start : piece.shard_start + piece.numel]
                     view.copy_(value)
                     optimizer.state[master.param][key] = view
-        state.buffers, state.resident = buffers, True
+        state.buffers, state.resident = buffers, True  # the master (if any) stays
 
     @staticmethod
     def _is_view_of(state: _UnitState, optimizer: torch.optim.Optimizer, master) -> bool:  # type: ignore[no-untyped-def]
@@ -184,21 +226,25 @@ class NvmeOptimizerState:
         """Every unit's state in memory (until the next step writes it out): for readers of the whole state."""
         self._late_failures += self.settle()
         failures: list[str] = []
-        reads = [self.io.submit(s.read) for s in self.states if s.buffers and not s.resident]
+        reads = [self.io.submit(s.read) for s in self.states if s.tensors and not s.resident]
         for future in reads:
             succeeded(future, failures)
         if failures:
             raise OffloadError(f"ZeRO: the offloaded optimizer state could not be read back ({failures[0]}).")
 
     def forget(self) -> None:
-        """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds."""
+        """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds. The masters
+        are not replaced: each stays where it is (a file's first bytes hold it, so a read of the master alone
+        reads it back)."""
         self.settle()  # writes of the state replaced: their failures no longer matter
         self._late_failures = []
-        self.states = [_UnitState(s.path) for s in self.states]
+        self.states = [
+            _UnitState(s.path, s.master, resident=s.master is None or has_bytes(s.master)) for s in self.states
+        ]
 
     def bytes_on_disk(self) -> int:
         self._late_failures += self.settle()
-        return sum(s.nbytes for s in self.states if s.buffers and not s.resident)
+        return sum(s.nbytes for s in self.states if s.tensors and not s.resident)
 
     def close(self) -> None:
         self.io.shutdown(wait=True)
@@ -252,6 +298,8 @@ class UnitWalk:
         self.stepped.add(index)
         if index in tier.offloaded:
             tier.adopt(index, self.optimizer)
+            if tier.states[index].master is not None:  # the new master goes to disk: the compute copy takes it now
+                tier.units[index].storage.copy_master_to_compute()
             self.writes[index] = tier.io.submit(tier.states[index].write)
 
     def drain(self, keep: int) -> None:

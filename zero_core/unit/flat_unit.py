@@ -42,6 +42,7 @@ class FlatUnit:
         offloaded: bool = False,
         params_offloaded: bool = False,
         param_files: ShardFiles | None = None,
+        master_on_disk: bool = False,
     ):
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
@@ -62,6 +63,7 @@ class FlatUnit:
         self.storage = ParamStorage(
             self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label,
             host_master=offloaded, host_params=params_offloaded, param_files=param_files,
+            master_on_disk=master_on_disk,
         )  # fmt: skip
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
@@ -87,7 +89,18 @@ class FlatUnit:
 
     @property
     def master_shard(self) -> torch.Tensor:
+        """Its values in memory: with the NVMe optimizer tier, read back now if its file holds them."""
         return self.storage.master_shard
+
+    @property
+    def master_rests_on_disk(self) -> bool:
+        """offload_optimizer="nvme": the master rests in the optimizer tier's file between steps."""
+        return self.storage.master_rests_on_disk
+
+    @property
+    def resting_master(self) -> torch.Tensor:
+        """As it is now, nothing read (its storage empty while the NVMe tier's file holds it)."""
+        return self.storage.resting_master
 
     @property
     def params_offloaded(self) -> bool:

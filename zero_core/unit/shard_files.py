@@ -8,23 +8,43 @@ did not change. After a step (or a load) the new values are written behind: the 
 on while earlier ones are written, at most ``units_in_memory`` shards wait in memory for their writes, and
 a shard is freed once its write is on disk (a failed write keeps it: it is the only copy).
 
-Every method runs on the thread that runs forward, backward and the step; the pool's threads only move
-bytes between a tensor's memory and its file. A failed read fills the shard with zeros instead of raising:
-this rank still joins the gather, so no rank waits alone. Failures (reads and writes) are then raised alike
-on every rank by :meth:`ShardFiles.agree`, at the end of each forward and before each optimizer step, so no
-step applies what a failed read computed.
+Every method runs under the tier's lock, on the thread that runs forward, backward and the step, or on the
+worker that steps units during backward (``offload_step_in_backward``, which with the NVMe optimizer tier
+writes a unit's new shard right after its step); the pool's threads only move bytes between a tensor's
+memory and its file. A shard handed out for writing is not freed until it is stored.
+
+A failed read fills the shard with zeros instead of raising: this rank still joins the gather, so no rank
+waits alone. Failures (reads and writes) are then raised alike on every rank by :meth:`ShardFiles.agree`, at
+the end of each forward and before each optimizer step, so no step applies what a failed read computed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 
 from ..collectives import CommContext, all_gather_objects
 from ..file_io import agreed_failure, free, has_bytes, read_tensors, release_freed_memory, succeeded, write_tensors
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def _locked(method: Method) -> Method:
+    """The method runs under its tier's lock (re-entrant: locked methods call each other)."""
+
+    @functools.wraps(method)
+    def locked(self: ShardFiles | ShardFile, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked  # type: ignore[return-value]
 
 
 class ShardFiles:
@@ -40,10 +60,12 @@ class ShardFiles:
         # writes (the shard stays in memory until written again).
         self.read_failures: list[str] = []
         self.write_failures: list[str] = []
+        self.lock = threading.RLock()
         # When the engine goes away, its writes in flight end before the directory is removed (it is removed
         # when the owner goes, which this tier keeps alive).
         weakref.finalize(self, self.io.shutdown, wait=True)
 
+    @_locked
     def file_for(self, shard: torch.Tensor) -> ShardFile:
         """``shard``'s values go to a file of its own now (written behind) and rest there from then on."""
         file = ShardFile(self, self.directory / f"params{len(self.files)}.bin", shard)
@@ -51,6 +73,7 @@ class ShardFiles:
         file.store()
         return file
 
+    @_locked
     def drain(self, keep: int, wait: bool = True) -> None:
         """Settle the oldest writes until at most ``keep`` are in flight (``wait=False``: only those done)."""
         while len(self.writes) > keep:
@@ -60,10 +83,12 @@ class ShardFiles:
             del self.writes[file]
             file.written(succeeded(future, self.write_failures))
 
+    @_locked
     def wait_for_write(self, file: ShardFile) -> None:
         """``file``'s write in flight is done (its shard stays in memory, for the caller)."""
         file.on_disk = succeeded(self.writes.pop(file), self.write_failures)
 
+    @_locked
     def rewrite_all(self) -> None:
         """Every shard is about to be written anew (a load, a refresh from the master): the failed writes of
         their earlier values no longer matter. Failed reads still do (what they computed is not stepped)."""
@@ -74,9 +99,10 @@ class ShardFiles:
         """The same OffloadError on every rank if a read or write failed on any (a collective: every rank
         calls it at the same points). The writes behind the last step are waited for first (by the end of the
         next forward they are done): every failure so far is in this agreement."""
-        self.drain(keep=0)
-        failures = self.read_failures + self.write_failures
-        self.read_failures, self.write_failures = [], []
+        with self.lock:
+            self.drain(keep=0)
+            failures = self.read_failures + self.write_failures
+            self.read_failures, self.write_failures = [], []
         reported = all_gather_objects(comm, failures[0] if failures else None, f"the parameter shards' files, {where}")
         error = agreed_failure(
             reported, f"the parameter shards offloaded to {self.directory.parent.parent}", f"; found {where}"
@@ -97,10 +123,16 @@ class ShardFile:
         self._read: concurrent.futures.Future | None = None
 
     @property
+    def lock(self) -> threading.RLock:
+        return self.tier.lock
+
+    @property
+    @_locked
     def bytes_on_disk(self) -> int:
         """The shard's bytes when the file holds its values and memory does not."""
         return self.nbytes if self.on_disk and not has_bytes(self.shard) else 0
 
+    @_locked
     def read_ahead(self) -> None:
         """Start reading the shard back into memory, unless it is there or on its way."""
         self.tier.drain(keep=0, wait=False)  # the shards whose writes are done since are freed
@@ -108,6 +140,7 @@ class ShardFile:
             self.shard.untyped_storage().resize_(self.nbytes)  # here: the pool's threads only move bytes
             self._read = self.tier.io.submit(read_tensors, self.path, [self.shard])
 
+    @_locked
     def values(self) -> torch.Tensor:
         """The shard, its values in memory (read now if no read was issued ahead)."""
         self._fill()
@@ -125,6 +158,7 @@ class ShardFile:
         self.shard.zero_()
         return False
 
+    @_locked
     def for_writing(self, keep_values: bool) -> torch.Tensor:
         """The shard in memory, to be changed and then :meth:`store`-d (``keep_values=False``: the caller
         overwrites all of it, nothing is read). A write of its earlier values is waited for first."""
@@ -133,11 +167,13 @@ class ShardFile:
         if keep_values or self._read is not None:  # a read issued ahead lands before the shard is overwritten
             # A part written over a shard whose read failed is not stored: zeros would replace the file's values.
             self._store_dropped = not self._fill() and keep_values
-            return self.shard
-        if not has_bytes(self.shard):
+        elif not has_bytes(self.shard):
             self.shard.untyped_storage().resize_(self.nbytes)
+        if not self._store_dropped:
+            self.on_disk = False  # about to hold newer values than the file: not freed before it is stored
         return self.shard
 
+    @_locked
     def store(self) -> None:
         """The shard's values changed: written behind (freed once on disk), with at most ``units_in_memory``
         shards waiting in memory for their writes."""
@@ -149,10 +185,12 @@ class ShardFile:
         self.tier.writes[self] = self.tier.io.submit(write_tensors, self.path, [self.shard])
         self.tier.drain(keep=self.tier.units_in_memory)
 
+    @_locked
     def written(self, succeeded: bool) -> None:
         self.on_disk = succeeded
         self.release()
 
+    @_locked
     def release(self) -> None:
         """The shard's values are not needed in memory now: freed if the file holds them (a read issued ahead
         is waited for; a shard still being written, or copied, is freed when that is done)."""

@@ -13,7 +13,11 @@ unless hybrid sharding splits the ranks into groups):
   parameter view per (parameter ∩ shard) piece. It is ``compute_shard``
   itself when computing in fp32, unless the unit is offloaded
   (``offload_optimizer``) from a GPU: then it lives in pinned host memory
-  and each refresh copies it to the device.
+  and each refresh copies it to the device. With ``offload_optimizer="nvme"``
+  a master that is a tensor of its own (``master_rests_on_disk``) rests in
+  the optimizer tier's file between steps (optim/nvme_state.py), beside its
+  moments: the tier copies it into the compute copy right after the unit's
+  step, and any reader here (``master_shard``) brings it back first.
 - ``host_shard`` (S, compute dtype), stage 3 with ``offload_params``: the
   parameter shard at rest, in host memory (pinned on a GPU; the master
   itself where that is a host fp32 shard). ``compute_shard`` is then only a
@@ -30,6 +34,7 @@ Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import Enum, auto
 
 import torch
@@ -37,6 +42,7 @@ from torch import nn
 
 from ..collectives import CommContext, Handle, Span, all_gather, broadcast
 from ..config import MixedPrecision
+from ..file_io import has_bytes
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
@@ -68,21 +74,30 @@ class ParamStorage:
         host_master: bool = False,
         host_params: bool = False,
         param_files: ShardFiles | None = None,
+        master_on_disk: bool = False,
     ):
         self.layout, self.params, self.comm, self.label = layout, params, comm, label
         self.sharded_at_rest = sharded_at_rest
         self.guard = guard
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
-        self._flatten_parameters(precision.compute_dtype, host_master)
+        self._flatten_parameters(precision.compute_dtype, host_master, pinned_master=not master_on_disk)
         self.host_shard: torch.Tensor | None = None
         self.shard_file: ShardFile | None = None  # offload_params="nvme": where host_shard's bytes rest
         self._host_shard_read: torch.cuda.Event | None = None  # the last asynchronous copy out of host_shard
         if host_params and sharded_at_rest:
             self._move_shard_to_host(precision.compute_dtype, param_files)
+        # offload_optimizer="nvme": the master rests in the optimizer tier's file between steps, unless it is
+        # the parameters' own memory (fp32 on a CPU device: the compute shard or the full parameters).
+        self.master_rests_on_disk = master_on_disk and self._master_stands_alone()
+        self.bring_master_back: Callable[[], None] | None = None  # set by the tier: reads every unit's state back
+        # The compute copy already holds the master's values: the tier copied them right after the unit's step,
+        # before the master went to disk, so the refresh that follows leaves the copy out. Set by
+        # copy_master_to_compute, cleared by every refresh and by every other write of the master.
+        self._compute_copy_current = False
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
 
-    def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool) -> None:
+    def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool, pinned_master: bool) -> None:
         """Copy the parameters into the flat buffers and make them views of it.
 
         Rank 0's values win, as in DDP, so ranks seeded differently still agree.
@@ -96,16 +111,17 @@ class ParamStorage:
         lo, hi = layout.shard_range(comm.shard_rank)
         self.gathered_params = padded_full.to(compute_dtype)
         if host_master and comm.device.type != "cpu":  # on a CPU device the master is in host memory already
-            self.master_shard = host_zeros(hi - lo, torch.float32, comm.device)
-            self.master_shard.copy_(padded_full[lo:hi])
+            # Pageable when it goes to disk: a pinned block resized to zero would stay in torch's pinned cache.
+            self._master = host_zeros(hi - lo, torch.float32, comm.device if pinned_master else torch.device("cpu"))
+            self._master.copy_(padded_full[lo:hi])
             own = padded_full[lo:hi].to(compute_dtype, copy=True)
             self.compute_shard = own if self.sharded_at_rest else self.gathered_params[lo:hi]
         elif self.sharded_at_rest:
-            self.master_shard = padded_full[lo:hi].clone()
-            self.compute_shard = self.master_shard.to(compute_dtype)
+            self._master = padded_full[lo:hi].clone()
+            self.compute_shard = self._master.to(compute_dtype)
         else:
             self.compute_shard = self.gathered_params[lo:hi]
-            self.master_shard = self.compute_shard if compute_dtype == torch.float32 else padded_full[lo:hi].clone()
+            self._master = self.compute_shard if compute_dtype == torch.float32 else padded_full[lo:hi].clone()
         self._gathered_nbytes = self.gathered_params.untyped_storage().nbytes()
         for slot, param in zip(layout.slots, self.params):
             point_at(param, slot_view(self.gathered_params, slot))
@@ -124,10 +140,10 @@ class ParamStorage:
     def _move_shard_to_host(self, compute_dtype: torch.dtype, param_files: ShardFiles | None) -> None:
         """offload_params: the parameter shard rests in host memory (or, "nvme", in a file); the device keeps
         an empty staging buffer."""
-        on_host = self.master_shard.device.type == "cpu" and compute_dtype == torch.float32
+        on_host = self._master.device.type == "cpu" and compute_dtype == torch.float32
         if on_host and param_files is None:
-            self.host_shard = self.master_shard  # the host fp32 master is the shard itself: no second copy
-        elif self.compute_shard.device.type == "cpu" and self.compute_shard is not self.master_shard:
+            self.host_shard = self._master  # the host fp32 master is the shard itself: no second copy
+        elif self.compute_shard.device.type == "cpu" and self.compute_shard is not self._master:
             self.host_shard = self.compute_shard
         elif param_files is not None:  # a copy of its own, the master staying where the optimizer keeps it;
             # pageable: a pinned storage resized to zero goes back to torch's pinned cache, not to the system.
@@ -140,6 +156,35 @@ class ParamStorage:
         self.compute_shard = torch.empty(self.host_shard.numel(), dtype=compute_dtype, device=self.comm.device)
         self._staging_nbytes = self.compute_shard.untyped_storage().nbytes()
         self.compute_shard.untyped_storage().resize_(0)
+
+    def _master_stands_alone(self) -> bool:
+        """The master is a tensor of its own, not the memory of the parameters (compared while all have bytes)."""
+        master = self._master.untyped_storage().data_ptr()
+        others = [self.gathered_params, self.compute_shard] + ([self.host_shard] if self.host_shard is not None else [])
+        return master != 0 and all(master != t.untyped_storage().data_ptr() for t in others)
+
+    @property
+    def master_shard(self) -> torch.Tensor:
+        """The fp32 master shard, its values in memory (with the NVMe optimizer tier, read back now if its file
+        holds them: they stay in memory until the next step writes them out again)."""
+        if self.bring_master_back is not None and not has_bytes(self._master):
+            self.bring_master_back()
+        return self._master
+
+    @property
+    def resting_master(self) -> torch.Tensor:
+        """The master shard as it is now, nothing read: its storage is empty while the tier's file holds it (for
+        counting bytes, and for the tier itself)."""
+        return self._master
+
+    def copy_master_to_compute(self) -> None:
+        """The NVMe optimizer tier, right after this unit stepped and before its master goes to disk: the compute
+        copy (or the parameter shard at rest) takes the master's values now; the refresh that follows leaves
+        the copy out (stages 1/2 still all-gather the full parameters there)."""
+        shard = self._shard_for_writing(keep_values=False)
+        shard.copy_(self._master)  # from pageable memory: done when this returns
+        self._shard_written()
+        self._compute_copy_current = True
 
     @property
     def params_on_host(self) -> bool:
@@ -239,12 +284,15 @@ class ParamStorage:
         """
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
-        shard = self._shard_for_writing(keep_values=False)
-        if shard.data_ptr() != self.master_shard.data_ptr():
-            # From pinned host memory (offload) asynchronously, in stream order before the all-gather;
-            # into host memory (offload_params) from a device master, which waits for the step.
-            shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned() and shard.is_cuda)
-        self._shard_written()
+        if self._compute_copy_current:
+            self._compute_copy_current = False  # copied right after the step (the NVMe optimizer tier)
+        else:
+            shard = self._shard_for_writing(keep_values=False)
+            if shard.data_ptr() != self.master_shard.data_ptr():
+                # From pinned host memory (offload) asynchronously, in stream order before the all-gather;
+                # into host memory (offload_params) from a device master, which waits for the step.
+                shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned() and shard.is_cuda)
+            self._shard_written()
         if self.sharded_at_rest:
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
@@ -272,6 +320,7 @@ class ParamStorage:
             return True  # no part of it lies in this rank's shard
         source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
         shard = self._shard_for_writing()  # first: the master may be the host shard a copy still reads
+        self._compute_copy_current = False
         shard_view(self.master_shard, piece).copy_(source)
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard_view(shard, piece).copy_(source)
@@ -287,12 +336,14 @@ class ParamStorage:
     def load_master_shard(self, shard: torch.Tensor) -> None:
         """This rank's new fp32 master shard; the compute copies follow at the next refresh."""
         self._wait_host_shard_read()  # first: the master may be the host shard a copy still reads
+        self._compute_copy_current = False
         self.master_shard.copy_(shard)
 
     def load_full_master(self, full: torch.Tensor) -> None:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
         shard = self._shard_for_writing(keep_values=False)  # first: the master may be the host shard a copy reads
+        self._compute_copy_current = False
         self.master_shard.copy_(full[lo:hi])
         if shard.data_ptr() != self.master_shard.data_ptr():
             shard.copy_(self.master_shard)
