@@ -195,6 +195,46 @@ def test_checkpoints_resume_across_modes_and_state_dict_reads_the_whole_state(tm
         assert all(difference == 0.0 for difference in results.values()), results
 
 
+def _masters_in_files(rank: int, world_size: int, directory: str) -> dict:
+    """bf16: each offloaded master rests in its unit's file. Right after a step the last units' writes are still
+    pending: a write of the weights then (gathered_parameters' write-back) must not be freed by those writes.
+    A master whose read failed is not handed out: a reader gets OffloadError, not the bytes it was read into."""
+    results = {}
+    engine = _engine(3, "nvme", directory, precision="bf16", offload_units_in_memory=2)
+    train_accumulated(engine, rank, range(1))
+    last = engine._units[-1]  # stepped last: its write still pending
+    names = {id(param): name for name, param in engine.model.named_parameters()}
+    with engine.gathered_parameters(last.module):
+        for param in last.params:
+            param.data.fill_(0.5)
+    weights = engine.full_state_dict()
+    results["written weights kept"] = all(bool((weights[names[id(p)]] == 0.5).all()) for p in last.params)
+    train_accumulated(engine, rank, range(1, 2))
+    results["weights written after the step"] = relative_difference(engine.full_state_dict(), weights) > 0
+    train_accumulated(engine, rank, range(2, 3))  # read back above; out again after this step
+    results["masters on disk"] = engine.memory_report().nvme_bytes  # every write done
+    for file in Path(directory).glob(f"lightning-zero-*/rank{rank}/unit*.bin"):
+        file.write_bytes(b"")  # lost
+    for attempt in ("the step", "a reader after it"):
+        try:
+            if attempt == "the step":
+                train_accumulated(engine, rank, range(3, 4))
+            else:
+                engine.full_state_dict()
+            results[attempt] = "no error"
+        except OffloadError as error:
+            results[attempt] = str(error)
+    return results
+
+
+def test_written_weights_stay_and_a_master_that_could_not_be_read_is_never_used(tmp_path: Path) -> None:
+    for results in run_distributed(_masters_in_files, 2, str(tmp_path)):
+        assert results["written weights kept"] and results["weights written after the step"], results
+        assert results["masters on disk"] > 0, results
+        assert "could not be read" in results["the step"], results
+        assert "could not be read back" in results["a reader after it"], results
+
+
 def _failures(rank: int, world_size: int, directory: str) -> dict:
     results = {}
 

@@ -393,6 +393,10 @@ def test_the_estimate_moves_the_shards_to_the_host() -> None:
     # Both offloads, fp32: the host master is the shard itself, and the device holds the gradient shard only.
     both = estimate(numel, world, offload_params="cpu", offload_optimizer="cpu")[3]
     assert both.device_bytes == 4 * shard
+    # With the optimizer on NVMe only the moments go to the files: that master is the host shard, it stays.
+    state_on_disk = estimate(numel, world, offload_params="cpu", offload_optimizer="nvme")[3]
+    assert state_on_disk.nvme_bytes == 8 * shard and state_on_disk.host_bytes == both.host_bytes - 8 * shard
+    assert state_on_disk.optimizer_state_bytes == 0 and state_on_disk.device_bytes == 4 * shard
     units = [UnitCount(numel, numel)]
     on_cpu = estimate_units(units, EstimateSettings(world, offload_params="cpu", host_is_device=True))[3]
     assert on_cpu.host_bytes == 4 * shard and on_cpu.optimizer_state_bytes == 8 * shard  # the master is the shard

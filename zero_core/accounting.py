@@ -152,11 +152,15 @@ def _parameter_shards_moved(
     return 4 * (1 - offloaded) * shard, 0.0 if host_is_device else 4 * (1 - offloaded) * shard
 
 
-def _masters_in_files(optimizer: str, low_precision: bool, host_is_device: bool, stage: int, params: str) -> int:
+def master_bytes_in_files(optimizer: str, low_precision: bool, host_is_device: bool, stage: int, params: str) -> int:
     """offload_optimizer="nvme": the master bytes per offloaded shard element that rest in the tier's files
-    beside the moments: 4, unless the master is the parameters' own memory (fp32 on a CPU device; but stage 3
-    with the parameter shards in files of their own keeps a master of its own)."""
-    stands_alone = low_precision or not host_is_device or (stage == 3 and params == "nvme")
+    beside the moments: 4, unless in fp32 the master is the parameters' own memory (on a CPU device its
+    parameters or shard, unless stage 3's shards rest in files of their own; at stage 3 with
+    offload_params="cpu" the host shard). Units that stage 3's persistence_threshold keeps are not modelled."""
+    if low_precision or (stage == 3 and params == "nvme"):
+        stands_alone = True
+    else:
+        stands_alone = not host_is_device and not (stage == 3 and params == "cpu")
     return 4 if optimizer == "nvme" and stands_alone else 0
 
 
@@ -186,7 +190,7 @@ def expected_model_state_bytes(
 
     ``offload_optimizer`` ("cpu" or "nvme", stages 1-3) moves ``offload_fraction`` of the elements' master
     and state into ``host_bytes``; "nvme" moves their state (over the ``gradient_numel``: a unit's file covers
-    its whole shard) and master (``_masters_in_files``) on into ``nvme_bytes``. On a GPU the offloaded gradient
+    its whole shard) and master (``master_bytes_in_files``) on into ``nvme_bytes``. On a GPU the offloaded gradient
     shards get fp32 host copies; ``host_is_device`` (a CPU device) steps on the shard in place, and in fp32 the
     parameters' own shard is the master. ``offload_params`` (stage 3): ``_parameter_shards_moved``.
     """
@@ -215,8 +219,7 @@ def expected_model_state_bytes(
         params, host, on_disk = (
             (params, host + moved, on_disk) if offload_params == "cpu" else (0, host, on_disk + moved)
         )
-    filed = (
-        offloaded * shard * _masters_in_files(offload_optimizer, low_precision, host_is_device, stage, offload_params)
-    )
+    filed = master_bytes_in_files(offload_optimizer, low_precision, host_is_device, stage, offload_params) * shard
+    filed *= offloaded
     master, host, on_disk = master - filed, host - filed, on_disk + filed
     return MemoryReport(*(round(b) for b in (params, grads + host_grads, master + in_memory, on_disk, host)))

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import agreement
+from .accounting import master_bytes_in_files
 from .checkpoint.training_state import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
@@ -145,10 +146,8 @@ def open_offload_files(
     shards = {index: -(-numel // comm.shard_size) for index, numel in numels.items()}  # padded as the layout pads
     needed = 0
     if config.offload_optimizer == "nvme":
-        # The master too, unless it is the parameters' own memory (fp32 on a CPU device; stage 3's shards in
-        # files are copies of their own).
-        fp32_on_cpu = config.mixed_precision.compute_dtype == torch.float32 and comm.device.type == "cpu"
-        master = 0 if fp32_on_cpu and config.offload_params != "nvme" else 4
+        low_precision, on_cpu = config.mixed_precision.compute_dtype != torch.float32, comm.device.type == "cpu"
+        master = master_bytes_in_files("nvme", low_precision, on_cpu, config.stage, config.offload_params)
         needed += (2 * 4 + master) * sum(shards[index] for index in offloaded)
     if config.offload_params == "nvme":
         compute_bytes = torch.empty(0, dtype=config.mixed_precision.compute_dtype).element_size()

@@ -31,7 +31,6 @@ from ..file_io import (
     OffloadError,
     agreed_failure,
     free,
-    has_bytes,
     read_tensors,
     release_freed_memory,
     succeeded,
@@ -114,7 +113,7 @@ class NvmeOptimizerState:
         if unit.master_rests_on_disk:
             state = self.states[unit.index]
             state.master = unit.resting_master
-            unit.storage.bring_master_back = self.make_resident  # its readers get the whole state back
+            unit.storage.bring_master_back = self.make_resident  # its readers and writers: the state settled
             if succeeded(self.io.submit(state.write), self._setup_failures):
                 state.free()
                 release_freed_memory()
@@ -176,10 +175,12 @@ class NvmeOptimizerState:
             self._behind = walk
 
     def settle(self) -> list[str]:
-        """The writes still going on behind the last walk are done (their units freed); their failures."""
+        """The reads and writes still going on behind the last walk are done (a walk that raised may have left
+        reads: their units are freed again, their files hold them; written units are freed); their failures."""
         behind, self._behind = self._behind, None
         if behind is None:
             return []
+        behind.drop_reads()
         behind.drain(keep=0)
         return behind.failures
 
@@ -201,7 +202,7 @@ class NvmeOptimizerState:
         unit = self.units[index]
         if state.buffers and all(self._is_view_of(state, optimizer, m) for m in unit.master_pieces):
             return
-        numel = unit.master_shard.numel()
+        numel = unit.resting_master.numel()
         buffers: dict[str, torch.Tensor] = {}
         for master in unit.master_pieces:
             piece = master.piece
@@ -222,11 +223,16 @@ class NvmeOptimizerState:
             for v in values.values()
         )
 
-    def make_resident(self) -> None:
-        """Every unit's state in memory (until the next step writes it out): for readers of the whole state."""
+    def make_resident(self, optimizer_state_only: bool = False) -> None:
+        """Every unit's state in memory (until the next step writes it out), the writes behind the last step
+        settled first: for every reader and writer of a master (``ParamStorage.master_shard``), and
+        (``optimizer_state_only``: the units with optimizer state, none before the first step) for readers of
+        the optimizer's state. Whether a unit's values are in memory is ``resident``, never merely that its
+        storage has bytes (a read that failed, or was dropped, left them allocated)."""
         self._late_failures += self.settle()
         failures: list[str] = []
-        reads = [self.io.submit(s.read) for s in self.states if s.tensors and not s.resident]
+        wanted = [s for s in self.states if s.tensors and not s.resident and (s.buffers or not optimizer_state_only)]
+        reads = [self.io.submit(s.read) for s in wanted]
         for future in reads:
             succeeded(future, failures)
         if failures:
@@ -238,9 +244,7 @@ class NvmeOptimizerState:
         reads it back)."""
         self.settle()  # writes of the state replaced: their failures no longer matter
         self._late_failures = []
-        self.states = [
-            _UnitState(s.path, s.master, resident=s.master is None or has_bytes(s.master)) for s in self.states
-        ]
+        self.states = [_UnitState(s.path, s.master, resident=s.master is None or s.resident) for s in self.states]
 
     def bytes_on_disk(self) -> int:
         self._late_failures += self.settle()
@@ -294,6 +298,7 @@ class UnitWalk:
                 tier.states[index].free()
                 release_freed_memory()
             return
+        tier.units[index].storage.compute_copy_current = False  # until the copy below, after this step
         step()
         self.stepped.add(index)
         if index in tier.offloaded:
@@ -311,15 +316,20 @@ class UnitWalk:
                 self.tier.states[index].free()
                 release_freed_memory()
 
-    def abandon(self, report: bool = True) -> None:
-        """A walk given up before its end (its backward raised, or a load replaced the state): the reads
-        issued ahead are dropped (their files still hold the state), the writes drained; with ``report``
-        its failures go to the next walk's end (a load replacing the state drops them)."""
+    def drop_reads(self) -> None:
+        """The reads issued ahead and not stepped are waited for and their units freed again (their files
+        still hold the state)."""
         for index, future in self.reads.items():
             if succeeded(future, self.failures):
                 self.tier.states[index].free()
         self.reads.clear()
         release_freed_memory()
+
+    def abandon(self, report: bool = True) -> None:
+        """A walk given up before its end (its backward raised, or a load replaced the state): the reads
+        issued ahead are dropped, the writes drained; with ``report`` its failures go to the next walk's end
+        (a load replacing the state drops them)."""
+        self.drop_reads()
         self.drain(keep=0)
         if report:
             self.tier._late_failures += self.failures

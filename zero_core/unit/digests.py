@@ -33,7 +33,7 @@ class DigestedUnit(Protocol):
     params: list[nn.Parameter]
 
     @property
-    def master_shard(self) -> torch.Tensor: ...
+    def resting_master(self) -> torch.Tensor: ...
 
     def gather_full_master(self) -> torch.Tensor: ...
 
@@ -72,7 +72,8 @@ class ParameterDigests:
     def equal(self, a: torch.nn.Parameter, b: torch.nn.Parameter) -> bool:
         # Any write to the values (a step, a load, gathered_parameters' write-back) bumps a master
         # shard's version counter, which its views share: digests from before it are stale.
-        versions = [unit.master_shard._version for unit in self.units]
+        # (Of the master as it rests: a version needs no values, and its file may hold them.)
+        versions = [unit.resting_master._version for unit in self.units]
         if self._digests is None or versions != self._computed_at:
             self._digests, self._computed_at = self._compute(), versions
         digest_a, digest_b = self._digests[id(a)], self._digests[id(b)]

@@ -42,7 +42,6 @@ from torch import nn
 
 from ..collectives import CommContext, Handle, Span, all_gather, broadcast
 from ..config import MixedPrecision
-from ..file_io import has_bytes
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
@@ -81,7 +80,12 @@ class ParamStorage:
         self.guard = guard
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
-        self._flatten_parameters(precision.compute_dtype, host_master, pinned_master=not master_on_disk)
+        # offload_optimizer="nvme": a master of its own goes to disk, pageable (a pinned block resized to zero
+        # stays in torch's pinned cache); in fp32 with offload_params="cpu" it is the host shard itself (pinned).
+        master_is_host_shard = host_params and sharded_at_rest and param_files is None
+        master_is_host_shard = master_is_host_shard and precision.compute_dtype == torch.float32
+        pinned_master = not master_on_disk or master_is_host_shard
+        self._flatten_parameters(precision.compute_dtype, host_master, pinned_master)
         self.host_shard: torch.Tensor | None = None
         self.shard_file: ShardFile | None = None  # offload_params="nvme": where host_shard's bytes rest
         self._host_shard_read: torch.cuda.Event | None = None  # the last asynchronous copy out of host_shard
@@ -90,11 +94,14 @@ class ParamStorage:
         # offload_optimizer="nvme": the master rests in the optimizer tier's file between steps, unless it is
         # the parameters' own memory (fp32 on a CPU device: the compute shard or the full parameters).
         self.master_rests_on_disk = master_on_disk and self._master_stands_alone()
-        self.bring_master_back: Callable[[], None] | None = None  # set by the tier: reads every unit's state back
+        # Set by the tier: settles its writes and reads back what its files hold (called before every read or
+        # write of the master: a write still pending would free newer values once done).
+        self.bring_master_back: Callable[[], None] | None = None
         # The compute copy already holds the master's values: the tier copied them right after the unit's step,
         # before the master went to disk, so the refresh that follows leaves the copy out. Set by
-        # copy_master_to_compute, cleared by every refresh and by every other write of the master.
-        self._compute_copy_current = False
+        # copy_master_to_compute; cleared when the unit's step begins, by every refresh, and by every other
+        # write of the master.
+        self.compute_copy_current = False
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
 
     def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool, pinned_master: bool) -> None:
@@ -165,9 +172,9 @@ class ParamStorage:
 
     @property
     def master_shard(self) -> torch.Tensor:
-        """The fp32 master shard, its values in memory (with the NVMe optimizer tier, read back now if its file
-        holds them: they stay in memory until the next step writes them out again)."""
-        if self.bring_master_back is not None and not has_bytes(self._master):
+        """The fp32 master shard, its values in memory, to read or write (with the NVMe optimizer tier, read back
+        now if its file holds them: they stay in memory until the next step writes them out again)."""
+        if self.bring_master_back is not None:
             self.bring_master_back()
         return self._master
 
@@ -184,7 +191,7 @@ class ParamStorage:
         shard = self._shard_for_writing(keep_values=False)
         shard.copy_(self._master)  # from pageable memory: done when this returns
         self._shard_written()
-        self._compute_copy_current = True
+        self.compute_copy_current = True
 
     @property
     def params_on_host(self) -> bool:
@@ -284,14 +291,15 @@ class ParamStorage:
         """
         if self.refreshing:
             self.wait_gathered()  # an earlier refresh: never two all-gathers into one buffer
-        if self._compute_copy_current:
-            self._compute_copy_current = False  # copied right after the step (the NVMe optimizer tier)
+        if self.compute_copy_current:
+            self.compute_copy_current = False  # copied right after the step (the NVMe optimizer tier)
         else:
+            master = self.master_shard  # first: reading it back may raise, and a shard taken for writing must be stored
             shard = self._shard_for_writing(keep_values=False)
-            if shard.data_ptr() != self.master_shard.data_ptr():
+            if shard.data_ptr() != master.data_ptr():
                 # From pinned host memory (offload) asynchronously, in stream order before the all-gather;
                 # into host memory (offload_params) from a device master, which waits for the step.
-                shard.copy_(self.master_shard, non_blocking=self.master_shard.is_pinned() and shard.is_cuda)
+                shard.copy_(master, non_blocking=master.is_pinned() and shard.is_cuda)
             self._shard_written()
         if self.sharded_at_rest:
             return
@@ -319,10 +327,11 @@ class ParamStorage:
         if piece is None:
             return True  # no part of it lies in this rank's shard
         source = full_value.detach().reshape(-1)[piece.param_start : piece.param_start + piece.numel]
-        shard = self._shard_for_writing()  # first: the master may be the host shard a copy still reads
-        self._compute_copy_current = False
-        shard_view(self.master_shard, piece).copy_(source)
-        if shard.data_ptr() != self.master_shard.data_ptr():
+        master = self.master_shard  # read back before a shard is taken for writing (that must be stored)
+        shard = self._shard_for_writing()  # before writing: the master may be the host shard a copy still reads
+        self.compute_copy_current = False
+        shard_view(master, piece).copy_(source)
+        if shard.data_ptr() != master.data_ptr():
             shard_view(shard, piece).copy_(source)
         self._shard_written()
         return True
@@ -335,18 +344,22 @@ class ParamStorage:
 
     def load_master_shard(self, shard: torch.Tensor) -> None:
         """This rank's new fp32 master shard; the compute copies follow at the next refresh."""
-        self._wait_host_shard_read()  # first: the master may be the host shard a copy still reads
-        self._compute_copy_current = False
-        self.master_shard.copy_(shard)
+        master = self.master_shard
+        self._wait_host_shard_read()  # before writing: the master may be the host shard a copy still reads
+        self.compute_copy_current = False
+        master.copy_(shard)
 
     def load_full_master(self, full: torch.Tensor) -> None:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
-        shard = self._shard_for_writing(keep_values=False)  # first: the master may be the host shard a copy reads
-        self._compute_copy_current = False
-        self.master_shard.copy_(full[lo:hi])
-        if shard.data_ptr() != self.master_shard.data_ptr():
-            shard.copy_(self.master_shard)
+        master = self.master_shard  # read back before a shard is taken for writing (that must be stored)
+        shard = self._shard_for_writing(
+            keep_values=False
+        )  # before writing: the master may be a host shard a copy reads
+        self.compute_copy_current = False
+        master.copy_(full[lo:hi])
+        if shard.data_ptr() != master.data_ptr():
+            shard.copy_(master)
         self._shard_written()
         if not self.sharded_at_rest:
             self.gathered_params.copy_(full)
