@@ -4,6 +4,7 @@ across modes, and its failure paths (a bad offload_dir at setup, a disk error mi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import gc
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -61,6 +63,23 @@ CASES = [
 ]
 
 
+@contextlib.contextmanager
+def _units_joining_the_tier() -> Iterator[list]:
+    """The units that join an NVMe optimizer tier meanwhile, as they are built."""
+    joined: list = []
+    original = nvme_state.NvmeOptimizerState.add_unit
+
+    def add_unit(self, unit):  # type: ignore[no-untyped-def]
+        joined.append(unit)
+        return original(self, unit)
+
+    nvme_state.NvmeOptimizerState.add_unit = add_unit  # type: ignore[method-assign]
+    try:
+        yield joined
+    finally:
+        nvme_state.NvmeOptimizerState.add_unit = original  # type: ignore[method-assign]
+
+
 def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
     results = []
     original_adopt = nvme_state.NvmeOptimizerState.adopt
@@ -72,11 +91,12 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         reference = _engine(stage, "none", directory, **dict(case, offload_units_in_memory=2, **fused))
         expected = train_accumulated(reference, rank, range(4), accumulate)
         runs_before = set(Path(directory).glob("lightning-zero-*"))
-        ours = _engine(stage, "nvme", directory, **case)
+        with _units_joining_the_tier() as joined:
+            ours = _engine(stage, "nvme", directory, **case)
         (run,) = set(Path(directory).glob("lightning-zero-*")) - runs_before  # this engine's scratch directory
         alive_in_step: list[int] = []
         masters_alive_in_step: list[int] = []
-        filed_masters = [u.resting_master for u in ours._units if u.master_rests_on_disk]
+        filed_masters = [u.resting_master for u in joined if u.master_rests_on_disk]
 
         def adopt(self, index, optimizer, original=original_adopt):  # type: ignore[no-untyped-def]
             alive_in_step.append(_state_bytes_alive(optimizer))  # right after a unit stepped, mid-step
@@ -200,9 +220,10 @@ def _masters_in_files(rank: int, world_size: int, directory: str) -> dict:
     pending: a write of the weights then (gathered_parameters' write-back) must not be freed by those writes.
     A master whose read failed is not handed out: a reader gets OffloadError, not the bytes it was read into."""
     results = {}
-    engine = _engine(3, "nvme", directory, precision="bf16", offload_units_in_memory=2)
+    with _units_joining_the_tier() as joined:
+        engine = _engine(3, "nvme", directory, precision="bf16", offload_units_in_memory=2)
     train_accumulated(engine, rank, range(1))
-    last = engine._units[-1]  # stepped last: its write still pending
+    last = max(joined, key=lambda unit: unit.index)  # stepped last: its write still pending
     names = {id(param): name for name, param in engine.model.named_parameters()}
     with engine.gathered_parameters(last.module):
         for param in last.params:
