@@ -3,11 +3,11 @@
 Between steps each unit's fp32 master shard and per-element state (Adam's two moments, SGD's momentum:
 every tensor shaped like a master piece) live in ``<run dir>/unit<i>.bin``, as DeepSpeed's NVMe optimizer
 offload keeps them; in memory the tensors keep their identity, shapes and offsets, but their storage is
-resized to zero bytes (FSDP2's trick), so nothing holds them. (A master that is the parameters' own memory,
-fp32 on a CPU device, stays where it is.) The step runs unit by unit: the state of the next units is read by
-a thread pool while the current unit steps, the unit's compute copy takes the new master's values, its state
-is written back behind it, and at most ``units_in_memory`` units are in memory at once. Scalar state (Adam's
-``step``) stays in memory.
+resized to zero bytes (FSDP2's trick), so nothing holds them. (A master that is the parameters' own memory
+in fp32 stays where it is: ``ParamStorage.master_rests_on_disk``.) The step runs unit by unit: the state
+of the next units is read by a thread pool while the current unit steps, the unit's compute copy takes the
+new master's values, its state is written back behind it, and at most ``units_in_memory`` units are in
+memory at once. Scalar state (Adam's ``step``) stays in memory.
 
 Every reader of the state outside the step calls :meth:`NvmeOptimizerState.make_resident` first: the
 optimizer's ``state_dict()`` (its pre-hook), and any reader of a unit's master (``ParamStorage.master_shard``

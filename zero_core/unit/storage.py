@@ -60,6 +60,12 @@ class StorageState(Enum):
     REFRESHING = auto()
 
 
+def _is_host_shard(compute_dtype: torch.dtype, param_files: ShardFiles | None) -> bool:
+    """offload_params: whether a master in host memory is the parameter shard at rest itself (fp32, and the
+    shard not going to a file of its own)."""
+    return compute_dtype == torch.float32 and param_files is None
+
+
 class ParamStorage:
     def __init__(
         self,
@@ -81,10 +87,9 @@ class ParamStorage:
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
         # offload_optimizer="nvme": a master of its own goes to disk, pageable (a pinned block resized to zero
-        # stays in torch's pinned cache); in fp32 with offload_params="cpu" it is the host shard itself (pinned).
-        master_is_host_shard = host_params and sharded_at_rest and param_files is None
-        master_is_host_shard = master_is_host_shard and precision.compute_dtype == torch.float32
-        pinned_master = not master_on_disk or master_is_host_shard
+        # stays in torch's pinned cache); one that will be the host parameter shard stays pinned.
+        becomes_host_shard = host_params and sharded_at_rest and _is_host_shard(precision.compute_dtype, param_files)
+        pinned_master = not master_on_disk or becomes_host_shard
         self._flatten_parameters(precision.compute_dtype, host_master, pinned_master)
         self.host_shard: torch.Tensor | None = None
         self.shard_file: ShardFile | None = None  # offload_params="nvme": where host_shard's bytes rest
@@ -147,8 +152,7 @@ class ParamStorage:
     def _move_shard_to_host(self, compute_dtype: torch.dtype, param_files: ShardFiles | None) -> None:
         """offload_params: the parameter shard rests in host memory (or, "nvme", in a file); the device keeps
         an empty staging buffer."""
-        on_host = self._master.device.type == "cpu" and compute_dtype == torch.float32
-        if on_host and param_files is None:
+        if self._master.device.type == "cpu" and _is_host_shard(compute_dtype, param_files):
             self.host_shard = self._master  # the host fp32 master is the shard itself: no second copy
         elif self.compute_shard.device.type == "cpu" and self.compute_shard is not self._master:
             self.host_shard = self.compute_shard
@@ -353,9 +357,8 @@ class ParamStorage:
         """Take this rank's slice of new full fp32 flat parameters (no communication)."""
         lo, hi = self.layout.shard_range(self.comm.shard_rank)
         master = self.master_shard  # read back before a shard is taken for writing (that must be stored)
-        shard = self._shard_for_writing(
-            keep_values=False
-        )  # before writing: the master may be a host shard a copy reads
+        # Before writing: the master may be the host shard a copy still reads.
+        shard = self._shard_for_writing(keep_values=False)
         self.compute_copy_current = False
         master.copy_(full[lo:hi])
         if shard.data_ptr() != master.data_ptr():
