@@ -1,15 +1,25 @@
 #!/usr/bin/env bash
-# Every check that needs a GPU, in one command that fits a lent GPU's 15 minutes (about 8 here on an H100):
-# the machine and versions, the CUDA tests, the one-GPU benchmarks (ours beside DDP and FSDP2; NCCL, world
-# size 1) and the host AdamW timings. Results go to $OUT (default benchmarks/out/gpu); record them in
-# benchmarks/GPU.md.
+# Every check that needs a GPU, in one command that fits in 20 minutes on an H100 (the CUDA tests about 5,
+# the one-GPU benchmarks about 3, the offload search about 9): the machine and versions, the CUDA tests
+# (offload included), the one-GPU benchmarks (ours beside DDP and FSDP2; NCCL, world size 1), the host
+# AdamW timings, and the largest model each offload mode trains (beside FSDP2's CPUOffloadPolicy and
+# DeepSpeed's ZeRO-Offload). Results go to $OUT (default benchmarks/out/gpu); record them in
+# benchmarks/GPU.md. Name parts to run only those (a lent machine's 10-minute command limit, for example):
 #
-#     OUT=/some/dir bash benchmarks/gpu_check.sh
+#     OUT=/some/dir bash benchmarks/gpu_check.sh            # tests bench offload
+#     bash benchmarks/gpu_check.sh tests bench              # about 8 minutes
+#     bash benchmarks/gpu_check.sh offload                  # about 9 minutes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(tests bench offload)
+for part in "${parts[@]}"; do
+    case $part in tests | bench | offload) ;; *) echo "unknown part '$part': name tests, bench or offload" >&2; exit 2 ;; esac
+done
+wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 status=0
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -17,11 +27,19 @@ status=0
 'lightning', lightning.__version__, 'accelerate', accelerate.__version__)"
     echo "cpus $(nproc)"
 } 2>&1 | tee "$OUT/machine.txt"
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_stream_schedule.py 2>&1 |
-    tee "$OUT/tests.log" || status=1
-timeout 270 python3 benchmarks/run_all.py --device cuda --sizes small large \
-    --contestants ddp fsdp2 zero1 zero2 zero3 zero1_overlap --no-plots --out /tmp/gpu-bench 2>&1 |
-    tee "$OUT/bench.log" || status=1
-cp /tmp/gpu-bench/all-cuda.json "$OUT/" 2>/dev/null || status=1
-timeout 90 python3 benchmarks/host_adam.py 2>&1 | tee "$OUT/host_adam.log" || status=1
+if wants tests; then
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_stream_schedule.py 2>&1 |
+        tee "$OUT/tests.log" || status=1
+fi
+if wants bench; then
+    timeout 270 python3 benchmarks/run_all.py --device cuda --sizes small large \
+        --contestants ddp fsdp2 zero1 zero2 zero3 zero1_overlap --no-plots --out /tmp/gpu-bench 2>&1 |
+        tee "$OUT/bench.log" || status=1
+    cp /tmp/gpu-bench/all-cuda.json "$OUT/" 2>/dev/null || status=1
+    timeout 90 python3 benchmarks/host_adam.py 2>&1 | tee "$OUT/host_adam.log" || status=1
+fi
+if wants offload; then
+    timeout 570 python3 benchmarks/gpu_offload.py --minutes 8 --out "$OUT/offload" 2>&1 |
+        tee "$OUT/offload.log" || status=1
+fi
 exit $status
