@@ -17,11 +17,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import zero_core.optim.nvme_state as nvme_state
 import zero_core.optim.scratch as scratch
 from zero_core import MixedPrecision, OffloadError, ZeroEngine
 from zero_core.accounting import StorageCounter
+from zero_core.checkpoint import CheckpointError
 
 from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
@@ -256,6 +260,146 @@ def test_written_weights_stay_and_a_master_that_could_not_be_read_is_never_used(
         assert "could not be read back" in results["a reader after it"], results
 
 
+def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
+    """A save reads the state and the masters that rest in the tier's files a few units at a time, into tensors
+    of its own: the tier's state stays on disk, and what the save's reads hold alive at once (really alive:
+    storages not yet freed, DCP's references included) stays within ``offload_units_in_memory`` units. A read
+    that fails mid-save fails the save on every rank and leaves the previous checkpoint loadable."""
+    results: dict = {}
+    with _units_joining_the_tier() as joined:
+        engine = _engine(3, "nvme", directory, precision="bf16", offload_units_in_memory=1)
+    train_accumulated(engine, rank, range(2))
+    on_disk = engine.memory_report().nvme_bytes
+    state_tensors = [u.resting_master for u in joined] + [
+        v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()
+    ]
+    reads: list = []  # (weak reference, bytes) of every storage the save's reads made
+    most_alive: list[int] = []
+    original = nvme_state.NvmeOptimizerState.read_resting
+
+    def read_resting(self, index, part):  # type: ignore[no-untyped-def]
+        read = original(self, index, part)
+        for tensor in (read or {}).values():
+            reads.append((StorageWeakRef(tensor.untyped_storage()), tensor.untyped_storage().nbytes()))
+        most_alive.append(sum(size for ref, size in reads if not ref.expired()))
+        results["tier's own bytes in memory during the save"] = max(
+            results.get("tier's own bytes in memory during the save", 0), StorageCounter().count(state_tensors)
+        )
+        return read
+
+    nvme_state.NvmeOptimizerState.read_resting = read_resting  # type: ignore[method-assign]
+    try:
+        engine.save_checkpoint(Path(directory) / "ckpt")
+    finally:
+        nvme_state.NvmeOptimizerState.read_resting = original  # type: ignore[method-assign]
+    results["reads"] = len(reads)
+    results["most read bytes alive"] = max(most_alive, default=0)
+    results["largest unit"] = max(u.resting_master.numel() * 4 * 3 for u in joined)  # master and two moments
+    results["on disk after the save"] = (engine.memory_report().nvme_bytes, on_disk)
+
+    def loaded() -> dict:
+        restored = _engine(2, "none", directory, precision="bf16")
+        restored.load_checkpoint(Path(directory) / "ckpt")
+        return restored.full_state_dict()
+
+    saved = loaded()
+    # The engine's sharded state dicts, kept across a step, read the state as it is then (never freed memory).
+    kept = {"model": engine.sharded_model_state_dict(), "optimizer_0": engine.sharded_optimizer_state_dict()}
+    train_accumulated(engine, rank, range(2, 3))
+    dcp.save(kept, checkpoint_id=Path(directory) / "kept", process_group=dist.group.WORLD)
+    results["kept across a step"] = (Path(directory) / "kept" / ".metadata").is_file()
+    for file in Path(directory).glob(f"lightning-zero-*/rank{rank}/unit*.bin"):
+        if rank == 1:
+            file.write_bytes(b"")  # lost on one rank
+    try:
+        engine.save_checkpoint(Path(directory) / "ckpt")
+        results["failed save"] = "saved"
+    except CheckpointError as error:
+        results["failed save"] = str(error)
+    results["previous checkpoint"] = relative_difference(loaded(), saved)
+    return results
+
+
+def test_a_save_reads_the_offloaded_state_unit_by_unit_and_a_failed_read_fails_it_everywhere(tmp_path: Path) -> None:
+    for results in run_distributed(_saves_unit_by_unit, 2, str(tmp_path)):
+        assert results["tier's own bytes in memory during the save"] == 0, results
+        assert results["reads"] > 0 and results["most read bytes alive"] <= results["largest unit"], results
+        assert results["on disk after the save"][0] == results["on disk after the save"][1] > 0, results
+        assert "could not" in results["failed save"] or "shorter" in results["failed save"], results
+        assert results["previous checkpoint"] == 0.0 and results["kept across a step"], results
+
+
+def _loads_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
+    """A load reads each unit of the tier on its own into a file beside the unit's, put in place only once every
+    rank has read everything: after it the whole state rests on disk (nothing brought into memory), and
+    training goes on exactly; the optimizer from a directory of its own and a load of the weights alone go
+    the same way; a load that fails changes nothing and leaves no file behind."""
+    results: dict = {}
+    settings = {"precision": "bf16", "optimizer": "adamw-fused", "offload_units_in_memory": 1}
+    saved = _engine(3, "nvme", directory, **settings)
+    train_accumulated(saved, rank, range(2))
+    root = Path(directory)
+    saved.save_checkpoint(root / "ckpt")
+    saved.save_checkpoint(root / "model", include_optimizer=False)
+    saved.save_checkpoint(root / "optimizer", include_model=False)
+    weights = saved.full_state_dict()
+    train_accumulated(saved, rank, range(2, 4))
+    expected = saved.full_state_dict()
+    del saved
+
+    def resumed(fraction: float = 1.0, **sources) -> tuple[dict, int, int]:  # type: ignore[no-untyped-def]
+        with _units_joining_the_tier() as joined:
+            engine = _engine(3, "nvme", directory, offload_fraction=fraction, **settings)
+        train_accumulated(engine, rank, range(1))  # its own state on disk, replaced by the load
+        engine.load_checkpoint(sources.pop("path", root / "ckpt"), **sources)
+        tier_tensors = [u.resting_master for u in joined] + [
+            v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()
+        ]
+        in_memory, on_disk = StorageCounter().count(tier_tensors), engine.memory_report().nvme_bytes
+        if sources.get("load_optimizer", True):
+            train_accumulated(engine, rank, range(2, 4))
+        return engine.full_state_dict(), in_memory, on_disk
+
+    state, in_memory, on_disk = resumed()
+    results["resumed"] = (relative_difference(state, expected), in_memory, on_disk)
+    state, in_memory, on_disk = resumed(path=root / "model", optimizer_path=root / "optimizer")
+    results["optimizer apart"] = (relative_difference(state, expected), in_memory, on_disk)
+    state, in_memory, on_disk = resumed(load_optimizer=False)
+    results["weights alone"] = (relative_difference(state, weights), in_memory, on_disk)
+    state, _, on_disk = resumed(fraction=0.5)  # some units' state in memory, loaded the usual way
+    results["half offloaded"] = (relative_difference(state, expected), on_disk)
+
+    engine = _engine(3, "nvme", directory, **settings)
+    train_accumulated(engine, rank, range(1))
+    before = engine.full_state_dict()
+    train_accumulated(engine, rank, range(1, 2))  # out on disk again
+
+    def refuse(extra: dict) -> None:
+        raise ValueError("not this one")
+
+    try:
+        engine.load_checkpoint(root / "ckpt", check_extra=refuse)
+    except ValueError:
+        pass
+    results["left behind"] = sorted(p.name for p in root.glob("lightning-zero-*/rank*/*.loaded"))
+    train_accumulated(engine, rank, range(2, 3))
+    reference = _engine(3, "nvme", directory, **settings)
+    train_accumulated(reference, rank, range(3))
+    results["after a refused load"] = relative_difference(engine.full_state_dict(), reference.full_state_dict())
+    results["changed before"] = relative_difference(before, reference.full_state_dict()) > 0
+    return results
+
+
+def test_a_load_goes_unit_by_unit_into_the_files_and_all_or_nothing(tmp_path: Path) -> None:
+    for results in run_distributed(_loads_unit_by_unit, 2, str(tmp_path)):
+        for case in ("resumed", "optimizer apart", "weights alone"):
+            difference, in_memory, on_disk = results[case]
+            assert difference == 0.0 and in_memory == 0 and on_disk > 0, (case, results[case])
+        assert results["half offloaded"][0] == 0.0 and results["half offloaded"][1] > 0, results
+        assert results["left behind"] == [] and results["changed before"], results
+        assert results["after a refused load"] == 0.0, results
+
+
 def _failures(rank: int, world_size: int, directory: str) -> dict:
     results = {}
 
@@ -387,15 +531,17 @@ def _memory_cgroups_writable() -> bool:
 def test_under_a_memory_cap_only_the_nvme_run_trains_and_exactly_as_in_memory(tmp_path: Path) -> None:
     """The proof on this machine: a 71M-parameter GPT at stage 3 on 2 processes whose in-memory model
     states do not fit a cap that the same run with its optimizer state on disk fits. The cap is the
-    offloaded run's own peak (page cache included) plus a quarter of the optimizer state."""
+    offloaded run's own peak (page cache included) plus a quarter of the optimizer state. Under the cap the
+    offloaded run also saves a checkpoint and resumes from it: both go a unit at a time."""
     reference, _, in_memory = _capped_run("none", None, tmp_path)
     assert reference.returncode == 0, reference.stderr[-3000:]
     free_run, peak, _ = _capped_run("nvme", None, tmp_path)
     assert free_run.returncode == 0, free_run.stderr[-3000:]
     cap = peak + in_memory["state bytes"] // 4
-    offloaded, _, capped = _capped_run("nvme", cap, tmp_path)
+    offloaded, _, capped = _capped_run("nvme-resume", cap, tmp_path)
     assert offloaded.returncode == 0, offloaded.stderr[-3000:]
     assert capped["losses"] == in_memory["losses"]
+    assert capped["resumed"] == capped["losses"][2], "the resumed step repeats the third step exactly"
     killed, _, _ = _capped_run("none", cap, tmp_path)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout, "the in-memory run must not fit"
 

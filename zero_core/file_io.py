@@ -94,12 +94,14 @@ def write_tensors(path: Path, tensors: list[torch.Tensor]) -> None:
         _drop_cached_pages(file.fileno())
 
 
-def read_tensors(path: Path, tensors: list[torch.Tensor]) -> None:
-    """Give the tensors their bytes back and fill them from ``path`` (as ``write_tensors`` wrote them)."""
+def read_tensors(path: Path, tensors: list[torch.Tensor], offset: int = 0) -> None:
+    """Give the tensors their bytes back and fill them from ``path`` (as ``write_tensors`` wrote them),
+    from byte ``offset`` on (the tensors written before them skipped)."""
     for tensor in tensors:
         if not has_bytes(tensor):  # (resizing reallocates even at the same size)
             tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
     with open(path, "rb") as file:
+        file.seek(offset)
         for tensor in tensors:
             view = _bytes_of(tensor)
             if file.readinto(view) != len(view):

@@ -2,9 +2,11 @@
 
     python -m torch.distributed.run --nproc_per_node 2 tests/scripts/offload_cap.py MODE OFFLOAD_DIR OUT
 
-MODE is "none" or "nvme" (offload_optimizer, one unit's state in memory at a time). Trains 3 steps
-of a 71M-parameter GPT (10 blocks of width 768); rank 0 writes the losses and the bytes of optimizer
-state the in-memory run would hold on all ranks to OUT.
+MODE is "none" or "nvme" (offload_optimizer, one unit's state in memory at a time), or "nvme-resume".
+Trains 3 steps of a 71M-parameter GPT (10 blocks of width 768); rank 0 writes the losses and the bytes of
+optimizer state the in-memory run would hold on all ranks to OUT. "nvme-resume" also saves a checkpoint
+after the second step, and after the third loads it and takes the third step again ("resumed": its loss):
+a save and a load read and write the offloaded state a unit at a time, so they fit where training fits.
 """
 
 from __future__ import annotations
@@ -36,21 +38,31 @@ def main() -> None:
     settings = ZeroConfig(
         stage=3,
         wrap_policy=WrapPolicy(module_classes=(GPTBlock,)),
-        offload_optimizer=mode,
+        offload_optimizer=mode.removesuffix("-resume"),
         offload_dir=directory,
         offload_units_in_memory=1,
     )
     engine = ZeroEngine(model, optimizer, settings)
-    losses = []
-    for step in range(3):
+
+    def train(step: int) -> float:
         ids = synthetic_batch(config, 2, step, dist.get_rank())
         loss = next_token_loss(model(ids), ids)
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
+        return loss.item()
+
+    losses = [train(0), train(1)]
+    checkpoint = Path(directory) / "checkpoint"
+    if mode == "nvme-resume":
+        engine.save_checkpoint(checkpoint)
+    losses.append(train(2))
+    resumed = None
+    if mode == "nvme-resume":
+        engine.load_checkpoint(checkpoint)
+        resumed = train(2)
     if dist.get_rank() == 0:
         state_bytes = 8 * engine.num_parameters  # Adam's two fp32 moments, over all ranks
-        out.write_text(json.dumps({"losses": losses, "state bytes": state_bytes}))
+        out.write_text(json.dumps({"losses": losses, "state bytes": state_bytes, "resumed": resumed}))
     dist.destroy_process_group()
 
 

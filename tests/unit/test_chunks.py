@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from zero_core.checkpoint.chunks import Rectangle, ShardedChunks, flat_range_to_rectangles
+from zero_core.checkpoint.chunks import LazyValues, Rectangle, ShardedChunks, flat_range_to_rectangles
 
 
 def _covered(shape: tuple[int, ...], rectangles: list[Rectangle]) -> torch.Tensor:
@@ -102,3 +102,20 @@ def test_sharded_chunks_refuse_anything_but_checkpointing() -> None:
     with pytest.raises(NotImplementedError, match="not supported on a ZeRO checkpoint view"):
         view + 1
     assert repr(view) == "ShardedChunks(shape=(4, 5), local=14 elements from 3)"
+
+
+def test_lazy_values_are_read_when_asked_and_freed_values_are_refused_not_read() -> None:
+    reads = []
+
+    def read() -> torch.Tensor:
+        reads.append(1)
+        return torch.arange(3.0, 17.0)
+
+    view = ShardedChunks(torch.Size([4, 5]), LazyValues(read, 14, torch.float32, torch.device("cpu")), 3)
+    assert view.shape == torch.Size([4, 5]) and not reads  # nothing read to describe it
+    rows = view.__get_tensor_shard__(MetadataIndex("w", torch.Size([1, 0])))
+    assert torch.equal(rows, torch.arange(5.0, 15.0).view(2, 5)) and len(reads) == 1
+    freed, local = _chunks()
+    local.untyped_storage().resize_(0)  # what the NVMe tier does to state it wrote out
+    with pytest.raises(RuntimeError, match="freed since it was taken"):
+        freed.__get_tensor_shard__(MetadataIndex("w", torch.Size([1, 0])))

@@ -7,12 +7,15 @@ rectangles are what DCP stores and reshards. :class:`ShardedChunks` is a
 tensor of the parameter's logical shape that owns no storage of its own and
 implements DCP's checkpointable protocol (``__create_write_items__``,
 ``__create_chunk_list__``, ``__get_tensor_shard__``) by handing out views of
-the shard, so saving reads and loading writes the shard in place.
+the shard, so saving reads and loading writes the shard in place. Values that rest on disk (the NVMe
+optimizer tier) are :class:`LazyValues`: read only when DCP asks for them, a few units at a time.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -77,6 +80,32 @@ def read_rectangles(whole: torch.Tensor, rectangles: list[Rectangle]) -> torch.T
     return torch.cat(parts) if parts else whole.new_empty(0)
 
 
+@dataclass(frozen=True)
+class LazyValues:
+    """A shard's values that may rest on disk: ``read()`` returns them (``numel`` of ``dtype`` on ``device``)
+    when DCP asks for them, from memory or read from their file then."""
+
+    read: Callable[[], torch.Tensor]
+    count: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def numel(self) -> int:
+        return self.count
+
+
+def _values_in_memory(values: torch.Tensor) -> torch.Tensor:
+    """``values``, refused (not read: that would crash the process) when their memory was freed since the view
+    was made: the NVMe tier wrote them out, or a load replaced them."""
+    needed = (values.storage_offset() + values.numel()) * values.element_size()
+    if values.numel() and values.untyped_storage().nbytes() < needed:
+        raise RuntimeError(
+            "ZeRO: this sharded state dict's tensors were freed since it was taken (the NVMe optimizer tier wrote "
+            "them out at a step, or a load replaced them). Take the state dict again right before saving it."
+        )
+    return values
+
+
 class ShardedChunks(torch.Tensor):
     """A logical ``shape`` tensor of which this rank holds the elements
     ``[flat_start, flat_start + local.numel())`` (flat order), stored in ``local``.
@@ -85,7 +114,7 @@ class ShardedChunks(torch.Tensor):
     starting at ``piece_offsets`` (this rank's local piece of a DTensor parameter); the rectangles
     are named where they lie in the whole."""
 
-    _local: torch.Tensor
+    _local: torch.Tensor | LazyValues
     _rectangles: list[Rectangle]
     _flat_start: int
 
@@ -93,7 +122,7 @@ class ShardedChunks(torch.Tensor):
     def __new__(
         cls,
         shape: torch.Size,
-        local: torch.Tensor,
+        local: torch.Tensor | LazyValues,
         flat_start: int,
         piece_shape: torch.Size | None = None,
         piece_offsets: tuple[int, ...] | None = None,
@@ -142,5 +171,6 @@ class ShardedChunks(torch.Tensor):
             if index.offset is None or tuple(index.offset) == rectangle.offsets:
                 begin = rectangle.flat_start - self._flat_start
                 numel = math.prod(rectangle.sizes)
-                return self._local[begin : begin + numel].view(rectangle.sizes)
+                local = self._local.read() if isinstance(self._local, LazyValues) else self._local
+                return _values_in_memory(local)[begin : begin + numel].view(rectangle.sizes)
         raise ValueError(f"{index.fqn}: this rank holds no chunk at offset {index.offset}")

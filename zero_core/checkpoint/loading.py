@@ -34,6 +34,8 @@ from .records import (
     ShardedModel,
     parse_engine_record,
 )
+from ..optim.nvme_staging import StagedLoad
+from .staged_reads import master_is_staged, read_staged_units
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .unpickling import load_weights_only, unpickle_metadata
@@ -122,8 +124,15 @@ def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) 
 
 
 def load_checkpoint(
-    view: ShardedModel, path: str | os.PathLike, *, load_model: bool, load_optimizer: bool
+    view: ShardedModel,
+    path: str | os.PathLike,
+    *,
+    load_model: bool,
+    load_optimizer: bool,
+    staging: StagedLoad | None = None,
 ) -> LoadedCheckpoint:
+    """``staging``: the NVMe optimizer tier's units are read one at a time into files beside theirs (put in
+    place by the caller once the load is applied, removed by it otherwise)."""
     agreement = RankAgreement(view.comm, f"loading checkpoint {Path(path).absolute()}")
     checkpoint = open_checkpoint(agreement, path)
 
@@ -139,25 +148,35 @@ def load_checkpoint(
             check_optimizer_entries(checkpoint.directory, checkpoint.metadata, view)
 
     agreement.run("checking the contents", check_contents)
-    loaded, _ = agreement.run("reading the shards", lambda: _read(view, checkpoint, load_model, load_optimizer))
+    loaded, _ = agreement.run(
+        "reading the shards", lambda: _read(view, checkpoint, load_model, load_optimizer, staging)
+    )
     return loaded
 
 
 def _read(
-    view: ShardedModel, checkpoint: VerifiedCheckpoint, load_model: bool, load_optimizer: bool
+    view: ShardedModel,
+    checkpoint: VerifiedCheckpoint,
+    load_model: bool,
+    load_optimizer: bool,
+    staging: StagedLoad | None,
 ) -> LoadedCheckpoint:
     state: dict[str, Any] = {}
     shards = None
     if load_model:
-        shards = [unit.master_shard.clone() for unit in view.units]  # padding keeps its values
+        # Padding keeps its values; a master the NVMe tier keeps in its file is loaded apart (None here).
+        shards = [None if master_is_staged(staging, unit) else unit.master_shard.clone() for unit in view.units]
         state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank, shards, copy_buffers=True)
     installs: list = []
     if load_optimizer:
         assert view.optimizer is not None
+        in_memory = [unit for unit in view.units if staging is None or not staging.takes(unit)]
         state[OPTIMIZER_KEY], installs = optimizer_load_targets(
-            view.optimizer, view.units, checkpoint.metadata, OPTIMIZER_KEY
+            view.optimizer, in_memory, checkpoint.metadata, OPTIMIZER_KEY
         )
     read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, state)
+    if staging is not None:
+        installs += read_staged_units(view, checkpoint, load_model, load_optimizer, staging)
     weights = None
     if load_model:
         assert shards is not None

@@ -23,6 +23,7 @@ from ..optim.loss_scaling import LossScalerState
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
+    from ..optim.resting_reads import RestingReads
     from ..unit import FlatUnit, MasterPiece
 
 MODEL_KEY = "model"
@@ -40,6 +41,8 @@ class ShardedModel:
     comm: CommContext
     optimizer: torch.optim.Optimizer | None
     param_group_names: list[list[str]]
+    # With the NVMe optimizer tier: its state read from its files a few units at a time, for a save.
+    resting: "RestingReads | None" = None
 
     @property
     def rank(self) -> int:
@@ -77,7 +80,8 @@ class LoadedOptimizer(NamedTuple):
 
 
 class LoadedWeights(NamedTuple):
-    master_shards: list[torch.Tensor]  # per unit, the new fp32 master shard (padding as it was)
+    # Per unit, the new fp32 master shard (padding as it was); None: the NVMe tier loads it into its file.
+    master_shards: list[torch.Tensor | None]
     buffers: dict[str, torch.Tensor]  # by state-dict key
 
 

@@ -47,9 +47,11 @@ def sharded_state(view: ShardedModel, with_model: bool = True, with_optimizer: b
     """The DCP state dict: the model's and the optimizer's, as views of this rank's shards."""
     state: dict[str, Any] = {}
     if with_model:
-        state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank)
+        state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank, resting=view.resting)
     if with_optimizer and view.optimizer is not None:
-        state[OPTIMIZER_KEY] = sharded_optimizer_state_dict(view.optimizer, view.units, view.param_group_names)
+        state[OPTIMIZER_KEY] = sharded_optimizer_state_dict(
+            view.optimizer, view.units, view.param_group_names, view.resting
+        )
     return state
 
 
@@ -77,7 +79,9 @@ def save_checkpoint(
         meta = {**extra, ZERO_KEY: dataclasses.replace(record, save_id=save_ids[0]).to_dict()}
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
         state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
-        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm))
+        # A unit at a time when state rests on disk (written in the state dict's order, not by size).
+        in_order = view.resting is not None
+        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm, in_order))
         # Every rank checksums the files that the written `.metadata` names (read back by the coordinator),
         # not those of the metadata DCP's save returns: on torch 2.11 that has no storage map (storage_data
         # None), the manifest listed no data file, and every load refused the checkpoint.

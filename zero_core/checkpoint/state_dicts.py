@@ -18,8 +18,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..optim.resting_reads import RestingReads
 from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
-from .chunks import Rectangle, ShardedChunks, piece_rectangles
+from .chunks import LazyValues, Rectangle, ShardedChunks, piece_rectangles
 
 
 def slot_rectangles(slot: ParamSlot, start: int, end: int) -> list[Rectangle]:
@@ -28,36 +29,58 @@ def slot_rectangles(slot: ParamSlot, start: int, end: int) -> list[Rectangle]:
     return piece_rectangles(tuple(slot.shape), start, end, slot.place and slot.offsets_in_whole)
 
 
-def slot_chunks(slot: ParamSlot, local: torch.Tensor, flat_start: int) -> ShardedChunks:
+def slot_chunks(slot: ParamSlot, local: torch.Tensor | LazyValues, flat_start: int) -> ShardedChunks:
     """``local`` (from ``flat_start`` of the slot's flat order) as pieces of the whole parameter."""
     return ShardedChunks(slot.whole_shape, local, flat_start, slot.shape, slot.offsets_in_whole)
 
 
 def _local_chunks(shard: torch.Tensor, slot: ParamSlot, piece: ShardPiece | None) -> ShardedChunks:
     if piece is None:  # this rank's shard holds none of the parameter
-        return slot_chunks(slot, shard[:0], 0)
+        return slot_chunks(slot, shard.new_empty(0), 0)
     return slot_chunks(slot, shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
+
+
+def _resting_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None, resting: RestingReads) -> ShardedChunks:
+    """A piece of a master that may rest in the NVMe tier's file: read (a unit at a time) when DCP asks."""
+    master = unit.resting_master
+    if piece is None:
+        return slot_chunks(slot, master.new_empty(0), 0)
+    span = slice(piece.shard_start, piece.shard_start + piece.numel)
+    lazy = LazyValues(lambda: resting.master(unit)[span], piece.numel, master.dtype, master.device)
+    return slot_chunks(slot, lazy, piece.param_start)
 
 
 def sharded_model_state_dict(
     model: torch.nn.Module,
     units: Sequence[FlatUnit],
     rank: int,
-    shards: Sequence[torch.Tensor] | None = None,
+    shards: Sequence[torch.Tensor | None] | None = None,
     copy_buffers: bool = False,
+    resting: RestingReads | None = None,
 ) -> dict[str, torch.Tensor]:
     """``model.state_dict()``'s keys and order; parameters as views of the fp32 master shard.
 
     ``shards`` (one per unit, shaped like its master shard) and ``copy_buffers``
     give a state dict over new tensors instead: what a load fills before it
-    is known to have succeeded everywhere.
+    is known to have succeeded everywhere (a unit whose shard is None is left
+    out, its parameters too: the NVMe tier loads it apart). ``resting``:
+    masters that rest in the NVMe tier's files are read from there when DCP
+    asks (not all brought back into memory first).
     """
-    views = {}
+    views: dict[int, ShardedChunks] = {}
+    left_out = {id(p) for i, u in enumerate(units) if shards is not None and shards[i] is None for p in u.params}
     for index, unit in enumerate(units):
-        shard = shards[index] if shards is not None else unit.master_shard
         piece_of = {piece.slot.index: piece for piece in unit.layout.pieces(rank)}
         for slot, param in zip(unit.layout.slots, unit.params):
-            views[id(param)] = _local_chunks(shard, slot, piece_of.get(slot.index))
+            piece = piece_of.get(slot.index)
+            if shards is not None:
+                shard = shards[index]
+                if shard is not None:
+                    views[id(param)] = _local_chunks(shard, slot, piece)
+            elif resting is not None and unit.master_rests_on_disk:
+                views[id(param)] = _resting_chunks(unit, slot, piece, resting)
+            else:
+                views[id(param)] = _local_chunks(unit.master_shard, slot, piece)
 
     def entry(value: Any) -> Any:
         if id(value) in views:
@@ -66,23 +89,41 @@ def sharded_model_state_dict(
             return value.detach().clone() if copy_buffers else value.detach()
         return value
 
-    return {key: entry(value) for key, value in model.state_dict(keep_vars=True).items()}
+    live = model.state_dict(keep_vars=True)
+    return {key: entry(value) for key, value in live.items() if id(value) not in left_out}
 
 
 def _is_per_element(value: Any, master: MasterPiece) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == master.piece.numel
 
 
+def _per_element_values(
+    unit: FlatUnit, key: str, value: torch.Tensor, resting: RestingReads | None
+) -> torch.Tensor | LazyValues:
+    """An optimizer-state tensor, or (one of the NVMe tier's buffers) its values, read when DCP asks."""
+    buffer_key = resting.state_key(unit, value) if resting is not None else None
+    if buffer_key is None:
+        return value
+    return LazyValues(
+        lambda: resting.per_element(unit, buffer_key, value), value.numel(), value.dtype, value.device
+    )
+
+
 def sharded_optimizer_state_dict(
-    optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit], group_names: list[list[str]]
+    optimizer: torch.optim.Optimizer,
+    units: Sequence[FlatUnit],
+    group_names: list[list[str]],
+    resting: RestingReads | None = None,
 ) -> dict[str, Any]:
+    """``resting``: state that rests in the NVMe tier's files is read from there when DCP asks."""
     state: dict[str, dict[str, Any]] = {}
     for unit in units:
         for master in unit.master_pieces:
             slot = master.piece.slot
             for key, value in optimizer.state.get(master.param, {}).items():
                 if _is_per_element(value, master):
-                    value = slot_chunks(slot, value, master.piece.param_start)
+                    local = _per_element_values(unit, key, value, resting)
+                    value = slot_chunks(slot, local, master.piece.param_start)
                 state.setdefault(slot.fqns[0], {})[key] = value
     groups = [
         {**{k: v for k, v in group.items() if k != "params"}, "params": list(names)}

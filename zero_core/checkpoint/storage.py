@@ -180,14 +180,18 @@ def read_shards(directory: Path, metadata: dcp_metadata.Metadata, manifest: Mani
         )
 
 
-def write_shards(directory: Path, state: dict[str, Any], comm: CommContext | None) -> dcp_metadata.Metadata:
-    """Every rank writes its pieces; rank 0 writes ``.metadata``. Returns the metadata, on every rank."""
+def write_shards(
+    directory: Path, state: dict[str, Any], comm: CommContext | None, in_order: bool = False
+) -> dcp_metadata.Metadata:
+    """Every rank writes its pieces; rank 0 writes ``.metadata``. Returns the metadata, on every rank.
+    ``in_order``: the pieces are read in the state dict's order (DCP's copy-ahead on a GPU takes them by size)."""
     alone = comm is None or comm.world_size == 1
+    writer = FileSystemWriter(directory, per_thread_copy_ahead=0) if in_order else FileSystemWriter(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return dcp.save(
             state,
-            storage_writer=FileSystemWriter(directory),
+            storage_writer=writer,
             process_group=None if alone else comm.group,
             no_dist=alone,
         )

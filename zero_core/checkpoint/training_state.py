@@ -19,8 +19,10 @@ import torch
 from torch import nn
 
 from ..collectives import CommContext, meeting
+from ..file_io import release_freed_memory
 from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.nvme_staging import StagedLoad
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
 from .agreement import RankAgreement
@@ -67,7 +69,14 @@ def sharded_view(target: CheckpointTarget, operation: str | None = None) -> Shar
         groups = target.attachment
         RankAgreement(target.comm, operation).run("reading the optimizer's param groups", groups.read_groups)
         groups.compare_groups()
-    return ShardedModel(target.model, target.units, target.comm, target.optimizer, target.attachment.group_names())
+    return ShardedModel(
+        target.model,
+        target.units,
+        target.comm,
+        target.optimizer,
+        target.attachment.group_names(),
+        target.attachment.resting_reads(),
+    )
 
 
 def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
@@ -77,7 +86,7 @@ def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
 
 def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
     with meeting("sharded_optimizer_state_dict()"):
-        target.attachment.make_state_resident()
+        target.attachment.refuse_while_stepped("state_dict() (or saving it)")
         view = sharded_view(target, "collecting the optimizer's state")
         return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
 
@@ -106,17 +115,20 @@ def _save(
 ) -> Path:
     target.quiesce()
     target.sync_buffers()
-    target.attachment.make_state_resident()
+    target.attachment.refuse_while_stepped("state_dict() (or saving it)")
     scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
     record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
-    return save_checkpoint(
-        sharded_view(target, f"saving checkpoint {path}"),
-        path,
-        dict(extra or {}),
-        record,
-        include_model=include_model,
-        include_optimizer=include_optimizer and target.optimizer is not None,
-    )
+    try:
+        return save_checkpoint(
+            sharded_view(target, f"saving checkpoint {path}"),
+            path,
+            dict(extra or {}),
+            record,
+            include_model=include_model,
+            include_optimizer=include_optimizer and target.optimizer is not None,
+        )
+    finally:
+        release_freed_memory()  # the pieces the save copied out: else the heap keeps them
 
 
 def read_extra(target: CheckpointTarget, path: str | os.PathLike) -> dict[str, Any]:
@@ -130,13 +142,14 @@ def _read(
     optimizer_path: str | os.PathLike | None,
     load_model: bool,
     with_optimizer: bool,
+    staging: StagedLoad | None,
 ) -> LoadedCheckpoint:
     """The checkpoint at ``path``, its optimizer from ``optimizer_path`` when given (one save, two directories)."""
     loaded = load_checkpoint(
-        view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None
+        view, path, load_model=load_model, load_optimizer=with_optimizer and optimizer_path is None, staging=staging
     )
     if with_optimizer and optimizer_path is not None:
-        apart = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True)
+        apart = load_checkpoint(view, optimizer_path, load_model=False, load_optimizer=True, staging=staging)
         if (apart.extra, apart.record.steps) != (loaded.extra, loaded.record.steps):
             raise CheckpointError(
                 f"{optimizer_path} and {path} come from different saves ({apart.record.steps} and "
@@ -176,14 +189,23 @@ def _load(
 ) -> Resumed:
     target.quiesce_for_load(load_model and load_optimizer)
     view = sharded_view(target, f"loading checkpoint {path}")
-    loaded = _read(view, path, optimizer_path, load_model, load_optimizer and target.optimizer is not None)
-    if check_extra is not None:
-        check_extra(loaded.extra)
+    staging = target.attachment.staged_load()  # the NVMe tier's units: read one at a time into files
+    try:
+        with_optimizer = load_optimizer and target.optimizer is not None
+        loaded = _read(view, path, optimizer_path, load_model, with_optimizer, staging)
+        if check_extra is not None:
+            check_extra(loaded.extra)
+    except BaseException:
+        if staging is not None:
+            staging.discard()
+        raise
     if loaded.weights is not None:
         _install_weights(target, loaded.weights)
     if loaded.optimizer is not None:
         install_optimizer_state(target.optimizer, loaded.optimizer.group_settings, loaded.optimizer.state)
         target.attachment.state_replaced()
+    if staging is not None:
+        staging.install(target.optimizer)
     target.refresh_parameters()
     if target.loss_scaler is not None and loaded.record.loss_scaler is not None:
         target.loss_scaler.state = loaded.record.loss_scaler
@@ -226,7 +248,8 @@ def _install_weights(target: CheckpointTarget, weights: LoadedWeights) -> None:
     """Put weights every rank loaded in place; gradients of the old weights are dropped."""
     target.discard_grads()
     for unit, shard in zip(target.units, weights.master_shards):
-        unit.load_master_shard(shard)
+        if shard is not None:  # None: the NVMe tier's file has it (StagedLoad.install)
+            unit.load_master_shard(shard)
     live = target.model.state_dict(keep_vars=True)
     for key, value in weights.buffers.items():
         live[key].detach().copy_(value)

@@ -15,6 +15,8 @@ from ..unit import FlatUnit
 from .nvme_state import NvmeOptimizerState, raw_step_of
 from .param_groups import OptimizerGroups
 from .rebuild import check_optimizer_supported, reset_optimizer_state
+from .nvme_staging import StagedLoad
+from .resting_reads import RestingReads
 
 # Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
 # state_dict() working) until an engine attaches them again.
@@ -81,20 +83,29 @@ class OptimizerAttachment:
             optimizer.register_step_post_hook(lambda *_: after(groups)),
             # Readers of optimizer.state_dict() see the whole state; a loaded one is the state from then on.
             optimizer.register_state_dict_pre_hook(lambda _: self.make_state_resident()),
-            optimizer.register_load_state_dict_pre_hook(lambda *_: self._refuse_while_stepped("load_state_dict()")),
+            optimizer.register_load_state_dict_pre_hook(lambda *_: self.refuse_while_stepped("load_state_dict()")),
             optimizer.register_load_state_dict_post_hook(lambda *_: self.state_replaced()),
             *groups.install_hooks(),
         ]
 
-    def _refuse_while_stepped(self, what: str) -> None:
+    def refuse_while_stepped(self, what: str) -> None:
         if self.in_backward is not None:
             self.in_backward.refuse(f"optimizer.{what}")
 
     def make_state_resident(self) -> None:
         """The whole optimizer state in memory (with the NVMe tier, until the next step writes it out)."""
-        self._refuse_while_stepped("state_dict() (or saving it)")
+        self.refuse_while_stepped("state_dict() (or saving it)")
         if self.nvme is not None:
             self.nvme.make_resident()
+
+    def resting_reads(self) -> RestingReads | None:
+        """With the NVMe tier: its state for a reader that goes unit by unit (a save), none brought back into
+        memory for good; None without it (the state is in memory)."""
+        return RestingReads(self.nvme) if self.nvme is not None else None
+
+    def staged_load(self) -> StagedLoad | None:
+        """With the NVMe tier: a load of its units' state (and masters) into its files, a unit at a time."""
+        return StagedLoad(self.nvme) if self.nvme is not None else None
 
     def bytes_on_disk(self) -> int:
         """Read with the rest of the memory report: units stepping during backward are waited for first."""

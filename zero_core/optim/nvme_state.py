@@ -103,6 +103,8 @@ class NvmeOptimizerState:
         self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
         self._behind: UnitWalk | None = None  # the last walk, whose last writes may still be going on
         self._late_failures: list[str] = []  # of those writes, when settled outside a walk: raised by the next
+        # Counts the walks and loads: values read from the files before it changed may be out of date.
+        self.generation = 0
 
     def add_unit(self, unit: FlatUnit) -> None:
         """A unit as it is built: a master that rests in its file goes there now, so the masters never all sit
@@ -155,6 +157,7 @@ class NvmeOptimizerState:
         the last walk's writes are done (they drained behind it, during the forward since)."""
         late = self._late_failures + self.settle()
         self._late_failures = []
+        self.generation += 1
         walk = UnitWalk(self, order, optimizer)
         walk.failures += late
         walk.read_ahead()
@@ -171,7 +174,7 @@ class NvmeOptimizerState:
     def leave_behind(self, walk: UnitWalk) -> None:
         """A walk that ended without ``end_walk`` (its step raised): drained by the next ``settle``."""
         if self._behind is not walk:
-            self._late_failures += self.settle()
+            self.settle_behind()
             self._behind = walk
 
     def settle(self) -> list[str]:
@@ -183,6 +186,11 @@ class NvmeOptimizerState:
         behind.drop_reads()
         behind.drain(keep=0)
         return behind.failures
+
+    def settle_behind(self) -> None:
+        """The writes behind the last walk are done (a reader of the files needs them); their failures go to
+        the next walk's end."""
+        self._late_failures += self.settle()
 
     def needs_read(self, index: int) -> bool:
         state = self.states[index]
@@ -229,7 +237,7 @@ class NvmeOptimizerState:
         (``optimizer_state_only``: the units with optimizer state, none before the first step) for readers of
         the optimizer's state. Whether a unit's values are in memory is ``resident``, never merely that its
         storage has bytes (a read that failed, or was dropped, left them allocated)."""
-        self._late_failures += self.settle()
+        self.settle_behind()
         failures: list[str] = []
         wanted = [s for s in self.states if s.tensors and not s.resident and (s.buffers or not optimizer_state_only)]
         reads = [self.io.submit(s.read) for s in wanted]
@@ -238,16 +246,32 @@ class NvmeOptimizerState:
         if failures:
             raise OffloadError(f"ZeRO: the offloaded optimizer state could not be read back ({failures[0]}).")
 
+    def read_resting(self, index: int, part: str) -> dict[str, torch.Tensor] | None:
+        """A unit's values as its file holds them, read into tensors of their own, the tier's own left as they
+        are (nothing comes back into memory for good): ``part`` "master" (the file's first bytes, under that
+        key) or "state" (the per-element state, by key). None when the unit is in memory: read it there. For
+        readers that go a few units at a time (a save), so the whole state is never in memory at once."""
+        self.settle_behind()
+        if not self.needs_read(index):
+            return None
+        state = self.states[index]
+        master_bytes = state.master.numel() * state.master.element_size() if state.master is not None else 0
+        wanted = {"master": state.master} if part == "master" else dict(state.buffers)
+        copies = {key: torch.empty(t.shape, dtype=t.dtype, device=t.device) for key, t in wanted.items() if t is not None}
+        read_tensors(state.path, list(copies.values()), offset=0 if part == "master" else master_bytes)
+        return copies
+
     def forget(self) -> None:
         """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds. The masters
         are not replaced: each stays where it is (a file's first bytes hold it, so a read of the master alone
         reads it back)."""
         self.settle()  # writes of the state replaced: their failures no longer matter
         self._late_failures = []
+        self.generation += 1
         self.states = [_UnitState(s.path, s.master, resident=s.master is None or s.resident) for s in self.states]
 
     def bytes_on_disk(self) -> int:
-        self._late_failures += self.settle()
+        self.settle_behind()
         return sum(s.nbytes for s in self.states if s.tensors and not s.resident)
 
     def close(self) -> None:

@@ -188,12 +188,13 @@ class ParamStorage:
         counting bytes, and for the tier itself)."""
         return self._master
 
-    def copy_master_to_compute(self) -> None:
+    def copy_master_to_compute(self, values: torch.Tensor | None = None) -> None:
         """The NVMe optimizer tier, right after this unit stepped and before its master goes to disk: the compute
         copy (or the parameter shard at rest) takes the master's values now; the refresh that follows leaves
-        the copy out (stages 1/2 still all-gather the full parameters there)."""
+        the copy out (stages 1/2 still all-gather the full parameters there). ``values``: the master's values
+        read from its file (a load put them there), the master itself left on disk."""
         shard = self._shard_for_writing(keep_values=False)
-        shard.copy_(self._master)  # from pageable memory: done when this returns
+        shard.copy_(self._master if values is None else values)  # from pageable memory: done when this returns
         self._shard_written()
         self.compute_copy_current = True
 

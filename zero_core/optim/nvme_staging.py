@@ -1,0 +1,126 @@
+"""A checkpoint loaded into the NVMe optimizer tier a unit at a time, all or nothing.
+
+While a load reads, each unit of the tier gets its loaded values (the per-element state, and the master where
+it rests in the file) one unit at a time, written to ``unit<i>.bin.loaded`` beside its file, in the file's
+layout; what the load does not replace (the master, when only the optimizer is loaded, or the state, when
+only the weights are) is copied over from the unit's current values. Nothing of the unit changes until every
+rank has read everything: then :meth:`StagedLoad.install` puts each file in place, the optimizer's state of
+the unit becomes views of new buffers that rest on disk, and the unit's compute copy takes the loaded master.
+A load that fails anywhere removes the files (:meth:`StagedLoad.discard`). So a run whose optimizer state
+fits only on disk can resume, holding about two units' state in memory at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..file_io import free, has_bytes, read_tensors, release_freed_memory, write_tensors
+from ..unit import FlatUnit, MasterPiece
+from .nvme_state import NvmeOptimizerState
+
+
+@dataclass
+class _StagedUnit:
+    path: Path
+    has_master: bool  # the file starts with the unit's master
+    dtypes: dict[str, torch.dtype]  # its per-element buffers, in file order
+    pieces: list[tuple[MasterPiece, str]] = field(default_factory=list)  # loaded state: (piece, key) to install
+    loaded_master: bool = False
+    loaded_state: bool = False
+
+
+class StagedLoad:
+    def __init__(self, tier: NvmeOptimizerState):
+        self.tier = tier
+        self.units: dict[int, _StagedUnit] = {}
+
+    def takes(self, unit: FlatUnit) -> bool:
+        """Whether the unit's state rests in the tier's files (its load goes through a staged file)."""
+        return unit.index in self.tier.offloaded
+
+    def current_master(self, unit: FlatUnit) -> torch.Tensor:
+        """A copy of the unit's master as it is now (a load fills the pieces it holds; the padding keeps its values)."""
+        return self._current(unit, "master")["master"].clone()
+
+    def write(
+        self,
+        unit: FlatUnit,
+        master: torch.Tensor | None,
+        state: dict[str, torch.Tensor] | None,
+        pieces: list[tuple[MasterPiece, str]],
+    ) -> None:
+        """A unit's loaded values (None: it keeps what it has), flat like the tier's buffers, written beside its
+        file; ``pieces``: the (piece, key) views of ``state`` to install in the optimizer."""
+        release_freed_memory()  # the last unit's reads: else the heap keeps them
+        has_master = self.tier.states[unit.index].master is not None
+        loaded_master = master is not None
+        if has_master and master is None:
+            master = self._current(unit, "master")["master"]
+        current_state = self._current(unit, "state") if state is None else state
+        earlier = self.units.get(unit.index)
+        path = self.tier.states[unit.index].path.with_suffix(".bin.loaded")
+        write_tensors(path, ([master] if has_master else []) + list(current_state.values()))
+        staged = _StagedUnit(path, has_master, {key: value.dtype for key, value in current_state.items()})
+        staged.loaded_master = loaded_master or (earlier is not None and earlier.loaded_master)
+        if state is not None:
+            staged.pieces, staged.loaded_state = pieces, True
+        elif earlier is not None:
+            staged.pieces, staged.loaded_state = earlier.pieces, earlier.loaded_state
+        self.units[unit.index] = staged
+
+    def _current(self, unit: FlatUnit, part: str) -> dict[str, torch.Tensor]:
+        """The unit's master or state as it is now: staged by an earlier read of this load, in its file, or in
+        memory."""
+        tier, index = self.tier, unit.index
+        staged = self.units.get(index)
+        if staged is not None:
+            numel = unit.resting_master.numel()
+            master_bytes = numel * 4 if staged.has_master else 0
+            if part == "master":
+                values = {"master": torch.empty(numel, dtype=torch.float32)}
+                read_tensors(staged.path, list(values.values()))
+            else:
+                values = {key: torch.empty(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
+                read_tensors(staged.path, list(values.values()), offset=master_bytes)
+            return values
+        read = tier.read_resting(index, part)
+        if read is not None:
+            return read
+        state = tier.states[index]
+        return {"master": state.master} if part == "master" else dict(state.buffers)
+
+    def install(self, optimizer: torch.optim.Optimizer) -> None:
+        """Every rank read everything: each staged file replaces its unit's, the optimizer's loaded state of the
+        unit becomes views of new buffers (resting on disk), and the compute copy takes the loaded master."""
+        tier = self.tier
+        tier.settle_behind()
+        for index, staged in self.units.items():
+            state, unit = tier.states[index], tier.units[index]
+            os.replace(staged.path, state.path)
+            if staged.loaded_state:
+                numel = unit.resting_master.numel()
+                state.buffers = {key: torch.zeros(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
+                for piece, key in staged.pieces:
+                    start = piece.piece.shard_start
+                    optimizer.state[piece.param][key] = state.buffers[key][start : start + piece.piece.numel]
+            if staged.loaded_master:
+                master = torch.empty(unit.resting_master.numel(), dtype=torch.float32)
+                read_tensors(state.path, [master])
+                unit.storage.copy_master_to_compute(master)
+            for tensor in state.tensors:
+                if has_bytes(tensor):
+                    free(tensor)  # the file holds the values now
+            state.resident = False
+        self.units.clear()
+        tier.generation += 1
+        release_freed_memory()
+
+    def discard(self) -> None:
+        """The load failed (on some rank): the staged files go, and nothing of the units changed."""
+        for staged in self.units.values():
+            staged.path.unlink(missing_ok=True)
+        self.units.clear()

@@ -1,0 +1,64 @@
+"""The NVMe optimizer tier's state for a reader that goes unit by unit (a save), the whole state never in memory.
+
+A unit in memory is handed out as it is. A unit whose file holds it is read into tensors of the reader's own
+(the master alone, or the per-element state alone), the last ``units_in_memory`` reads kept for the pieces
+that follow, the tier's own tensors left as they are: nothing comes back into memory for good, so a run
+whose optimizer state only fits on disk can save it. A read is out of date once a step or a load changed the
+state (``NvmeOptimizerState.generation``), and then read again.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ..file_io import release_freed_memory
+from ..unit import FlatUnit
+from .nvme_state import NvmeOptimizerState
+
+
+class RestingReads:
+    def __init__(self, tier: NvmeOptimizerState):
+        self.tier = tier
+        self._kept: OrderedDict[tuple[int, str], tuple[int, dict[str, torch.Tensor]]] = OrderedDict()
+
+    def master(self, unit: FlatUnit) -> torch.Tensor:
+        """The unit's fp32 master shard, as it is now (from its file when it rests there)."""
+        read = self._read(unit.index, "master")
+        return unit.resting_master if read is None else read["master"]
+
+    def state_key(self, unit: FlatUnit, value: torch.Tensor) -> str | None:
+        """The key of the tier's buffer that ``value`` (an optimizer-state tensor of the unit) is a view of;
+        None when it is not one (a unit that stays in memory, or state loaded and not yet stepped)."""
+        for key, buffer in self.tier.states[unit.index].buffers.items():
+            if value.untyped_storage() is buffer.untyped_storage():
+                return key
+        return None
+
+    def per_element(self, unit: FlatUnit, key: str, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a view of the unit's ``key`` buffer), as it is now (from its file when it rests there)."""
+        read = self._read(unit.index, "state")
+        if read is None:
+            return value
+        start = value.storage_offset() - self.tier.states[unit.index].buffers[key].storage_offset()
+        return read[key][start : start + value.numel()]
+
+    def _read(self, index: int, part: str) -> dict[str, torch.Tensor] | None:
+        """The part read from the unit's file (kept from an earlier call while up to date); None: in memory."""
+        self.tier.settle_behind()
+        if not self.tier.needs_read(index):
+            return None
+        generation = self.tier.generation
+        kept = self._kept.pop((index, part), None)
+        if kept is not None and kept[0] == generation:
+            self._kept[(index, part)] = kept  # most recently used last
+            return kept[1]
+        if len(self._kept) >= max(1, self.tier.units_in_memory):  # room first: the bound holds during the read
+            while len(self._kept) >= max(1, self.tier.units_in_memory):
+                self._kept.popitem(last=False)
+            release_freed_memory()  # what the save's writes freed too: else the heap keeps it
+        read = self.tier.read_resting(index, part)
+        if read is not None:
+            self._kept[(index, part)] = (generation, read)
+        return read
