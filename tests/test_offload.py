@@ -542,6 +542,10 @@ def test_under_a_memory_cap_only_the_nvme_run_trains_and_exactly_as_in_memory(tm
     assert offloaded.returncode == 0, offloaded.stderr[-3000:]
     assert capped["losses"] == in_memory["losses"]
     assert capped["resumed"] == capped["losses"][2], "the resumed step repeats the third step exactly"
+    # Really resident (peak RSS), DCP's copies included: a save or a load that held the rank's whole optimizer
+    # state would grow by all of it; a unit at a time, by about a unit and the largest piece.
+    rank_state = in_memory["state bytes"] // 2
+    assert max(capped["grown"].values()) < rank_state // 2, capped["grown"]
     killed, _, _ = _capped_run("none", cap, tmp_path)
     assert killed.returncode != 0 and "SIGKILL" in killed.stderr + killed.stdout, "the in-memory run must not fit"
 

@@ -11,8 +11,10 @@ a save and a load read and write the offloaded state a unit at a time, so they f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -23,6 +25,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine  # noqa: E402
+
+
+def _status_bytes(field: str) -> int:
+    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+    return int(line.split()[1]) * 1024
+
+
+@contextlib.contextmanager
+def peak_growth(grown: dict[str, int], phase: str) -> Iterator[None]:
+    """The most this process's resident memory grew during the block (its peak, reset first, less where it was)."""
+    Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
+    before = _status_bytes("VmRSS:")
+    yield
+    grown[phase] = _status_bytes("VmHWM:") - before
 
 
 def main() -> None:
@@ -53,16 +69,23 @@ def main() -> None:
 
     losses = [train(0), train(1)]
     checkpoint = Path(directory) / "checkpoint"
+    grown: dict[str, int] = {}  # how far this process's memory grew above where it was, during the save and load
     if mode == "nvme-resume":
-        engine.save_checkpoint(checkpoint)
+        with peak_growth(grown, "save"):
+            engine.save_checkpoint(checkpoint)
     losses.append(train(2))
     resumed = None
     if mode == "nvme-resume":
-        engine.load_checkpoint(checkpoint)
+        with peak_growth(grown, "load"):
+            engine.load_checkpoint(checkpoint)
         resumed = train(2)
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, grown)
     if dist.get_rank() == 0:
         state_bytes = 8 * engine.num_parameters  # Adam's two fp32 moments, over all ranks
-        out.write_text(json.dumps({"losses": losses, "state bytes": state_bytes, "resumed": resumed}))
+        most_grown = {phase: max(g[phase] for g in every_rank) for phase in grown}
+        report = {"losses": losses, "state bytes": state_bytes, "resumed": resumed, "grown": most_grown}
+        out.write_text(json.dumps(report))
     dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from ..optim.nvme_staging import StagedLoad
 from .agreement import RankAgreement
 from .chunks import ShardedChunks
 from .errors import CheckpointError, mismatch_error
@@ -34,7 +35,6 @@ from .records import (
     ShardedModel,
     parse_engine_record,
 )
-from ..optim.nvme_staging import StagedLoad
 from .staged_reads import master_is_staged, read_staged_units
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards

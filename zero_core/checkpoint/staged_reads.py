@@ -1,7 +1,7 @@
 """Reading a checkpoint into the NVMe optimizer tier's units one at a time (``optim/nvme_staging.py``).
 
-Each unit of the tier is read on its own (DCP's load of just its keys: its parameters where the master rests
-in the tier's file, its optimizer state), into about one unit's memory, and written beside its file at once;
+Each unit of the tier is read on its own (DCP's load of just its keys: its parameters, its optimizer state),
+into about one unit's memory, and written beside its file at once;
 the checkpoint's other keys are read the usual way. Scalar state (Adam's ``step``) stays in memory.
 """
 
@@ -22,8 +22,8 @@ Install = tuple[MasterPiece, str, torch.Tensor]
 
 
 def master_is_staged(staging: StagedLoad | None, unit: FlatUnit) -> bool:
-    """The unit's master is loaded apart, into the tier's file (else with the checkpoint's other keys)."""
-    return staging is not None and staging.takes(unit) and unit.master_rests_on_disk
+    """The unit's master is loaded apart, with its state (else with the checkpoint's other keys)."""
+    return staging is not None and staging.takes(unit)
 
 
 def read_staged_units(

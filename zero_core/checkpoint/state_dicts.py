@@ -104,9 +104,7 @@ def _per_element_values(
     buffer_key = resting.state_key(unit, value) if resting is not None else None
     if buffer_key is None:
         return value
-    return LazyValues(
-        lambda: resting.per_element(unit, buffer_key, value), value.numel(), value.dtype, value.device
-    )
+    return LazyValues(lambda: resting.per_element(unit, buffer_key, value), value.numel(), value.dtype, value.device)
 
 
 def sharded_optimizer_state_dict(

@@ -184,9 +184,15 @@ def write_shards(
     directory: Path, state: dict[str, Any], comm: CommContext | None, in_order: bool = False
 ) -> dcp_metadata.Metadata:
     """Every rank writes its pieces; rank 0 writes ``.metadata``. Returns the metadata, on every rank.
-    ``in_order``: the pieces are read in the state dict's order (DCP's copy-ahead on a GPU takes them by size)."""
+    ``in_order`` (state read from the NVMe tier's files a unit at a time): the pieces are read in the state
+    dict's order (DCP's copy-ahead on a GPU takes them by size), each into a file of its own, synced as it is
+    written: DCP keeps every piece of a file alive until the file is written, and a file's unsynced pages
+    are memory a cap counts too."""
     alone = comm is None or comm.world_size == 1
-    writer = FileSystemWriter(directory, per_thread_copy_ahead=0) if in_order else FileSystemWriter(directory)
+    if in_order:
+        writer = FileSystemWriter(directory, single_file_per_rank=False, per_thread_copy_ahead=0)
+    else:
+        writer = FileSystemWriter(directory)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return dcp.save(

@@ -12,10 +12,10 @@ import torch
 from .. import agreement
 from ..collectives import CommContext
 from ..unit import FlatUnit
+from .nvme_staging import StagedLoad
 from .nvme_state import NvmeOptimizerState, raw_step_of
 from .param_groups import OptimizerGroups
 from .rebuild import check_optimizer_supported, reset_optimizer_state
-from .nvme_staging import StagedLoad
 from .resting_reads import RestingReads
 
 # Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their

@@ -1,13 +1,15 @@
 """A checkpoint loaded into the NVMe optimizer tier a unit at a time, all or nothing.
 
-While a load reads, each unit of the tier gets its loaded values (the per-element state, and the master where
-it rests in the file) one unit at a time, written to ``unit<i>.bin.loaded`` beside its file, in the file's
-layout; what the load does not replace (the master, when only the optimizer is loaded, or the state, when
-only the weights are) is copied over from the unit's current values. Nothing of the unit changes until every
+While a load reads, each unit of the tier gets its loaded values one unit at a time, written beside its file:
+the per-element state and a master that rests in the file to ``unit<i>.bin.loaded``, in the file's layout
+(what the load does not replace, the master when only the optimizer is loaded or the state when only the
+weights are, is copied over from the unit's current values); a master that stays in memory (fp32 on a CPU
+device: the parameters' own memory) to ``unit<i>.master.loaded``. Nothing of the unit changes until every
 rank has read everything: then :meth:`StagedLoad.install` puts each file in place, the optimizer's state of
-the unit becomes views of new buffers that rest on disk, and the unit's compute copy takes the loaded master.
-A load that fails anywhere removes the files (:meth:`StagedLoad.discard`). So a run whose optimizer state
-fits only on disk can resume, holding about two units' state in memory at a time.
+the unit becomes views of new buffers that rest on disk, and the unit's master (or, resting on disk, its
+compute copy) takes the loaded values. A load that fails anywhere removes the files
+(:meth:`StagedLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding about
+two units' state in memory at a time.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from .nvme_state import NvmeOptimizerState
 @dataclass
 class _StagedUnit:
     path: Path
-    has_master: bool  # the file starts with the unit's master
+    has_master: bool  # the file starts with the unit's master (it rests there)
+    master_path: Path | None  # a loaded master that stays in memory, until it is installed
     dtypes: dict[str, torch.dtype]  # its per-element buffers, in file order
     pieces: list[tuple[MasterPiece, str]] = field(default_factory=list)  # loaded state: (piece, key) to install
     loaded_master: bool = False
@@ -44,6 +47,8 @@ class StagedLoad:
 
     def current_master(self, unit: FlatUnit) -> torch.Tensor:
         """A copy of the unit's master as it is now (a load fills the pieces it holds; the padding keeps its values)."""
+        if self.tier.states[unit.index].master is None:  # in memory: the parameters' own
+            return unit.master_shard.clone()
         return self._current(unit, "master")["master"].clone()
 
     def write(
@@ -64,7 +69,12 @@ class StagedLoad:
         earlier = self.units.get(unit.index)
         path = self.tier.states[unit.index].path.with_suffix(".bin.loaded")
         write_tensors(path, ([master] if has_master else []) + list(current_state.values()))
-        staged = _StagedUnit(path, has_master, {key: value.dtype for key, value in current_state.items()})
+        master_path = earlier.master_path if earlier is not None else None
+        if loaded_master and not has_master:
+            master_path = path.with_suffix(".master.loaded")
+            write_tensors(master_path, [master])
+        dtypes = {key: value.dtype for key, value in current_state.items()}
+        staged = _StagedUnit(path, has_master, master_path, dtypes)
         staged.loaded_master = loaded_master or (earlier is not None and earlier.loaded_master)
         if state is not None:
             staged.pieces, staged.loaded_state = pieces, True
@@ -109,8 +119,13 @@ class StagedLoad:
                     optimizer.state[piece.param][key] = state.buffers[key][start : start + piece.piece.numel]
             if staged.loaded_master:
                 master = torch.empty(unit.resting_master.numel(), dtype=torch.float32)
-                read_tensors(state.path, [master])
-                unit.storage.copy_master_to_compute(master)
+                if staged.master_path is None:  # it rests in the unit's file: the compute copy takes it
+                    read_tensors(state.path, [master])
+                    unit.storage.copy_master_to_compute(master)
+                else:
+                    read_tensors(staged.master_path, [master])
+                    unit.load_master_shard(master)
+                    staged.master_path.unlink()
             for tensor in state.tensors:
                 if has_bytes(tensor):
                     free(tensor)  # the file holds the values now
@@ -123,4 +138,6 @@ class StagedLoad:
         """The load failed (on some rank): the staged files go, and nothing of the units changed."""
         for staged in self.units.values():
             staged.path.unlink(missing_ok=True)
+            if staged.master_path is not None:
+                staged.master_path.unlink(missing_ok=True)
         self.units.clear()

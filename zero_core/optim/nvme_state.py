@@ -11,7 +11,8 @@ memory at once. Scalar state (Adam's ``step``) stays in memory.
 
 Every reader of the state outside the step calls :meth:`NvmeOptimizerState.make_resident` first: the
 optimizer's ``state_dict()`` (its pre-hook), and any reader of a unit's master (``ParamStorage.master_shard``
-calls it): the whole state comes back into memory until the next step writes it out again. A failed read or
+calls it): the whole state comes back into memory until the next step writes it out again. A save and a load
+go a unit at a time instead (``resting_reads.py``, ``nvme_staging.py``). A failed read or
 write raises the same error on every rank after the units were stepped (no collective runs in between), and
 the files of the run are removed at exit.
 """
@@ -257,7 +258,7 @@ class NvmeOptimizerState:
         state = self.states[index]
         master_bytes = state.master.numel() * state.master.element_size() if state.master is not None else 0
         wanted = {"master": state.master} if part == "master" else dict(state.buffers)
-        copies = {key: torch.empty(t.shape, dtype=t.dtype, device=t.device) for key, t in wanted.items() if t is not None}
+        copies = {key: torch.empty_like(t) for key, t in wanted.items() if t is not None}
         read_tensors(state.path, list(copies.values()), offset=0 if part == "master" else master_bytes)
         return copies
 

@@ -38,6 +38,11 @@ class RestingReads:
 
     def per_element(self, unit: FlatUnit, key: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a view of the unit's ``key`` buffer), as it is now (from its file when it rests there)."""
+        if self.state_key(unit, value) != key:
+            raise RuntimeError(
+                "ZeRO: the optimizer state this sharded state dict points at was replaced since it was taken (a "
+                "load, or the optimizer attached again). Take the state dict again right before saving it."
+            )
         read = self._read(unit.index, "state")
         if read is None:
             return value

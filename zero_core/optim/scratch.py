@@ -3,7 +3,8 @@
 ``<offload_dir>/lightning-zero-<run id>/rank<r>/`` with an ``owner`` file (host and process id). The
 run id is rank 0's, shared with every rank, so one run's ranks share one parent. A directory whose
 owner process is gone (a crashed run on this host) is removed when the next run starts; a live one is
-left alone. Nothing of another run is ever read: each run writes its own new directory.
+left alone, and so is one still being made (by another rank, or a run starting beside this one: young, its
+owner file not yet written). Nothing of another run is ever read: each run writes its own new directory.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import os
 import shutil
 import socket
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -21,20 +23,30 @@ from ..collectives import CommContext, all_gather_objects
 PREFIX = "lightning-zero-"
 
 
-def _owner_alive(directory: Path) -> bool:
+# A directory younger than this without a readable owner file, or a run's parent younger than this without
+# its rank directories, is being made (by another rank, or another run on this host starting at the same time).
+BEING_MADE_SECONDS = 60.0
+
+
+def _young(directory: Path) -> bool:
+    return time.time() - directory.stat().st_mtime < BEING_MADE_SECONDS
+
+
+def _left_by_a_dead_run(directory: Path) -> bool:
+    """A rank directory whose owner process on this host is gone (or that never got its owner, long ago)."""
     try:
         host, pid = (directory / "owner").read_text().split()
     except (OSError, ValueError):
-        return False
+        return not _young(directory)  # no owner yet (or half written): being made, unless it is old
     if host != socket.gethostname():
-        return True  # another machine's (a shared disk): not ours to judge
+        return False  # another machine's (a shared disk): not ours to judge
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
-        return False
-    except (PermissionError, ValueError):
         return True
-    return True
+    except (PermissionError, ValueError):
+        return False
+    return False
 
 
 def remove_stale_runs(root: Path) -> list[Path]:
@@ -43,11 +55,12 @@ def remove_stale_runs(root: Path) -> list[Path]:
     for run in root.glob(PREFIX + "*"):
         # Every rank of this host cleans up at once: what another rank removed first is not an error.
         with contextlib.suppress(OSError):
-            for rank_dir in run.glob("rank*"):
-                if rank_dir.is_dir() and not _owner_alive(rank_dir):
-                    shutil.rmtree(rank_dir, ignore_errors=True)
-                    removed.append(rank_dir)
-            if not any(run.iterdir()):
+            dead = [d for d in run.glob("rank*") if d.is_dir() and _left_by_a_dead_run(d)]
+            for rank_dir in dead:
+                shutil.rmtree(rank_dir, ignore_errors=True)
+                removed.append(rank_dir)
+            # Emptied here (a dead run's: no new rank joins a run id), or empty and not just made.
+            if not any(run.iterdir()) and (dead or not _young(run)):
                 run.rmdir()
     return removed
 
@@ -86,6 +99,9 @@ class ScratchDirectory:
             raise ValueError(f"offload_dir={str(root)!r} cannot hold the offloaded state: {listed}.")
         run_id = all_gather_objects(comm, uuid.uuid4().hex, "naming the offload run")[0]  # rank 0's: one parent per run
         remove_stale_runs(self.root)
+        # Every rank has cleaned up before any makes its directory (one that is still cleaning up leaves a new
+        # directory alone only while it is young).
+        all_gather_objects(comm, None, "cleaning up offload_dir")
         self.path = self.root / f"{PREFIX}{run_id}" / f"rank{comm.rank}"
         self.path.mkdir(parents=True)
         (self.path / "owner").write_text(f"{socket.gethostname()} {os.getpid()}")
