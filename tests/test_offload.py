@@ -19,8 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.multiprocessing.reductions import StorageWeakRef
 
+import zero_core.optim.nvme_staging as nvme_staging
 import zero_core.optim.nvme_state as nvme_state
 import zero_core.optim.scratch as scratch
 from zero_core import MixedPrecision, OffloadError, ZeroEngine
@@ -303,11 +305,24 @@ def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
         return restored.full_state_dict()
 
     saved = loaded()
-    # The engine's sharded state dicts, kept across a step, read the state as it is then (never freed memory).
-    kept = {"model": engine.sharded_model_state_dict(), "optimizer_0": engine.sharded_optimizer_state_dict()}
+
+    # The engine's sharded state dicts are views of the state in memory, for DCP to save or to load into; kept
+    # across a step (which wrote the state out and freed it) they are refused, never read.
+    def views() -> dict:
+        return {"model": engine.sharded_model_state_dict(), "optimizer_0": engine.sharded_optimizer_state_dict()}
+
+    kept = views()
+    dcp.save(kept, checkpoint_id=Path(directory) / "views", process_group=dist.group.WORLD)
+    weights = engine.full_state_dict()
     train_accumulated(engine, rank, range(2, 3))
-    dcp.save(kept, checkpoint_id=Path(directory) / "kept", process_group=dist.group.WORLD)
-    results["kept across a step"] = (Path(directory) / "kept" / ".metadata").is_file()
+    try:
+        dcp.save(kept, checkpoint_id=Path(directory) / "kept", process_group=dist.group.WORLD)
+        results["kept across a step"] = "saved"
+    except CheckpointException as error:  # what the views raised, on every rank
+        results["kept across a step"] = str(error)
+    dcp.load(views(), checkpoint_id=Path(directory) / "views", process_group=dist.group.WORLD)
+    results["loaded into the views"] = relative_difference(engine.full_state_dict(), weights)
+    train_accumulated(engine, rank, range(2, 3))  # out on disk again
     for file in Path(directory).glob(f"lightning-zero-*/rank{rank}/unit*.bin"):
         if rank == 1:
             file.write_bytes(b"")  # lost on one rank
@@ -326,14 +341,39 @@ def test_a_save_reads_the_offloaded_state_unit_by_unit_and_a_failed_read_fails_i
         assert results["reads"] > 0 and results["most read bytes alive"] <= results["largest unit"], results
         assert results["on disk after the save"][0] == results["on disk after the save"][1] > 0, results
         assert "could not" in results["failed save"] or "shorter" in results["failed save"], results
-        assert results["previous checkpoint"] == 0.0 and results["kept across a step"], results
+        assert results["previous checkpoint"] == 0.0 and results["loaded into the views"] == 0.0, results
+        assert "freed since it was taken" in results["kept across a step"], results
+
+
+def _tier_tensors(engine: ZeroEngine, joined: list) -> list[torch.Tensor]:
+    """Every tensor of the engine's NVMe tier: the masters and the per-element optimizer state."""
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return [u.resting_master for u in joined] + state
+
+
+@contextlib.contextmanager
+def _tier_bytes_while_staging(engine: ZeroEngine, joined: list) -> Iterator[list[int]]:
+    """The tier's own bytes in memory each time a load stages a unit (what it reads back is counted)."""
+    seen: list[int] = []
+    tensors = _tier_tensors(engine, joined)
+    original = nvme_staging.StagedLoad.write
+
+    def write(self, *args):  # type: ignore[no-untyped-def]
+        seen.append(StorageCounter().count(tensors))
+        return original(self, *args)
+
+    nvme_staging.StagedLoad.write = write  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        nvme_staging.StagedLoad.write = original  # type: ignore[method-assign]
 
 
 def _loads_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
     """A load reads each unit of the tier on its own into a file beside the unit's, put in place only once every
-    rank has read everything: after it the whole state rests on disk (nothing brought into memory), and
-    training goes on exactly; the optimizer from a directory of its own and a load of the weights alone go
-    the same way; a load that fails changes nothing and leaves no file behind."""
+    rank has read everything: during and after it the tier's state rests on disk (nothing brought back into
+    memory), and training goes on exactly; the optimizer from a directory of its own, the weights alone and the
+    optimizer alone go the same way."""
     results: dict = {}
     settings = {"precision": "bf16", "optimizer": "adamw-fused", "offload_units_in_memory": 1}
     saved = _engine(3, "nvme", directory, **settings)
@@ -343,19 +383,23 @@ def _loads_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
     saved.save_checkpoint(root / "model", include_optimizer=False)
     saved.save_checkpoint(root / "optimizer", include_model=False)
     weights = saved.full_state_dict()
+    moments = {k: {n: v.clone() for n, v in s.items()} for k, s in saved.optimizer.state_dict()["state"].items()}
     train_accumulated(saved, rank, range(2, 4))
     expected = saved.full_state_dict()
     del saved
 
-    def resumed(fraction: float = 1.0, **sources) -> tuple[dict, int, int]:  # type: ignore[no-untyped-def]
+    def resumed(fraction: float = 1.0, **sources) -> tuple:  # type: ignore[no-untyped-def]
         with _units_joining_the_tier() as joined:
             engine = _engine(3, "nvme", directory, offload_fraction=fraction, **settings)
         train_accumulated(engine, rank, range(1))  # its own state on disk, replaced by the load
-        engine.load_checkpoint(sources.pop("path", root / "ckpt"), **sources)
-        tier_tensors = [u.resting_master for u in joined] + [
-            v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()
-        ]
-        in_memory, on_disk = StorageCounter().count(tier_tensors), engine.memory_report().nvme_bytes
+        with _tier_bytes_while_staging(engine, joined) as during:
+            engine.load_checkpoint(sources.pop("path", root / "ckpt"), **sources)
+        in_memory = max([*during, StorageCounter().count(_tier_tensors(engine, joined))])
+        on_disk = engine.memory_report().nvme_bytes
+        if sources.get("load_model", True) is False:
+            loaded = engine.optimizer.state_dict()["state"]
+            same = all(torch.equal(loaded[k][n], v) for k, s in moments.items() for n, v in s.items())
+            return same, in_memory, on_disk
         if sources.get("load_optimizer", True):
             train_accumulated(engine, rank, range(2, 4))
         return engine.full_state_dict(), in_memory, on_disk
@@ -366,38 +410,86 @@ def _loads_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
     results["optimizer apart"] = (relative_difference(state, expected), in_memory, on_disk)
     state, in_memory, on_disk = resumed(load_optimizer=False)
     results["weights alone"] = (relative_difference(state, weights), in_memory, on_disk)
+    same, in_memory, on_disk = resumed(load_model=False)
+    results["optimizer alone"] = (0.0 if same else 1.0, in_memory, on_disk)
     state, _, on_disk = resumed(fraction=0.5)  # some units' state in memory, loaded the usual way
     results["half offloaded"] = (relative_difference(state, expected), on_disk)
+    return results
 
+
+def test_a_load_goes_unit_by_unit_into_the_files(tmp_path: Path) -> None:
+    for results in run_distributed(_loads_unit_by_unit, 2, str(tmp_path)):
+        for case in ("resumed", "optimizer apart", "weights alone", "optimizer alone"):
+            difference, in_memory, on_disk = results[case]
+            assert difference == 0.0 and in_memory == 0 and on_disk > 0, (case, results[case])
+        assert results["half offloaded"][0] == 0.0 and results["half offloaded"][1] > 0, results
+
+
+def _failed_loads(rank: int, world_size: int, directory: str) -> dict:
+    """A load refused by check_extra, or whose staging write fails on one rank (disk full part-way), changes
+    nothing and leaves no file behind; one whose putting in place fails on one rank raises the same
+    OffloadError on every rank, and loading again goes on exactly."""
+    results: dict = {}
+    settings = {"precision": "bf16", "optimizer": "adamw-fused", "offload_units_in_memory": 1}
+    root = Path(directory)
     engine = _engine(3, "nvme", directory, **settings)
     train_accumulated(engine, rank, range(1))
-    before = engine.full_state_dict()
+    engine.save_checkpoint(root / "ckpt")
     train_accumulated(engine, rank, range(1, 2))  # out on disk again
 
     def refuse(extra: dict) -> None:
         raise ValueError("not this one")
 
-    try:
-        engine.load_checkpoint(root / "ckpt", check_extra=refuse)
-    except ValueError:
-        pass
-    results["left behind"] = sorted(p.name for p in root.glob("lightning-zero-*/rank*/*.loaded"))
+    original_write = nvme_staging.write_tensors
+
+    def disk_full_part_way(path: Path, tensors: list) -> None:
+        path.write_bytes(b"part")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    for case in ("refused", "disk full"):
+        if case == "disk full" and rank == 1:
+            nvme_staging.write_tensors = disk_full_part_way
+        try:
+            engine.load_checkpoint(root / "ckpt", check_extra=refuse if case == "refused" else None)
+            results[case] = "loaded"
+        except (ValueError, CheckpointError) as error:
+            results[case] = type(error).__name__
+        nvme_staging.write_tensors = original_write
+        results[f"left behind, {case}"] = sorted(p.name for p in root.glob(f"lightning-zero-*/rank{rank}/*.loaded"))
     train_accumulated(engine, rank, range(2, 3))
     reference = _engine(3, "nvme", directory, **settings)
     train_accumulated(reference, rank, range(3))
-    results["after a refused load"] = relative_difference(engine.full_state_dict(), reference.full_state_dict())
-    results["changed before"] = relative_difference(before, reference.full_state_dict()) > 0
+    results["after failed loads"] = relative_difference(engine.full_state_dict(), reference.full_state_dict())
+
+    original_replace = nvme_staging.os.replace
+
+    def broken_replace(source, target):  # type: ignore[no-untyped-def]
+        raise OSError(errno.EIO, os.strerror(errno.EIO), str(target))
+
+    if rank == 1:
+        nvme_staging.os.replace = broken_replace
+    try:
+        engine.load_checkpoint(root / "ckpt")
+        results["install fails"] = "loaded"
+    except OffloadError as error:
+        results["install fails"] = str(error)
+    nvme_staging.os.replace = original_replace
+    engine.load_checkpoint(root / "ckpt")  # again: whole
+    train_accumulated(engine, rank, range(1, 3))
+    results["loaded again"] = relative_difference(engine.full_state_dict(), reference.full_state_dict())
     return results
 
 
-def test_a_load_goes_unit_by_unit_into_the_files_and_all_or_nothing(tmp_path: Path) -> None:
-    for results in run_distributed(_loads_unit_by_unit, 2, str(tmp_path)):
-        for case in ("resumed", "optimizer apart", "weights alone"):
-            difference, in_memory, on_disk = results[case]
-            assert difference == 0.0 and in_memory == 0 and on_disk > 0, (case, results[case])
-        assert results["half offloaded"][0] == 0.0 and results["half offloaded"][1] > 0, results
-        assert results["left behind"] == [] and results["changed before"], results
-        assert results["after a refused load"] == 0.0, results
+def test_a_failed_load_changes_nothing_and_leaves_no_file_and_a_failed_install_fails_everywhere(
+    tmp_path: Path,
+) -> None:
+    outcomes = run_distributed(_failed_loads, 2, str(tmp_path))
+    for results in outcomes:
+        assert results["refused"] == "ValueError" and results["disk full"] == "CheckpointError", results
+        assert results["left behind, refused"] == results["left behind, disk full"] == [], results
+        assert results["after failed loads"] == 0.0 and results["loaded again"] == 0.0, results
+        assert "on ranks [1]" in results["install fails"] and "half applied" in results["install fails"], results
+    assert outcomes[0]["install fails"] == outcomes[1]["install fails"]
 
 
 def _failures(rank: int, world_size: int, directory: str) -> dict:

@@ -154,7 +154,7 @@ def optimizer_load_targets(
             for key, entry in saved_state.get(slot.fqns[0], []):
                 dtype = entry.properties.dtype
                 if tuple(entry.size) == tuple(slot.whole_shape) and (len(slot.shape) > 0 or key != "step"):
-                    local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.master_shard.device)
+                    local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.resting_master.device)
                     target: torch.Tensor = slot_chunks(slot, local, master.piece.param_start)
                 else:
                     local = target = torch.zeros(entry.size, dtype=dtype)

@@ -61,10 +61,11 @@ class Resumed(NamedTuple):
     steps: int
 
 
-def sharded_view(target: CheckpointTarget, operation: str | None = None) -> ShardedModel:
+def sharded_view(target: CheckpointTarget, operation: str | None = None, streaming: bool = False) -> ShardedModel:
     """What the checkpoint code sees. With ``operation`` (every rank is in it together), the
     param groups are read and compared first, agreed on every rank, so a group added,
-    replaced or refused on one rank only fails everywhere alike."""
+    replaced or refused on one rank only fails everywhere alike. ``streaming`` (a save): what
+    rests in the NVMe tier's files is read from there a few units at a time when written."""
     if operation is not None and target.optimizer is not None:
         groups = target.attachment
         RankAgreement(target.comm, operation).run("reading the optimizer's param groups", groups.read_groups)
@@ -75,7 +76,7 @@ def sharded_view(target: CheckpointTarget, operation: str | None = None) -> Shar
         target.comm,
         target.optimizer,
         target.attachment.group_names(),
-        target.attachment.resting_reads(),
+        target.attachment.resting_reads() if streaming else None,
     )
 
 
@@ -86,7 +87,8 @@ def sharded_model_state_dict(target: CheckpointTarget) -> dict[str, Any]:
 
 def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
     with meeting("sharded_optimizer_state_dict()"):
-        target.attachment.refuse_while_stepped("state_dict() (or saving it)")
+        # Views of the state in memory: DCP may load into them as well as save them.
+        target.attachment.make_state_resident()
         view = sharded_view(target, "collecting the optimizer's state")
         return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
 
@@ -120,7 +122,7 @@ def _save(
     record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
     try:
         return save_checkpoint(
-            sharded_view(target, f"saving checkpoint {path}"),
+            sharded_view(target, f"saving checkpoint {path}", streaming=True),
             path,
             dict(extra or {}),
             record,

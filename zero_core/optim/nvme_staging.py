@@ -9,7 +9,7 @@ rank has read everything: then :meth:`StagedLoad.install` puts each file in plac
 the unit becomes views of new buffers that rest on disk, and the unit's master (or, resting on disk, its
 compute copy) takes the loaded values. A load that fails anywhere removes the files
 (:meth:`StagedLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding about
-two units' state in memory at a time.
+a few units' state in memory at a time.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from pathlib import Path
 
 import torch
 
-from ..file_io import free, has_bytes, read_tensors, release_freed_memory, write_tensors
+from ..collectives import all_gather_objects
+from ..file_io import agreed_failure, free, has_bytes, read_tensors, release_freed_memory, write_tensors
 from ..unit import FlatUnit, MasterPiece
 from .nvme_state import NvmeOptimizerState
+
+STAGED_SUFFIX = ".loaded"  # the files of a load not yet put in place
 
 
 @dataclass
@@ -40,6 +43,7 @@ class StagedLoad:
     def __init__(self, tier: NvmeOptimizerState):
         self.tier = tier
         self.units: dict[int, _StagedUnit] = {}
+        tier.settle_behind()  # the last step's writes done (and their units freed) before the load reads
 
     def takes(self, unit: FlatUnit) -> bool:
         """Whether the unit's state rests in the tier's files (its load goes through a staged file)."""
@@ -67,11 +71,11 @@ class StagedLoad:
             master = self._current(unit, "master")["master"]
         current_state = self._current(unit, "state") if state is None else state
         earlier = self.units.get(unit.index)
-        path = self.tier.states[unit.index].path.with_suffix(".bin.loaded")
+        path = self.tier.states[unit.index].path.with_suffix(".bin" + STAGED_SUFFIX)
         write_tensors(path, ([master] if has_master else []) + list(current_state.values()))
         master_path = earlier.master_path if earlier is not None else None
         if loaded_master and not has_master:
-            master_path = path.with_suffix(".master.loaded")
+            master_path = path.with_suffix(".master" + STAGED_SUFFIX)
             write_tensors(master_path, [master])
         dtypes = {key: value.dtype for key, value in current_state.items()}
         staged = _StagedUnit(path, has_master, master_path, dtypes)
@@ -103,15 +107,33 @@ class StagedLoad:
         state = tier.states[index]
         return {"master": state.master} if part == "master" else dict(state.buffers)
 
-    def install(self, optimizer: torch.optim.Optimizer) -> None:
+    def install(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Every rank read everything: each staged file replaces its unit's, the optimizer's loaded state of the
-        unit becomes views of new buffers (resting on disk), and the compute copy takes the loaded master."""
+        unit becomes views of new buffers (resting on disk), and the master (or, on disk, the compute copy)
+        takes the loaded values. Every rank calls it (a collective): a rename or read that fails raises the
+        same OffloadError on every rank, the load half applied (load again)."""
+        failures: list[str] = []
+        try:
+            self._install_units(optimizer)
+        except Exception as error:  # noqa: BLE001 - whatever failed here, every rank raises it alike
+            failures.append(f"{type(error).__name__}: {error}")
+        finally:
+            self.discard()  # what was not put in place
+        reported = all_gather_objects(self.tier.comm, failures[0] if failures else None, "installing a load")
+        error = agreed_failure(
+            reported, "the loaded state staged in the tier's files", found=" (the load is half applied)"
+        )
+        if error is not None:
+            raise error
+
+    def _install_units(self, optimizer: torch.optim.Optimizer | None) -> None:
         tier = self.tier
         tier.settle_behind()
         for index, staged in self.units.items():
             state, unit = tier.states[index], tier.units[index]
             os.replace(staged.path, state.path)
             if staged.loaded_state:
+                assert optimizer is not None
                 numel = unit.resting_master.numel()
                 state.buffers = {key: torch.zeros(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
                 for piece, key in staged.pieces:
@@ -125,19 +147,18 @@ class StagedLoad:
                 else:
                     read_tensors(staged.master_path, [master])
                     unit.load_master_shard(master)
-                    staged.master_path.unlink()
+            else:  # the weights did not change: the compute copy holds the master's values (not read back)
+                unit.storage.compute_copy_current = True
             for tensor in state.tensors:
                 if has_bytes(tensor):
                     free(tensor)  # the file holds the values now
             state.resident = False
-        self.units.clear()
         tier.generation += 1
         release_freed_memory()
 
     def discard(self) -> None:
-        """The load failed (on some rank): the staged files go, and nothing of the units changed."""
-        for staged in self.units.values():
-            staged.path.unlink(missing_ok=True)
-            if staged.master_path is not None:
-                staged.master_path.unlink(missing_ok=True)
+        """The load failed (on some rank): the staged files go (a partly written one too), and nothing of the
+        units changed."""
+        for path in self.tier.scratch.path.glob(f"*{STAGED_SUFFIX}"):
+            path.unlink(missing_ok=True)
         self.units.clear()
