@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine  # noqa: E402
+from zero_core.file_io import release_freed_memory  # noqa: E402
 
 
 def _status_bytes(field: str) -> int:
@@ -35,6 +36,7 @@ def _status_bytes(field: str) -> int:
 @contextlib.contextmanager
 def peak_growth(grown: dict[str, int], phase: str) -> Iterator[None]:
     """The most this process's resident memory grew during the block (its peak, reset first, less where it was)."""
+    release_freed_memory()  # what the heap keeps of freed memory is not counted as where it was
     Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) starts again from now
     before = _status_bytes("VmRSS:")
     yield

@@ -7,6 +7,8 @@ the checkpoint's other keys are read the usual way. Scalar state (Adam's ``step`
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,33 +45,41 @@ def read_staged_units(
             )
             # The other units are left out: what is left of the model's keys but this unit's are buffers.
             state[MODEL_KEY] = {k: v for k, v in state[MODEL_KEY].items() if isinstance(v, ShardedChunks)}
+        flat: dict[str, torch.Tensor] | None = None
+        pieces: list[tuple[MasterPiece, str]] = []
         installs: list[Install] = []
         if load_optimizer:
             assert view.optimizer is not None
-            targets, installs = optimizer_load_targets(view.optimizer, [unit], checkpoint.metadata, OPTIMIZER_KEY)
+            flat = {}
+            targets, installs = optimizer_load_targets(
+                view.optimizer, [unit], checkpoint.metadata, OPTIMIZER_KEY, _into_flat(unit, flat)
+            )
             state[OPTIMIZER_KEY] = {"state": targets["state"]}
+            for piece, key, tensor in installs:  # per-element state lands in the flat buffers; scalars stay apart
+                if key in flat and tensor.untyped_storage() is flat[key].untyped_storage():
+                    pieces.append((piece, key))
+                else:
+                    scalars.append((piece, key, tensor))
         if not state:
             continue
         read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, state)
-        flat, pieces = _flat_state(unit, installs, scalars) if load_optimizer else (None, [])
         staging.write(unit, master, flat, pieces)
+        del state, master, flat, installs
+        # DCP's load leaves the unit's targets in reference cycles: freed now, not when the collector next runs
+        # (until then every unit read so far would stay in memory).
+        gc.collect()
     return scalars
 
 
-def _flat_state(
-    unit: FlatUnit, installs: list[Install], scalars: list[Install]
-) -> tuple[dict[str, torch.Tensor], list[tuple[MasterPiece, str]]]:
-    """The loaded per-element state as one flat buffer per key, laid out like the unit's master shard (as the
-    tier keeps it), and the (piece, key) views to install; the scalars go to ``scalars``."""
+def _into_flat(
+    unit: FlatUnit, flat: dict[str, torch.Tensor]
+) -> Callable[[MasterPiece, str, torch.dtype], torch.Tensor]:
+    """Where a piece's per-element state is loaded: its place in one flat buffer per key, laid out like the unit's
+    master shard (as the tier keeps it)."""
     numel = unit.resting_master.numel()
-    flat: dict[str, torch.Tensor] = {}
-    pieces: list[tuple[MasterPiece, str]] = []
-    for master, key, tensor in installs:
-        piece = master.piece
-        if tensor.dim() == 1 and tensor.numel() == piece.numel:
-            buffer = flat.setdefault(key, torch.zeros(numel, dtype=tensor.dtype))
-            buffer[piece.shard_start : piece.shard_start + piece.numel].copy_(tensor)
-            pieces.append((master, key))
-        else:
-            scalars.append((master, key, tensor))
-    return flat, pieces
+
+    def place(master: MasterPiece, key: str, dtype: torch.dtype) -> torch.Tensor:
+        buffer = flat.setdefault(key, torch.zeros(numel, dtype=dtype))
+        return buffer[master.piece.shard_start : master.piece.shard_start + master.piece.numel]
+
+    return place

@@ -12,7 +12,7 @@ written at.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -131,13 +131,18 @@ def sharded_optimizer_state_dict(
 
 
 def optimizer_load_targets(
-    optimizer: torch.optim.Optimizer, units: Sequence[FlatUnit], metadata: Metadata, prefix: str
+    optimizer: torch.optim.Optimizer,
+    units: Sequence[FlatUnit],
+    metadata: Metadata,
+    prefix: str,
+    per_element: Callable[[MasterPiece, str, torch.dtype], torch.Tensor] | None = None,
 ) -> tuple[dict[str, Any], list[tuple[MasterPiece, str, torch.Tensor]]]:
     """A state dict to load optimizer state into, built from what the checkpoint holds.
 
     Returns the DCP destination and (piece, key, tensor) triples to install
     as ``optimizer.state`` once loaded. Per-element state is recognised by
-    having the parameter's full shape.
+    having the parameter's full shape; ``per_element`` gives where a piece's
+    is loaded (None: a new tensor of its own).
     """
     # Saved keys are "<prefix>.state.<fqn>.<key>"; state keys (exp_avg, step, ...) hold no dots.
     state_prefix = f"{prefix}.state."
@@ -154,7 +159,10 @@ def optimizer_load_targets(
             for key, entry in saved_state.get(slot.fqns[0], []):
                 dtype = entry.properties.dtype
                 if tuple(entry.size) == tuple(slot.whole_shape) and (len(slot.shape) > 0 or key != "step"):
-                    local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.resting_master.device)
+                    if per_element is not None:
+                        local = per_element(master, key, dtype)
+                    else:
+                        local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.resting_master.device)
                     target: torch.Tensor = slot_chunks(slot, local, master.piece.param_start)
                 else:
                     local = target = torch.zeros(entry.size, dtype=dtype)

@@ -8,7 +8,7 @@ device: the parameters' own memory) to ``unit<i>.master.loaded``. Nothing of the
 rank has read everything: then :meth:`StagedLoad.install` puts each file in place, the optimizer's state of
 the unit becomes views of new buffers that rest on disk, and the unit's master (or, resting on disk, its
 compute copy) takes the loaded values. A load that fails anywhere removes the files
-(:meth:`StagedLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding about
+(:meth:`StagedLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding
 a few units' state in memory at a time.
 """
 
@@ -135,26 +135,30 @@ class StagedLoad:
             if staged.loaded_state:
                 assert optimizer is not None
                 numel = unit.resting_master.numel()
-                state.buffers = {key: torch.zeros(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
+                # Untouched memory, freed below (views need a storage with bytes when they are made).
+                state.buffers = {key: torch.empty(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
                 for piece, key in staged.pieces:
                     start = piece.piece.shard_start
                     optimizer.state[piece.param][key] = state.buffers[key][start : start + piece.piece.numel]
             if staged.loaded_master:
-                master = torch.empty(unit.resting_master.numel(), dtype=torch.float32)
-                if staged.master_path is None:  # it rests in the unit's file: the compute copy takes it
-                    read_tensors(state.path, [master])
-                    unit.storage.copy_master_to_compute(master)
-                else:
-                    read_tensors(staged.master_path, [master])
-                    unit.load_master_shard(master)
+                self._take_loaded_master(staged, unit)
             else:  # the weights did not change: the compute copy holds the master's values (not read back)
                 unit.storage.compute_copy_current = True
             for tensor in state.tensors:
                 if has_bytes(tensor):
                     free(tensor)  # the file holds the values now
             state.resident = False
+            release_freed_memory()  # a unit at a time: else the heap keeps each unit's
         tier.generation += 1
-        release_freed_memory()
+
+    def _take_loaded_master(self, staged: _StagedUnit, unit: FlatUnit) -> None:
+        master = torch.empty(unit.resting_master.numel(), dtype=torch.float32)
+        if staged.master_path is None:  # it rests in the unit's file (in place now): the compute copy takes it
+            read_tensors(self.tier.states[unit.index].path, [master])
+            unit.storage.copy_master_to_compute(master)
+        else:
+            read_tensors(staged.master_path, [master])
+            unit.load_master_shard(master)
 
     def discard(self) -> None:
         """The load failed (on some rank): the staged files go (a partly written one too), and nothing of the
