@@ -262,6 +262,12 @@ def test_written_weights_stay_and_a_master_that_could_not_be_read_is_never_used(
         assert "could not be read back" in results["a reader after it"], results
 
 
+def _tier_tensors(engine: ZeroEngine, joined: list) -> list[torch.Tensor]:
+    """Every tensor of the engine's NVMe tier: the masters and the per-element optimizer state."""
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
+    return [u.resting_master for u in joined] + state
+
+
 def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
     """A save reads the state and the masters that rest in the tier's files a few units at a time, into tensors
     of its own: the tier's state stays on disk, and what the save's reads hold alive at once (really alive:
@@ -272,9 +278,7 @@ def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
         engine = _engine(3, "nvme", directory, precision="bf16", offload_units_in_memory=1)
     train_accumulated(engine, rank, range(2))
     on_disk = engine.memory_report().nvme_bytes
-    state_tensors = [u.resting_master for u in joined] + [
-        v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()
-    ]
+    state_tensors = _tier_tensors(engine, joined)
     reads: list = []  # (weak reference, bytes) of every storage the save's reads made
     most_alive: list[int] = []
     original = nvme_state.NvmeOptimizerState.read_resting
@@ -343,12 +347,6 @@ def test_a_save_reads_the_offloaded_state_unit_by_unit_and_a_failed_read_fails_i
         assert "could not" in results["failed save"] or "shorter" in results["failed save"], results
         assert results["previous checkpoint"] == 0.0 and results["loaded into the views"] == 0.0, results
         assert "freed since it was taken" in results["kept across a step"], results
-
-
-def _tier_tensors(engine: ZeroEngine, joined: list) -> list[torch.Tensor]:
-    """Every tensor of the engine's NVMe tier: the masters and the per-element optimizer state."""
-    state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return [u.resting_master for u in joined] + state
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from .records import (
     ShardedModel,
     parse_engine_record,
 )
-from .staged_reads import master_is_staged, read_staged_units
+from .staged_reads import is_staged, read_staged_units
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .unpickling import load_weights_only, unpickle_metadata
@@ -165,12 +165,12 @@ def _read(
     shards = None
     if load_model:
         # Padding keeps its values; a master the NVMe tier keeps in its file is loaded apart (None here).
-        shards = [None if master_is_staged(staging, unit) else unit.master_shard.clone() for unit in view.units]
+        shards = [None if is_staged(staging, unit) else unit.master_shard.clone() for unit in view.units]
         state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank, shards, copy_buffers=True)
     installs: list = []
     if load_optimizer:
         assert view.optimizer is not None
-        in_memory = [unit for unit in view.units if staging is None or not staging.takes(unit)]
+        in_memory = [unit for unit in view.units if not is_staged(staging, unit)]
         state[OPTIMIZER_KEY], installs = optimizer_load_targets(
             view.optimizer, in_memory, checkpoint.metadata, OPTIMIZER_KEY
         )

@@ -23,8 +23,9 @@ from .storage import read_shards
 Install = tuple[MasterPiece, str, torch.Tensor]
 
 
-def master_is_staged(staging: StagedLoad | None, unit: FlatUnit) -> bool:
-    """The unit's master is loaded apart, with its state (else with the checkpoint's other keys)."""
+def is_staged(staging: StagedLoad | None, unit: FlatUnit) -> bool:
+    """The unit (its master and its state) is loaded apart, into the tier's files (else with the checkpoint's
+    other keys)."""
     return staging is not None and staging.takes(unit)
 
 
@@ -34,11 +35,11 @@ def read_staged_units(
     """Every unit of the tier read and staged, one after the other; returns the scalar state to install."""
     scalars: list[Install] = []
     for unit in view.units:
-        if not staging.takes(unit):
+        if not is_staged(staging, unit):
             continue
         state: dict[str, Any] = {}
         master = None
-        if load_model and master_is_staged(staging, unit):
+        if load_model:
             master = staging.current_master(unit)
             state[MODEL_KEY] = sharded_model_state_dict(
                 view.model, view.units, view.rank, [master if u is unit else None for u in view.units]

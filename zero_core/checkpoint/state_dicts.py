@@ -70,17 +70,21 @@ def sharded_model_state_dict(
     views: dict[int, ShardedChunks] = {}
     left_out = {id(p) for i, u in enumerate(units) if shards is not None and shards[i] is None for p in u.params}
     for index, unit in enumerate(units):
+        shard: torch.Tensor | None = None  # None: read from the tier's file when DCP asks (``resting``)
+        if shards is not None:
+            shard = shards[index]
+            if shard is None:
+                continue  # left out
+        elif resting is None or not unit.master_rests_on_disk:
+            shard = unit.master_shard  # once per unit: it may read the tier back
         piece_of = {piece.slot.index: piece for piece in unit.layout.pieces(rank)}
         for slot, param in zip(unit.layout.slots, unit.params):
             piece = piece_of.get(slot.index)
-            if shards is not None:
-                shard = shards[index]
-                if shard is not None:
-                    views[id(param)] = _local_chunks(shard, slot, piece)
-            elif resting is not None and unit.master_rests_on_disk:
-                views[id(param)] = _resting_chunks(unit, slot, piece, resting)
+            if shard is not None:
+                views[id(param)] = _local_chunks(shard, slot, piece)
             else:
-                views[id(param)] = _local_chunks(unit.master_shard, slot, piece)
+                assert resting is not None
+                views[id(param)] = _resting_chunks(unit, slot, piece, resting)
 
     def entry(value: Any) -> Any:
         if id(value) in views:

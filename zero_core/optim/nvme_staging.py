@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from ..collectives import all_gather_objects
-from ..file_io import agreed_failure, free, has_bytes, read_tensors, release_freed_memory, write_tensors
+from ..file_io import agreed_failure, free, has_bytes, release_freed_memory, write_tensors
 from ..unit import FlatUnit, MasterPiece
-from .nvme_state import NvmeOptimizerState
+from .nvme_state import NvmeOptimizerState, read_file_part
 
 STAGED_SUFFIX = ".loaded"  # the files of a load not yet put in place
 
@@ -31,7 +31,6 @@ STAGED_SUFFIX = ".loaded"  # the files of a load not yet put in place
 @dataclass
 class _StagedUnit:
     path: Path
-    has_master: bool  # the file starts with the unit's master (it rests there)
     master_path: Path | None  # a loaded master that stays in memory, until it is installed
     dtypes: dict[str, torch.dtype]  # its per-element buffers, in file order
     pieces: list[tuple[MasterPiece, str]] = field(default_factory=list)  # loaded state: (piece, key) to install
@@ -51,9 +50,11 @@ class StagedLoad:
 
     def current_master(self, unit: FlatUnit) -> torch.Tensor:
         """A copy of the unit's master as it is now (a load fills the pieces it holds; the padding keeps its values)."""
-        if self.tier.states[unit.index].master is None:  # in memory: the parameters' own
+        resting = self.tier.states[unit.index].master
+        if resting is None:  # in memory: the parameters' own
             return unit.master_shard.clone()
-        return self._current(unit, "master")["master"].clone()
+        master = self._current(unit, "master")["master"]
+        return master.clone() if master is resting else master  # one read from a file is a copy already
 
     def write(
         self,
@@ -78,7 +79,7 @@ class StagedLoad:
             master_path = path.with_suffix(".master" + STAGED_SUFFIX)
             write_tensors(master_path, [master])
         dtypes = {key: value.dtype for key, value in current_state.items()}
-        staged = _StagedUnit(path, has_master, master_path, dtypes)
+        staged = _StagedUnit(path, master_path, dtypes)
         staged.loaded_master = loaded_master or (earlier is not None and earlier.loaded_master)
         if state is not None:
             staged.pieces, staged.loaded_state = pieces, True
@@ -92,15 +93,8 @@ class StagedLoad:
         tier, index = self.tier, unit.index
         staged = self.units.get(index)
         if staged is not None:
-            numel = unit.resting_master.numel()
-            master_bytes = numel * 4 if staged.has_master else 0
-            if part == "master":
-                values = {"master": torch.empty(numel, dtype=torch.float32)}
-                read_tensors(staged.path, list(values.values()))
-            else:
-                values = {key: torch.empty(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
-                read_tensors(staged.path, list(values.values()), offset=master_bytes)
-            return values
+            with_master = tier.states[index].master is not None
+            return read_file_part(staged.path, unit.resting_master.numel(), with_master, staged.dtypes, part)
         read = tier.read_resting(index, part)
         if read is not None:
             return read
@@ -118,7 +112,7 @@ class StagedLoad:
         except Exception as error:  # noqa: BLE001 - whatever failed here, every rank raises it alike
             failures.append(f"{type(error).__name__}: {error}")
         finally:
-            self.discard()  # what was not put in place
+            self.discard()  # what was not put in place, and the loaded masters' files read
         reported = all_gather_objects(self.tier.comm, failures[0] if failures else None, "installing a load")
         error = agreed_failure(
             reported, "the loaded state staged in the tier's files", found=" (the load is half applied)"
@@ -152,12 +146,12 @@ class StagedLoad:
         tier.generation += 1
 
     def _take_loaded_master(self, staged: _StagedUnit, unit: FlatUnit) -> None:
-        master = torch.empty(unit.resting_master.numel(), dtype=torch.float32)
-        if staged.master_path is None:  # it rests in the unit's file (in place now): the compute copy takes it
-            read_tensors(self.tier.states[unit.index].path, [master])
+        # Both files start with the master: the unit's (in place now) where it rests there, else its own.
+        path = staged.master_path or self.tier.states[unit.index].path
+        master = read_file_part(path, unit.resting_master.numel(), True, {}, "master")["master"]
+        if staged.master_path is None:  # it rests on disk: the compute copy takes it
             unit.storage.copy_master_to_compute(master)
         else:
-            read_tensors(staged.master_path, [master])
             unit.load_master_shard(master)
 
     def discard(self) -> None:

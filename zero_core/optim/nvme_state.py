@@ -76,6 +76,22 @@ class _UnitState:
         self.resident = True
 
 
+def read_file_part(
+    path: Path, numel: int, with_master: bool, dtypes: dict[str, torch.dtype], part: str
+) -> dict[str, torch.Tensor]:
+    """One part of a unit's file, laid out as :class:`_UnitState` writes it (the fp32 master first when it rests
+    there, then one flat buffer of ``numel`` per state key, in ``dtypes`` order), read into new tensors:
+    ``part`` "master" (under that key; none when it does not rest there) or "state" (by key)."""
+    if part == "master":
+        wanted = {"master": torch.float32} if with_master else {}
+    else:
+        wanted = dtypes
+    copies = {key: torch.empty(numel, dtype=dtype) for key, dtype in wanted.items()}
+    master_bytes = numel * 4 if with_master and part != "master" else 0
+    read_tensors(path, list(copies.values()), offset=master_bytes)
+    return copies
+
+
 def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
     """The optimizer class's own ``step``, under torch's hook wrapper: stepping one unit at a time must
     not run the step hooks (ours and the user's) once per unit."""
@@ -256,11 +272,9 @@ class NvmeOptimizerState:
         if not self.needs_read(index):
             return None
         state = self.states[index]
-        master_bytes = state.master.numel() * state.master.element_size() if state.master is not None else 0
-        wanted = {"master": state.master} if part == "master" else dict(state.buffers)
-        copies = {key: torch.empty_like(t) for key, t in wanted.items() if t is not None}
-        read_tensors(state.path, list(copies.values()), offset=0 if part == "master" else master_bytes)
-        return copies
+        dtypes = {key: buffer.dtype for key, buffer in state.buffers.items()}
+        numel = self.units[index].resting_master.numel()
+        return read_file_part(state.path, numel, state.master is not None, dtypes, part)
 
     def forget(self) -> None:
         """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds. The masters

@@ -59,9 +59,11 @@ class RestingReads:
         if kept is not None and kept[0] == generation:
             self._kept[(index, part)] = kept  # most recently used last
             return kept[1]
-        if len(self._kept) >= max(1, self.tier.units_in_memory):  # room first: the bound holds during the read
-            while len(self._kept) >= max(1, self.tier.units_in_memory):
-                self._kept.popitem(last=False)
+        evicted = False
+        while len(self._kept) >= max(1, self.tier.units_in_memory):  # room first: the bound holds during the read
+            self._kept.popitem(last=False)
+            evicted = True
+        if evicted:
             release_freed_memory()  # what the save's writes freed too: else the heap keeps it
         read = self.tier.read_resting(index, part)
         if read is not None:
