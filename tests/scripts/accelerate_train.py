@@ -9,7 +9,7 @@ with the launcher's settings unless it gives its own (``--stage``, or
     ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
         tests/scripts/accelerate_train.py OUT NAME [--steps 6] [--accumulate 2] [--clip 0.5]
         [--save-at 3] [--resume DIR] [--batchnorm 0] [--batch-size 4] [--mixed-precision bf16] [--stage 1]
-        [--then NAME [options] ...]
+        [--round-params 1] [--autocast 1] [--then NAME [options] ...]
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.func import functional_call
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -52,7 +54,24 @@ def case_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-precision", default=None)
     # A stage other than the launcher's, for a case sharing a launch with one at the launcher's stage.
     parser.add_argument("--stage", type=int, default=None)
+    # A plain reference whose forward sees every parameter rounded to bf16, as ZeRO's bf16 compute copies.
+    parser.add_argument("--round-params", type=int, default=0)
+    # The forward under the script's own torch.autocast(bf16) (for ZeroAccelerator(mixed_precision="no")).
+    parser.add_argument("--autocast", type=int, default=0)
     return parser
+
+
+class Bf16ComputeCopies(nn.Module):
+    """The model, its forward computed from every parameter rounded to bf16 (differentiably: the gradients
+    reach the fp32 parameters, as ZeRO's bf16 compute copies pass theirs to the fp32 masters)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rounded = {name: p.to(torch.bfloat16) for name, p in self.inner.named_parameters()}
+        return functional_call(self.inner, rounded, (ids,))  # tied weights stay tied
 
 
 def train(out: Path, args: argparse.Namespace) -> Accelerator:
@@ -72,6 +91,8 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=bool(args.batchnorm))
     optimizer = make_optimizer("adamw", model)
+    if args.round_params:
+        model = Bf16ComputeCopies(model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)
     loader = DataLoader(TokenDataset(96), batch_size=args.batch_size)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -82,11 +103,12 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
         loaded = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
         first_step = args.save_at
         loader = accelerator.skip_first_batches(loader, first_step * args.accumulate)
-    losses, step = [], first_step
+    losses, rank_losses, step = [], [], first_step
     output_dtypes, autocast_enabled = set(), []
     for ids in loader:
         with accelerator.accumulate(model):
-            logits = model(ids)
+            with torch.autocast(accelerator.device.type, dtype=torch.bfloat16, enabled=bool(args.autocast)):
+                logits = model(ids)
             output_dtypes.add(str(logits.dtype))
             with accelerator.autocast():
                 autocast_enabled.append(torch.is_autocast_enabled("cpu"))
@@ -98,7 +120,9 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
             if args.scheduler:
                 scheduler.step()
             optimizer.zero_grad()
-        losses.append(accelerator.gather(loss.detach()).mean().item())
+        per_rank = accelerator.gather(loss.detach())
+        losses.append(per_rank.mean().item())
+        rank_losses.append(per_rank.tolist())
         if accelerator.sync_gradients:
             step += 1
             if args.save_at == step and not args.resume:
@@ -114,6 +138,7 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
         torch.save(
             {
                 "losses": losses,
+                "rank_losses": rank_losses,  # [micro-batch][rank]
                 "weights": weights,
                 "loaded": loaded,
                 "accelerator": type(accelerator).__name__,
