@@ -550,7 +550,7 @@ def test_bad_offload_dirs_and_disk_errors_fail_alike_on_every_rank(tmp_path: Pat
     assert "need offload_dir" in first["no directory"]
     assert "is not a directory" in first["a file"]
     assert first["too small"] == second["too small"] and "rank 1:" in first["too small"]
-    assert "GiB free; this rank's offloaded state needs" in first["too small"]
+    assert f"{tmp_path} has 1000 B free; this rank's offloaded state needs " in first["too small"]  # not "0.00 GiB"
     assert first["stale removed"] and second["stale removed"]
     assert first["disk full"] == second["disk full"] and "No space left on device" in first["disk full"]
     assert "on ranks [1]" in first["disk full"] and "the last checkpoint is untouched" in first["disk full"]

@@ -139,21 +139,25 @@ def open_offload_files(
 ) -> OffloadFiles:
     """offload_optimizer or offload_params "nvme": this rank's scratch directory, checked on every rank for
     room for what goes there (two fp32 moments per element of each offloaded unit's shard, Adam's, and its
-    fp32 master; each sharded unit's parameter shard), and the parameter shards' files in it."""
+    fp32 master; each sharded unit's parameter shard), and told what a checkpoint load stages beside it, and the
+    parameter shards' files in it."""
     if "nvme" not in (config.offload_optimizer, config.offload_params):
         return OffloadFiles(None, None)
     numels = {plan.index: sum(local_shape(p).numel() for p in plan.params) for plan in plans}
     shards = {index: -(-numel // comm.shard_size) for index, numel in numels.items()}  # padded as the layout pads
-    needed = 0
+    needed = load = 0
     if config.offload_optimizer == "nvme":
         low_precision, on_cpu = config.mixed_precision.compute_dtype != torch.float32, comm.device.type == "cpu"
         master = master_bytes_in_files("nvme", low_precision, on_cpu, config.stage, config.offload_params)
         needed += (2 * 4 + master) * sum(shards[index] for index in offloaded)
+        # A checkpoint load stages each unit's loaded moments and fp32 master beside its file (StagedLoad), the
+        # master even where it stays in memory; the parameter shards' files are rewritten in place.
+        load = (2 * 4 + 4) * sum(shards[index] for index in offloaded)
     if config.offload_params == "nvme":
         compute_bytes = torch.empty(0, dtype=config.mixed_precision.compute_dtype).element_size()
         at_rest = [index for index, numel in numels.items() if config.unit_plan(numel).params_sharded_at_rest]
         needed += compute_bytes * sum(shards[index] for index in at_rest)
-    scratch = ScratchDirectory(config.offload_dir, comm, needed)
+    scratch = ScratchDirectory(config.offload_dir, comm, needed, load)
     params = optimizer = None
     if config.offload_params == "nvme":
         params = ShardFiles(scratch.path, config.offload_units_in_memory, directory_owner=scratch)

@@ -20,6 +20,7 @@ from torch import nn
 
 from .config import OFFLOAD_MODES, MixedPrecision, WrapPolicy
 from .estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model
+from .file_io import human_bytes
 
 PRECISIONS = {
     "fp32": MixedPrecision(),
@@ -78,14 +79,6 @@ def wrap_policy_for(model: nn.Module, class_names: str) -> WrapPolicy:
     return WrapPolicy(module_classes=tuple(classes[name] for name in names))
 
 
-def human(nbytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(nbytes) < 1024:
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    return f"{nbytes:.2f} TiB"
-
-
 def format_table(result: ZeroEstimate, budget: int | None) -> str:
     settings = result.settings
     precision = settings.precision
@@ -103,15 +96,15 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
     ]
     header = ["", "params", "grads", "optimizer", "device"] + (["host", "nvme"] if offload else [])
     if budget is not None:
-        header.append(f"largest in {human(budget)}")
+        header.append(f"largest in {human_bytes(budget)}")
     rows = [header]
     for stage in STAGES:
         report = result[stage]
         row = ["DDP" if stage == 0 else f"stage {stage}"]
-        row += [human(b) for b in (report.parameter_bytes, report.gradient_bytes, report.optimizer_state_bytes)]
-        row.append(human(report.device_bytes))
+        row += [human_bytes(b) for b in (report.parameter_bytes, report.gradient_bytes, report.optimizer_state_bytes)]
+        row.append(human_bytes(report.device_bytes))
         if offload:
-            row += [human(report.host_bytes), human(report.nvme_bytes)]
+            row += [human_bytes(report.host_bytes), human_bytes(report.nvme_bytes)]
         if budget is not None:
             row.append(f"{largest_fitting_model(budget, stage, settings):,} params")
         rows.append(row)

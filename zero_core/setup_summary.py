@@ -8,6 +8,7 @@ import torch
 
 from .accounting import expected_model_state_bytes
 from .engine import ZeroEngine
+from .file_io import human_bytes
 
 ADAM_STATE_BYTES = 8  # per parameter: the formulas' assumption, said in the line
 
@@ -32,6 +33,15 @@ def _split(engine: ZeroEngine) -> str:
     return f" on each of {size} tensor-parallel ranks" if size > 1 else ""
 
 
+def _load_staging(engine: ZeroEngine) -> str:
+    """offload_optimizer="nvme": what a checkpoint load stages in offload_dir beside the state (each offloaded
+    unit's loaded moments and fp32 master, until every rank has read it), so its room is known at setup."""
+    if engine.config.offload_optimizer != "nvme":
+        return ""
+    staged = (4 + ADAM_STATE_BYTES) * sum(report.shard_numel for report in engine.unit_reports() if report.offloaded)
+    return f"; a checkpoint load stages up to {human_bytes(staged)} more there"
+
+
 def setup_summary(engine: ZeroEngine) -> str:
     """``ZeRO stage 3: 14 units (largest 12.60M parameters) of 168.07M parameters, ...``: the stage, the
     units, the shard group, the precision, the prefetch, the offload and the model states per rank beside
@@ -48,7 +58,7 @@ def setup_summary(engine: ZeroEngine) -> str:
     where = ""
     if ours.host_bytes or ours.nvme_bytes:
         where = f" ({_mib(ours.device_bytes)} on the device, {_mib(ours.host_bytes)} on the host"
-        where += f", {_mib(ours.nvme_bytes)} on disk)" if ours.nvme_bytes else ")"
+        where += f", {_mib(ours.nvme_bytes)} on disk{_load_staging(engine)})" if ours.nvme_bytes else ")"
     offload = config.offload_optimizer
     if offload != "none":
         offload += f" ({sum(report.offloaded for report in reports)} of the units)"

@@ -35,7 +35,7 @@ from .records import (
     ShardedModel,
     parse_engine_record,
 )
-from .staged_reads import is_staged, read_staged_units
+from .staged_reads import check_staging_room, is_staged, read_staged_units
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .unpickling import load_weights_only, unpickle_metadata
@@ -148,6 +148,8 @@ def load_checkpoint(
             check_optimizer_entries(checkpoint.directory, checkpoint.metadata, view)
 
     agreement.run("checking the contents", check_contents)
+    if staging is not None:  # the NVMe tier's copy must fit beside it: refused now, not part-way on a full disk
+        check_staging_room(agreement, view, checkpoint.metadata, load_model, load_optimizer, staging)
     loaded, _ = agreement.run(
         "reading the shards", lambda: _read(view, checkpoint, load_model, load_optimizer, staging)
     )

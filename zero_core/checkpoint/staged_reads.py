@@ -2,7 +2,8 @@
 
 Each unit of the tier is read on its own (DCP's load of just its keys: its parameters, its optimizer state),
 into about one unit's memory, and written beside its file at once;
-the checkpoint's other keys are read the usual way. Scalar state (Adam's ``step``) stays in memory.
+the checkpoint's other keys are read the usual way. Scalar state (Adam's ``step``) stays in memory. Before
+anything is read, every rank's offload_dir must hold what the load stages there (:func:`check_staging_room`).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
-from ..optim.nvme_staging import StagedLoad
+from ..optim.nvme_staging import StagedLoad, StagingRoom, room_problem
 from ..unit import FlatUnit, MasterPiece
+from .agreement import RankAgreement
 from .chunks import ShardedChunks
+from .errors import CheckpointError
 from .records import MODEL_KEY, OPTIMIZER_KEY, ShardedModel
-from .state_dicts import optimizer_load_targets, sharded_model_state_dict
+from .state_dicts import is_per_element, optimizer_load_targets, saved_optimizer_state, sharded_model_state_dict
 from .storage import read_shards
 
 Install = tuple[MasterPiece, str, torch.Tensor]
@@ -27,6 +31,47 @@ def is_staged(staging: StagedLoad | None, unit: FlatUnit) -> bool:
     """The unit (its master and its state) is loaded apart, into the tier's files (else with the checkpoint's
     other keys)."""
     return staging is not None and staging.takes(unit)
+
+
+def check_staging_room(
+    agreement: RankAgreement,
+    view: ShardedModel,
+    metadata: Metadata,
+    load_model: bool,
+    load_optimizer: bool,
+    staging: StagedLoad,
+) -> None:
+    """The same CheckpointError on every rank, before anything is read, unless every rank's offload_dir has room
+    for the files this load stages beside the tier's (each unit's loaded state, as the checkpoint holds it, and
+    its master): without it, a load would fail part-way on a full disk."""
+
+    def measure() -> StagingRoom:
+        dtypes = _loaded_state_dtypes(view, metadata, staging) if load_optimizer else None
+        return staging.room(load_model, dtypes)
+
+    _, rooms = agreement.run("measuring offload_dir's room for the load", measure, share=True)
+    problem = room_problem(rooms)  # every rank's figures alike: the same verdict everywhere
+    if problem is not None:
+        raise CheckpointError(
+            f"{problem} ({agreement.operation} refused before reading the shards; nothing was changed)."
+        )
+
+
+def _loaded_state_dtypes(view: ShardedModel, metadata: Metadata, staging: StagedLoad) -> dict[int, list[torch.dtype]]:
+    """Per unit of the tier: the dtypes of the per-element state keys its flat buffers take from the checkpoint."""
+    saved = saved_optimizer_state(metadata, OPTIMIZER_KEY)
+    dtypes: dict[int, list[torch.dtype]] = {}
+    for unit in view.units:
+        if not is_staged(staging, unit):
+            continue
+        by_key: dict[str, torch.dtype] = {}
+        for master in unit.master_pieces:
+            slot = master.piece.slot
+            for key, entry in saved.get(slot.fqns[0], []):
+                if is_per_element(slot, key, entry):
+                    by_key.setdefault(key, entry.properties.dtype)
+        dtypes[unit.index] = list(by_key.values())
+    return dtypes
 
 
 def read_staged_units(

@@ -134,6 +134,23 @@ def sharded_optimizer_state_dict(
     return {"state": state, "param_groups": groups}
 
 
+def saved_optimizer_state(metadata: Metadata, prefix: str) -> dict[str, list[tuple[str, TensorStorageMetadata]]]:
+    """The checkpoint's optimizer state tensors by parameter name: (state key, its metadata)."""
+    # Saved keys are "<prefix>.state.<fqn>.<key>"; state keys (exp_avg, step, ...) hold no dots.
+    state_prefix = f"{prefix}.state."
+    saved_state: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}
+    for flat_key, entry in metadata.state_dict_metadata.items():
+        if flat_key.startswith(state_prefix) and isinstance(entry, TensorStorageMetadata):
+            fqn, key = flat_key[len(state_prefix) :].rsplit(".", 1)
+            saved_state.setdefault(fqn, []).append((key, entry))
+    return saved_state
+
+
+def is_per_element(slot: ParamSlot, key: str, entry: TensorStorageMetadata) -> bool:
+    """Saved state shaped like the parameter (sharded with it), not a scalar (a 0-d parameter's ``step``)."""
+    return tuple(entry.size) == tuple(slot.whole_shape) and (len(slot.shape) > 0 or key != "step")
+
+
 def optimizer_load_targets(
     optimizer: torch.optim.Optimizer,
     units: Sequence[FlatUnit],
@@ -148,13 +165,7 @@ def optimizer_load_targets(
     having the parameter's full shape; ``per_element`` gives where a piece's
     is loaded (None: a new tensor of its own).
     """
-    # Saved keys are "<prefix>.state.<fqn>.<key>"; state keys (exp_avg, step, ...) hold no dots.
-    state_prefix = f"{prefix}.state."
-    saved_state: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}
-    for flat_key, entry in metadata.state_dict_metadata.items():
-        if flat_key.startswith(state_prefix) and isinstance(entry, TensorStorageMetadata):
-            fqn, key = flat_key[len(state_prefix) :].rsplit(".", 1)
-            saved_state.setdefault(fqn, []).append((key, entry))
+    saved_state = saved_optimizer_state(metadata, prefix)
     targets: dict[str, dict[str, Any]] = {}
     installs: list[tuple[MasterPiece, str, torch.Tensor]] = []
     for unit in units:
@@ -162,7 +173,7 @@ def optimizer_load_targets(
             slot = master.piece.slot
             for key, entry in saved_state.get(slot.fqns[0], []):
                 dtype = entry.properties.dtype
-                if tuple(entry.size) == tuple(slot.whole_shape) and (len(slot.shape) > 0 or key != "step"):
+                if is_per_element(slot, key, entry):
                     if per_element is not None:
                         local = per_element(master, key, dtype)
                     else:

@@ -9,19 +9,24 @@ rank has read everything: then :meth:`StagedLoad.install` puts each file in plac
 the unit becomes views of new buffers that rest on disk, and the unit's master (or, resting on disk, its
 compute copy) takes the loaded values. A load that fails anywhere removes the files
 (:meth:`StagedLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding
-a few units' state in memory at a time.
+a few units' state in memory at a time. The staged files sit beside the units' own until then: before a load
+reads anything, every rank says what it will stage and what is free (:meth:`StagedLoad.room`), and a load that
+does not fit is refused on every rank alike (:func:`room_problem`), rather than failing part-way on a full disk.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..collectives import all_gather_objects
-from ..file_io import agreed_failure, free, has_bytes, release_freed_memory, write_tensors
+from ..file_io import agreed_failure, free, has_bytes, human_bytes, release_freed_memory, write_tensors
 from ..unit import FlatUnit, MasterPiece
 from .nvme_state import NvmeOptimizerState, read_file_part
 
@@ -38,6 +43,50 @@ class _StagedUnit:
     loaded_state: bool = False
 
 
+@dataclass(frozen=True)
+class StagingRoom:
+    """One rank's offload_dir as a load starts: what the load will stage there, and what is free."""
+
+    rank: int
+    root: str
+    filesystem: tuple[str, int]  # (host, device): the ranks on one filesystem share its free bytes
+    free: int
+    needed: int
+
+
+def _filesystem(path: Path) -> tuple[str, int]:
+    return socket.gethostname(), os.stat(path).st_dev
+
+
+def room_problem(rooms: Sequence[StagingRoom]) -> str | None:
+    """Every rank's room (in rank order): where a load's staged files do not fit, said alike on every rank, or
+    None. Ranks on one filesystem (a node's ranks sharing one disk) are counted together against its free bytes:
+    each alone may fit where all of them do not."""
+    shared: dict[tuple[str, int], list[StagingRoom]] = {}
+    for room in rooms:
+        shared.setdefault(room.filesystem, []).append(room)
+    problems = []
+    for group in shared.values():
+        needed, free = sum(r.needed for r in group), min(r.free for r in group)
+        if needed <= free:
+            continue
+        if len(group) == 1:
+            where = f"rank {group[0].rank}'s offload_dir {group[0].root}"
+        else:
+            each = ", ".join(f"rank {r.rank} {human_bytes(r.needed)}" for r in group)
+            where = (
+                f"the offload_dir {group[0].root} of ranks {', '.join(str(r.rank) for r in group)} (one disk: {each})"
+            )
+        problems.append(f"{where} has {human_bytes(free)} free and the load stages {human_bytes(needed)} there")
+    if not problems:
+        return None
+    return (
+        "ZeRO: loading this checkpoint stages a copy of the offloaded optimizer state in offload_dir, beside the "
+        f"state, until every rank has read it, and it does not fit: {'; '.join(problems)}. Free space there and "
+        "load again"
+    )
+
+
 class StagedLoad:
     def __init__(self, tier: NvmeOptimizerState):
         self.tier = tier
@@ -47,6 +96,36 @@ class StagedLoad:
     def takes(self, unit: FlatUnit) -> bool:
         """Whether the unit's state rests in the tier's files (its load goes through a staged file)."""
         return unit.index in self.tier.offloaded
+
+    def room(self, load_model: bool, loaded_state: Mapping[int, Iterable[torch.dtype]] | None) -> StagingRoom:
+        """What this load will stage beside the tier's files, and what is free there now. ``loaded_state``: the
+        dtypes of each unit's per-element state in the checkpoint (None: no optimizer state is loaded, the
+        unit's own is copied over). A staged file that an earlier read of this load wrote (the model, when the
+        optimizer comes from a directory of its own) is written over in place: its bytes are counted as free.
+        (The parameter shards' files of offload_params="nvme" are rewritten in place once the load is applied:
+        they stage nothing.)"""
+        needed = sum(self._bytes_to_stage(index, load_model, loaded_state) for index in self.tier.offloaded)
+        rewritten = sum(staged.path.stat().st_size for staged in self.units.values() if staged.path.exists())
+        path = self.tier.scratch.path
+        free = shutil.disk_usage(path).free
+        needed = max(0, needed - rewritten)
+        return StagingRoom(self.tier.comm.rank, str(self.tier.scratch.root), _filesystem(path), free, needed)
+
+    def _bytes_to_stage(
+        self, index: int, load_model: bool, loaded_state: Mapping[int, Iterable[torch.dtype]] | None
+    ) -> int:
+        state, earlier, unit = self.tier.states[index], self.units.get(index), self.tier.units[index]
+        if loaded_state is not None:
+            dtypes = list(loaded_state.get(index, ()))
+        elif earlier is not None:
+            dtypes = list(earlier.dtypes.values())
+        else:
+            dtypes = [buffer.dtype for buffer in state.buffers.values()]
+        # The master: in the unit's staged file where it rests in the unit's file, else, if loaded, in its own.
+        with_master = state.master is not None or load_model
+        return unit.resting_master.numel() * (
+            with_master * unit.resting_master.element_size() + sum(d.itemsize for d in dtypes)
+        )
 
     def current_master(self, unit: FlatUnit) -> torch.Tensor:
         """A copy of the unit's master as it is now (a load fills the pieces it holds; the padding keeps its values)."""

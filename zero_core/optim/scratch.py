@@ -15,10 +15,12 @@ import shutil
 import socket
 import time
 import uuid
+import warnings
 import weakref
 from pathlib import Path
 
 from ..collectives import CommContext, all_gather_objects
+from ..file_io import human_bytes
 
 PREFIX = "lightning-zero-"
 
@@ -65,7 +67,7 @@ def remove_stale_runs(root: Path) -> list[Path]:
     return removed
 
 
-def _problem(root: Path, needed_bytes: int) -> str | None:
+def _problem(root: Path, needed_bytes: int, load_bytes: int) -> str | None:
     """Why ``root`` cannot hold ``needed_bytes`` of this rank's scratch files, or None."""
     if not root.is_dir():
         return f"{root} is not a directory (create it on a fast local disk)"
@@ -77,26 +79,48 @@ def _problem(root: Path, needed_bytes: int) -> str | None:
         return f"{root} is not writable ({error.strerror})"
     free = shutil.disk_usage(root).free
     if free < needed_bytes:
-        needed = f"this rank's offloaded state needs {needed_bytes / 2**30:.2f} GiB"
-        return f"{root} has {free / 2**30:.2f} GiB free; {needed}"
+        needed = f"this rank's offloaded state needs {human_bytes(needed_bytes)}"
+        return f"{root} has {human_bytes(free)} free; {needed}{_and_a_load(load_bytes)}"
     return None
+
+
+def _and_a_load(load_bytes: int) -> str:
+    if not load_bytes:
+        return ""
+    return f" (and a checkpoint load stages up to {human_bytes(load_bytes)} more beside it)"
+
+
+def _warn_if_a_load_would_not_fit(root: Path, rank: int, needed_bytes: int, load_bytes: int) -> None:
+    """Setup goes on (a run may never load), but a load would be refused (``StagedLoad.check_room``): better
+    known now than at the resume, hours later."""
+    short = needed_bytes + load_bytes - shutil.disk_usage(root).free
+    if short > 0:
+        warnings.warn(
+            f"offload_dir {root} on rank {rank} has room for the offloaded state ({human_bytes(needed_bytes)}) but "
+            f"not for loading a checkpoint, which stages up to {human_bytes(load_bytes)} more beside it until every "
+            f"rank has read it: a load will be refused unless {human_bytes(short)} more is free by then.",
+            stacklevel=3,
+        )
 
 
 class ScratchDirectory:
     """This rank's directory of the run, made once every rank found its ``offload_dir`` usable."""
 
-    def __init__(self, root: str | os.PathLike | None, comm: CommContext, needed_bytes: int):
+    def __init__(self, root: str | os.PathLike | None, comm: CommContext, needed_bytes: int, load_bytes: int = 0):
+        """``needed_bytes``: what this rank's scratch files take; ``load_bytes``: what a checkpoint load stages
+        beside them (said at setup, checked when a load starts: ``StagedLoad.check_room``)."""
         if root is None:
             raise ValueError(
                 "offload_optimizer='nvme' and offload_params='nvme' need offload_dir: a directory on a fast local "
                 "disk for the run's scratch files (ZeroConfig(offload_dir=...), or the adapters' offload_dir setting)."
             )
         self.root = Path(root)
-        problems = all_gather_objects(comm, _problem(self.root, needed_bytes), "checking offload_dir")
+        problems = all_gather_objects(comm, _problem(self.root, needed_bytes, load_bytes), "checking offload_dir")
         failing = {rank: problem for rank, problem in enumerate(problems) if problem}
         if failing:
             listed = "; ".join(f"rank {rank}: {problem}" for rank, problem in failing.items())
             raise ValueError(f"offload_dir={str(root)!r} cannot hold the offloaded state: {listed}.")
+        _warn_if_a_load_would_not_fit(self.root, comm.rank, needed_bytes, load_bytes)
         run_id = all_gather_objects(comm, uuid.uuid4().hex, "naming the offload run")[0]  # rank 0's: one parent per run
         remove_stale_runs(self.root)
         # Every rank has cleaned up before any makes its directory (one that is still cleaning up leaves a new
