@@ -150,6 +150,9 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
             self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device,
             device_mesh=self._device_mesh,
         )  # fmt: skip
+        # Lightning wrapped the optimizer before the engine routed its zero_grad (a class switch that each
+        # wrapper takes when it is made): wrapped again, self.optimizers() and manual optimization reach it.
+        self.optimizers = self.optimizers
         self.setup_precision_plugin()
 
     def model_to_device(self) -> None:

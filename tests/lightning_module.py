@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
@@ -68,6 +70,33 @@ class ManualTinyLM(TinyLM):
         self.manual_backward(loss)
         self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
         optimizer.step()
+
+
+class SkipOnNanTinyLM(TinyLM):
+    """Manual optimization with the loop users write to survive a bad batch: clip, step only on a finite
+    norm, zero the gradients every batch. Rank 0's loss is NaN at batch 1 (every rank's averaged gradients
+    are then NaN), and batch 3 is skipped although finite: neither may leak into the steps after."""
+
+    def __init__(self, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.norms: list[float] = []
+
+    def training_step(self, ids: torch.Tensor, batch_index: int) -> None:
+        optimizer = self.optimizers()
+        poison = float("nan") if batch_index == 1 and self.global_rank == 0 else 1.0
+        loss = lm_loss(self(ids), ids) * poison
+        self.losses.append(loss.item())
+        self.manual_backward(loss)
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is not None:
+            norm = engine.clip_grad_norm_(1.0)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.parameters(), 1.0)
+        self.norms.append(norm.item())
+        if math.isfinite(norm.item()) and batch_index != 3:
+            optimizer.step()
+        optimizer.zero_grad()
 
 
 class BackboneTinyLM(TinyLM):

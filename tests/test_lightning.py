@@ -5,6 +5,7 @@ device count and stage, and consolidated files loaded by Lightning."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,11 @@ RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
 FINETUNING = dict(RESUMABLE, unfreeze_backbone_at=2)
 # Offloaded units step on the host while backward goes on (zero_core/step/step_in_backward.py).
 IN_BACKWARD = {"offload_optimizer": "cpu", "offload_step_in_backward": True}
+# Manual optimization that skips a step on a NaN norm (and one more), zeroing the gradients every batch.
+SKIP_ON_NAN = dict(skip_on_nan=True, batchnorm=False, max_steps=4)
 TWO_DEVICE_RUNS = [
+    {"name": "ddp-skip-on-nan", "strategy": "ddp", **SKIP_ON_NAN},
+    *({"name": f"zero{stage}-skip-on-nan", "strategy": f"zero{stage}", **SKIP_ON_NAN} for stage in (1, 2, 3)),
     {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
     {"name": "zero1", "strategy": "zero1", **PARITY},
     {"name": "zero2", "strategy": "zero2", **PARITY},
@@ -54,6 +59,8 @@ TWO_DEVICE_RUNS = [
     {"name": "zero2-value", "strategy": "zero2", "max_steps": 3, "clip": 0.01, "clip_algorithm": "value"},
     {"name": "ddp-manual", "strategy": "ddp_find_unused_parameters_true", "max_steps": 3, "manual": True},
     {"name": "zero2-manual", "strategy": "zero2", "max_steps": 3, "manual": True},
+    # Stage 3: the backward runs inside the training step's forward, with the root unit still running.
+    {"name": "zero3-manual", "strategy": "zero3", "max_steps": 3, "manual": True},
     {"name": "zero3-bf16-mixed", "strategy": "zero3", "max_steps": 4, "precision": "bf16-mixed"},
     {"name": "zero3-bf16-true", "strategy": "zero3", "max_steps": 4, "precision": "bf16-true"},
     {"name": "zero3-16-mixed", "strategy": "zero3", "max_steps": 4, "plugin_precision": "16-mixed"},
@@ -163,11 +170,23 @@ def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, s
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("variant", ["value", "manual"])
+@pytest.mark.parametrize("variant", ["zero2-value", "zero2-manual", "zero3-manual"])
 def test_value_clipping_and_manual_optimization_match_ddp(results: tuple, variant: str) -> None:
     _, runs = results
-    reference, ours = runs[f"ddp-{variant}"], runs[f"zero2-{variant}"]
+    reference, ours = runs[f"ddp-{variant.split('-')[1]}"], runs[variant]
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_manual_optimization_skipping_a_nan_step_trains_on_as_ddp(results: tuple, stage: int) -> None:
+    """optimizer.zero_grad() on Lightning's wrapper drops the NaN gradients and the skipped step's."""
+    _, runs = results
+    reference, ours = runs["ddp-skip-on-nan"], runs[f"zero{stage}-skip-on-nan"]
+    assert len(ours["norms"]) == 6 and ours["global_step"] == 4  # batches 1 (NaN) and 3 skipped
+    assert ours["norms"] == pytest.approx(reference["norms"], rel=1e-5, nan_ok=True)
+    assert math.isnan(ours["norms"][1]) and all(math.isfinite(n) for i, n in enumerate(ours["norms"]) if i != 1)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 

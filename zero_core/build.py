@@ -35,6 +35,7 @@ from .optim.nvme_state import NvmeOptimizerState
 from .optim.offload_plan import units_to_offload
 from .optim.rebuild import canonical_names
 from .optim.scratch import ScratchDirectory
+from .optim.zero_grad_routes import ZeroGradRoute
 from .step.activation_offload import ActivationOffload
 from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
@@ -259,12 +260,12 @@ def build_parts(
     # An export that raised midway must not outlive the next forward.
     runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
     names = canonical_names(units)
-    attachment = OptimizerAttachment(
-        units, comm, names, (optimizer_step.before, optimizer_step.after), agreed_at_setup=optimizer, nvme=nvme
-    )
+    gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
+    step_hooks = (optimizer_step.before, optimizer_step.after)
+    attachment = OptimizerAttachment(units, comm, names, step_hooks, optimizer, gradients.discard, nvme)
     # An optimizer.step() that raised midway left the groups showing the pieces.
     runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
-    gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
+    hooks.append(ZeroGradRoute(gradients.discard).route_model(model))  # model.zero_grad(), as under DDP
     in_backward = _step_in_backward(units, config, comm, runtime, optimizer_step, attachment, nvme)
     checkpoints = CheckpointTarget(
         model, units, spanning_every_rank(comm), attachment, loss_scaler, config.stage,

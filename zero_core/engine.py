@@ -260,9 +260,9 @@ class ZeroEngine:
         """The name ``grad_norms`` and checkpoints use for a parameter (its first name in the model)."""
         return self._parts.canonical_names.get(id(param))
 
-    def zero_grad(self) -> None:
-        """Discard accumulated gradients without stepping."""
-        self._parts.gradients.discard()
+    def zero_grad(self, set_to_none: bool = True, *, parameters: Parameters = None) -> None:
+        """Drop the gradients accumulated since the last step (of ``parameters``, if given), as zero_grad under DDP."""
+        self._parts.gradients.discard(parameters, set_to_none)
 
     # ---------------------------------------------------------------- step
     def step(self) -> None:

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # n
 
 import lightning_zero  # noqa: E402, F401  (registers the strategies)
 from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
-from tests.lightning_module import BackboneTinyLM, ManualTinyLM, TinyLM  # noqa: E402
+from tests.lightning_module import BackboneTinyLM, ManualTinyLM, SkipOnNanTinyLM, TinyLM  # noqa: E402
 from tests.models import Block  # noqa: E402
 
 
@@ -55,7 +55,13 @@ def _refused_callback(name: str) -> pl.Callback:
 
 def run(spec: dict, out: Path, devices: int) -> None:
     module_class = (
-        ManualTinyLM if spec.get("manual") else BackboneTinyLM if spec.get("unfreeze_backbone_at") else TinyLM
+        ManualTinyLM
+        if spec.get("manual")
+        else SkipOnNanTinyLM
+        if spec.get("skip_on_nan")
+        else BackboneTinyLM
+        if spec.get("unfreeze_backbone_at")
+        else TinyLM
     )
     module = module_class(
         batchnorm=spec.get("batchnorm", True),
@@ -117,6 +123,7 @@ def run(spec: dict, out: Path, devices: int) -> None:
     result = {"losses": module.losses, "weights": full_weights(trainer, module), "global_step": trainer.global_step}
     result["lrs"] = [group["lr"] for group in trainer.optimizers[0].param_groups]
     result["world_size"] = trainer.world_size
+    result["norms"] = getattr(module, "norms", None)
     if isinstance(trainer.strategy, ZeroStrategy):
         result["shard_group_size"] = trainer.strategy.engine.shard_group_size
     # A resumed BaseFinetuning callback ends its restart in on_fit_start; one left restarting would

@@ -17,6 +17,7 @@ from .nvme_state import NvmeOptimizerState, raw_step_of
 from .param_groups import OptimizerGroups
 from .rebuild import check_optimizer_supported, reset_optimizer_state
 from .resting_reads import RestingReads
+from .zero_grad_routes import Discard, ZeroGradRoute
 
 # Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
 # state_dict() working) until an engine attaches them again.
@@ -50,9 +51,11 @@ class OptimizerAttachment:
         canonical_names: dict[int, str],
         step_hooks: StepHooks,
         agreed_at_setup: torch.optim.Optimizer | None,
+        discard: Discard,
         nvme: NvmeOptimizerState | None = None,
     ):
         self.units, self.comm, self.canonical_names = units, comm, canonical_names
+        self.discard = discard  # optimizer.zero_grad()'s, as under DDP (zero_grad_routes.py)
         self.nvme = nvme  # offload_optimizer="nvme": the state lives in files between steps
         self.step_hooks = step_hooks
         self._agreed_at_setup = agreed_at_setup  # attach need not ask the ranks again
@@ -86,6 +89,7 @@ class OptimizerAttachment:
             optimizer.register_load_state_dict_pre_hook(lambda *_: self.refuse_while_stepped("load_state_dict()")),
             optimizer.register_load_state_dict_post_hook(lambda *_: self.state_replaced()),
             *groups.install_hooks(),
+            ZeroGradRoute(self.discard).route_optimizer(optimizer, groups.listed_parameters),
         ]
 
     def refuse_while_stepped(self, what: str) -> None:

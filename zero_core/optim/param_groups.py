@@ -111,6 +111,11 @@ class OptimizerGroups:
         ]
         return zlib.crc32(repr(settings).encode())
 
+    def listed_parameters(self) -> list[nn.Parameter]:
+        """What the groups list now, as model parameters (a step that raised midway left the pieces in)."""
+        self.show_model_parameters()
+        return [param for group in self.optimizer.param_groups for param in group["params"]]
+
     def pieces_in_groups(self) -> list[list[nn.Parameter]]:
         """Per group (as last read), this rank's master pieces of its parameters."""
         return [[piece for name in names for piece in self._pieces_of[name]] for names in self.names]

@@ -14,7 +14,7 @@ prefetched ones is read from its file meanwhile.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from ..config import StagePlan
 from ..unit import FlatUnit, StorageState
@@ -56,7 +56,8 @@ class GatherPolicy:
         self._gather(unit, predicted, keep, timed=timed)
 
     def for_backward(self, unit: FlatUnit, keep: set[int]) -> None:
-        """``unit``'s backward starts now."""
+        """``unit``'s backward starts now; ``keep``: the units whose backward runs, and those still running
+        (a backward inside a forward, as Lightning's manual optimization runs it, needs them gathered)."""
         predicted = self.order.backward.record(unit.index, self.prefetch + self.reads_ahead)
         self._gather(unit, predicted, keep, timed=False)
 
@@ -91,9 +92,12 @@ class GatherPolicy:
         if not self._suspended:
             unit.release()
 
-    def release_all(self) -> None:
+    def release_all(self, keep: Collection[int] = ()) -> None:
+        """Every unit but those in ``keep``: the units still running when a backward inside their forward
+        ends (Lightning's manual optimization), which the rest of that forward uses."""
         for unit in self.units:
-            self.release(unit)
+            if unit.index not in keep:
+                self.release(unit)
 
     # ---------------------------------------------------------------- passes
     def forward_started(self) -> None:

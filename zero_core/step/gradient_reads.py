@@ -35,6 +35,7 @@ class GradientReads:
         self._units, self._comm, self._runtime = units, comm, runtime
         self._optimizer_step, self._loss_scaler = optimizer_step, loss_scaler
         self._slot_of = {id(p): (unit.index, i) for unit in units for i, p in enumerate(unit.params)}
+        self._param_of_slot = {(unit.index, i): p for unit in units for i, p in enumerate(unit.params)}
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, parameters: Parameters = None) -> torch.Tensor:
         self._refuse_after_early_step("clip_grad_norm_")
@@ -86,8 +87,25 @@ class GradientReads:
             result[f"{prefix}_total"] = grad_ops.total_norm(list(norms.values()), norm_type)
         return result
 
-    def discard(self) -> None:
-        """``zero_grad``: the gradients accumulated since the last step are dropped."""
+    def discard(self, parameters: Parameters = None, set_to_none: bool = True) -> None:
+        """``zero_grad``: the gradients accumulated since the last step are dropped, of ``parameters`` only
+        if given (tensors that are not the model's parameters are passed over, as a copy of the model's
+        are). Local, as under DDP: no rank waits for another."""
         self._refuse_after_early_step("zero_grad()")
         self._runtime.quiesce()
-        self._optimizer_step.discard_grads()
+        self._optimizer_step.zero_grads(self._slots_by_unit(parameters), set_to_none)
+
+    def _slots_by_unit(self, parameters: Parameters) -> dict[int, frozenset[int]] | None:
+        """The slots of ``parameters`` per unit index; None when they are every parameter of the model."""
+        if parameters is None:
+            return None
+        given = [parameters] if isinstance(parameters, torch.Tensor) else parameters
+        slots = {self._slot_of[id(p)] for p in given if id(p) in self._slot_of}
+        with torch._C.DisableTorchFunctionSubclass():  # stage 3's resting parameters answer it anyway
+            trainable = {slot for slot, param in self._param_of_slot.items() if param.requires_grad}
+        if slots >= trainable:  # frozen parameters have no gradient to keep
+            return None
+        by_unit: dict[int, set[int]] = {}
+        for unit_index, slot in slots:
+            by_unit.setdefault(unit_index, set()).add(slot)
+        return {unit_index: frozenset(found) for unit_index, found in by_unit.items()}

@@ -103,10 +103,18 @@ class OptimizerStep:
         self.runtime.wait_for_refresh()
 
     def discard_grads(self) -> None:
-        """The accumulated gradients are consumed (by a step) or discarded (``zero_grad``)."""
+        """The accumulated gradients are consumed (by a step) or discarded (a load)."""
         for unit in self.units:
             unit.reset_grads()
         self.grads_unscaled = False
+
+    def zero_grads(self, slots_by_unit: dict[int, frozenset[int]] | None, set_to_none: bool) -> None:
+        """``zero_grad``: drop the gradients of the slots named per unit (None: every slot of every unit)."""
+        for unit in self.units:
+            if slots_by_unit is None or unit.index in slots_by_unit:
+                unit.discard_grads(None if slots_by_unit is None else slots_by_unit[unit.index], set_to_none)
+        if slots_by_unit is None:
+            self.grads_unscaled = False  # nothing is left that was unscaled
 
     # ------------------------------------------------------------------ before
     def before(self, groups: OptimizerGroups, args: tuple = (), kwargs: dict | None = None) -> None:

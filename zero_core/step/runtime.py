@@ -331,7 +331,7 @@ class StepRuntime:
         """Pre-backward: the unit is about to be back-propagated; gather it (and prefetch)."""
         self._begin_backward()
         if self.passes.gather_for_backward(unit):
-            self.gathering.for_backward(unit, self.passes.backward.gathered)
+            self.gathering.for_backward(unit, self.passes.backward.gathered | self.passes.running_indices())
 
     def announce_scaled_backward(self) -> None:
         """The next backward starts from a loss the loss scaler multiplied."""
@@ -390,7 +390,7 @@ class StepRuntime:
         self.reduces.wait_all()
         for unit in self.units:
             unit.commit_backward()
-            self.gathering.release(unit)
+        self.gathering.release_all(keep=self.passes.running_indices())
         if self.require_grad_sync:
             self.reduce_across_groups()  # hybrid sharding: once per synchronising backward, not per micro-batch
         if self.step_in_backward is not None:

@@ -21,6 +21,7 @@ link carries Ψ/k per optimizer step, not per micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import NamedTuple
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from ..collectives import CommContext, Handle, Span, all_reduce, reduce_scatter
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages
-from .layout import FlatLayout, slot_view
+from .layout import FlatLayout, shard_view, slot_view
 from .tensor_parallel import is_dtensor, local_grad
 
 
@@ -166,6 +167,44 @@ class UnitGrads:
         self.shards.clear()
         self.slot_has_grad = [False] * len(self.layout.slots)
         self._filled_this_backward.clear()
+
+    @property
+    def holds_grads(self) -> bool:
+        """Some gradient arrived since the last step (or ``zero_grad``): there is something to drop."""
+        held = any(shard is not None for shard in self.shards.tensors())
+        return held or any(self.slot_has_grad) or bool(self._filled_this_backward)
+
+    def discard(self, slots: frozenset[int] | None, set_to_none: bool) -> None:
+        """``zero_grad`` between steps: drop the gradients of ``slots`` (None: every slot), as ``zero_grad``
+        drops ``.grad`` under DDP. ``set_to_none``: the slots have no gradient any more (the step skips them,
+        as torch's optimizers skip a ``None`` grad); otherwise they keep a gradient of zeros."""
+        if not self.holds_grads:
+            return
+        if slots is None and set_to_none:
+            self.reset()
+            return
+        wanted = range(len(self.layout.slots)) if slots is None else slots
+        self._zero_slots(wanted)
+        if set_to_none:
+            for index in wanted:
+                self.slot_has_grad[index] = False
+                self._filled_this_backward.discard(index)
+
+    def _zero_slots(self, wanted: Collection[int]) -> None:
+        """Zero the gradients of the ``wanted`` slots, and the padding (a clip by a NaN norm left NaN there,
+        which no later reduce would clear)."""
+        lo, _ = self._shard_range()
+        if self.full_grads is not None:  # stage 1: the reduced shard and its partial sums are views of it
+            for index in wanted:
+                slot_view(self.full_grads, self.layout.slots[index]).zero_()
+            self.full_grads[self.layout.total_numel :].zero_()
+        for shard in self.shards.tensors():
+            if shard is None:
+                continue
+            for piece in self.layout.pieces(self.comm.shard_rank):
+                if piece.slot.index in wanted:
+                    shard_view(shard, piece).zero_()
+            shard[max(self.layout.total_numel - lo, 0) :].zero_()
 
 
 class LocalGrads(UnitGrads):
