@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from zero_core import ZeroEngine, meeting
-from zero_core.sharding import single_optimizer
+from zero_core.sharding import refuse_optimizer_before_split, single_optimizer
 
 from ._sharding import (
     TensorParallelMesh,
@@ -137,12 +137,7 @@ class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
                 "ZeroFabricStrategy(tensor_parallel_size=...) needs parallelize_fn=fn, where fn(module, mesh) "
                 "splits the module over mesh['tensor_parallel'] (torch's parallelize_module) and returns it."
             )
-        if optimizer is not None:
-            raise ValueError(
-                "With tensor_parallel_size, set up the model first (model = fabric.setup_module(model)), then "
-                "make the optimizer over its parameters and fabric.setup_optimizers(optimizer): splitting the "
-                "model replaces its parameters, so an optimizer made before holds the old ones."
-            )
+        refuse_optimizer_before_split(optimizer)
         return self._parallelize_fn(module, self._device_mesh)
 
     def setup_module_and_optimizers(

@@ -34,6 +34,7 @@ from zero_core import (
     tensor_parallel_mesh,
 )
 from zero_core.checkpoint import load_full_checkpoint
+from zero_core.sharding import OPTIMIZER_BEFORE_SPLIT
 
 from . import partitioned_activation_workers as partitioned
 from .distributed import _free_port, by_rank, run_distributed
@@ -236,6 +237,13 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
     split = parallelize(TinyLlama(), mesh["tensor_parallel"])
     unnamed = init_device_mesh("cpu", (DP, TP))
     build = lambda **kwargs: lambda: ZeroEngine(split, None, **kwargs)  # noqa: E731
+
+    def optimizer_before_split() -> None:
+        torch.manual_seed(0)
+        early = TinyLlama()
+        optimizer = torch.optim.AdamW(early.parameters())
+        ZeroEngine(parallelize(early, mesh["tensor_parallel"]), optimizer, device_mesh=mesh)
+
     return {
         "no_mesh": refusal(build(config=ZeroConfig(stage=3)), ValueError),
         "unnamed_mesh": refusal(build(config=ZeroConfig(stage=3), device_mesh=unnamed), ValueError),
@@ -243,6 +251,7 @@ def _refusals(rank: int, world_size: int) -> dict[str, str | None]:
         "size_without_mesh": refusal(build(config=ZeroConfig(stage=3, tensor_parallel_size=2)), ValueError),
         "size_differs": refusal(build(config=ZeroConfig(tensor_parallel_size=4), device_mesh=mesh), ValueError),
         "not_split": refusal(lambda: ZeroEngine(TinyLlama(), None, device_mesh=mesh), ValueError),
+        "optimizer_before_split": refusal(optimizer_before_split, ValueError),
         # Only the tensor-parallel ranks differ: each data-parallel group alone would agree.
         "tensor_parallel_ranks_differ": refusal(
             build(config=_differing_by_tp_rank(mesh), device_mesh=mesh), ValueError
@@ -555,6 +564,9 @@ def test_what_a_2d_mesh_cannot_take_is_refused(grid: list[Any]) -> None:
         assert "tensor_parallel_mesh(2)" in result["size_without_mesh"]
         assert "has 2 ranks" in result["size_differs"]
         assert "no parameter of the model is split over it" in result["not_split"]
+        # The fix named, in the words Fabric's refusal of the same mistake uses.
+        assert result["optimizer_before_split"] == OPTIMIZER_BEFORE_SPLIT
+        assert "parallelize_module(model, mesh['tensor_parallel'], plan)`, then `optimizer =" in OPTIMIZER_BEFORE_SPLIT
         assert "ranks disagree on" in result["tensor_parallel_ranks_differ"]
         assert "bucket_size_mb" in result["tensor_parallel_ranks_differ"]
 
@@ -710,6 +722,7 @@ def test_fabric_with_tensor_parallel_size_trains_like_one_process(fabric_run: li
     assert len(mean) == 3 and mean == pytest.approx(losses, rel=1e-5)
     for rank in fabric_run:
         assert _max_difference(rank["weights"], weights[-1]) < 1e-4
+        assert rank["optimizer_first"] == OPTIMIZER_BEFORE_SPLIT  # the plain engine's words for it too
         assert "fabric.setup_optimizers(optimizer)" in rank["optimizer_first"]
 
 

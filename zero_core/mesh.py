@@ -9,6 +9,8 @@ plain data parallelism over its ranks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -21,6 +23,17 @@ from .unit.tensor_parallel import check_supported
 
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"
+
+# The plain engine's refusal and Fabric's say the same (one mistake, one fix), each route's fix named.
+OPTIMIZER_BEFORE_SPLIT = (
+    "The optimizer was made before the model was split over the tensor-parallel mesh: splitting "
+    "(torch's parallelize_module) replaces the model's parameters, so that optimizer holds the old, unsplit "
+    "ones. Split the model first, then make the optimizer over its parameters: "
+    f"`model = parallelize_module(model, mesh['{TENSOR_PARALLEL}'], plan)`, then "
+    "`optimizer = torch.optim.AdamW(model.parameters())` and `ZeroEngine(model, optimizer, device_mesh=mesh)`; "
+    "with Fabric, `model = fabric.setup_module(model)` (it calls parallelize_fn), then make the optimizer "
+    "over model.parameters() and `fabric.setup_optimizers(optimizer)`."
+)
 
 
 def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str | None = None) -> DeviceMesh:
@@ -150,3 +163,10 @@ def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroC
             "A model on the meta device with tensor parallelism is not supported yet: materialise it "
             "(to_empty and initialise) before parallelize_module and the engine."
         )
+
+
+def made_before_split(model_params: Iterable[torch.Tensor], foreign: Iterable[torch.Tensor]) -> bool:
+    """Whether tensors an optimizer holds but the engine did not shard are a split model's parameters as
+    they were before the split: plain tensors with a split (DTensor) parameter's whole shape."""
+    split_shapes = {tuple(p.shape) for p in model_params if isinstance(p, DTensor)}  # a DTensor's is whole
+    return any(not isinstance(t, DTensor) and tuple(t.shape) in split_shapes for t in foreign)

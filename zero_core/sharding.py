@@ -10,6 +10,7 @@ from torch.optim import Optimizer
 
 from .config import ZeroConfig
 from .engine import ZeroEngine, engine_of
+from .mesh import OPTIMIZER_BEFORE_SPLIT
 
 
 def move_real_tensors(module: nn.Module, device: torch.device) -> None:
@@ -47,3 +48,10 @@ def single_optimizer(optimizers: list[Optimizer]) -> Optimizer | None:
             "Put the parameters in param groups of a single optimizer instead."
         )
     return optimizers[0] if optimizers else None
+
+
+def refuse_optimizer_before_split(optimizer: Optimizer | None) -> None:
+    """For adapters that split the model themselves (Fabric's parallelize_fn): an optimizer handed over with
+    the unsplit model holds the parameters the split replaces; refused in the words the engine uses."""
+    if optimizer is not None:
+        raise ValueError(OPTIMIZER_BEFORE_SPLIT)

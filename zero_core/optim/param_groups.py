@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..agreement import describe_value
+from ..mesh import OPTIMIZER_BEFORE_SPLIT, made_before_split
 from ..unit import FlatUnit
 from .rebuild import canonical_names
 
@@ -70,23 +71,26 @@ class OptimizerGroups:
         names: list[list[str]] = []
         seen: set[str] = set()
         twice: list[str] = []
-        unknown = 0
+        unknown: list[torch.Tensor] = []
         for group in self.optimizer.param_groups:
             group_names = []
             for tensor in group["params"]:
                 name = self._name_of.get(id(tensor))
                 if name is None:
-                    unknown += 1
+                    unknown.append(tensor)
                     continue
                 if name in seen:
                     twice.append(name)
                 seen.add(name)
                 group_names.append(name)
             names.append(group_names)
+        if unknown and made_before_split(self._param_of.values(), unknown):
+            raise ValueError(OPTIMIZER_BEFORE_SPLIT)
         if unknown:
             raise ValueError(
-                f"The optimizer's param groups hold {unknown} tensor(s) the ZeRO engine did not shard: not parameters "
-                "of the model, or of a layer added after the engine was built (given to optimizer.add_param_group?). "
+                f"The optimizer's param groups hold {len(unknown)} tensor(s) the ZeRO engine did not shard: not "
+                "parameters of the model, or of a layer added after the engine was built (given to "
+                "optimizer.add_param_group?). "
                 "Build the optimizer over model.parameters() (or groups of them), "
                 "and add layers before building the engine."
             )
