@@ -188,8 +188,8 @@ def _save_when_dcp_returns_no_storage_map_job(rank: int, world_size: int, direct
 
     original = saving.write_shards
 
-    def as_torch_2_11(target, state, comm, in_order=False):  # type: ignore[no-untyped-def]
-        return dataclasses.replace(original(target, state, comm, in_order), storage_data=None)
+    def as_torch_2_11(target, state, comm, *options):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(original(target, state, comm, *options), storage_data=None)
 
     model, engine = _engine((3, None))
     _train(model, engine, range(2))

@@ -16,12 +16,13 @@ import copy
 import errno
 import os
 import pickle
+import re
 import shutil
 import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -369,6 +370,31 @@ def _fault_checksum_rank1(rank: int) -> list[tuple[object, str, Any]]:
     return [(saving, "digest_data_file", failing)]
 
 
+ZIP_WRITER_FULL = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+NEARLY_FULL = 4096  # the free bytes the filesystem reports in the fault below
+
+
+class _Usage(NamedTuple):
+    total: int
+    used: int
+    free: int
+
+
+def _fault_zip_writer_full_rank1(rank: int) -> list[tuple[object, str, Any]]:
+    """What a filesystem filling up inside a tensor's torch.save does (torch's zip writer's words for ENOSPC;
+    DCP pickles the failure, dropping the OSError beneath), and a filesystem that has little room left."""
+    patches: list[tuple[object, str, Any]] = [
+        (shutil, "disk_usage", lambda path: _Usage(1 << 30, 1 << 30, NEARLY_FULL))
+    ]
+    if rank == 1:
+
+        def failing(self, plan, planner):  # type: ignore[no-untyped-def]
+            raise RuntimeError(ZIP_WRITER_FULL)
+
+        patches.append((FileSystemWriter, "write_data", failing))
+    return patches
+
+
 class _Unsafe:
     """A custom object in the extra state: weights_only loading could not read it back."""
 
@@ -376,6 +402,11 @@ class _Unsafe:
 SAVE_FAULTS = {
     "meta.pt write fails on rank 0": (_fault_meta_write_rank0, None, "Input/output error: "),
     "disk full on rank 1": (_fault_disk_full_rank1, None, "No space left on device: "),
+    "torch's zip writer runs out of space on rank 1": (
+        _fault_zip_writer_full_rank1,
+        None,
+        "No space left on device: the filesystem holding ",
+    ),
     "permission denied on rank 0": (_fault_permission_rank0, None, "Permission denied: "),
     "second rename fails on rank 0": (_fault_second_rename_rank0, None, "Input/output error: "),
     "checksumming fails on rank 1": (_fault_checksum_rank1, None, "No such file or directory: "),
@@ -402,8 +433,20 @@ def _save_with_fault(engine: ZeroEngine, target: str, fault: Any, extra: Any) ->
             setattr(owner, name, original)
 
 
+def _big_engine() -> ZeroEngine:
+    """Pieces of tensors larger than a file's write buffer: a filesystem fills up inside torch.save's writes."""
+    torch.manual_seed(0)
+    model = TinyTransformer(blocks=1, width=128)
+    return ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
+
+
 def _try_saves(
-    rank: int, world_size: int, targets: dict[str, str], real_targets: dict[str, str], plain_dir: str
+    rank: int,
+    world_size: int,
+    targets: dict[str, str],
+    real_targets: dict[str, str],
+    plain_dir: str,
+    tiny_filesystem: str | None,
 ) -> dict[str, Any]:
     model, engine = _engine()
     _train(model, engine, range(5))  # differs from the checkpoint about to be overwritten
@@ -419,6 +462,8 @@ def _try_saves(
         out[f"{name}: reloaded"] = _snapshot(engine)
     out["a later save succeeds"] = _save_with_fault(engine, targets["meta.pt write fails on rank 0"], None, None)
     out["over a directory of other files"] = _save_with_fault(engine, plain_dir, None, None)
+    if tiny_filesystem is not None:
+        out[FULL_IN_A_TENSOR] = _save_with_fault(_big_engine(), tiny_filesystem, None, None)
     return out
 
 
@@ -449,12 +494,22 @@ def _stop_during_save(engine: ZeroEngine, target: str) -> tuple[str, float]:
     return outcome, waited
 
 
-def _stopped_save(rank: int, world_size: int, target: str) -> tuple[str, float]:
+def _stopped_save(rank: int, world_size: int, target: str) -> tuple[str, float, str]:
     model, engine = _engine()
     _train(model, engine, range(1))
-    return _stop_during_save(engine, target)
+    engine.save_checkpoint(f"{target}-good")
+    outcome, waited = _stop_during_save(engine, target)
+    # Rank 0 gave up on rank 1, and gloo closed the connections between them: every rank now loads the good
+    # checkpoint together, and each collective fails at once (the group is broken, no rank is missing).
+    try:
+        engine.load_checkpoint(f"{target}-good")
+        retried = "loaded"
+    except CheckpointError as error:
+        retried = str(error)
+    return outcome, waited, retried
 
 
+FULL_IN_A_TENSOR = "a really full filesystem, inside a tensor's write"
 PG_TIMEOUT = 15  # long enough for every other collective of the grid on a loaded machine
 # A spawn of its own for the stopped rank: rank 0 waits out the process group's timeout, which the grid's
 # IO-heavy saves need long; here only a setup, a step and the save run (as the divergence tests' grids).
@@ -471,7 +526,12 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
     }
     real_targets: dict[str, str] = {}
     size = files.directory_bytes(good)
-    with files.tmpfs(work / "full", int(size * 1.5)) as full_mounted, files.tmpfs(work / "ro", 4 * size) as ro_mounted:
+    with (
+        files.tmpfs(work / "full", int(size * 1.5)) as full_mounted,
+        files.tmpfs(work / "ro", 4 * size) as ro_mounted,
+        files.tmpfs(work / "tiny", 128 * 1024) as tiny_mounted,
+    ):
+        tiny = str(work / "tiny" / "checkpoint") if tiny_mounted else None
         if full_mounted:
             real_targets["a really full filesystem"] = str(files.copy_checkpoint(good, work / "full" / "checkpoint"))
         if ro_mounted:
@@ -481,10 +541,13 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
         plain = work / "plain"
         plain.mkdir()
         (plain / "notes.txt").write_text("mine")
-        results = run_distributed(_try_saves, 2, targets, real_targets, str(plain), timeout=240, pg_timeout=PG_TIMEOUT)
+        results = run_distributed(
+            _try_saves, 2, targets, real_targets, str(plain), tiny, timeout=240, pg_timeout=PG_TIMEOUT
+        )
+        checked = {**targets, **real_targets, **({FULL_IN_A_TENSOR: tiny} if tiny else {})}
         leftovers = {
             name: sorted(p.name for p in Path(t).parent.iterdir() if p.name.startswith("."))
-            for name, t in {**targets, **real_targets}.items()
+            for name, t in checked.items()
         }
         plain_contents = sorted(p.name for p in plain.iterdir())
     return {
@@ -492,7 +555,9 @@ def saves(saved: tuple, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict,
         "baselines": baselines,
         "leftovers": leftovers,
         "real": sorted(real_targets),
+        "tiny": tiny is not None,
         "plain": plain_contents,
+        "size": size,
     }
 
 
@@ -517,16 +582,35 @@ def test_a_failed_save_leaves_the_previous_checkpoint_and_no_partial_directory(s
 
 
 @pytest.mark.distributed
+def test_a_save_that_fills_the_filesystem_says_so_with_the_numbers(saves: dict) -> None:
+    """torch's zip writer's words for a full disk (DCP drops the OSError beneath) are told as a full
+    filesystem: what it had free and what the save writes, alike on every rank."""
+    messages = by_rank(saves["results"], "torch's zip writer runs out of space on rank 1")
+    assert messages[0] == messages[1], messages
+    message = messages[0]
+    assert message.startswith("No space left on device: the filesystem holding "), message
+    assert f"had {NEARLY_FULL:,} bytes (4.00 KiB) free when the save began" in message, message
+    assert "unexpected pos" not in message, message
+    written = re.search(r"this save writes about ([\d,]+) bytes", message)
+    assert written, message
+    needed = int(written.group(1).replace(",", ""))
+    assert 0.8 < needed / saves["size"] < 1.25, (needed, saves["size"])  # the estimate is near what a save writes
+    assert f"free at least {needed - NEARLY_FULL:,} bytes" in message, message
+
+
+@pytest.mark.distributed
 def test_real_full_and_read_only_filesystems(saves: dict) -> None:
     if not saves["real"]:
         pytest.skip("mounting a small tmpfs needs root and mount permission")
     results = saves["results"]
-    causes = {
-        "a really full filesystem": "No space left on device",
-        "a really read-only filesystem": "Read-only file system",
-    }
+    full = "No space left on device: the filesystem holding "
+    causes = {"a really full filesystem": full, "a really read-only filesystem": "Read-only file system"}
     for name in saves["real"]:
         assert results[0][name] == results[1][name] and results[0][name].startswith(causes[name]), results[0][name]
+    if saves["tiny"]:  # where the disk fills inside torch.save: its zip writer's words, not the OSError
+        messages = by_rank(results, FULL_IN_A_TENSOR)
+        assert messages[0] == messages[1] and messages[0].startswith(full), messages
+        assert "free when the save began" in messages[0] and "unexpected pos" not in messages[0], messages
 
 
 @pytest.mark.distributed
@@ -541,14 +625,28 @@ def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused(saves: dict
     assert saves["plain"] == ["notes.txt"]
 
 
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[str, float, str]]:
+    target = tmp_path_factory.mktemp("stopped") / "checkpoint"
+    return run_distributed(_stopped_save, 2, str(target), timeout=120, pg_timeout=STOPPED_PG_TIMEOUT)
+
+
 @pytest.mark.distributed
-def test_a_stopped_rank_ends_the_save_on_the_others_with_the_step_named(tmp_path: Path) -> None:
-    (message, waited), (other_message, _) = run_distributed(
-        _stopped_save, 2, str(tmp_path / "stopped"), timeout=120, pg_timeout=STOPPED_PG_TIMEOUT
-    )
+def test_a_stopped_rank_ends_the_save_on_the_others_with_the_step_named(stopped: list) -> None:
+    (message, waited, _), (other_message, _, _) = stopped
     assert "gave up waiting for the other ranks while checksumming the shards" in message, message
     assert waited < STOPPED_PG_TIMEOUT * 4, waited
     assert other_message != "saved", "the stopped rank's save returned normally"
+
+
+@pytest.mark.distributed
+def test_a_load_retried_after_the_process_group_broke_says_it_is_broken(stopped: list) -> None:
+    """Not that a rank did not answer in time: every rank is loading, and the collectives fail at once."""
+    retried = [result[2] for result in stopped]
+    assert retried[0] == retried[1], retried
+    assert retried[0].startswith("loading checkpoint ") and ": the process group is broken" in retried[0], retried
+    assert "Restart every process, then load it." in retried[0], retried
+    assert "did not answer within the process group's timeout" not in retried[0], retried
 
 
 # ------------------------------------------------------------------ fp16: loss scale and step counter

@@ -12,7 +12,8 @@ the shards (DCP, every rank), checksum and sync them (split between
 ranks), write ``meta.pt`` and the manifest (rank 0), replace the old
 checkpoint (rank 0). A failure removes the partial directory and raises
 the same :class:`CheckpointError` everywhere; the previous checkpoint is
-untouched.
+untouched. A filesystem that fills up is named as full, with the bytes it
+had free and the bytes the save writes (``disk_space.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from .agreement import RankAgreement
+from .disk_space import SaveSpace
 from .errors import CheckpointError
 from .manifest import FileDigest, Manifest, digest_bytes, digest_data_file, write_manifest
 from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
@@ -75,13 +77,16 @@ def save_checkpoint(
         return uuid.uuid4().hex
 
     _, save_ids = agreement.run("preparing the directory", prepare, share=True)
+    # Measured by every rank before any writes (the writes wait for the next steps' agreement).
+    space = agreement.space = SaveSpace(dirs.path, dirs.partial)
     try:
         meta = {**extra, ZERO_KEY: dataclasses.replace(record, save_id=save_ids[0]).to_dict()}
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
+        space.add(len(meta_bytes))
         state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
         # A unit at a time when state rests on disk (written in the state dict's order, not by size).
         in_order = view.resting is not None
-        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm, in_order))
+        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm, in_order, space.add))
         # Every rank checksums the files that the written `.metadata` names (read back by the coordinator),
         # not those of the metadata DCP's save returns: on torch 2.11 that has no storage map (storage_data
         # None), the manifest listed no data file, and every load refused the checkpoint.

@@ -22,6 +22,7 @@ import os
 import shutil
 import warnings
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, NamedTuple
 
@@ -30,9 +31,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 
 from ..collectives import CommContext
+from .disk_space import planned_bytes
 from .errors import CheckpointError
 from .manifest import MANIFEST_FILENAME, Manifest, check_item, item_digests
 
@@ -180,19 +182,36 @@ def read_shards(directory: Path, metadata: dcp_metadata.Metadata, manifest: Mani
         )
 
 
+class _PlannedWriter(FileSystemWriter):
+    """DCP's file writer, first telling ``planned`` the bytes of this rank's final plan (after DCP dropped
+    the duplicates other ranks write): what a message about a full disk says the save needed."""
+
+    def __init__(self, directory: Path, planned: Callable[[int], None], **options: Any):
+        super().__init__(directory, **options)
+        self._planned = planned
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Any:
+        self._planned(planned_bytes(plan.items))
+        return super().write_data(plan, planner)
+
+
 def write_shards(
-    directory: Path, state: dict[str, Any], comm: CommContext | None, in_order: bool = False
+    directory: Path,
+    state: dict[str, Any],
+    comm: CommContext | None,
+    in_order: bool = False,
+    planned: Callable[[int], None] = lambda size: None,
 ) -> dcp_metadata.Metadata:
     """Every rank writes its pieces; rank 0 writes ``.metadata``. Returns the metadata, on every rank.
     ``in_order`` (state read from the NVMe tier's files a unit at a time): the pieces are read in the state
     dict's order (DCP's copy-ahead on a GPU takes them by size), each into a file of its own, synced as it is
     written: DCP keeps every piece of a file alive until the file is written, and a file's unsynced pages
-    are memory a cap counts too."""
+    are memory a cap counts too. ``planned`` hears the bytes this rank is about to write."""
     alone = comm is None or comm.world_size == 1
     if in_order:
-        writer = FileSystemWriter(directory, single_file_per_rank=False, per_thread_copy_ahead=0)
+        writer = _PlannedWriter(directory, planned, single_file_per_rank=False, per_thread_copy_ahead=0)
     else:
-        writer = FileSystemWriter(directory)
+        writer = _PlannedWriter(directory, planned)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return dcp.save(
