@@ -5,6 +5,7 @@ model, and resuming from a checkpoint at the same and at another process count a
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -48,13 +49,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     out = tmp_path_factory.mktemp("trainer")
     # Each launcher's cases in one launch (a launch costs more than a case). bf16 and fp16 through
     # TrainingArguments(bf16=True / fp16=True), last so that the fp32 cases run as in a process of their own;
-    # Trainer's own bf16 under DDP beside ours (its own fp16 under DDP computes in fp32 on a CPU).
-    _launch(ACCELERATE, 2, str(out), "ddp", "ddp_bf16")
+    # Trainer's own bf16 under DDP beside ours (its own fp16 under DDP computes in fp32 on a CPU). The nan cases
+    # (a step skipped on an fp16 overflow) only train: last, after the fp16 case.
+    _launch(ACCELERATE, 2, str(out), "ddp", "ddp_bf16", "ddp_fp16_nan")
     # As users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
     _launch(
         [*ACCELERATE_ZERO, "--zero_stage", "3"],
         2,
         *[str(out), "zero", "zero1", "zero2", "zero_evalfirst", "zero_bf16", "zero_fp16"],
+        *["zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan"],
     )
     # Stage 3's step-3 checkpoint resumed by 1 process at stage 1 (the same global batch).
     checkpoint = str(out / "zero-run" / "checkpoint-3")
@@ -65,6 +68,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         *["--refused", str(out / "ddp-run" / "checkpoint-3")],
     )
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
+    names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -217,3 +221,46 @@ def test_evaluate_before_train_then_trains_as_without_it(runs: tuple) -> None:
     assert ours["trainer"] == "ZeroTrainer" and ours["stage"] == 3
     assert ours["losses"] == reference["losses"]
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_step_skipped_on_an_fp16_overflow_then_trains_as_trainer_under_ddp(runs: tuple, stage: int) -> None:
+    """Issue 42: rank 0's loss is NaN in step 3 (both micro-batches), with TrainingArguments(fp16=True). Trainer
+    skips the step on its scaler's word (``optimizer_step_was_skipped``: no scheduler step), then calls
+    ``model.zero_grad()``: the NaN gradients must be gone from the next step. ZeroTrainer's engine skips it on its
+    own fp16 loss scaler; the reference is Trainer under DDP with torch's GradScaler on the CPU (Accelerate makes
+    none there; ``trainer_run.NaNTrainer``) and fp32 compute, with the unfused AdamW: Trainer's default fused one
+    skips inside its kernel and Accelerate then reports the step as taken (huggingface/accelerate#4242). Both
+    scalers start at 2**16 and halve on an overflow: the loss scale is compared exactly, step by step.
+
+    This passed before ``zero_grad`` reached the engine too (3970bd6): the engine's skipped step drops the
+    gradients itself, as a step taken does, so Trainer's ``model.zero_grad()`` finds none left. It pins that
+    pair: with the drop on a skip taken out of the engine it still passes, through ``model.zero_grad()``, and
+    fails without that route (every later step skipped on the kept NaN), at each stage.
+
+    Ours computes in fp16, the reference in fp32, so what is compared is what that leaves comparable: per step
+    the skip, the loss scale, the loss (within 1e-3; 5e-5 measured) and the gradient norm (NaN in the skipped
+    step on both; otherwise within 1e-3, 3e-4 measured: NaN gradients kept, or the skipped step's leaking into
+    the next, would differ by far more), and the final weights as a whole (within 2% of their norm: 0.6%
+    measured, where a run that took step 3 differs by 7%). Weight by weight they are not comparable: AdamW
+    turns a gradient near zero, whose sign fp16 rounding can flip, into a step of up to the learning rate
+    either way (up to 2e-2 here, a third of a tensor's largest weight)."""
+    _, results = runs
+    reference, ours = results["ddp_fp16_nan"], results[f"{_case(stage)}_fp16_nan"]
+    assert (reference["trainer"], ours["trainer"]) == ("NaNTrainer", "NaNZeroTrainer")
+    assert (ours["stage"], ours["num_processes"]) == (stage, 2)
+    nan_step = reference["nan_step"]
+    skipped = [step == nan_step for step in range(6)]
+    assert reference["skipped"] == ours["skipped"] == skipped
+    scales = [2.0**16 if step < nan_step else 2.0**15 for step in range(6)]
+    assert reference["loss_scales"] == ours["loss_scales"] == scales
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-3)
+    assert math.isnan(reference["grad_norms"][nan_step]) and math.isnan(ours["grad_norms"][nan_step])
+    finite = [step for step in range(6) if step != nan_step]
+    assert [ours["grad_norms"][s] for s in finite] == pytest.approx(
+        [reference["grad_norms"][s] for s in finite], rel=1e-3
+    )
+    # The skip changed the training: the next step's norm is not that of the run without NaN.
+    assert reference["grad_norms"][nan_step + 1] != pytest.approx(results["ddp"]["grad_norms"][nan_step + 1], rel=1e-2)
+    mine, theirs = (torch.cat(list(_tensors(run["weights"]).values())) for run in (ours, reference))
+    assert bool(torch.isfinite(mine).all()) and float((mine - theirs).norm() / theirs.norm()) <= 2e-2

@@ -4,7 +4,9 @@ Plain ``Trainer`` (DDP) unless ACCELERATE_USE_ZERO is set, as it is by ``acceler
 ``ZeroTrainer``, with the launcher's settings except for a case named ``zeroN``: ``ZeroPlugin(stage=N)``.
 A case named with bf16 or fp16 trains in that precision (``TrainingArguments``). Each case trains 6 steps
 (a checkpoint at step 3), evaluates, predicts, saves the model (``save_model`` and ``model.save_pretrained``
-on every process), then a second trainer resumes from the step-3 checkpoint. ``--resume DIR`` runs only a
+on every process), then a second trainer resumes from the step-3 checkpoint. A case named with nan (say
+``zero2_fp16_nan``) only trains, with rank 0's loss NaN in step NAN_STEP + 1 (``NaNOnRank0``), and records
+per step whether the step was skipped and the loss scale after it. ``--resume DIR`` runs only a
 resume from DIR; ``--refused DIR`` then tries to resume from plain Trainer's checkpoint DIR and records the
 error.
 
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
 import torch
 from accelerate import PartialState
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from accelerate.utils import AutocastKwargs
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -29,6 +33,7 @@ from accelerate_zero import ZeroPlugin, ZeroTrainer  # noqa: E402
 from accelerate_zero.plugin import zero_requested  # noqa: E402
 
 STEPS, SAVE_AT, ACCUMULATE = 6, 3, 2
+NAN_STEP = 2  # the nan cases: rank 0's loss is NaN in the third optimizer step (global_step 2 while it runs)
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -49,7 +54,52 @@ def model() -> GPT2LMHeadModel:
     return GPT2LMHeadModel(config)
 
 
+class NaNOnRank0:
+    """Mixed into Trainer and ZeroTrainer for the nan cases: rank 0's training loss is NaN in both micro-batches
+    of step NAN_STEP + 1 (evaluation's is left alone), so the gradients reduced over the ranks are NaN."""
+
+    def compute_loss(self, model: torch.nn.Module, inputs: dict, *args: object, **kwargs: object) -> torch.Tensor:
+        result = super().compute_loss(model, inputs, *args, **kwargs)
+        if model.training and self.state.global_step == NAN_STEP and self.accelerator.process_index == 0:
+            result = result * float("nan")
+        return result
+
+
+class NaNTrainer(NaNOnRank0, Trainer):
+    """Trainer under DDP with the fp16 loss scaling it has on a GPU: Accelerate makes no GradScaler on a CPU, so
+    one is given (torch's, on the CPU, with its defaults: those of the engine's loss scaler), and ``native_amp``
+    so that ``clip_grad_norm_`` unscales before clipping, as on a GPU; autocast stays off (fp32 compute)."""
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.accelerator.scaler = torch.amp.GradScaler("cpu")
+        self.accelerator.native_amp = True
+        self.accelerator.autocast_handler = AutocastKwargs(enabled=False)
+
+
+class NaNZeroTrainer(NaNOnRank0, ZeroTrainer):
+    """ZeroTrainer with rank 0's loss NaN in step NAN_STEP + 1: the engine's fp16 loss scaler skips it."""
+
+
+class StepRecord(TrainerCallback):
+    """Per optimizer step, after Trainer's ``model.zero_grad()``: whether the step was skipped (what Trainer
+    reads to skip its scheduler's step) and the loss scale."""
+
+    def __init__(self, run: Trainer) -> None:
+        self.run, self.skipped, self.loss_scales = run, [], []
+
+    def on_step_end(self, args: TrainingArguments, state: object, control: object, **kwargs: object) -> None:
+        accelerator = self.run.accelerator
+        engine = getattr(accelerator, "engine", None)
+        self.skipped.append(accelerator.optimizer_step_was_skipped)
+        self.loss_scales.append(engine.loss_scale if engine is not None else accelerator.scaler.get_scale())
+
+
 def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
+    nan, zero = "nan" in case, zero_requested()
+    # Trainer's default fused AdamW skips an overflowed step inside its kernel, and Accelerate then reports the
+    # step as taken (huggingface/accelerate#4242): the DDP reference's AdamW is the unfused one.
+    reference_optimizer = {"optim": "adamw_torch"} if nan and not zero else {}
     arguments = TrainingArguments(
         output_dir=str(output_dir),
         use_cpu=True,
@@ -60,19 +110,21 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         learning_rate=1e-2,
         max_grad_norm=0.5,
         logging_steps=1,
-        save_strategy="steps",
+        save_strategy="no" if nan else "steps",
         save_steps=SAVE_AT,
         report_to="none",
         disable_tqdm=True,
         seed=0,
         bf16="bf16" in case,  # Trainer's own mixed-precision flag
         fp16="fp16" in case,
+        **reference_optimizer,
     )
     kwargs = {"model": model(), "args": arguments, "train_dataset": Tokens(48, 1), "eval_dataset": Tokens(8, 2)}
-    if not zero_requested():
-        return Trainer(**kwargs)
-    plugin = ZeroPlugin(stage=int(case[4:])) if case.startswith("zero") and case[4:].isdigit() else None
-    return ZeroTrainer(zero_plugin=plugin, **kwargs)
+    if not zero:
+        return (NaNTrainer if nan else Trainer)(**kwargs)
+    stage = re.fullmatch(r"zero(\d)(_\w+)?", case)
+    plugin = ZeroPlugin(stage=int(stage[1])) if stage else None
+    return (NaNZeroTrainer if nan else ZeroTrainer)(zero_plugin=plugin, **kwargs)
 
 
 def history(run: Trainer, after: int = 0) -> dict[str, list[float]]:
@@ -112,6 +164,15 @@ def full_case(out: Path, case: str, batch_size: int) -> dict:
     return result
 
 
+def nan_case(out: Path, case: str, batch_size: int) -> dict:
+    run = trainer(case, out / f"{case}-run", batch_size)
+    steps = StepRecord(run)
+    run.add_callback(steps)
+    run.train()
+    records = {"nan_step": NAN_STEP, "skipped": steps.skipped, "loss_scales": steps.loss_scales}
+    return {**describe(run), **history(run), "weights": weights(run), **records}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -127,11 +188,13 @@ def main() -> None:
             run = trainer(case, out / f"{case}-run", args.batch_size)
             run.train(resume_from_checkpoint=args.resume)
             result = {"resumed": {**describe(run), **history(run, SAVE_AT), "weights": weights(run)}}
+        elif "nan" in case:
+            result = nan_case(out, case, args.batch_size)
         else:
             result = full_case(out, case, args.batch_size)
         if PartialState().is_main_process:
             (out / f"{case}.json").write_text(json.dumps(result))
-            print(f"{case}: losses {result.get('losses')} resumed {result['resumed']['losses']}")
+            print(f"{case}: losses {result.get('losses')} resumed {result.get('resumed', {}).get('losses')}")
     if args.refused:
         try:
             trainer("refused", out / "refused-run", args.batch_size).train(resume_from_checkpoint=args.refused)
