@@ -112,8 +112,12 @@ class _EagerHook(InertWhenCopied):
     releases and keeps step state, none of which belongs in a graph. A deep copy of the module gets an inert
     hook (``hook_copies.py``)."""
 
-    def __init__(self, hook: Any):
-        super().__init__(torch.compiler.disable(hook, recursive=True))
+    __slots__ = ()
+
+    # The wrapper's own call is what is excluded, not only the hook inside it: Dynamo would otherwise trace
+    # into this __call__, break at the excluded hook, then compile the __call__ frame itself for every hook
+    # call (one more break each, recompiled per argument type until it hits torch's recompile limit).
+    __call__ = torch.compiler.disable(InertWhenCopied.__call__, recursive=True)
 
 
 def eager(hook: Any) -> Any:
