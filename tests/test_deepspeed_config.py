@@ -208,9 +208,14 @@ def test_zero_plugin_from_deepspeed_and_the_accelerator_agree_or_refuse() -> Non
 def test_the_same_config_file_trains_as_deepspeed_itself(tmp_path: Path) -> None:
     """The switch from DeepSpeed to ``ZeroStrategy(config=file)`` keeps the training: DeepSpeed's own engine and
     our Lightning strategy, given one ds_config.json (accumulation 2, clipping 0.5), on the same data. In fp32
-    the losses are equal and the final weights equal to rounding at stages 1-3; in bf16 (DeepSpeed runs the
-    whole module in bf16, we compute in bf16 under autocast) the first loss is equal and the rest within 1%
-    (0.5% measured)."""
+    the final weights are equal to rounding at stages 1-3, and the losses equal at stage 1 and within 1e-5 at
+    stages 2 and 3, which compute other sums or the same in another order: DeepSpeed's ZeRO-2 reduces each
+    micro-batch's gradients and adds the reduced ones, where we add a rank's micro-batches and reduce once
+    (with one micro-batch a step its losses and weights are bit-equal to ours); its ZeRO-3 rounds apart from
+    ours even then (not traced further). How far apart depends on the CPU's kernels: the losses were equal with
+    torch's portable kernels (ATEN_CPU_CAPABILITY=default) and 1e-7 apart with its AVX2 ones. In bf16 (DeepSpeed
+    runs the whole module in bf16, we compute in bf16 under autocast) the first loss is equal and the rest within
+    1% (0.5% measured)."""
     pytest.importorskip("deepspeed")
     script = Path(__file__).parent / "scripts" / "deepspeed_same_config.py"
     result = subprocess.run(
@@ -233,5 +238,7 @@ def test_the_same_config_file_trains_as_deepspeed_itself(tmp_path: Path) -> None
         if case.endswith("bf16"):
             assert our_losses[0] == deepspeed_losses[0]
             torch.testing.assert_close(our_losses, deepspeed_losses, rtol=1e-2, atol=0)
-        else:
+        elif case == "1":  # the same sums in the same order
             assert torch.equal(our_losses, deepspeed_losses), case
+        else:  # the same sums in another order (the docstring)
+            torch.testing.assert_close(our_losses, deepspeed_losses, rtol=1e-5, atol=0, msg=case)

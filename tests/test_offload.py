@@ -582,7 +582,12 @@ def test_a_killed_runs_scratch_is_removed_by_the_next_run_and_a_finished_run_lea
     assert "terminate called" not in finished.stderr
     assert list(offload_dir.iterdir()) == []  # the dead run's directories and its own are gone
     losses = json.loads((tmp_path / "finished.json").read_text())
-    assert losses["offloaded"] == losses["in memory"]
+    # The offloaded step takes torch's fused host AdamW: beside the in-memory run with the same kernel, bit for bit.
+    assert losses["offloaded"] == losses["in memory, fused"]
+    # Beside torch's default per-tensor AdamW (what an in-memory run takes for CPU tensors), another kernel: its
+    # update rounds apart from the fused one's by an amount that depends on the CPU's kernels (step 2's loss 0.7e-7
+    # and 1.4e-7 apart on two CPUs; bit-equal on others), so within the suite's fp32 parity bound, 1e-5.
+    assert losses["offloaded"] == pytest.approx(losses["in memory, per-tensor"], rel=1e-5)
 
 
 MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
