@@ -72,6 +72,24 @@ class ManualTinyLM(TinyLM):
         optimizer.step()
 
 
+class TwoStepsTinyLM(TinyLM):
+    """Manual optimization stepping twice per batch, on each half of it (Lightning's truncated backprop
+    pattern): the second half's forward runs inside the same training step, after the first step."""
+
+    def __init__(self, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, ids: torch.Tensor, batch_index: int) -> None:
+        optimizer = self.optimizers()
+        for half in ids.chunk(2):
+            loss = lm_loss(self(half), half)
+            self.losses.append(loss.item())
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+
+
 class SkipOnNanTinyLM(TinyLM):
     """Manual optimization with the loop users write to survive a bad batch: clip, step only on a finite
     norm, zero the gradients every batch. Rank 0's loss is NaN at batch 1 (every rank's averaged gradients

@@ -61,6 +61,9 @@ TWO_DEVICE_RUNS = [
     {"name": "zero2-manual", "strategy": "zero2", "max_steps": 3, "manual": True},
     # Stage 3: the backward runs inside the training step's forward, with the root unit still running.
     {"name": "zero3-manual", "strategy": "zero3", "max_steps": 3, "manual": True},
+    # Two steps inside one training step: its second half runs after the first step, on the new weights.
+    {"name": "ddp-two-steps", "strategy": "ddp", "max_steps": 4, "two_steps": True, "batchnorm": False},
+    {"name": "zero3-two-steps", "strategy": "zero3", "max_steps": 4, "two_steps": True, "batchnorm": False},
     {"name": "zero3-bf16-mixed", "strategy": "zero3", "max_steps": 4, "precision": "bf16-mixed"},
     {"name": "zero3-bf16-true", "strategy": "zero3", "max_steps": 4, "precision": "bf16-true"},
     {"name": "zero3-16-mixed", "strategy": "zero3", "max_steps": 4, "plugin_precision": "16-mixed"},
@@ -170,10 +173,10 @@ def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, s
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("variant", ["zero2-value", "zero2-manual", "zero3-manual"])
+@pytest.mark.parametrize("variant", ["zero2-value", "zero2-manual", "zero3-manual", "zero3-two-steps"])
 def test_value_clipping_and_manual_optimization_match_ddp(results: tuple, variant: str) -> None:
     _, runs = results
-    reference, ours = runs[f"ddp-{variant.split('-')[1]}"], runs[variant]
+    reference, ours = runs[f"ddp-{variant.split('-', 1)[1]}"], runs[variant]
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 

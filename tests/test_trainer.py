@@ -214,12 +214,15 @@ def test_fp16_training_args_train_with_the_engines_loss_scaling_and_resume_exact
 
 def test_evaluate_before_train_then_trains_as_without_it(runs: tuple) -> None:
     """evaluate() before train() prepares the model for evaluation first; training then equals the run
-    without it (and Trainer under DDP's plain run). Trainer's own DDP is not the reference here: after an
-    evaluate() first it leaves the model unwrapped and each process trains alone (transformers 5.24)."""
+    without it bit for bit (the same kernels in the same order), and Trainer under DDP's plain run as the
+    other cases do (ZeRO-3's reduce-scatter sums in another order than DDP's all-reduce: equal on some CPUs,
+    one rounding apart on others). Trainer's own DDP is not the reference after an evaluate() first: it
+    leaves the model unwrapped and each process trains alone (transformers 5.24)."""
     _, results = runs
-    ours, reference = results["zero_evalfirst"], results["ddp"]
+    ours, plain, reference = results["zero_evalfirst"], results["zero"], results["ddp"]
     assert ours["trainer"] == "ZeroTrainer" and ours["stage"] == 3
-    assert ours["losses"] == reference["losses"]
+    assert ours["losses"] == plain["losses"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-6)
 
 

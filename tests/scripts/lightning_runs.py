@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # n
 
 import lightning_zero  # noqa: E402, F401  (registers the strategies)
 from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
-from tests.lightning_module import BackboneTinyLM, ManualTinyLM, SkipOnNanTinyLM, TinyLM  # noqa: E402
+from tests.lightning_module import BackboneTinyLM, ManualTinyLM, SkipOnNanTinyLM, TinyLM, TwoStepsTinyLM  # noqa: E402
 from tests.models import Block  # noqa: E402
 
 
@@ -59,6 +59,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
         if spec.get("manual")
         else SkipOnNanTinyLM
         if spec.get("skip_on_nan")
+        else TwoStepsTinyLM
+        if spec.get("two_steps")
         else BackboneTinyLM
         if spec.get("unfreeze_backbone_at")
         else TinyLM

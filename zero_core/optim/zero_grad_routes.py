@@ -19,8 +19,12 @@ Torch has no ``zero_grad`` hook, so both calls are routed to the engine's discar
 
 from __future__ import annotations
 
+import copyreg
+import functools
+import inspect
 import types
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,14 +49,15 @@ class ZeroGradRoute:
     ) -> ZeroGradRoute:
         """``optimizer.zero_grad()`` drops the gradients of ``parameters()`` (its groups' model parameters)."""
         own_class = type(optimizer)
-        route = self
-
-        def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-            route(parameters(), set_to_none)
-            super(routed, self).zero_grad(set_to_none)  # local .grad: stage 1's, a no_sync backward's
-
-        # Named as its own class: messages, checks by name and the ranks' setup agreement see no difference.
-        namespace = {"zero_grad": zero_grad, "__module__": own_class.__module__, "__qualname__": own_class.__qualname__}
+        namespace = {
+            "zero_grad": self._routed(own_class.zero_grad, lambda _: parameters()),
+            # Named as its own class: messages, checks by name and the ranks' setup agreement see no difference.
+            "__module__": own_class.__module__,
+            "__qualname__": own_class.__qualname__,
+            # A pickle or a copy is of its own class (pickle finds that class by name; a copy's zero_grad is
+            # torch's own, not this engine's).
+            "__reduce_ex__": lambda self, protocol: _as_class(own_class, object.__reduce_ex__(self, protocol)),
+        }
         routed = type(own_class.__name__, (own_class,), namespace)
         optimizer.__class__ = routed
 
@@ -64,17 +69,14 @@ class ZeroGradRoute:
         return self
 
     def route_model(self, model: nn.Module) -> ZeroGradRoute:
-        """``module.zero_grad()`` of ``model`` or any module in it drops that module's parameters' gradients."""
-        route = self
-
-        def zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
-            route(module.parameters(), set_to_none)
-            type(module).zero_grad(module, set_to_none)
-
+        """``module.zero_grad()`` of ``model`` or any module in it drops that module's parameters' gradients.
+        (A module holding the model, such as ``torch.compile``'s or Fabric's wrapper, has a ``zero_grad`` of
+        its own class, which this does not reach.)"""
         routed = {}
         for module in model.modules():
+            method = types.MethodType(self._routed(type(module).zero_grad, nn.Module.parameters), module)
             # In the instance's own dict: nn.Module.__setattr__ of a subclass may do more than store it.
-            routed[module] = module.__dict__["zero_grad"] = types.MethodType(zero_grad, module)
+            routed[module] = module.__dict__["zero_grad"] = method
 
         def undo() -> None:
             for module, method in routed.items():
@@ -84,9 +86,31 @@ class ZeroGradRoute:
         self._undo.append(undo)
         return self
 
+    def _routed(
+        self, own: Callable[..., Any], parameters: Callable[[Any], Iterable[torch.Tensor]]
+    ) -> Callable[..., Any]:
+        """``own`` (a class's ``zero_grad``) after the discard of ``parameters(its object)``' gradients, with ``own``'s
+        signature (Accelerate reads it) and arguments: ``set_to_none`` as ``own`` takes it, True without one."""
+        signature = inspect.signature(own)
+
+        @functools.wraps(own)
+        def zero_grad(this: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(this, *args, **kwargs)
+            bound.apply_defaults()
+            self(parameters(this), bool(bound.arguments.get("set_to_none", True)))
+            return own(this, *args, **kwargs)  # torch's own: the local .grad (stage 1's, a no_sync backward's)
+
+        return zero_grad
+
     def remove(self) -> None:
         """The engine let go (``unshard``, a new optimizer, ``remove_hooks``): plain ``zero_grad`` again."""
         self.discard = None
         for undo in self._undo:
             undo()
         self._undo.clear()
+
+
+def _as_class(own_class: type, reduced: Any) -> Any:
+    """``object.__reduce_ex__``'s answer, rebuilt as ``own_class`` (stdlib's reconstructor: pickle refuses
+    ``__newobj__`` of another class than the object's)."""
+    return (copyreg._reconstructor, (own_class, object, None), *reduced[2:])

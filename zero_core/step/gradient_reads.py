@@ -92,8 +92,11 @@ class GradientReads:
         if given (tensors that are not the model's parameters are passed over, as a copy of the model's
         are). Local, as under DDP: no rank waits for another."""
         self._refuse_after_early_step("zero_grad()")
-        self._runtime.quiesce()
-        self._optimizer_step.zero_grads(self._slots_by_unit(parameters), set_to_none)
+        # Only what a pass that raised left behind: the post-step all-gathers (overlap_param_refresh) write
+        # parameters, not gradients, and go on into the next forward.
+        self._runtime.settle()
+        if self._optimizer_step.holds_grads:
+            self._optimizer_step.zero_grads(self._slots_by_unit(parameters), set_to_none)
 
     def _slots_by_unit(self, parameters: Parameters) -> dict[int, frozenset[int]] | None:
         """The slots of ``parameters`` per unit index; None when they are every parameter of the model."""

@@ -272,8 +272,12 @@ class PassState:
 
     def drop_pending_forwards(self) -> None:
         """Forwards never back-propagated: their batches were skipped (the optimizer step). A step
-        inside a forward (manual optimization) ends that forward's record too."""
+        inside a forward (manual optimization) ends that forward's record too; what the forward runs
+        after it is recorded anew, the units still running carried over (their calls end with it)."""
         self.records.clear()
         self.unhooked_tokens.clear()
-        self.recording = None
+        running, self.recording = self.recording, None
+        if running is not None and self.active:
+            still = {unit.index for unit in self.active}
+            self.recording = ForwardRecord(ran=still, finish_at_end=set(still))  # a backward ends before them
         self.state = self._resting_state()

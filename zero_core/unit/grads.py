@@ -174,7 +174,7 @@ class UnitGrads:
         held = any(shard is not None for shard in self.shards.tensors())
         return held or any(self.slot_has_grad) or bool(self._filled_this_backward)
 
-    def discard(self, slots: frozenset[int] | None, set_to_none: bool) -> None:
+    def zero_grads(self, slots: frozenset[int] | None, set_to_none: bool) -> None:
         """``zero_grad`` between steps: drop the gradients of ``slots`` (None: every slot), as ``zero_grad``
         drops ``.grad`` under DDP. ``set_to_none``: the slots have no gradient any more (the step skips them,
         as torch's optimizers skip a ``None`` grad); otherwise they keep a gradient of zeros."""
@@ -193,11 +193,12 @@ class UnitGrads:
     def _zero_slots(self, wanted: Collection[int]) -> None:
         """Zero the gradients of the ``wanted`` slots, and the padding (a clip by a NaN norm left NaN there,
         which no later reduce would clear)."""
-        lo, _ = self._shard_range()
-        if self.full_grads is not None:  # stage 1: the reduced shard and its partial sums are views of it
+        if self.full_grads is not None:  # stage 1: the reduced shards (and the partial sums) are views of it
             for index in wanted:
                 slot_view(self.full_grads, self.layout.slots[index]).zero_()
             self.full_grads[self.layout.total_numel :].zero_()
+            return
+        lo, _ = self._shard_range()
         for shard in self.shards.tensors():
             if shard is None:
                 continue

@@ -307,6 +307,11 @@ class ParamStorage:
                 shard.copy_(master, non_blocking=master.is_pinned() and shard.is_cuda)
             self._shard_written()
         if self.sharded_at_rest:
+            if self.state is StorageState.GATHERED:
+                # A step inside a forward that still runs this unit (Lightning's manual optimization): the
+                # rest of that forward sees the new values, gathered as its next forward would gather them.
+                self.release()
+                self.wait_gathered()
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = StorageState.REFRESHING
