@@ -35,7 +35,6 @@ class GradientReads:
         self._units, self._comm, self._runtime = units, comm, runtime
         self._optimizer_step, self._loss_scaler = optimizer_step, loss_scaler
         self._slot_of = {id(p): (unit.index, i) for unit in units for i, p in enumerate(unit.params)}
-        self._param_of_slot = {(unit.index, i): p for unit in units for i, p in enumerate(unit.params)}
 
     def clip_grad_norm(self, max_norm: float, norm_type: float, parameters: Parameters = None) -> torch.Tensor:
         self._refuse_after_early_step("clip_grad_norm_")
@@ -105,7 +104,7 @@ class GradientReads:
         given = [parameters] if isinstance(parameters, torch.Tensor) else parameters
         slots = {self._slot_of[id(p)] for p in given if id(p) in self._slot_of}
         with torch._C.DisableTorchFunctionSubclass():  # stage 3's resting parameters answer it anyway
-            trainable = {slot for slot, param in self._param_of_slot.items() if param.requires_grad}
+            trainable = {(u.index, i) for u in self._units for i, param in enumerate(u.params) if param.requires_grad}
         if slots >= trainable:  # frozen parameters have no gradient to keep
             return None
         by_unit: dict[int, set[int]] = {}

@@ -111,13 +111,13 @@ class OptimizerStep:
     @property
     def holds_grads(self) -> bool:
         """Some gradient arrived since the last step or ``zero_grad``."""
-        return any(unit.grads.holds_grads for unit in self.units)
+        return any(unit.holds_grads for unit in self.units)
 
     def zero_grads(self, slots_by_unit: dict[int, frozenset[int]] | None, set_to_none: bool) -> None:
         """``zero_grad``: drop the gradients of the slots named per unit (None: every slot of every unit)."""
         for unit in self.units:
             if slots_by_unit is None or unit.index in slots_by_unit:
-                unit.grads.zero_grads(None if slots_by_unit is None else slots_by_unit[unit.index], set_to_none)
+                unit.zero_grads(None if slots_by_unit is None else slots_by_unit[unit.index], set_to_none)
         if slots_by_unit is None:
             self.grads_unscaled = False  # nothing is left that was unscaled
 

@@ -237,6 +237,14 @@ class FlatUnit:
         for piece in self.master_pieces:
             piece.param.grad = None
 
+    @property
+    def holds_grads(self) -> bool:
+        return self.grads.holds_grads
+
+    def zero_grads(self, slots: frozenset[int] | None, set_to_none: bool) -> None:
+        """``zero_grad``: drop the gradients of ``slots`` (None: all) accumulated since the last step."""
+        self.grads.zero_grads(slots, set_to_none)
+
     def attach_master_grads(self, slot_has_grad: list[bool]) -> None:
         """Point each master piece's ``.grad`` at its slice of the gradient shard.
 
