@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from zero_core import user_settings
-from zero_core.deepspeed_config import from_deepspeed
+from zero_core.deepspeed import from_deepspeed
 
 from .plugin import MIXED_PRECISION_OF_DEEPSPEED, refuse_clipping
 

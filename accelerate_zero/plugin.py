@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zero_core import MixedPrecision, Setting, ZeroConfig, user_settings
-from zero_core.deepspeed_config import DeepSpeedSettings, from_deepspeed
+from zero_core.deepspeed import DeepSpeedSettings, from_deepspeed
 from zero_core.settings import parse_bool
 
 USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
@@ -62,7 +62,7 @@ class _PluginBehaviour:
     @classmethod
     def from_deepspeed(cls, config: Any) -> ZeroPlugin:
         """A DeepSpeed config (dict or JSON file) as the plugin; keys without an equivalent are refused
-        (``zero_core.deepspeed_config``). Its precision and accumulation are the Accelerator's:
+        (``zero_core.deepspeed``). Its precision and accumulation are the Accelerator's:
         ``ZeroAccelerator(zero_plugin=...)`` checks them against its own arguments; clipping is refused here
         (call ``accelerator.clip_grad_norm_`` in the loop)."""
         translated = from_deepspeed(config)

@@ -1,5 +1,5 @@
 """``ZeroStrategy(config=...)`` and ``ZeroFabricStrategy(config=...)``: the DeepSpeed config a user of
-``strategy="deepspeed_stage_3"`` passes, read as our settings (``zero_core.deepspeed_config``: what has no
+``strategy="deepspeed_stage_3"`` passes, read as our settings (``zero_core.deepspeed``: what has no
 equivalent is refused when the strategy is built, before any process starts).
 
 What DeepSpeed's engine did with the loop keys, the framework does here: under the Trainer,
@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from zero_core.deepspeed_config import DeepSpeedSettings, from_deepspeed
+from zero_core.deepspeed import DeepSpeedSettings, from_deepspeed
 
 Config = Mapping[str, Any] | str | os.PathLike | None
 # A DeepSpeed config's precision -> the framework's flags that mean it (the first one suggested).

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from accelerate_zero.launch import plugin_from_arguments
-from zero_core.deepspeed_config import from_deepspeed
+from zero_core.deepspeed import from_deepspeed
 
 from .distributed import _free_port, run_distributed
 

@@ -15,7 +15,7 @@ from zero_core import ZeroEngine
 ROOT = Path(__file__).resolve().parents[1]
 ADAPTERS = ("lightning_zero", "accelerate_zero")
 # zero_core.settings: the settings schema the adapters are generated from.
-PUBLIC_SUBMODULES = ("zero_core.checkpoint", "zero_core.sharding", "zero_core.settings", "zero_core.deepspeed_config")
+PUBLIC_SUBMODULES = ("zero_core.checkpoint", "zero_core.sharding", "zero_core.settings", "zero_core.deepspeed")
 # What the engine holds as plain attributes and documents; everything else it offers is a method
 # or property of its class. Its parts (the step runtime, the units, the loss scaler, ...) are private.
 ENGINE_DATA = {"model", "config"}

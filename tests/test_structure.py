@@ -36,7 +36,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "config": (0, "config"),
     "settings": (0, "config"),  # the records config.py declares its fields with
     "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms
-    "deepspeed_config": (1, "deepspeed_config"),  # a DeepSpeed config read as the settings config.py declares
+    "deepspeed": (1, "deepspeed"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
     "file_io": (0, "file_io"),  # tensors to and from the NVMe tier's files, for the optimizer's and the shards'
     "hook_copies": (0, "hook_copies"),  # the engine's hooks, inert in a deep copy of the model

@@ -5,7 +5,7 @@ the names below and four public submodules only: ``zero_core.checkpoint``
 (sharded checkpoints, consolidation), ``zero_core.sharding`` (sharding a
 module once, for adapters asked to set it up again), ``zero_core.settings``
 (the settings schema the adapters are generated from) and
-``zero_core.deepspeed_config`` (a DeepSpeed config read as settings). Every other submodule
+``zero_core.deepspeed`` (a DeepSpeed config read as settings). Every other submodule
 is internal and may change shape.
 """
 
