@@ -4,6 +4,7 @@ always do, and how a refused key is worded."""
 from __future__ import annotations
 
 import difflib
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,26 @@ _ALWAYS = {
 }
 _TOP_ALWAYS = {"wall_clock_breakdown": False, "steps_per_print": None, "prescale_gradients": False}
 _LOOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu")
+
+
+class Treatment(enum.Enum):
+    """What happens to one DeepSpeed key here. Read by the walker (``reading.py``) and printed in the
+    generated key table, so the table is the code."""
+
+    MAPPED = "mapped"  # becomes a setting of ours and trains as DeepSpeed does
+    RESOLVED = "resolved"  # the framework's own value (its argument, or "auto" filled in from it)
+    WITHOUT_EFFECT = "accepted without effect"  # a knob our design does another way: listed on a setup line
+    REFUSED = "refused"  # training would differ: the error says what to do
+
+
+@dataclass(frozen=True)
+class KeyRow:
+    """One DeepSpeed key (dotted: ``zero_optimization.offload_param.device``) and its treatment here. Each
+    section's module declares the rows of its keys (``ROWS``); a key of a config with no row is refused."""
+
+    key: str
+    treatment: Treatment
+    meaning: str  # mapped: the setting; resolved: the framework's value; without effect: why; refused: what to do
 
 
 @dataclass
