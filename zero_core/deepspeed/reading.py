@@ -1,46 +1,55 @@
-"""A DeepSpeed config (``ds_config.json`` or its dict) read as ZeRO settings: what has a meaning here is
-mapped, every other key is refused, all at once, before any process starts, each with the nearest setting.
-
-DeepSpeed's keys fall in four kinds:
-- settings of ours (``zero_optimization.stage``, offload, persistence, the prefetch size);
-- the precision (``bf16``/``fp16``), which each framework takes from its own precision flag: returned for
-  the adapter to apply or check;
-- loop settings the framework owns (``gradient_clipping``, ``gradient_accumulation_steps``,
-  ``train_micro_batch_size_per_gpu``): returned for the adapter to honour or refuse;
-- DeepSpeed's own machinery with no counterpart (its optimizer and scheduler sections, tuning knobs of its
-  buffers): accepted where the value asks for what we always do (``overlap_comm: true``), refused otherwise.
+"""A DeepSpeed config (``ds_config.json`` or its dict) read as ZeRO settings, all at once, before any process
+starts. Every key DeepSpeed reads has a row (``key_table.py`` gathers them; the docs print them): mapped to a
+setting of ours, resolved from the framework's own value, accepted without effect (listed at setup), or refused
+with what to do. A key with no row (a typo, a newer DeepSpeed's key) is refused with the nearest known key.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .common import _LOOP_KEYS, _TOP_ALWAYS, AUTO, DeepSpeedSettings, _loop_value, _refusal
+from .common import DeepSpeedSettings, _refusal
+from .key_table import top_level_keys
 from .optimizer_sections import read_optimizer_section
 from .precision import _precision_section
+from .top_level import read_top_level
 from .zero_section import _zero_section
 
+Source = Mapping[str, Any] | str | os.PathLike
 
-def read_deepspeed_config(source: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+
+def read_deepspeed_config(source: Source) -> dict[str, Any]:
+    """The config as a dict; a file that is missing, unreadable or not a JSON object is a ValueError naming
+    the file and what is wrong with it."""
     if isinstance(source, Mapping):
         return dict(source)
     if not isinstance(source, (str, os.PathLike)):
         raise ValueError(f"A DeepSpeed config is a dict or a JSON file's path, not {type(source).__name__}.")
+    path = Path(source)
+    if not path.is_file():
+        what = "is a directory" if path.is_dir() else "does not exist"
+        raise ValueError(f"{source}: the DeepSpeed config file {what}; pass the path of its JSON file.")
     try:
-        config = json.loads(Path(source).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{source}: not a readable DeepSpeed JSON config ({error}).") from error
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{source}: not valid JSON at line {error.lineno}, column {error.colno} ({error.msg}); "
+            "a DeepSpeed config is one JSON object (no comments, no trailing commas)."
+        ) from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"{source}: the DeepSpeed config file cannot be read ({error}).") from error
     if not isinstance(config, dict):
         raise ValueError(f"{source}: a DeepSpeed config is a JSON object, found {type(config).__name__}.")
     return config
 
 
-def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike, stage_given: bool = False) -> DeepSpeedSettings:
-    """The settings a DeepSpeed config means, or ValueError listing every key that cannot be honoured.
+def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettings:
+    """The settings a DeepSpeed config means, or one ValueError listing every key that cannot be honoured.
     ``stage_given``: the caller has the stage from elsewhere (a keyword or a flag), so a config without one
     is not refused for it."""
     config = read_deepspeed_config(source)
@@ -52,15 +61,8 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike, stage_given: b
             read_optimizer_section(key, value, result, refused)
         elif key in ("bf16", "fp16", "bfloat16"):
             _precision_section(key, value, result, refused)
-        elif key in _LOOP_KEYS:
-            if value != AUTO:
-                _loop_value(key, value, result, refused)
-        elif key == "train_batch_size":
-            pass  # micro-batch x accumulation x world size: implied by the others and the launch
-        elif key in _TOP_ALWAYS and (_TOP_ALWAYS[key] is None or value == _TOP_ALWAYS[key]):
-            pass
-        else:
-            refused.append(_refusal(key, value))
+        elif not read_top_level(key, value, result, refused):
+            refused.append(_unknown(key, value))
     zero_section = config.get("zero_optimization")
     if not stage_given and (not isinstance(zero_section, Mapping) or "stage" not in zero_section):
         # DeepSpeed's default is stage 0 (no ZeRO at all): running any stage of ours would differ silently.
@@ -69,8 +71,18 @@ def from_deepspeed(source: Mapping[str, Any] | str | os.PathLike, stage_given: b
             "3, or train with plain DDP)"
         )
     if refused:
+        where = "the DeepSpeed config" if isinstance(source, Mapping) else str(source)
         raise ValueError(
-            f"{source if not isinstance(source, Mapping) else 'the DeepSpeed config'}: these keys have no "
-            "equivalent here and would be ignored, so they are refused: " + "; ".join(refused) + "."
+            f"{where}: {len(refused)} key(s) cannot be honoured here, so nothing was started: "
+            + "; ".join(refused)
+            + "."
         )
     return result
+
+
+def _unknown(key: str, value: Any) -> str:
+    """A top-level key DeepSpeed does not read either: most often a typo of one it does."""
+    nearest = difflib.get_close_matches(key, top_level_keys(), n=1, cutoff=0.75)
+    if nearest:
+        return f"{key}={value!r} (not a DeepSpeed key; did you mean {nearest[0]!r}?)"
+    return _refusal(key, value)

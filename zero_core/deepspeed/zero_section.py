@@ -1,12 +1,175 @@
-"""DeepSpeed's ``zero_optimization`` section (and its two offload sections) as our settings."""
+"""DeepSpeed's ``zero_optimization`` section (and its two offload sections) as our settings.
+
+Every key of DeepSpeed's ``DeepSpeedZeroConfig`` (and its offload configs) has a row here. Most of them tune
+DeepSpeed's own buffers and streams: our units, streams and host buffers do those jobs, and the numbers
+trained are the same whatever their value, so they are accepted without effect and listed at setup.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import OFFLOAD_MODES
-from .common import _ALWAYS, AUTO, DeepSpeedSettings, _number, _prefetch_cap, _refusal
+from .common import AUTO, DeepSpeedSettings, KeyRow, Treatment, _number, _prefetch_cap, _refusal, apply_row, equals
+
+MAPPED, WITHOUT_EFFECT, REFUSED = Treatment.MAPPED, Treatment.WITHOUT_EFFECT, Treatment.REFUSED
+_UNITS = "units are our buffers: whole modules (wrap classes) or bucket_size_mb"
+_STREAMS = "collectives always run on their own streams, overlapped with compute"
+_PINNED = "host buffers are pinned whenever a GPU is used"
+_NVME_READS = "NVMe reads and writes are staged unit by unit, offload_units_in_memory at a time"
+_GATHERED = "stage 3 keeps the running unit and `prefetch` units gathered, and releases each after its pass"
+
+
+# The values a key accepted without effect may take (a wrong type is still refused, naming the key).
+def _is_size(value: Any) -> bool:
+    return value == AUTO or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+
+
+_BOOL = (lambda value: isinstance(value, bool), "true or false")
+_SIZE = (_is_size, 'a number >= 0, or "auto"')
+
+
+def _ACCEPTED_IF(test: Callable[[Any], bool]) -> tuple[Callable[[Any], bool], str]:
+    return test, "accepted when it asks for what we do"
+
+
+# (DeepSpeed's alias, its field name) where the two differ: DeepSpeed reads either.
+_ALIASES = {
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_model_persistence_threshold": "model_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+    "stage3_gather_16bit_weights_on_model_save": "gather_16bit_weights_on_model_save",
+    "stage3_module_granularity_threshold": "module_granularity_threshold",
+    "stage3_use_all_reduce_for_fetch_params": "use_all_reduce_for_fetch_params",
+    "stage3_allgather_sequential": "allgather_sequential",
+}
+
+_ZERO = (
+    ("stage", MAPPED, "stage (1, 2 or 3; DeepSpeed's 0 is plain data parallelism: use DDP)"),
+    ("offload_optimizer", MAPPED, "its keys below"),
+    ("offload_param", MAPPED, "its keys below (null: no parameter offload)"),
+    ("stage3_param_persistence_threshold", MAPPED, 'persistence_threshold ("auto": ours, 0)'),
+    ("stage3_prefetch_bucket_size", MAPPED, 'prefetch "auto" with prefetch_cap_mb of that many fp32 elements'),
+    ("cpu_offload", MAPPED, 'true: offload_optimizer "cpu" (DeepSpeed\'s older spelling)'),
+    ("cpu_offload_param", MAPPED, 'true: offload_params "cpu" (DeepSpeed\'s older spelling)'),
+    ("contiguous_gradients", WITHOUT_EFFECT, "gradients always live in flat per-unit buffers", _BOOL),
+    ("reduce_scatter", WITHOUT_EFFECT, "gradients are always reduce-scattered (an all-reduce sums the same)", _BOOL),
+    ("reduce_bucket_size", WITHOUT_EFFECT, _UNITS, _SIZE),
+    ("allgather_bucket_size", WITHOUT_EFFECT, _UNITS, _SIZE),
+    ("allgather_partitions", WITHOUT_EFFECT, "parameters are always all-gathered (a broadcast moves the same)", _BOOL),
+    ("use_multi_rank_bucket_allreduce", WITHOUT_EFFECT, _UNITS),
+    ("overlap_comm", WITHOUT_EFFECT, _STREAMS, _BOOL),
+    ("compute_grad_norm", WITHOUT_EFFECT, "the gradient norm is computed when clipping asks for it", _BOOL),
+    ("elastic_checkpoint", WITHOUT_EFFECT, "checkpoints always load at another world size", _BOOL),
+    ("sub_group_size", WITHOUT_EFFECT, "the offloaded step already runs unit by unit", _SIZE),
+    ("cpu_offload_use_pin_memory", WITHOUT_EFFECT, _PINNED, _BOOL),
+    ("stage3_model_persistence_threshold", WITHOUT_EFFECT, "stage3_param_persistence_threshold alone decides", _SIZE),
+    ("stage3_max_live_parameters", WITHOUT_EFFECT, _GATHERED, _SIZE),
+    ("stage3_max_reuse_distance", WITHOUT_EFFECT, _GATHERED, _SIZE),
+    ("stage3_gather_16bit_weights_on_model_save", WITHOUT_EFFECT, "a full save always gathers the weights", _BOOL),
+    ("stage3_gather_fp16_weights_on_model_save", WITHOUT_EFFECT, "a full save always gathers the weights", _BOOL),
+    ("stage3_module_granularity_threshold", WITHOUT_EFFECT, _UNITS, _SIZE),
+    ("stage3_use_all_reduce_for_fetch_params", WITHOUT_EFFECT, _STREAMS, _BOOL),
+    ("stage3_allgather_sequential", WITHOUT_EFFECT, _STREAMS, _BOOL),
+    (
+        "ignore_unused_parameters",
+        WITHOUT_EFFECT,
+        "a parameter without a gradient is skipped, as DDP's find_unused",
+        _BOOL,
+    ),
+    ("legacy_stage1", WITHOUT_EFFECT, "one stage-1 implementation; the same numbers", _BOOL),
+    ("round_robin_gradients", WITHOUT_EFFECT, "offloaded gradients are copied unit by unit", _BOOL),
+    ("parameter_alignment", WITHOUT_EFFECT, "shards are padded to the alignment collectives need", _SIZE),
+    ("memory_efficient_linear", WITHOUT_EFFECT, "linear layers are the model's own", _BOOL),
+    ("pipeline_loading_checkpoint", WITHOUT_EFFECT, "checkpoints load shard by shard", _BOOL),
+    (
+        "override_module_apply",
+        WITHOUT_EFFECT,
+        "model.apply on a sharded model is the engine's (see model access)",
+        _BOOL,
+    ),
+    (
+        "log_trace_cache_warnings",
+        WITHOUT_EFFECT,
+        "no trace cache: units run in the order the forward calls them",
+        _BOOL,
+    ),
+    ("enable_sanity_checks", WITHOUT_EFFECT, "the engine always checks the ranks agree on the setup", _BOOL),
+    ("save_muon_momentum_buffer_in_memory", WITHOUT_EFFECT, "the optimizer's state is torch's", _BOOL),
+    ("leaf_module", WITHOUT_EFFECT, _UNITS),
+    (
+        "zero_hpz_partition_size",
+        WITHOUT_EFFECT,
+        "ZeRO++'s secondary shards are not built: each backward "
+        "all-gathers across the shard group (the same numbers, more traffic)",
+        _SIZE,
+    ),
+    (
+        "load_from_fp32_weights",
+        REFUSED,
+        "checkpoints always load the fp32 masters; remove the key",
+        _ACCEPTED_IF(equals(True)),
+    ),
+    (
+        "zero_quantized_weights",
+        REFUSED,
+        "quantized all-gathers change the numbers; remove the key",
+        _ACCEPTED_IF(equals(False)),
+    ),
+    (
+        "zero_quantized_nontrainable_weights",
+        REFUSED,
+        "quantized weights change the numbers",
+        _ACCEPTED_IF(equals(False)),
+    ),
+    ("zero_quantized_gradients", REFUSED, "quantized reduce-scatters change the numbers", _ACCEPTED_IF(equals(False))),
+    (
+        "zenflow",
+        REFUSED,
+        "ZenFlow's delayed updates change the numbers; remove the key",
+        _ACCEPTED_IF(lambda v: v is None),
+    ),
+)
+_OFFLOAD_OPTIMIZER = (
+    ("device", MAPPED, 'offload_optimizer ("none", "cpu" or "nvme")'),
+    ("nvme_path", MAPPED, "offload_dir (both offload sections must name the same one)"),
+    ("ratio", MAPPED, "offload_fraction (the share of the optimizer offloaded)"),
+    ("pin_memory", WITHOUT_EFFECT, _PINNED, _BOOL),
+    ("buffer_count", WITHOUT_EFFECT, _NVME_READS, _SIZE),
+    ("pipeline_read", WITHOUT_EFFECT, _NVME_READS, _BOOL),
+    ("pipeline_write", WITHOUT_EFFECT, _NVME_READS, _BOOL),
+    ("fast_init", WITHOUT_EFFECT, _NVME_READS, _BOOL),
+    ("super_offload", WITHOUT_EFFECT, "the offloaded step runs on the host with torch's optimizer", _BOOL),
+    ("cpuadam_cores_perc", WITHOUT_EFFECT, "the offloaded step runs on the host with torch's optimizer", _SIZE),
+)
+_OFFLOAD_PARAM = (
+    ("device", MAPPED, 'offload_params ("none", "cpu" or "nvme"; stage 3)'),
+    ("nvme_path", MAPPED, "offload_dir (both offload sections must name the same one)"),
+    ("pin_memory", WITHOUT_EFFECT, _PINNED, _BOOL),
+    ("buffer_count", WITHOUT_EFFECT, _NVME_READS, _SIZE),
+    ("buffer_size", WITHOUT_EFFECT, _NVME_READS, _SIZE),
+    ("max_in_cpu", WITHOUT_EFFECT, _NVME_READS, _SIZE),
+)
+
+
+def _rows(prefix: str, table: tuple) -> dict[str, KeyRow]:
+    rows = {}
+    for key, treatment, meaning, *check in table:
+        row = KeyRow(f"{prefix}{key}", treatment, meaning, *(check[0] if check else (None, "")))
+        rows[key] = row
+        if key in _ALIASES:  # DeepSpeed's field name, read as its alias
+            rows[_ALIASES[key]] = dataclasses.replace(row, key=f"{prefix}{_ALIASES[key]}", meaning=f"as {key}")
+    return rows
+
+
+ZERO_ROWS = _rows("zero_optimization.", _ZERO)
+OFFLOAD_OPTIMIZER_ROWS = _rows("zero_optimization.offload_optimizer.", _OFFLOAD_OPTIMIZER)
+OFFLOAD_PARAM_ROWS = _rows("zero_optimization.offload_param.", _OFFLOAD_PARAM)
+ROWS = (*ZERO_ROWS.values(), *OFFLOAD_OPTIMIZER_ROWS.values(), *OFFLOAD_PARAM_ROWS.values())
 
 
 def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
@@ -14,79 +177,94 @@ def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -
         refused.append(f"zero_optimization={section!r} (a JSON object of ZeRO options)")
         return
     for key, value in section.items():
+        key = next((alias for alias, field in _ALIASES.items() if field == key), key)
         name = f"zero_optimization.{key}"
-        if key == "stage":
-            if isinstance(value, bool) or value not in (1, 2, 3):
-                refused.append(f"{name}={value!r} (stages 1, 2 and 3; for stage 0 use plain DDP)")
-            else:
-                result.settings["stage"] = value
-        elif key == "offload_optimizer":
-            _offload(name, value, result, refused)
-        elif key == "offload_param":
-            _offload_param(name, value, result, refused)
-        elif key == "stage3_param_persistence_threshold":
-            if value != AUTO:
-                _number(name, value, lambda n: result.settings.__setitem__("persistence_threshold", int(n)), refused)
-        elif key == "stage3_prefetch_bucket_size":
-            if value != AUTO:
-                _number(name, value, lambda n: _prefetch_cap(n, result), refused)
-        elif key in ("reduce_bucket_size", "allgather_bucket_size"):
-            # DeepSpeed's communication buffers; ours are the units (wrap classes or bucket_size_mb), which
-            # these must not resize (a 5e8-element unit would be gathered whole at stage 3). Training is the
-            # same whatever they are.
-            if value != AUTO:
-                _number(name, value, lambda n: None, refused)
-        elif key in _ALWAYS and value == _ALWAYS[key]:
-            pass
+        mapper = _MAPPERS.get(key)
+        if mapper is not None:
+            mapper(name, value, result, refused)
+        elif key in ZERO_ROWS:
+            apply_row(ZERO_ROWS[key], name, value, result, refused)
         else:
             refused.append(_refusal(name, value))
 
 
+def _stage(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if isinstance(value, bool) or value not in (1, 2, 3) or not isinstance(value, int):
+        refused.append(f"{name}={value!r} (the integer 1, 2 or 3; for stage 0 use plain DDP)")
+    else:
+        result.settings["stage"] = value
+
+
+def _persistence(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if value == AUTO:
+        result.without_effect[name] = '"auto": our default, 0 (every unit sharded)'
+    else:
+        _number(name, value, lambda n: result.settings.__setitem__("persistence_threshold", int(n)), refused)
+
+
+def _prefetch(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if value == AUTO:
+        result.without_effect[name] = '"auto": our default prefetch, 1 unit ahead'
+    else:
+        _number(name, value, lambda n: _prefetch_cap(n, result), refused)
+
+
+def _older_offload(setting: str) -> Callable[[str, Any, DeepSpeedSettings, list[str]], None]:
+    def read(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+        if not isinstance(value, bool):
+            refused.append(f"{name}={value!r} (true or false)")
+        elif value:
+            result.settings[setting] = "cpu"
+
+    return read
+
+
 def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if section is None:
+        return  # DeepSpeed reads null as no offload
     if not isinstance(section, Mapping):
-        refused.append(f"{name}={section!r} (a JSON object with device, nvme_path, ratio)")
+        refused.append(f"{name}={section!r} (a JSON object with device, nvme_path, ...)")
         return
+    optimizer = name.endswith("optimizer")
+    rows = OFFLOAD_OPTIMIZER_ROWS if optimizer else OFFLOAD_PARAM_ROWS
+    setting = "offload_optimizer" if optimizer else "offload_params"
     for key, value in section.items():
         if key == "device":
             if value not in OFFLOAD_MODES:
-                refused.append(f"{name}.device={value!r} (none, cpu or nvme)")
-            else:
-                result.settings["offload_optimizer"] = value
+                refused.append(f'{name}.device={value!r} ("none", "cpu" or "nvme")')
+            elif value != "none":
+                result.settings[setting] = value
         elif key == "nvme_path":
             _nvme_path(f"{name}.nvme_path", value, result, refused)
-        elif key == "ratio":  # Twin-Flow: the share of the optimizer offloaded
+        elif key == "ratio" and key in rows:  # Twin-Flow: the share of the optimizer offloaded
             if value != AUTO:
                 _number(f"{name}.ratio", value, lambda n: result.settings.__setitem__("offload_fraction", n), refused)
-        elif key in ("pin_memory", "fast_init") or (key == "buffer_count" and isinstance(value, int)):
-            pass  # host buffers are pinned on GPUs; the NVMe tier's reads ahead are offload_units_in_memory
+        elif key in rows:
+            apply_row(rows[key], f"{name}.{key}", value, result, refused)
         else:
             refused.append(_refusal(f"{name}.{key}", value))
 
 
 def _nvme_path(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
     """Both offload sections may name a path: ours is one offload_dir, so they must agree."""
+    if value is None:
+        return  # DeepSpeed's default: no path (only an "nvme" device needs one)
+    if not isinstance(value, str) or not value:
+        refused.append(f"{name}={value!r} (a directory path, as a string)")
+        return
     earlier = result.settings.get("offload_dir")
-    if earlier is not None and earlier != str(value):
+    if earlier is not None and earlier != value:
         refused.append(f"{name}={value!r} (the other offload section's nvme_path is {earlier!r}: one directory)")
     else:
-        result.settings["offload_dir"] = str(value)
+        result.settings["offload_dir"] = value
 
 
-def _offload_param(name: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
-    if section is None:
-        return  # DeepSpeed reads null as no parameter offload
-    if not isinstance(section, Mapping):
-        refused.append(f"{name}={section!r} (a JSON object with device)")
-        return
-    for key, value in section.items():
-        if key == "device":
-            if value not in OFFLOAD_MODES:
-                refused.append(f"{name}.device={value!r} (none, cpu or nvme)")
-            elif value != "none":
-                result.settings["offload_params"] = value
-        elif key == "nvme_path":
-            _nvme_path(f"{name}.nvme_path", value, result, refused)
-        elif key in ("pin_memory", "buffer_count", "buffer_size", "max_in_cpu"):
-            pass  # pinned on GPUs; DeepSpeed's NVMe staging buffers: ours are offload_units_in_memory
-        else:
-            refused.append(_refusal(f"{name}.{key}", value))
+_MAPPERS = {
+    "stage": _stage,
+    "offload_optimizer": _offload,
+    "offload_param": _offload,
+    "stage3_param_persistence_threshold": _persistence,
+    "stage3_prefetch_bucket_size": _prefetch,
+    "cpu_offload": _older_offload("offload_optimizer"),
+    "cpu_offload_param": _older_offload("offload_params"),
+}

@@ -1,0 +1,138 @@
+"""Every key DeepSpeed reads has a treatment here, the generated table says it, and bad input is one clear
+error naming the file, the key and the fix, before anything starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_core.deepspeed import from_deepspeed
+from zero_core.deepspeed.key_table import all_rows, markdown
+
+TABLE = Path(__file__).resolve().parents[1] / "docs" / "deepspeed-keys.md"
+
+
+def _deepspeed_top_level_keys() -> set[str]:
+    """The top-level keys DeepSpeed's own ``DeepSpeedConfig`` reads, recorded as it reads a minimal config."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    config_module = pytest.importorskip("deepspeed.runtime.config")
+    read: set[str] = set()
+
+    class Keys(list):
+        def __contains__(self, key: object) -> bool:
+            read.add(str(key))
+            return list.__contains__(self, key)
+
+    class Recording(dict):
+        def get(self, key, default=None):  # type: ignore[no-untyped-def]
+            read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):  # type: ignore[no-untyped-def]
+            read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key: object) -> bool:
+            read.add(str(key))
+            return super().__contains__(key)
+
+        def keys(self):  # type: ignore[no-untyped-def]
+            return Keys(super().keys())
+
+    minimal = {"train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1}
+    config_module.DeepSpeedConfig(Recording(minimal))
+    return read
+
+
+def _deepspeed_section_keys() -> set[str]:
+    """The dotted keys of the sections DeepSpeed declares as models (each field and its alias)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.precision_config import DeepSpeedBF16Config, DeepSpeedFP16Config
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.runtime.zero.offload_config import (
+        DeepSpeedZeroOffloadOptimizerConfig,
+        DeepSpeedZeroOffloadParamConfig,
+    )
+
+    sections = {
+        "zero_optimization": DeepSpeedZeroConfig,
+        "zero_optimization.offload_optimizer": DeepSpeedZeroOffloadOptimizerConfig,
+        "zero_optimization.offload_param": DeepSpeedZeroOffloadParamConfig,
+        "fp16": DeepSpeedFP16Config,
+        "bf16": DeepSpeedBF16Config,
+    }
+    keys = set()
+    for prefix, model in sections.items():
+        for name, field in model.model_fields.items():
+            keys |= {f"{prefix}.{name}"} | ({f"{prefix}.{field.alias}"} if field.alias else set())
+    return keys
+
+
+def test_every_key_deepspeed_reads_has_a_row() -> None:
+    rows = {row.key for row in all_rows()}
+    covered = rows | {key.split(".", 1)[0] for key in rows}
+    top_level = _deepspeed_top_level_keys()
+    assert len(top_level) > 50  # the recording saw DeepSpeed read its config
+    assert sorted(top_level - covered) == []
+    sections = _deepspeed_section_keys()
+    assert len(sections) > 60
+    assert sorted(sections - rows) == []
+
+
+def test_the_generated_table_is_the_code() -> None:
+    assert TABLE.read_text() == markdown(), "regenerate it: python -m zero_core.deepspeed > docs/deepspeed-keys.md"
+    for row in all_rows():
+        assert f"| `{row.key}` | {row.treatment.value}" in TABLE.read_text()
+
+
+def _refusal(config_or_path) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError) as error:
+        from_deepspeed(config_or_path)
+    return str(error.value)
+
+
+def test_bad_input_names_the_file_the_key_and_the_fix(tmp_path: Path) -> None:
+    missing = tmp_path / "ds_config.json"
+    assert _refusal(missing) == f"{missing}: the DeepSpeed config file does not exist; pass the path of its JSON file."
+    assert "the DeepSpeed config file is a directory" in _refusal(tmp_path)
+    missing.write_text('{"zero_optimization": {"stage": 3,}}')
+    assert _refusal(missing).startswith(f"{missing}: not valid JSON at line 1, column 35 (Expecting property name")
+    missing.write_text("[1, 2]")
+    assert _refusal(missing) == f"{missing}: a DeepSpeed config is a JSON object, found list."
+    missing.write_text(json.dumps({"zero_optimization": {"stage": "3", "overlap_comm": "yes"}, "steps_per_prnt": 10}))
+    message = _refusal(missing)
+    assert message.startswith(f"{missing}: 3 key(s) cannot be honoured here, so nothing was started: ")
+    assert "zero_optimization.stage='3' (the integer 1, 2 or 3; for stage 0 use plain DDP)" in message
+    assert "zero_optimization.overlap_comm='yes' (true or false)" in message
+    assert "steps_per_prnt=10 (not a DeepSpeed key; did you mean 'steps_per_print'?)" in message
+    assert "gradient_clipping=-1 (a number >= 0" in _refusal(
+        {"gradient_clipping": -1, "zero_optimization": {"stage": 1}}
+    )
+
+
+@pytest.mark.distributed  # runs the launcher
+def test_a_bad_config_stops_the_launch_before_any_process_starts(tmp_path: Path) -> None:
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}))
+    script = tmp_path / "train.py"
+    ran = tmp_path / "ran"
+    script.write_text(f"open({str(ran)!r}, 'w').close()\n")
+    repository = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate_zero.launch", "launch", "--num_processes", "2", "--zero_config_file"]
+        + [str(config), str(script)],
+        env={**os.environ, "ACCELERATE_USE_CPU": "1", "PYTHONPATH": str(repository)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+    assert f"accelerate-zero: {config}: 1 key(s) cannot be honoured here" in result.stderr
+    assert "zero_optimization.zero_quantized_weights=True (quantized all-gathers change the numbers" in result.stderr
+    assert not ran.exists()
