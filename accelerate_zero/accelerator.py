@@ -112,6 +112,9 @@ class ZeroAccelerator(Accelerator):
             zero_model_prepared()  # accelerate-zero launch's check: this process trains with ZeRO
             # At INFO, as Accelerate logs: shown where the user turned its logging on.
             get_logger(__name__).info(setup_summary(self.engine), main_process_only=True)
+            deepspeed = getattr(self.zero_plugin, "deepspeed_loop", None)  # ZeroPlugin.from_deepspeed's reading
+            if deepspeed is not None and deepspeed.without_effect:
+                get_logger(__name__).info(deepspeed.without_effect_line(), main_process_only=True)
         elif optimizer is not None:
             self._require_engine().attach_optimizer(optimizer)
         return super().prepare(*args, device_placement=device_placement)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 from zero_core import user_settings
@@ -83,6 +84,8 @@ def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_give
     ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable; the
     loop settings Accelerate leaves to the script are refused with where to set them."""
     translated = from_deepspeed(path, stage_given=stage_given)
+    if translated.without_effect:
+        print(f"accelerate-zero: {translated.without_effect_line()}", file=sys.stderr)  # once, before the launch
     if translated.precision is not None:
         wanted = MIXED_PRECISION_OF_DEEPSPEED[translated.precision]
         given = getattr(args, "mixed_precision", None)

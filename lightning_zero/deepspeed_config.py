@@ -14,6 +14,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
 from zero_core.deepspeed import DeepSpeedSettings, from_deepspeed
 
 Config = Mapping[str, Any] | str | os.PathLike | None
@@ -35,6 +37,8 @@ def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict
         raise ValueError(
             f"The DeepSpeed config and the keyword arguments disagree: {'; '.join(clashes)}. Give each once."
         )
+    if translated.without_effect:
+        rank_zero_info(translated.without_effect_line())  # never silent: what the config sets that changes nothing
     return {**translated.settings, **explicit}, translated
 
 

@@ -136,3 +136,31 @@ def test_a_bad_config_stops_the_launch_before_any_process_starts(tmp_path: Path)
     assert f"accelerate-zero: {config}: 1 key(s) cannot be honoured here" in result.stderr
     assert "zero_optimization.zero_quantized_weights=True (quantized all-gathers change the numbers" in result.stderr
     assert not ran.exists()
+
+
+def test_keys_accepted_without_effect_are_listed_at_setup(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture
+) -> None:
+    import argparse
+    import logging
+
+    from accelerate_zero.deepspeed_flags import settings_from_deepspeed_file
+    from lightning_zero import ZeroStrategy
+
+    config = {"zero_optimization": {"stage": 3, "sub_group_size": 1e9, "stage3_max_live_parameters": 1e9}}
+    expected = (
+        "DeepSpeed config: 2 key(s) accepted without effect here: zero_optimization.sub_group_size (the offloaded "
+        "step already runs unit by unit); zero_optimization.stage3_max_live_parameters (stage 3 keeps the running "
+        "unit and `prefetch` units gathered, and releases each after its pass)."
+    )
+    with caplog.at_level(logging.INFO):
+        ZeroStrategy(config=config)
+    assert expected in caplog.text
+    file = tmp_path / "ds_config.json"
+    file.write_text(json.dumps(config))
+    settings_from_deepspeed_file(str(file), argparse.Namespace(mixed_precision=None))
+    assert f"accelerate-zero: {expected}" in capsys.readouterr().err
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        ZeroStrategy(config={"zero_optimization": {"stage": 3}})
+    assert "accepted without effect" not in caplog.text

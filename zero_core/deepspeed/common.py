@@ -78,6 +78,16 @@ class DeepSpeedSettings:
     # Keys accepted without effect (dotted name -> why nothing here changes with them): one setup line lists them.
     without_effect: dict[str, str] = field(default_factory=dict)
 
+    def without_effect_line(self) -> str | None:
+        """The setup line that lists the keys accepted without effect, grouped by why; None if there are none."""
+        if not self.without_effect:
+            return None
+        by_reason: dict[str, list[str]] = {}
+        for key, reason in self.without_effect.items():
+            by_reason.setdefault(reason, []).append(key)
+        groups = "; ".join(f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items())
+        return f"DeepSpeed config: {len(self.without_effect)} key(s) accepted without effect here: {groups}."
+
 
 def _number(name: str, value: Any, apply: Any, refused: list[str]) -> None:
     """``apply(value)`` for a real number, or the key refused with its name (not a bare conversion error)."""
