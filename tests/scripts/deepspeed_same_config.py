@@ -70,7 +70,11 @@ def deepspeed_run(config_file: Path) -> tuple[list[float], dict[str, torch.Tenso
     return losses, weights
 
 
-def ours(config_file: Path, precision: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def ours(
+    config_file: Path | None, precision: str, accumulate: int = ACCUMULATE, **settings: object
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Our Lightning run on the config file, or (``config_file`` None) on the same settings as keywords; one
+    pass over the data, ``accumulate`` micro-batches a step (the config's own accumulation)."""
     import lightning.pytorch as pl
 
     from lightning_zero import ZeroStrategy
@@ -93,9 +97,10 @@ def ours(config_file: Path, precision: str) -> tuple[list[float], dict[str, torc
             return data(self.global_rank, self.trainer.world_size)
 
     module = Module()
+    strategy = ZeroStrategy(config=str(config_file)) if config_file is not None else ZeroStrategy(**settings)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=ZeroStrategy(config=str(config_file)),
-        max_steps=STEPS, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy,
+        max_steps=STEPS * ACCUMULATE // accumulate, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, use_distributed_sampler=False, precision=precision,
     )  # fmt: skip
     trainer.fit(module)

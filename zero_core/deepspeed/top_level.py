@@ -40,7 +40,8 @@ LOOP_ROWS = {
         "gradient_clipping",
         RESOLVED,
         "the framework's clipping by norm (Trainer gradient_clip_val, TrainingArguments max_grad_norm): a number "
-        "becomes it or must agree with it; Fabric and Accelerate scripts clip in the loop",
+        "becomes it or must agree with it; absent, the framework's, as Lightning's DeepSpeed strategy fills it in "
+        "(DeepSpeed 0.19's engine alone clips at 1.0)",
     ),
     "train_batch_size": _row(
         "train_batch_size", RESOLVED, "micro-batch x accumulation x data-parallel ranks, as the launch makes it"

@@ -1,0 +1,80 @@
+"""The DeepSpeed configs users already have (tests/deepspeed_configs/, each with its source in SOURCES.md) train
+with no edit, through the entry point each was written for, equal to DeepSpeed itself where it runs on this CPU and
+otherwise to the same settings written our way."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zero_core.deepspeed import from_deepspeed
+
+from .distributed import _free_port
+
+CORPUS = Path(__file__).parent / "deepspeed_configs"
+SCRIPTS = Path(__file__).parent / "scripts"
+# Written for a script that builds its own optimizer (Lightning's presets, DeepSpeed's tutorials).
+LIGHTNING = (
+    "deepspeed_tutorial_zero1",  # DeepSpeed itself is the reference for these three
+    "deepspeed_tutorial_zero2",
+    "lightning_deepspeed_stage_2",
+    "deepspeed_tutorial_zero_infinity_cpu",  # offload: the same settings as keywords
+    "lightning_deepspeed_stage_3_offload",
+    "lightning_deepspeed_stage_3_offload_nvme",  # ZeRO-Infinity on Lightning's default path, /local_nvme
+)
+NVME_PATH = Path("/local_nvme")
+
+
+def test_every_config_of_the_corpus_is_read_and_has_its_source() -> None:
+    files = sorted(CORPUS.glob("*.json"))
+    assert len(files) >= 12
+    sources = (CORPUS / "SOURCES.md").read_text()
+    for file in files:
+        assert f"| `{file.name}` |" in sources, f"{file.name}: note its source in SOURCES.md"
+        from_deepspeed(file)  # each is read without a refusal
+
+
+def _run_lightning_group(out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+        + [str(SCRIPTS / "deepspeed_corpus_lightning.py"), str(out)]
+        + [str(CORPUS / f"{name}.json") for name in LIGHTNING],
+        env={**os.environ, "DS_ACCELERATOR": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.distributed
+def test_configs_for_a_scripts_own_optimizer_train_as_deepspeed_or_their_settings(tmp_path: Path) -> None:
+    """Under Lightning's Trainer with ``ZeroStrategy(config=file)``: DeepSpeed's ZeRO-1/ZeRO-2 tutorial configs and
+    Lightning's stage-2 preset give DeepSpeed's own losses and weights bit for bit (fp32, one micro-batch a step,
+    DeepSpeed handed the file as Lightning's DeepSpeed strategy hands it); the offloading ones (DeepSpeed's CPU
+    offload needs its compiled CPU Adam) equal the same settings given as keywords."""
+    pytest.importorskip("deepspeed")
+    made_nvme_path = not NVME_PATH.exists()
+    try:
+        NVME_PATH.mkdir(exist_ok=True)  # the preset's nvme_path, as a user of it has it
+    except OSError:
+        pytest.skip(f"{NVME_PATH} cannot be made here (the nvme preset needs it, as under DeepSpeed)")
+    try:
+        result = _run_lightning_group(tmp_path)
+    finally:
+        if made_nvme_path:
+            shutil.rmtree(NVME_PATH, ignore_errors=True)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    for name in LIGHTNING:
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        reference, ours = torch.tensor(report["reference"]), torch.tensor(report["ours"])
+        assert len(ours) == len(reference) == 8, name  # 8 steps of one micro-batch
+        assert torch.equal(ours, reference), (name, ours, reference)
+        for parameter, (theirs, mine) in report["weights"].items():
+            assert torch.equal(torch.tensor(theirs), torch.tensor(mine)), (name, parameter)
