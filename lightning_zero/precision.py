@@ -4,7 +4,6 @@ policy's dtype with fp32 master weights)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 import lightning.pytorch as pl
@@ -39,10 +38,8 @@ class ZeroPrecisionSettings:
     """What the Trainer's and Fabric's ZeRO precision plugins share: the flag,
     the core's policy for it, and the engine the strategy hands over."""
 
-    def __init__(self, precision: str | int = "32-true", initial_loss_scale: float | None = None) -> None:
-        self.policy = policy_for(precision)
-        if initial_loss_scale is not None:
-            self.policy = replace(self.policy, initial_loss_scale=initial_loss_scale)
+    def __init__(self, precision: str | int = "32-true") -> None:
+        self.policy = policy_for(precision)  # fp16's loss scaling: the strategy's settings (loss_scale, ...)
         self.precision = _ALIASES.get(precision, precision)
         self.engine: ZeroEngine | None = None
 

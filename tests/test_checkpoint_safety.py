@@ -656,8 +656,9 @@ def test_loss_scale_and_step_counter_are_restored_and_survive_a_failed_load(tmp_
 
     torch.manual_seed(0)
     model = TinyTransformer(blocks=2, width=16)
-    precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
-    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3, precision=precision))
+    precision = MixedPrecision(compute_dtype=torch.float16)
+    config = config_for(3, precision=precision, initial_loss_scale=2.0**10)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
 
     def step(overflow: bool) -> None:
         ids = batch(0, 0)

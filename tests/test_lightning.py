@@ -66,7 +66,13 @@ TWO_DEVICE_RUNS = [
     {"name": "zero3-two-steps", "strategy": "zero3", "max_steps": 4, "two_steps": True, "batchnorm": False},
     {"name": "zero3-bf16-mixed", "strategy": "zero3", "max_steps": 4, "precision": "bf16-mixed"},
     {"name": "zero3-bf16-true", "strategy": "zero3", "max_steps": 4, "precision": "bf16-true"},
-    {"name": "zero3-16-mixed", "strategy": "zero3", "max_steps": 4, "plugin_precision": "16-mixed"},
+    {
+        "name": "zero3-16-mixed",
+        "strategy": "zero3",
+        "max_steps": 4,
+        "plugin_precision": "16-mixed",
+        "settings": {"initial_loss_scale": 2.0**10},
+    },
     {"name": "zero3-fp32", "strategy": "zero3", "max_steps": 4},
     {"name": "zero3-in-backward", "strategy": "zero3", "max_steps": 4, "settings": IN_BACKWARD},
     {

@@ -44,8 +44,9 @@ def test_low_precision_tracks_fp32(losses: dict[str, list[float]], stage: int, d
 def _overflow_on_rank_one(rank: int, world_size: int, stage: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = TinyTransformer()
-    precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
-    engine = ZeroEngine(model, make_optimizer("sgd", model), config_for(stage, precision=precision))
+    precision = MixedPrecision(compute_dtype=torch.float16)
+    config = config_for(stage, precision=precision, initial_loss_scale=2.0**10)
+    engine = ZeroEngine(model, make_optimizer("sgd", model), config)
     ids = batch(0, rank)
     loss = lm_loss(model(ids), ids)
     if rank == 1:

@@ -143,7 +143,7 @@ def _fp16_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = TinyTransformer()
     config = ZeroConfig(
-        stage=2, mixed_precision=MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
+        stage=2, mixed_precision=MixedPrecision(compute_dtype=torch.float16), initial_loss_scale=2.0**10
     )
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
     plain = refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
@@ -215,11 +215,11 @@ def _more_changes_worker(rank: int, world_size: int) -> list[dict]:
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
         clean = copy.deepcopy(model)
-        precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
-        engine = ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision))
-        clean_engine = ZeroEngine(
-            clean, make_optimizer("adamw", clean), ZeroConfig(stage=stage, mixed_precision=precision)
+        config = ZeroConfig(
+            stage=stage, mixed_precision=MixedPrecision(compute_dtype=torch.float16), initial_loss_scale=2.0**10
         )
+        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+        clean_engine = ZeroEngine(clean, make_optimizer("adamw", clean), config)
         refusal(lambda: _loss(model, 0, rank).backward(), UnscaledBackwardError)
         for each_model, each_engine in ((model, engine), (clean, clean_engine)):
             each_engine.backward(_loss(each_model, 1, rank))

@@ -39,7 +39,7 @@ PRECISIONS = {
     "fp32": None,
     "bf16": MixedPrecision(compute_dtype=torch.bfloat16),
     # A first scale that overflows: the first step is skipped, as the in-memory run skips it.
-    "fp16": MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**16),
+    "fp16": MixedPrecision(compute_dtype=torch.float16),
 }
 
 

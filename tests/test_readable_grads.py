@@ -89,10 +89,9 @@ def _fp16_norms_worker(rank: int, world_size: int) -> list[dict]:
         for read_norms in (False, True):
             torch.manual_seed(0)
             model = TinyTransformer(batchnorm=False)
-            precision = MixedPrecision(compute_dtype=torch.float16, initial_loss_scale=2.0**10)
-            engine = ZeroEngine(
-                model, make_optimizer("adamw", model), ZeroConfig(stage=stage, mixed_precision=precision)
-            )
+            precision = MixedPrecision(compute_dtype=torch.float16)
+            config = ZeroConfig(stage=stage, mixed_precision=precision, initial_loss_scale=2.0**10)
+            engine = ZeroEngine(model, make_optimizer("adamw", model), config)
             for micro in range(2):
                 ids = batch(micro, rank)
                 engine.backward(lm_loss(model(ids), ids) / 2)

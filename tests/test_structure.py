@@ -36,6 +36,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "config": (0, "config"),
     "settings": (0, "config"),  # the records config.py declares its fields with
     "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms
+    "precision": (0, "config"),  # the dtype policy config.py holds, and the checks of its loss-scaling settings
     "deepspeed": (1, "deepspeed"),  # a DeepSpeed config read as the settings config.py declares
     "host_memory": (0, "host_memory"),
     "file_io": (0, "file_io"),  # tensors to and from the NVMe tier's files, for the optimizer's and the shards'

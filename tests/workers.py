@@ -50,6 +50,7 @@ def config_for(
     precision: MixedPrecision | None = None,
     shard_group_size: int | None = None,
     persistence_threshold: int = 0,
+    **settings: object,
 ) -> ZeroConfig:
     return ZeroConfig(
         stage=stage,
@@ -58,6 +59,7 @@ def config_for(
         mixed_precision=precision or MixedPrecision(),
         shard_group_size=shard_group_size,
         persistence_threshold=persistence_threshold,
+        **settings,
     )
 
 
@@ -136,8 +138,8 @@ def train_precision(stage: int, compute_dtype: torch.dtype, steps: int = 8) -> l
     torch.manual_seed(0)
     model = TinyTransformer()
     # A moderate initial scale: no overflow-skipped steps, so the runs stay comparable.
-    precision = MixedPrecision(compute_dtype=compute_dtype, initial_loss_scale=2.0**10)
-    engine = ZeroEngine(model, make_optimizer("adamw", model, lr=3e-3), config_for(stage, precision=precision))
+    config = config_for(stage, precision=MixedPrecision(compute_dtype=compute_dtype), initial_loss_scale=2.0**10)
+    engine = ZeroEngine(model, make_optimizer("adamw", model, lr=3e-3), config)
     return train_clipped(model, engine, torch.distributed.get_rank(), range(steps))
 
 

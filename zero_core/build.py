@@ -30,7 +30,7 @@ from .model.meta_init import (
 )
 from .model.state_dict_hooks import StateDictHooks
 from .optim.attachment import OptimizerAttachment
-from .optim.loss_scaling import DynamicLossScaler
+from .optim.loss_scaling import LossScaler
 from .optim.nvme_state import NvmeOptimizerState
 from .optim.offload_plan import units_to_offload
 from .optim.rebuild import canonical_names
@@ -52,7 +52,7 @@ class EngineParts(NamedTuple):
     units: list[FlatUnit]
     digests: ParameterDigests
     canonical_names: dict[int, str]  # id(parameter) -> its first name in the model
-    loss_scaler: DynamicLossScaler | None
+    loss_scaler: LossScaler | None
     auto_prefetch: AutoPrefetch | None
     runtime: StepRuntime
     optimizer_step: OptimizerStep
@@ -236,7 +236,7 @@ def build_parts(
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
     precision = config.mixed_precision
-    loss_scaler = DynamicLossScaler(precision, announce=comm.rank == 0) if precision.uses_loss_scaling else None
+    loss_scaler = LossScaler(config, announce=comm.rank == 0) if precision.uses_loss_scaling else None
     auto_prefetch = None
     if config.prefetch == "auto":
         auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)

@@ -10,8 +10,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from functools import cache
 
-import torch
-
+from .precision import MixedPrecision, check_loss_scaling
 from .settings import (
     SETTING_KEY,
     KeywordForm,
@@ -27,8 +26,6 @@ from .settings import (
 )
 from .wrap_policy import WrapPolicy, WrapPolicyLike, as_wrap_policy, wrap_policy_of_names
 
-_COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
 
 def _is_count(value: object, minimum: int) -> bool:
     """An integer (not a bool, which Python counts as one) of at least ``minimum``."""
@@ -36,50 +33,6 @@ def _is_count(value: object, minimum: int) -> bool:
 
 
 OFFLOAD_MODES = ("none", "cpu", "nvme")
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """Which dtypes parameters are computed and gradients reduced in.
-
-    Master weights and optimizer state are always fp32. ``compute_dtype`` is
-    the dtype of the gathered parameters the forward and backward see;
-    ``reduce_dtype`` is the dtype gradients are reduce-scattered and sharded
-    in (fp32 by default, which is what keeps bf16 training stable). fp16
-    compute turns on dynamic loss scaling whose overflow decision every rank
-    agrees on.
-    """
-
-    compute_dtype: torch.dtype = torch.float32
-    reduce_dtype: torch.dtype = torch.float32
-    # None: buffers keep their dtype (rotary inv_freq stays fp32), except those of
-    # modules whose parameters are cast (BatchNorm statistics follow its weight).
-    # A dtype: every floating buffer is cast to it.
-    buffer_dtype: torch.dtype | None = None
-    initial_loss_scale: float = 2.0**16
-    loss_scale_growth_interval: int = 2000
-
-    def __post_init__(self) -> None:
-        for name in ("compute_dtype", "reduce_dtype"):
-            value = getattr(self, name)
-            if value not in _COMPUTE_DTYPES:
-                raise ValueError(
-                    f"MixedPrecision.{name}={value} is not supported; "
-                    "use torch.float32, torch.bfloat16 or torch.float16."
-                )
-        if self.buffer_dtype is not None and self.buffer_dtype not in _COMPUTE_DTYPES:
-            raise ValueError(
-                f"MixedPrecision.buffer_dtype={self.buffer_dtype} is not supported; use None (keep the "
-                "model's buffer dtypes), torch.float32, torch.bfloat16 or torch.float16."
-            )
-        if self.initial_loss_scale <= 0:
-            raise ValueError("MixedPrecision.initial_loss_scale must be > 0 (try 2**16).")
-        if self.loss_scale_growth_interval < 1:
-            raise ValueError("MixedPrecision.loss_scale_growth_interval must be >= 1 (try 2000).")
-
-    @property
-    def uses_loss_scaling(self) -> bool:
-        return self.compute_dtype == torch.float16
 
 
 @dataclass(frozen=True)
@@ -150,6 +103,36 @@ class ZeroConfig:
         example=64.0,
     )
     mixed_precision: MixedPrecision = field(default_factory=MixedPrecision)
+    # fp16 loss scaling: DeepSpeed's fp16 keys, with its meaning; the defaults are torch GradScaler's values
+    # (precision.py checks them, optim/loss_scaling.py runs them). Without fp16 they change nothing.
+    loss_scale: float = setting(
+        0.0, doc="fp16: a fixed loss scale (an overflow still skips its step); 0: dynamic", parse=float, example=1024.0
+    )
+    initial_loss_scale: float = setting(
+        2.0**16, doc="fp16, dynamic: the loss scale of the first step", parse=float, example=1024.0
+    )
+    loss_scale_window: int = setting(
+        2000,
+        doc="fp16, dynamic: the scale doubles once this many steps since the last overflow ran clean, and "
+        "again every this many",
+        parse=int,
+        example=1000,
+    )
+    loss_scale_hysteresis: int = setting(
+        1, doc="fp16, dynamic: the overflows that halve the scale only at the last (1: each one)", parse=int, example=2
+    )
+    consecutive_hysteresis: bool = setting(
+        False,
+        doc="fp16, dynamic: refill the hysteresis after each clean step, not only when the scale doubles",
+        parse=parse_bool,
+        example=True,
+    )
+    min_loss_scale: float = setting(
+        0.0,
+        doc="fp16, dynamic: the scale halves no lower; an overflow at it stops the run; 0: no floor",
+        parse=float,
+        example=1.0,
+    )
     # Without classes, units are chosen by size (bucket_size_mb); what no unit claims is the root unit's.
     wrap_policy: WrapPolicy = setting(
         default_factory=WrapPolicy,
@@ -302,6 +285,7 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.prefetch_cap_mb must be > 0 (the default is 256; float('inf') for no cap).")
         if not isinstance(self.mixed_precision, MixedPrecision):
             raise ValueError("ZeroConfig.mixed_precision must be a zero_core.MixedPrecision.")
+        check_loss_scaling(self)
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
         if not isinstance(self.overlap_param_refresh, bool):

@@ -86,9 +86,7 @@ def run(spec: dict, out: Path, devices: int) -> None:
                 save_top_k=spec["top_k"],
             )
         )
-    plugins = (
-        [ZeroPrecision(spec["plugin_precision"], initial_loss_scale=2.0**10)] if spec.get("plugin_precision") else []
-    )
+    plugins = [ZeroPrecision(spec["plugin_precision"])] if spec.get("plugin_precision") else []
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..collectives import CommContext
-from ..optim.loss_scaling import LossScalerState
+from ..optim.loss_scaling import LossScalerState, state_from_checkpoint
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -125,13 +125,7 @@ def parse_engine_record(record: Any, file: Path, save_id: str) -> tuple[dict[str
 def _loss_scaler(state: Any, file: Path) -> LossScalerState | None:
     if state is None:
         return None
-    fields = {f.name for f in dataclasses.fields(LossScalerState)}
-    valid = (
-        isinstance(state, dict)
-        and set(state) == fields
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in state.values())
-        and state["scale"] > 0
-    )
-    if not valid:
-        raise CheckpointError(f"{file}: the loss-scaler state is malformed ({state!r}).")
-    return LossScalerState(**state)
+    try:
+        return state_from_checkpoint(state)  # by its exact names (loss_scaling.py keeps the list)
+    except ValueError as error:
+        raise CheckpointError(f"{file}: {error}.") from None

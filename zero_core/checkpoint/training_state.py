@@ -21,7 +21,7 @@ from torch import nn
 from ..collectives import CommContext, meeting
 from ..file_io import release_freed_memory
 from ..optim.attachment import OptimizerAttachment
-from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.loss_scaling import LossScaler
 from ..optim.nvme_staging import StagedLoad
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
@@ -42,7 +42,7 @@ class CheckpointTarget:
     units: Sequence[FlatUnit]
     comm: CommContext
     attachment: OptimizerAttachment  # the optimizer, if one is attached, and its param-group view
-    loss_scaler: DynamicLossScaler | None
+    loss_scaler: LossScaler | None
     stage: int
     steps_taken: Callable[[], int]
     quiesce: Callable[[], None]  # the runtime's entry barrier

@@ -15,7 +15,7 @@ import torch
 from .. import agreement
 from ..collectives import CommContext
 from ..optim import grad_ops
-from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.loss_scaling import LossScaler
 from ..unit import FlatUnit
 from .optimizer_step import OptimizerStep
 from .runtime import StepRuntime
@@ -30,7 +30,7 @@ class GradientReads:
         comm: CommContext,
         runtime: StepRuntime,
         optimizer_step: OptimizerStep,
-        loss_scaler: DynamicLossScaler | None,
+        loss_scaler: LossScaler | None,
     ):
         self._units, self._comm, self._runtime = units, comm, runtime
         self._optimizer_step, self._loss_scaler = optimizer_step, loss_scaler

@@ -28,7 +28,7 @@ from ..host_memory import wait_for_host_copies
 from ..optim import grad_ops
 from ..optim.attachment import compare_param_groups
 from ..optim.host_step import fused_on_host
-from ..optim.loss_scaling import DynamicLossScaler
+from ..optim.loss_scaling import LossScaler
 from ..optim.nvme_state import NvmeOptimizerState, raw_step_of
 from ..optim.param_groups import OptimizerGroups
 from ..unit import FlatUnit, ShardFiles
@@ -58,7 +58,7 @@ class OptimizerStep:
         comm: CommContext,
         runtime: StepRuntime,
         config: ZeroConfig,
-        loss_scaler: DynamicLossScaler | None,
+        loss_scaler: LossScaler | None,
         auto_prefetch: AutoPrefetch | None,
         nvme: NvmeOptimizerState | None = None,
         param_files: ShardFiles | None = None,
