@@ -109,7 +109,7 @@ def test_bad_input_names_the_file_the_key_and_the_fix(tmp_path: Path) -> None:
     message = _refusal(missing)
     assert message.startswith(f"{missing}: 3 key(s) cannot be honoured here, so nothing was started: ")
     assert "zero_optimization.stage='3' (the integer 1, 2 or 3; for stage 0 use plain DDP)" in message
-    assert "zero_optimization.overlap_comm='yes' (true or false)" in message
+    assert "zero_optimization.overlap_comm='yes' (true, false or \"auto\")" in message
     assert "steps_per_prnt=10 (not a DeepSpeed key; did you mean 'steps_per_print'?)" in message
     assert "gradient_clipping=-1 (a number >= 0" in _refusal(
         {"gradient_clipping": -1, "zero_optimization": {"stage": 1}}

@@ -27,7 +27,7 @@ def _is_size(value: Any) -> bool:
     return value == AUTO or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
 
 
-_BOOL = (lambda value: isinstance(value, bool) or value == AUTO, "true, false or \"auto\"")
+_BOOL = (lambda value: isinstance(value, bool) or value == AUTO, 'true, false or "auto"')
 _SIZE = (_is_size, 'a number >= 0, or "auto"')
 
 
