@@ -108,19 +108,14 @@ def _train(
     shard_group_size: int | None = None,
     partition: bool = False,
     persistence_threshold: int = 0,
-):
+) -> tuple[ZeroEngine, dict[str, list[float]]]:
+    """The engine's run of one case: its losses (the mean over the data-parallel ranks) and clipped norms."""
     mesh = tensor_parallel_mesh(TP)
     dp_rank = mesh["data_parallel"].get_local_rank()
     torch.manual_seed(0)
-    single = TinyLlama()
-    split = parallelize(copy.deepcopy(single), mesh["tensor_parallel"], sequence_parallel=not partition)
+    split = parallelize(TinyLlama(), mesh["tensor_parallel"], sequence_parallel=not partition)
     if partition:
         partitioned.checkpointed(split)
-    reference = DataParallelReference(
-        parallelize(copy.deepcopy(single), mesh["tensor_parallel"], sequence_parallel=not partition), optimizer,
-        mesh["data_parallel"].get_group(),
-    )  # fmt: skip
-    single_optimizer = _optimizer(optimizer, single)
     precision = MixedPrecision(compute_dtype=dtype) if dtype is not None else MixedPrecision()
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision,
@@ -130,38 +125,68 @@ def _train(
     engine = ZeroEngine(split, _optimizer(optimizer, split), config, device_mesh=mesh)
     assert engine.shard_group_size == (shard_group_size or DP)
     assert engine.persistent_units == ([""] if persistence_threshold else []), engine.persistent_units
-    losses, reference_losses, single_losses, norms, single_norms = [], [], [], [], []
+    losses, norms = [], []
     for step in range(STEPS):
-        total, reference_total = 0.0, 0.0
+        total = 0.0
         for micro in range(micro_batches):
             ids = tokens(step * micro_batches + micro, dp_rank)
             with engine.no_sync() if micro < micro_batches - 1 else _nothing():
                 loss = loss_of(split(ids), ids) / micro_batches
                 engine.backward(loss)
-            reference_loss = loss_of(reference.model(ids), ids) / micro_batches
-            reference_loss.backward()
-            total, reference_total = total + loss.item(), reference_total + reference_loss.item()
-        single_total = 0.0
-        for micro in range(micro_batches):  # the global batch: every data-parallel rank's micro-batch
-            ids = torch.cat([tokens(step * micro_batches + micro, r) for r in range(DP)])
-            single_loss = loss_of(single(ids), ids) / micro_batches
-            single_loss.backward()
-            single_total += single_loss.item()
-        single_losses.append(single_total)
+            total += loss.item()
         if clip is not None:
             norms.append(float(engine.clip_grad_norm_(clip)))
-            single_norms.append(float(torch.nn.utils.clip_grad_norm_(single.parameters(), clip)))
         engine.step()
         engine.optimizer.zero_grad()
+        losses.append(total)
+    return engine, dict(losses=_mean_over_dp(losses, mesh), norms=norms)
+
+
+def _train_data_parallel(
+    optimizer: str, clip: float | None, micro_batches: int, partition: bool
+) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """The split model under plain data parallelism (the split the engine's case takes, without ZeRO): its
+    whole weights after STEPS steps and its losses (the mean over the data-parallel ranks)."""
+    mesh = tensor_parallel_mesh(TP)
+    dp_rank = mesh["data_parallel"].get_local_rank()
+    torch.manual_seed(0)
+    model = parallelize(TinyLlama(), mesh["tensor_parallel"], sequence_parallel=not partition)
+    reference = DataParallelReference(model, optimizer, mesh["data_parallel"].get_group())
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(micro_batches):
+            ids = tokens(step * micro_batches + micro, dp_rank)
+            loss = loss_of(reference.model(ids), ids) / micro_batches
+            loss.backward()
+            total += loss.item()
         reference.step(clip)
+        losses.append(total)
+    return _full(reference.model), _mean_over_dp(losses, mesh)
+
+
+def _train_one_process(
+    optimizer: str, clip: float | None, micro_batches: int
+) -> tuple[dict[str, torch.Tensor], dict[str, list[float]]]:
+    """The unsplit model in one process on the global batch (every data-parallel rank's micro-batches): its
+    weights after STEPS steps, its losses and clipped norms."""
+    torch.manual_seed(0)
+    single = TinyLlama()
+    single_optimizer = _optimizer(optimizer, single)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(micro_batches):
+            ids = torch.cat([tokens(step * micro_batches + micro, r) for r in range(DP)])
+            loss = loss_of(single(ids), ids) / micro_batches
+            loss.backward()
+            total += loss.item()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(single.parameters(), clip)))
         single_optimizer.step()
         single_optimizer.zero_grad()
         losses.append(total)
-        reference_losses.append(reference_total)
-    return engine, single, reference, dict(
-        losses=_mean_over_dp(losses, mesh), reference_losses=_mean_over_dp(reference_losses, mesh),
-        single_losses=single_losses, norms=norms, single_norms=single_norms,
-    )  # fmt: skip
+    return single.state_dict(), dict(single_losses=losses, single_norms=norms)
 
 
 class _nothing:
@@ -181,12 +206,26 @@ def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> f
 
 
 def _parity(rank: int, world_size: int) -> list[dict[str, Any]]:
+    # The references depend only on the training each case asks for, not on ZeRO's settings (stage, precision,
+    # hybrid groups, persistence): each is trained once and compared with every case that asks for it, as it
+    # would be trained anew (seeded, deterministic). 13 cases need 5 data-parallel runs and 3 one-process runs.
+    data_parallel: dict[tuple, tuple] = {}
+    one_process: dict[tuple, tuple] = {}
     results = []
     for case in CASES:
-        engine, single, reference, result = _train(**case)
+        engine, result = _train(**case)
+        training = (case["optimizer"], case.get("clip"), case.get("micro_batches", 1))
+        split = (*training, case.get("partition", False))  # the reference splits as the case does
+        if split not in data_parallel:
+            data_parallel[split] = _train_data_parallel(*split)
+        if training not in one_process:
+            one_process[training] = _train_one_process(*training)
+        reference_weights, result["reference_losses"] = data_parallel[split]
+        single_weights, single = one_process[training]
+        result.update(single)
         full = engine.full_state_dict()
-        result["vs_reference"] = _max_difference(full, _full(reference.model))
-        result["vs_single"] = _max_difference(full, single.state_dict())
+        result["vs_reference"] = _max_difference(full, reference_weights)
+        result["vs_single"] = _max_difference(full, single_weights)
         result["case"] = {k: str(v) for k, v in case.items()}
         results.append(result)
     return results
