@@ -667,12 +667,27 @@ def _launch(script: str, out: Path, *args: str) -> list[dict[str, Any]]:
         [sys.executable, str(SCRIPTS / script), str(out), *args], capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    return _by_rank(out)
+
+
+def _by_rank(out: Path) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
 @pytest.fixture(scope="module")
-def lightning_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch("lightning_tensor_parallel.py", tmp_path_factory.mktemp("lightning-tensor-parallel"), "3")
+def lightning_and_fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[list, list]:
+    """One launch: the Trainer's runs, then Fabric's in the same 4 processes (its launch() finds them started,
+    as under torchrun; Fabric's own launcher is tested in test_lightning.py). Each of the 4 processes spends
+    seconds importing Lightning: a second launch would cost far more than the Fabric run."""
+    out = tmp_path_factory.mktemp("lightning-tensor-parallel")
+    fabric = out / "fabric"
+    fabric.mkdir()
+    return _launch("lightning_tensor_parallel.py", out, "3", str(fabric)), _by_rank(fabric)
+
+
+@pytest.fixture(scope="module")
+def lightning_run(lightning_and_fabric_runs: tuple[list, list]) -> list[dict[str, Any]]:
+    return lightning_and_fabric_runs[0]
 
 
 @pytest.fixture(scope="module")
@@ -691,8 +706,8 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, A
 
 
 @pytest.fixture(scope="module")
-def fabric_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _launch("fabric_tensor_parallel.py", tmp_path_factory.mktemp("fabric-tensor-parallel"))
+def fabric_run(lightning_and_fabric_runs: tuple[list, list]) -> list[dict[str, Any]]:
+    return lightning_and_fabric_runs[1]
 
 
 def _one_process_lightning_reference(batches: list[list[torch.Tensor]]) -> tuple[list[float], list[dict]]:

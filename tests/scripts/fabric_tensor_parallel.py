@@ -2,7 +2,8 @@
 
     python tests/scripts/fabric_tensor_parallel.py OUT_DIR
 
-Launched as a plain script: Fabric's own launcher starts the other processes. ``fabric.setup_module``
+Launched as a plain script: Fabric's own launcher starts the other processes (the tests run it after the
+Trainer's runs of lightning_tensor_parallel.py, in the processes Lightning's launcher started). ``fabric.setup_module``
 splits a tiny Llama-style model with ``parallelize_fn`` over the strategy's ``device_mesh["tensor_parallel"]``
 and shards it across the data-parallel ranks; the optimizer is made over the split parameters afterwards.
 Each rank writes OUT_DIR/rank<r>.pt: its losses, the batches it trained on and the final whole weights;

@@ -1,12 +1,14 @@
 """``Trainer(strategy=ZeroStrategy(stage=..., tensor_parallel_size=2))`` on 4 CPU processes.
 
-    python tests/scripts/lightning_tensor_parallel.py OUT_DIR STAGE
+    python tests/scripts/lightning_tensor_parallel.py OUT_DIR STAGE [FABRIC_OUT_DIR]
 
 Launched as a plain script: Lightning's own launcher starts the other processes. ``configure_model``
 splits a tiny Llama-style model over ``self.device_mesh["tensor_parallel"]``; the strategy shards it
 across the data-parallel ranks. After STEPS steps the Trainer saves a checkpoint, and a second Trainer
 at another stage resumes from it for one more step. Each rank writes OUT_DIR/rank<r>.pt: its losses and
-the batches it trained on, and the whole weights, of both runs.
+the batches it trained on, and the whole weights, of both runs. With FABRIC_OUT_DIR, fabric_tensor_parallel.py's
+run follows in the same processes (``Fabric.launch()`` finds them started, as under torchrun) and writes there:
+a launch of 4 processes importing Lightning costs far more than the runs.
 """
 
 from __future__ import annotations
@@ -88,3 +90,7 @@ def main(out: Path, stage: int) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]), int(sys.argv[2]))
+    if len(sys.argv) > 3:
+        from tests.scripts import fabric_tensor_parallel
+
+        fabric_tensor_parallel.main(Path(sys.argv[3]))
