@@ -7,7 +7,7 @@ from typing import Any
 from .accelerator import ZeroAccelerator
 from .plugin import ZeroPlugin
 
-__all__ = ["ZeroAccelerator", "ZeroPlugin", "ZeroTrainer"]
+__all__ = ["ZeroAccelerator", "ZeroPlugin", "ZeroTrainer", "ZeroTrainingArguments"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +15,8 @@ def __getattr__(name: str) -> Any:
         from .trainer import ZeroTrainer
 
         return ZeroTrainer
+    if name == "ZeroTrainingArguments":  # TrainingArguments whose deepspeed= ZeroTrainer reads
+        from .training_arguments import ZeroTrainingArguments
+
+        return ZeroTrainingArguments
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

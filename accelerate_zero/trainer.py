@@ -15,6 +15,7 @@ does not import transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -22,14 +23,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
+import zero_core.deepspeed as deepspeed_reader  # its optimizer and scheduler builders
 from zero_core import ZeroEngine
 
 from .accelerator import ZeroAccelerator
 from .plugin import ZeroPlugin
+from .trainer_deepspeed import (
+    auto_values,
+    check_scheduler_step_counts,
+    refuse_partitioned_model,
+    resolve_for_trainer,
+    scheduler_step_counts,
+)
+from .training_arguments import ZeroTrainingArguments
 
+TRAINER_LOOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps")
 OPTIMIZER_DIR = "optimizer_zero"  # beside Trainer's model, scheduler, RNG and trainer_state.json files
 
 
@@ -41,20 +52,57 @@ class ZeroTrainer(Trainer):
     process calls them (as under DeepSpeed ZeRO-3); checkpoints hold the optimizer as a sharded
     directory (``optimizer_zero/``) instead of ``optimizer.pt``, and ``resume_from_checkpoint`` reads it
     at any number of processes and stage.
+
+    ``TrainingArguments(deepspeed="ds_config.json")`` (a path or a dict) runs on the ZeRO engine: its "auto"s
+    filled in and its numbers checked against the arguments as transformers does, its optimizer and scheduler
+    sections built. Build the arguments with ``ZeroTrainingArguments`` (the same arguments; needed where
+    DeepSpeed is not installed, and for a stage-3 config loaded by ``from_pretrained`` after them); plain
+    ``TrainingArguments(deepspeed=...)`` is rebuilt as one.
     """
 
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
+        # Trainer's arguments by name, so that the TrainingArguments and the model can be read (and the
+        # arguments replaced) whichever way they were passed.
+        given = {**dict(zip(list(inspect.signature(Trainer.__init__).parameters)[1:], args)), **kwargs}
+        given["args"] = _arguments_for_zero(given.get("args"), given.get("model"))
+        config = getattr(given["args"], "zero_deepspeed_config", None)
+        self._deepspeed = None  # the DeepSpeed config's reading, when TrainingArguments(deepspeed=...) gave one
+        if config is not None:
+            zero_plugin = self._plugin_from_deepspeed(config, given, zero_plugin)
         self.zero_plugin = zero_plugin  # read by create_accelerator_and_postprocess, inside Trainer.__init__
         self._accelerator_arguments: dict[str, Any] | None = None
-        super().__init__(*args, **kwargs)
+        super().__init__(**given)
+
+    def _plugin_from_deepspeed(self, config: Any, given: dict[str, Any], zero_plugin: ZeroPlugin | None) -> ZeroPlugin:
+        """``TrainingArguments(deepspeed=...)``: the config, its "auto"s filled in as transformers fills them, as
+        the ZeRO settings; its optimizer and scheduler sections kept for ``create_optimizer``/``create_scheduler``."""
+        if zero_plugin is not None:
+            raise ValueError(
+                "ZeroTrainer was given both zero_plugin= and TrainingArguments(deepspeed=...): give the ZeRO "
+                "settings once."
+            )
+        resolved = resolve_for_trainer(config, given["args"], given.get("model"))
+        # The loop keys are the Trainer's, which they now equal (checked above, as transformers checks them):
+        # Trainer clips at max_grad_norm and accumulates gradient_accumulation_steps itself (its Accelerator
+        # accumulates none), so the plugin is not told them.
+        plugin = ZeroPlugin.from_deepspeed({k: v for k, v in resolved.items() if k not in TRAINER_LOOP_KEYS})
+        self._deepspeed = plugin.deepspeed_loop
+        optimizer, scheduler = given.get("optimizers") or (None, None)
+        for section, passed in (("optimizer", optimizer), ("scheduler", scheduler)):
+            if passed is not None and getattr(self._deepspeed, section) is not None:
+                raise ValueError(
+                    f"ZeroTrainer was given optimizers=(...) with a {section}, and the DeepSpeed config has a "
+                    f'"{section}" section: drop one of them (transformers refuses both under DeepSpeed too).'
+                )
+        return plugin
 
     # ----------------------------------------------------------- accelerator
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         arguments = super()._build_accelerator_args(**kwargs)
         if arguments.get("deepspeed_plugin") is not None or arguments.get("fsdp_plugin") is not None:
             raise ValueError(
-                "ZeroTrainer shards the model itself: leave out TrainingArguments' deepspeed= and fsdp= "
-                "(the ZeRO settings come from accelerate-zero launch or zero_plugin=)."
+                "ZeroTrainer shards the model itself: leave out TrainingArguments' fsdp= and launch without DeepSpeed "
+                "(the ZeRO settings come from accelerate-zero launch, zero_plugin= or TrainingArguments(deepspeed=))."
             )
         # The DDP kwargs handler Trainer adds configures a wrapper ZeroAccelerator never builds: harmless.
         self._accelerator_arguments = dict(arguments)
@@ -82,6 +130,32 @@ class ZeroTrainer(Trainer):
             self.gather_function = functools.partial(
                 self.gather_function, use_gather_object=self.args.eval_use_gather_object
             )
+
+    # ------------------------------------------------ optimizer and scheduler
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The DeepSpeed config's optimizer section, when it has one, over every trainable parameter (one group,
+        as transformers hands them to DeepSpeed); otherwise Trainer's own."""
+        section = self._deepspeed.optimizer if self._deepspeed is not None else None
+        if section is None or self.optimizer is not None:
+            return super().create_optimizer(model)
+        parameters = [p for p in (self.model if model is None else model).parameters() if p.requires_grad]
+        self.optimizer = deepspeed_reader.build_optimizer(section, parameters, auto_values(self.args))
+        return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> torch.optim.lr_scheduler.LRScheduler:
+        """The DeepSpeed config's scheduler section, when it has one, its step counts "auto" from the run's
+        length as transformers fills them; otherwise Trainer's own."""
+        section = self._deepspeed.scheduler if self._deepspeed is not None else None
+        if section is None or self.lr_scheduler is not None:
+            return super().create_scheduler(num_training_steps, optimizer)
+        counts = scheduler_step_counts(self.args, num_training_steps)
+        check_scheduler_step_counts(section, counts)
+        auto = auto_values(self.args, counts)
+        self.lr_scheduler = deepspeed_reader.build_scheduler(section, optimizer or self.optimizer, auto)
+        self._created_lr_scheduler = True  # as Trainer's own create_scheduler marks it
+        return self.lr_scheduler
 
     @property
     def zero_engine(self) -> ZeroEngine | None:
@@ -127,3 +201,19 @@ class ZeroTrainer(Trainer):
         scheduler_file = folder / SCHEDULER_NAME
         if scheduler_file.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+def _arguments_for_zero(args: Any, model: Any) -> Any:
+    """Plain ``TrainingArguments(deepspeed=...)`` (buildable where DeepSpeed is installed) rebuilt as
+    ``ZeroTrainingArguments`` with the same values, so that transformers' DeepSpeed setup is undone; a model
+    DeepSpeed already partitioned (``from_pretrained`` after such arguments, with a stage-3 config) is refused."""
+    if not getattr(args, "deepspeed", None) or isinstance(args, ZeroTrainingArguments):
+        return args
+    refuse_partitioned_model(model)
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # transformers' global "ZeRO-3 is on": DeepSpeed does not run in this process
+    kind = ZeroTrainingArguments
+    if type(args) is not TrainingArguments:  # Seq2SeqTrainingArguments and the like keep their own fields
+        kind = type(f"Zero{type(args).__name__}", (ZeroTrainingArguments, type(args)), {})
+    return kind(**{f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init})

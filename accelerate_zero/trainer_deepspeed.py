@@ -1,0 +1,175 @@
+"""A ``TrainingArguments(deepspeed=...)`` config as ``ZeroTrainer`` reads it: its "auto"s filled in, and its
+numbers checked against the arguments, by Hugging Face's own rules (``HfTrainerDeepSpeedConfig``'s
+``trainer_config_process`` and ``trainer_config_finalize`` in ``transformers/integrations/deepspeed.py``), then
+read as ZeRO settings by ``zero_core.deepspeed``.
+
+The rules, as transformers has them: each key below that the config sets to "auto" takes the arguments' value;
+one set to a number must equal it (else the run is refused, listing every mismatch), except the "fill only"
+keys, whose numbers stand. A key the config leaves out stays out.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from zero_core.deepspeed import AUTO, read_deepspeed_config
+
+if TYPE_CHECKING:  # transformers is imported by ZeroTrainer, which calls these
+    from transformers import TrainingArguments
+
+
+class _Fill(NamedTuple):
+    key: str  # dotted DeepSpeed key
+    argument: str  # the TrainingArguments value it takes, in transformers' mismatch wording
+    value: Callable[[TrainingArguments], Any]
+    must_match: bool = True
+
+
+def _train_batch_size(args: TrainingArguments) -> int:
+    return args.world_size * args.per_device_train_batch_size * args.gradient_accumulation_steps
+
+
+# trainer_config_process: what the arguments decide. Batch sizes need not match with auto_find_batch_size.
+_FROM_ARGUMENTS = (
+    _Fill("train_micro_batch_size_per_gpu", "per_device_train_batch_size", lambda a: a.per_device_train_batch_size),
+    _Fill("gradient_accumulation_steps", "gradient_accumulation_steps", lambda a: a.gradient_accumulation_steps),
+    _Fill("train_batch_size", "train_batch_size (calculated)", _train_batch_size),
+    _Fill("gradient_clipping", "max_grad_norm", lambda a: a.max_grad_norm),
+    _Fill("optimizer.params.lr", "learning_rate", lambda a: a.learning_rate),
+    _Fill("optimizer.params.betas", "adam_beta1+adam_beta2", lambda a: [a.adam_beta1, a.adam_beta2]),
+    _Fill("optimizer.params.eps", "adam_epsilon", lambda a: a.adam_epsilon),
+    _Fill("optimizer.params.weight_decay", "weight_decay", lambda a: a.weight_decay),
+    _Fill("scheduler.params.warmup_min_lr", "", lambda a: 0, must_match=False),  # not a Trainer argument
+    _Fill("scheduler.params.warmup_max_lr", "learning_rate", lambda a: a.learning_rate),
+    _Fill("fp16.enabled", "fp16|fp16_full_eval", lambda a: a.fp16 or a.fp16_full_eval),
+    _Fill("bf16.enabled", "bf16|bf16_full_eval", lambda a: a.bf16 or a.bf16_full_eval),
+)
+_BATCH_SIZES = ("train_micro_batch_size_per_gpu", "train_batch_size")
+_HIDDEN_SIZE_KEYS = (
+    "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+)
+
+
+def _node(config: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+    *parents, key = dotted.split(".")
+    for parent in parents:
+        config = config.get(parent)
+        if not isinstance(config, dict):
+            return None, key
+    return config, key
+
+
+def _fill(config: dict, dotted: str, value: Any, argument: str, must_match: bool, mismatches: list[str]) -> None:
+    """transformers' ``fill_match``: "auto" takes the value; a number given must equal it."""
+    node, key = _node(config, dotted)
+    if node is None:
+        return
+    if node.get(key) == AUTO:
+        node[key] = value
+    elif must_match and node.get(key) is not None and node[key] != value:
+        mismatches.append(f"- ds {dotted}={node[key]} vs hf {argument}={value}")
+
+
+def _hidden_size(model: Any) -> int | None:
+    """The model's hidden size, where transformers looks for it."""
+    for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if hasattr(config, "hidden_size"):
+            return config.hidden_size
+        if hasattr(config, "hidden_sizes"):
+            return max(config.hidden_sizes)
+    return None
+
+
+def _fill_hidden_size_keys(config: dict[str, Any], model: Any) -> None:
+    autos = [key for key in _HIDDEN_SIZE_KEYS if _node(config, key)[0] is not None and _value(config, key) == AUTO]
+    if not autos:
+        return
+    hidden = _hidden_size(model)
+    if hidden is None:
+        raise ValueError(
+            f"The DeepSpeed config sets {autos} to 'auto', which transformers fills from the model's config "
+            "hidden_size, and this model's config has no hidden_size or hidden_sizes: give those keys numbers."
+        )
+    unused: list[str] = []
+    _fill(config, "zero_optimization.reduce_bucket_size", hidden * hidden, "", False, unused)
+    if _value(config, "zero_optimization.stage") == 3:
+        _fill(config, "zero_optimization.stage3_prefetch_bucket_size", int(0.9 * hidden * hidden), "", False, unused)
+        _fill(config, "zero_optimization.stage3_param_persistence_threshold", 10 * hidden, "", False, unused)
+
+
+def _value(config: dict[str, Any], dotted: str) -> Any:
+    node, key = _node(config, dotted)
+    return None if node is None else node.get(key)
+
+
+def refuse_mismatches(mismatches: list[str]) -> None:
+    if mismatches:
+        raise ValueError(
+            "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+            + "\n".join(mismatches)
+            + "\nThe easiest method is to set these DeepSpeed config values to 'auto'."
+        )
+
+
+def resolve_for_trainer(source: dict[str, Any] | str, args: TrainingArguments, model: Any) -> dict[str, Any]:
+    """The config with every "auto" the arguments and the model decide filled in (the scheduler's step counts
+    wait for ``scheduler_step_counts``), or the mismatches refused: before any work, as transformers refuses
+    them when training starts."""
+    config = copy.deepcopy(read_deepspeed_config(source))
+    mismatches: list[str] = []
+    for fill in _FROM_ARGUMENTS:
+        must_match = fill.must_match and not (args.auto_find_batch_size and fill.key in _BATCH_SIZES)
+        _fill(config, fill.key, fill.value(args), fill.argument, must_match, mismatches)
+    _fill_hidden_size_keys(config, model)
+    refuse_mismatches(mismatches)
+    return config
+
+
+def scheduler_step_counts(args: TrainingArguments, num_training_steps: int) -> dict[str, int]:
+    """The scheduler's "auto" step counts once the run's length is known (``trainer_config_finalize``); the
+    warmup is at least 1 step, as transformers keeps it for DeepSpeed >= 0.19.6."""
+    warmup = max(1, args.get_warmup_steps(num_training_steps))
+    return {"total_num_steps": num_training_steps, "warmup_num_steps": warmup}
+
+
+def check_scheduler_step_counts(section: dict[str, Any] | None, counts: dict[str, int]) -> None:
+    """A number the config gives for a step count must equal the run's, as transformers checks."""
+    if section is None:
+        return
+    params = section.get("params") or {}
+    names = {"total_num_steps": "num_training_steps (calculated)", "warmup_num_steps": "warmup_steps"}
+    refuse_mismatches(
+        [
+            f"- ds scheduler.params.{key}={params[key]} vs hf {names[key]}={value}"
+            for key, value in counts.items()
+            if params.get(key) not in (None, AUTO) and params[key] != value
+        ]
+    )
+
+
+def refuse_partitioned_model(model: Any) -> None:
+    """A model DeepSpeed partitioned already (``from_pretrained`` after plain ``TrainingArguments(deepspeed=<a
+    stage-3 config>)``, which makes transformers load through ``deepspeed.zero.Init``) holds empty parameters."""
+    if model is not None and any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(
+            "The model's parameters were partitioned by DeepSpeed: transformers loads a model through "
+            "deepspeed.zero.Init once TrainingArguments(deepspeed=<a stage-3 config>) exists. Build the arguments "
+            "with accelerate_zero.ZeroTrainingArguments (the same arguments), or load the model before them."
+        )
+
+
+def auto_values(args: TrainingArguments, counts: dict[str, int] | None = None) -> dict[str, Any]:
+    """What "auto" means in the optimizer and scheduler sections (``build_optimizer`` / ``build_scheduler``)."""
+    return {
+        "lr": args.learning_rate,
+        "betas": [args.adam_beta1, args.adam_beta2],
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+        "warmup_min_lr": 0,
+        "warmup_max_lr": args.learning_rate,
+        **(counts or {}),
+    }

@@ -1,0 +1,125 @@
+"""``TrainingArguments(deepspeed=<transformers' stock ds_config_zero3.json>)`` with ``ZeroTrainer``, against the
+native ZeroTrainer run of the same settings; rank 0 writes OUT/CASE.json (the losses and the final weights).
+
+    ACCELERATE_USE_CPU=1 accelerate-zero launch --multi_gpu --num_processes 2 \\
+        tests/scripts/deepspeed_trainer_run.py OUT [--without-deepspeed] CASE [CASE ...]
+
+``--without-deepspeed`` makes ``import deepspeed`` fail in this process before transformers is imported, as
+on a machine without DeepSpeed. Cases: ``native`` (ZeroPlugin and the optimizer and scheduler written out),
+``config`` (``ZeroTrainingArguments(deepspeed=FILE)``), ``plain`` (``TrainingArguments(deepspeed=FILE)``, which
+needs DeepSpeed importable).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+if "--without-deepspeed" in sys.argv:
+    sys.argv.remove("--without-deepspeed")
+    sys.modules["deepspeed"] = None  # `import deepspeed` raises ImportError, as where it is not installed
+
+import torch  # noqa: E402
+from accelerate import PartialState  # noqa: E402
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from accelerate_zero import ZeroPlugin, ZeroTrainer, ZeroTrainingArguments  # noqa: E402
+from zero_core.deepspeed import optimizer_sections  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parents[1] / "deepspeed_configs" / "transformers_ds_config_zero3.json"
+STEPS, ACCUMULATE, LR = 5, 2, 1e-2
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int, seed: int) -> None:
+        self.ids = torch.randint(0, 64, (count, 16), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def model() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
+    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
+    return GPT2LMHeadModel(config)
+
+
+def arguments(kind: type, output_dir: Path, **deepspeed: object) -> TrainingArguments:
+    return kind(
+        output_dir=str(output_dir),
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=ACCUMULATE,
+        max_steps=STEPS,
+        learning_rate=LR,
+        max_grad_norm=0.5,
+        weight_decay=0.1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+        **deepspeed,
+    )
+
+
+def warmup_lr(step: int) -> float:
+    """DeepSpeed's WarmupLR as transformers fills it (min 0, max the learning rate, warmup_num_steps 1, which
+    WarmupLR raises to 2), as a factor of the learning rate for LambdaLR. WarmupLR is built at iteration -1 (the
+    first step runs at its minimum) and counts its iterations from there, by a log curve."""
+    iteration, warmup = step - 1, 2
+    if iteration < 0:
+        return 0.0
+    return math.log(iteration + 1) / math.log(warmup) if iteration < warmup else 1.0
+
+
+def stock_config() -> str | dict:
+    """The stock file; without its optimizer and scheduler sections while zero_core cannot build them yet (then
+    both runs use Trainer's own AdamW and linear schedule)."""
+    if hasattr(optimizer_sections, "build_optimizer"):
+        return str(CONFIG)
+    config = json.loads(CONFIG.read_text())
+    del config["optimizer"], config["scheduler"]
+    return config
+
+
+def trainer(case: str, out: Path) -> ZeroTrainer:
+    data = {"model": model(), "train_dataset": Tokens(32, 1)}
+    if case == "native":  # the stock config's settings, written our way
+        plugin = ZeroPlugin(stage=3, offload_optimizer="cpu", offload_params="cpu")
+        args = arguments(TrainingArguments, out / case)
+        if isinstance(stock_config(), dict):
+            return ZeroTrainer(args=args, zero_plugin=plugin, **data)
+        parameters = data["model"].parameters()  # one group: transformers hands DeepSpeed every parameter so
+        optimizer = torch.optim.AdamW(parameters, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lr)
+        return ZeroTrainer(args=args, zero_plugin=plugin, optimizers=(optimizer, scheduler), **data)
+    kind = ZeroTrainingArguments if case == "config" else TrainingArguments
+    return ZeroTrainer(args=arguments(kind, out / case, deepspeed=stock_config()), **data)
+
+
+def main() -> None:
+    out, cases = Path(sys.argv[1]), sys.argv[2:]
+    torch.set_num_threads(1)
+    for case in cases:
+        run = trainer(case, out)
+        run.train()
+        losses = [e["loss"] for e in run.state.log_history if "loss" in e]
+        state = run.accelerator.get_state_dict(run.model)  # every process: gathers under stage 3
+        weights = {name: tensor.float().flatten().tolist() for name, tensor in state.items()}
+        report = {"losses": losses, "weights": weights, "arguments": type(run.args).__name__}
+        report["settings"] = {"stage": run.zero_engine.stage, "offload": run.zero_plugin.offload_params}
+        if PartialState().is_main_process:
+            (out / f"{case}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The entry points DeepSpeed users already type, on the ZeRO engine: ``TrainingArguments(deepspeed=...)`` with
+``ZeroTrainer`` (transformers' "auto" rules, with or without DeepSpeed installed), ``accelerate-zero launch
+--config_file`` with an Accelerate DeepSpeed YAML, and Lightning's DeepSpeed strategy names and keywords."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from accelerate_zero.trainer_deepspeed import (
+    check_scheduler_step_counts,
+    refuse_partitioned_model,
+    resolve_for_trainer,
+)
+
+from .distributed import _free_port
+
+CONFIGS = Path(__file__).parent / "deepspeed_configs"
+SCRIPTS = Path(__file__).parent / "scripts"
+
+
+# ---------------------------------------------------------------- TrainingArguments(deepspeed=...)
+def _training_arguments(**overrides: object) -> SimpleNamespace:
+    """The TrainingArguments values transformers' DeepSpeed rules read."""
+    values = dict(
+        world_size=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        learning_rate=3e-4,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-6,
+        weight_decay=0.1,
+        fp16=False,
+        fp16_full_eval=False,
+        bf16=True,
+        bf16_full_eval=False,
+        auto_find_batch_size=False,
+    )
+    return SimpleNamespace(**{**values, **overrides})
+
+
+def _model(hidden_size: int | None = 32) -> SimpleNamespace:
+    return SimpleNamespace(config=SimpleNamespace(hidden_size=hidden_size) if hidden_size else SimpleNamespace())
+
+
+def test_training_arguments_fill_the_autos_as_transformers_does() -> None:
+    config = json.loads((CONFIGS / "transformers_ds_config_zero3.json").read_text())
+    resolved = resolve_for_trainer(config, _training_arguments(), _model(32))
+    assert resolved["train_micro_batch_size_per_gpu"] == 4
+    assert resolved["gradient_accumulation_steps"] == 2
+    assert resolved["train_batch_size"] == 2 * 4 * 2
+    assert resolved["gradient_clipping"] == 0.5
+    assert resolved["optimizer"]["params"] == {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+    assert resolved["scheduler"]["params"]["warmup_min_lr"] == 0
+    assert resolved["scheduler"]["params"]["warmup_max_lr"] == 3e-4
+    assert resolved["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the run's length decides it later
+    assert resolved["fp16"]["enabled"] is False  # TrainingArguments(bf16=True): not fp16
+    zero = resolved["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"]) == (32 * 32, int(0.9 * 32 * 32))
+    assert zero["stage3_param_persistence_threshold"] == 320
+    assert config["gradient_clipping"] == "auto"  # the user's dict is left as it was
+
+
+def test_training_arguments_that_contradict_the_config_are_refused_all_at_once() -> None:
+    config = {
+        "zero_optimization": {"stage": 2},
+        "gradient_accumulation_steps": 4,
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "fp16": {"enabled": True},
+    }
+    with pytest.raises(ValueError) as refused:
+        resolve_for_trainer(config, _training_arguments(), _model())
+    message = str(refused.value)
+    for line in (
+        "ds gradient_accumulation_steps=4 vs hf gradient_accumulation_steps=2",
+        "ds train_micro_batch_size_per_gpu=8 vs hf per_device_train_batch_size=4",
+        "ds optimizer.params.lr=0.001 vs hf learning_rate=0.0003",
+        "ds fp16.enabled=True vs hf fp16|fp16_full_eval=False",
+    ):
+        assert line in message
+    assert "set these DeepSpeed config values to 'auto'" in message
+    # auto_find_batch_size: the batch sizes are the finder's, as in transformers
+    del config["gradient_accumulation_steps"], config["optimizer"], config["fp16"]
+    resolve_for_trainer(config, _training_arguments(auto_find_batch_size=True), _model())
+    with pytest.raises(ValueError, match="ds scheduler.params.total_num_steps=10 vs hf num_training_steps"):
+        check_scheduler_step_counts({"params": {"total_num_steps": 10}}, {"total_num_steps": 12})
+
+
+def test_hidden_size_autos_without_a_hidden_size_are_refused() -> None:
+    config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": "auto"}}
+    with pytest.raises(ValueError, match="hidden_size.*give those keys numbers"):
+        resolve_for_trainer(config, _training_arguments(), _model(None))
+
+
+def test_a_model_deepspeed_already_partitioned_is_refused_with_the_fix() -> None:
+    model = torch.nn.Linear(2, 2)
+    refuse_partitioned_model(model)
+    model.weight.ds_id = 0  # what deepspeed.zero.Init leaves on every parameter
+    with pytest.raises(ValueError, match="ZeroTrainingArguments"):
+        refuse_partitioned_model(model)
+
+
+def _run_trainer(out: Path, launch: bool, *cases: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_ZERO") and k != "ACCELERATE_USE_ZERO"}
+    env["ACCELERATE_USE_CPU"] = "1"
+    script = [str(SCRIPTS / "deepspeed_trainer_run.py"), str(out), *cases]
+    if launch:
+        launcher = [sys.executable, "-m", "accelerate_zero.launch", "launch", "--multi_gpu", "--num_processes", "2"]
+        command = [*launcher, "--main_process_port", str(_free_port()), "--mixed_precision", "no", *script]
+    else:
+        command = [sys.executable, *script]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+
+
+def _report(out: Path, case: str) -> dict:
+    return json.loads((out / f"{case}.json").read_text())
+
+
+@pytest.mark.distributed
+def test_stock_zero3_config_trains_as_the_native_run_without_deepspeed(tmp_path: Path) -> None:
+    """transformers' stock ds_config_zero3.json ("auto"s, CPU offload of both) through an unchanged Trainer script
+    (ZeroTrainingArguments for TrainingArguments), on 2 processes where ``import deepspeed`` fails: the losses
+    and weights of ZeroTrainer given the same settings our way, bit for bit. Then, with DeepSpeed importable,
+    plain ``TrainingArguments(deepspeed=...)`` trains the same on one process."""
+    pytest.importorskip("transformers")
+    _run_trainer(tmp_path, True, "--without-deepspeed", "native", "config")
+    native, config = _report(tmp_path, "native"), _report(tmp_path, "config")
+    assert config["arguments"] == "ZeroTrainingArguments"
+    assert config["settings"] == native["settings"] == {"stage": 3, "offload": "cpu"}
+    assert len(config["losses"]) == 5 and config["losses"] == native["losses"]
+    assert config["weights"].keys() == native["weights"].keys()
+    for name, values in native["weights"].items():
+        assert torch.equal(torch.tensor(config["weights"][name]), torch.tensor(values)), name
+    pytest.importorskip("deepspeed")  # plain TrainingArguments(deepspeed=...) needs it to be built at all
+    single = tmp_path / "single"
+    single.mkdir()
+    _run_trainer(single, False, "native", "plain")
+    native, plain = _report(single, "native"), _report(single, "plain")
+    assert plain["arguments"] == "ZeroTrainingArguments"  # rebuilt from the plain arguments
+    assert plain["losses"] == native["losses"] and plain["weights"] == native["weights"]
