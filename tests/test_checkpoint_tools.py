@@ -15,6 +15,7 @@ from zero_core import ZeroEngine
 from zero_core.checkpoint import CheckpointError, consolidate_checkpoint
 
 from .distributed import run_distributed
+from .in_process import run_module
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
 from .workers import config_for, relative_difference
 
@@ -49,23 +50,14 @@ def _assert_same_weights(loaded: dict[str, torch.Tensor], expected: dict[str, to
         assert torch.equal(loaded[key].to(value.dtype), value), key
 
 
-def test_our_tool_writes_safetensors_and_lightning_files(saved: tuple, tmp_path: Path) -> None:
+def test_our_tool_writes_safetensors_and_lightning_files(
+    saved: tuple, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     directory, expected = saved
     consolidate_checkpoint(directory / "full", tmp_path / "model.safetensors")
     _assert_same_weights(load_file(tmp_path / "model.safetensors"), expected)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "zero_core.checkpoint.consolidate",
-            str(directory / "full"),
-            str(tmp_path / "model.ckpt"),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "wrote" in result.stdout
+    run_module("zero_core.checkpoint.consolidate", str(directory / "full"), str(tmp_path / "model.ckpt"))
+    assert "wrote" in capsys.readouterr().out
     checkpoint = torch.load(tmp_path / "model.ckpt", weights_only=True)
     _assert_same_weights(checkpoint["state_dict"], expected)
     assert checkpoint["epoch"] == 7 and "zero" not in checkpoint
@@ -75,18 +67,8 @@ def test_our_tool_writes_safetensors_and_lightning_files(saved: tuple, tmp_path:
 def test_lightning_consolidation_tool_reads_our_checkpoints(saved: tuple, tmp_path: Path) -> None:
     directory, expected = saved
     output = tmp_path / "lightning.ckpt"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning.pytorch.utilities.consolidate_checkpoint",
-            str(directory / "full"),
-            "--output_file",
-            str(output),
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+    run_module(
+        "lightning.pytorch.utilities.consolidate_checkpoint", str(directory / "full"), "--output_file", str(output)
     )
     checkpoint = torch.load(output, weights_only=False)
     _assert_same_weights(checkpoint["state_dict"], expected)

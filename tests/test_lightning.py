@@ -18,6 +18,7 @@ import lightning_zero
 from lightning_zero import ZeroStrategy, consolidated
 from zero_core.checkpoint import consolidate_checkpoint
 
+from .in_process import run_module
 from .lightning_module import TinyLM
 from .workers import relative_difference
 
@@ -268,18 +269,7 @@ def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple,
     checkpoint = out / "zero3-resumable" / "epoch=5-step=6.ckpt"
     ours = consolidate_checkpoint(checkpoint, tmp_path / "ours.ckpt", "lightning")
     theirs = tmp_path / "lightning.ckpt"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lightning.pytorch.utilities.consolidate_checkpoint",
-            str(checkpoint),
-            "--output_file",
-            str(theirs),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    run_module("lightning.pytorch.utilities.consolidate_checkpoint", str(checkpoint), "--output_file", str(theirs))
     expected = runs["zero3-resumable"]["weights"]
     # The directory itself, in one line (a plain load_from_checkpoint on it is an IsADirectoryError),
     # and a file through the same line.
