@@ -29,13 +29,21 @@ HONOURED = {
     "offload_param_nvme_path": "offload_dir",
 }
 
+# Accepted, and what the run does is what these ask for anyway (listed on one line, never silent).
+ACCEPTED = {
+    "zero3_init_flag": "the model is built as the script builds it and stage 3 shards it unit by unit when it is "
+    "prepared (build it on the meta device for one larger than host memory); the numbers trained are the same",
+    "zero3_save_16bit_model": "accelerator.save_model and get_state_dict always gather the full weights, at any stage",
+}
+# Read as a DeepSpeed JSON config, as --zero_config_file ds.json is.
+CONFIG_FILE = "deepspeed_config_file"
+# Becomes the Accelerator's default, as a DeepSpeed config's gradient_accumulation_steps does.
+ACCUMULATION = "gradient_accumulation_steps"
+ACCUMULATION_VARIABLE = "ACCELERATE_GRADIENT_ACCUMULATION_STEPS"
+
 _MULTINODE = "multi-node runs take Accelerate's --num_machines, --machine_rank and --main_process_ip"
 REFUSED = {
-    "deepspeed_config_file": "give the ZeRO settings as a YAML file with --zero_config_file (--help lists its keys)",
-    "gradient_accumulation_steps": "set it in the script: Accelerator(gradient_accumulation_steps=...)",
     "gradient_clipping": "clip in the script: accelerator.clip_grad_norm_(model.parameters(), max_norm)",
-    "zero3_init_flag": "stage 3 shards a model built on the meta device unit by unit; leave it out",
-    "zero3_save_16bit_model": "accelerator.save_model gathers the full weights at any stage; leave it out",
     "deepspeed_hostfile": _MULTINODE,
     "deepspeed_exclusion_filter": _MULTINODE,
     "deepspeed_inclusion_filter": _MULTINODE,
@@ -60,6 +68,8 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
     refused = [f"{_flag(dest)}: {why}" for dest, why in REFUSED.items() if getattr(args, dest, None) is not None]
     if refused:
         raise ValueError("DeepSpeed's flags have no meaning here; " + "; ".join(refused) + ".")
+    _take_accepted(args)
+    _take_accumulation(args)
     settings = {setting.text.name: setting for setting in user_settings()}
     honoured: dict[str, str] = {}  # setting name -> the DeepSpeed flag that gave it
     for dest, name in HONOURED.items():
@@ -79,6 +89,32 @@ def take_deepspeed_flags(args: argparse.Namespace, values: dict[str, Any], given
         values[name], honoured[name] = parsed, _flag(dest)
 
 
+def _take_accepted(args: argparse.Namespace) -> None:
+    accepted = []
+    for dest, why in ACCEPTED.items():
+        value = getattr(args, dest, None)
+        if value is None:
+            continue
+        if str(value).lower() not in ("true", "false"):
+            raise ValueError(f"{_flag(dest)} {value}: true or false.")
+        setattr(args, dest, None)  # ours now, as the honoured ones
+        accepted.append(f"{_flag(dest)} {str(value).lower()} ({why})")
+    if accepted:
+        print(f"accelerate-zero: accepted without effect: {'; '.join(accepted)}.", file=sys.stderr)
+
+
+def _take_accumulation(args: argparse.Namespace) -> None:
+    """The micro-batches per step, as the Accelerator's default (``Accelerator(gradient_accumulation_steps=)``
+    in the script still decides, as it does over ``accelerate launch --gradient_accumulation_steps``)."""
+    value = getattr(args, ACCUMULATION, None)
+    if value is None:
+        return
+    setattr(args, ACCUMULATION, None)
+    if not str(value).isdigit() or int(value) < 1:
+        raise ValueError(f"{_flag(ACCUMULATION)} {value}: an integer >= 1.")
+    os.environ[ACCUMULATION_VARIABLE] = str(int(value))
+
+
 def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_given: bool = False) -> dict[str, Any]:
     """``--zero_config_file ds_config.json``: the settings it means; its precision becomes the launch's
     ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable; the
@@ -94,7 +130,10 @@ def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_give
         args.mixed_precision = wanted
     refuse_clipping(translated, path)
     steps = translated.loop.get("gradient_accumulation_steps")
-    if steps is not None:
-        os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = str(steps)  # Accelerator's default
+    if steps is not None:  # the Accelerator's default, as the flag sets it (take_deepspeed_flags)
+        given = getattr(args, ACCUMULATION, None)
+        if given is not None and str(given) != str(steps):
+            raise ValueError(f"{path} accumulates {steps} micro-batches, {_flag(ACCUMULATION)} says {given}: give one.")
+        setattr(args, ACCUMULATION, str(steps))
     # train_micro_batch_size_per_gpu: the DataLoader's batch size decides, as under DeepSpeed.
     return translated.settings

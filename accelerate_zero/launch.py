@@ -8,7 +8,9 @@ does and its default (they are generated from ``zero_core.user_settings()``).
 The ZeRO settings are checked first (an unknown key or a bad value stops
 here, before any process starts), exported as ``ACCELERATE_USE_ZERO`` /
 ``ACCELERATE_ZERO_*``, and Accelerate's own launcher does the rest. Flags
-override the file. On CPU:
+override the file. An Accelerate config written for DeepSpeed (``--config_file accel.yaml`` with
+``distributed_type: DEEPSPEED``) is read too: its ``deepspeed_config`` block as Accelerate's DeepSpeed flags
+(``accelerate_yaml.py``), its ``deepspeed_config_file`` as ``--zero_config_file`` reads a JSON config. On CPU:
 ``ACCELERATE_USE_CPU=1 accelerate-zero launch --multi_gpu --num_processes 2 ...``.
 """
 
@@ -21,7 +23,8 @@ from typing import Any
 
 from zero_core import Setting, user_settings
 
-from .deepspeed_flags import settings_from_deepspeed_file, take_deepspeed_flags
+from .accelerate_yaml import take_accelerate_yaml
+from .deepspeed_flags import CONFIG_FILE, settings_from_deepspeed_file, take_deepspeed_flags
 from .plugin import ENV_PREFIX, ZeroPlugin, read_yaml
 
 GROUP_TITLE = "ZeRO (accelerate-zero)"
@@ -75,13 +78,20 @@ def launch_parser() -> argparse.ArgumentParser:
 def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespace]:
     """Our settings out of ``argv`` (file, then flags); the rest is Accelerate's launch arguments."""
     args = launch_parser().parse_args(argv)
+    take_accelerate_yaml(args)  # --config_file with distributed_type DEEPSPEED: its block as DeepSpeed's flags
     # Unset fields take the defaults, not stale variables of an earlier run:
     # clear them before the plugin reads the environment.
     for name in list(os.environ):
         if name.startswith(ENV_PREFIX):
             del os.environ[name]
     config_file = args.zero_config_file
-    if config_file and config_file.endswith(".json"):  # a DeepSpeed config, as DeepSpeed's users have it
+    deepspeed_file = getattr(args, CONFIG_FILE, None)  # Accelerate's way to name a DeepSpeed JSON config
+    if deepspeed_file is not None:
+        if config_file is not None:
+            raise ValueError(f"--zero_config_file {config_file} and --{CONFIG_FILE} {deepspeed_file}: give one file.")
+        config_file = deepspeed_file
+        setattr(args, CONFIG_FILE, None)  # ours now; Accelerate's launcher must not act on it
+    if config_file and (config_file.endswith(".json") or config_file == deepspeed_file):  # a DeepSpeed config
         stage_flag = next(_dest(s) for s in user_settings() if s.name == "stage")
         stage_given = args.zero_stage is not None or getattr(args, stage_flag) is not None  # DeepSpeed's or ours
         values = settings_from_deepspeed_file(config_file, args, stage_given)

@@ -149,3 +149,95 @@ def test_stock_zero3_config_trains_as_the_native_run_without_deepspeed(tmp_path:
     native, plain = _report(single, "native"), _report(single, "plain")
     assert plain["arguments"] == "ZeroTrainingArguments"  # rebuilt from the plain arguments
     assert plain["losses"] == native["losses"] and plain["weights"] == native["weights"]
+
+
+# ---------------------------------------------------------------- accelerate-zero launch --config_file accel.yaml
+ACCELERATE_YAML = """compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  gradient_accumulation_steps: 4
+  offload_optimizer_device: cpu
+  offload_param_device: cpu
+  zero3_init_flag: true
+  zero3_save_16bit_model: true
+  zero_stage: 3
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+"""
+
+
+def _accelerate_yaml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "default_config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_an_accelerate_deepspeed_yaml_is_read_as_its_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The file `accelerate config` writes for DeepSpeed ZeRO-3 with CPU offload: our settings, the accumulation
+    as the Accelerator's default, the zero3 flags accepted on a line that says why, and Accelerate handed the same
+    file as a plain data-parallel run (which its own loader reads)."""
+    import yaml
+    from accelerate.commands.config import load_config_from_file
+
+    from accelerate_zero.launch import plugin_from_arguments
+
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    path = _accelerate_yaml(tmp_path, ACCELERATE_YAML)
+    plugin, launch_args = plugin_from_arguments(["--config_file", path, "train.py"])
+    assert (plugin.stage, plugin.offload_optimizer, plugin.offload_params) == (3, "cpu", "cpu")
+    assert os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"
+    assert "--zero3_init_flag true" in capsys.readouterr().err
+    handed = yaml.safe_load(Path(launch_args.config_file).read_text())
+    original = yaml.safe_load(ACCELERATE_YAML)
+    assert handed.pop("distributed_type") == "MULTI_GPU" and "deepspeed_config" not in handed
+    assert handed == {k: v for k, v in original.items() if k not in ("distributed_type", "deepspeed_config")}
+    assert load_config_from_file(launch_args.config_file).distributed_type == "MULTI_GPU"
+    assert launch_args.zero_stage is None and launch_args.zero3_init_flag is None  # nothing for Accelerate to act on
+    # A flag on the command line wins over the file, as under accelerate launch.
+    stage2 = ACCELERATE_YAML.replace("offload_param_device: cpu", "offload_param_device: none")
+    path = _accelerate_yaml(tmp_path, stage2)
+    assert plugin_from_arguments(["--config_file", path, "--zero_stage", "2", "t.py"])[0].stage == 2
+
+
+def test_an_accelerate_yaml_naming_a_deepspeed_json_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelerate_zero.launch import plugin_from_arguments
+
+    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 2}))
+    text = f"deepspeed_config:\n  deepspeed_config_file: {config}\n  zero3_init_flag: false\n"
+    text += "distributed_type: DEEPSPEED\nnum_processes: 2\nmixed_precision: 'no'\n"
+    plugin, launch_args = plugin_from_arguments(["--config_file", _accelerate_yaml(tmp_path, text), "train.py"])
+    assert plugin.stage == 2 and os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "2"
+    assert launch_args.deepspeed_config_file is None
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ("zero_stage: 3\n  gradient_clipping: 1.0", "--gradient_clipping: clip in the script"),
+        ("zero_stage: 3\n  zero_stag: 2", r"deepspeed_config has key\(s\) \['zero_stag'\]"),
+        ("zero_stage: 3\n  deepspeed_multinode_launcher: standard", "--num_machines"),
+        ("zero_stage: 3\n  zero3_init_flag: maybe", "true or false"),
+    ],
+)
+def test_an_accelerate_yaml_key_without_a_meaning_here_is_refused(tmp_path: Path, block: str, message: str) -> None:
+    from accelerate_zero.launch import plugin_from_arguments
+
+    text = f"deepspeed_config:\n  {block}\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
+    with pytest.raises(ValueError, match=message):
+        plugin_from_arguments(["--config_file", _accelerate_yaml(tmp_path, text), "train.py"])
