@@ -5,6 +5,7 @@ teardown, and registration."""
 from __future__ import annotations
 
 import inspect
+import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
@@ -73,6 +74,23 @@ def with_settings_doc(cls: ClassT) -> ClassT:
     return cls
 
 
+# Lightning's DeepSpeed presets (DeepSpeedStrategy.register_strategies), by our names: the same settings.
+# deepspeed_stage_3_offload_nvme writes to /local_nvme, which a fresh machine lacks: ours to the system's temporary
+# directory (tempfile.gettempdir(), /tmp on Linux), which every machine has; name a fast disk with
+# ZeroStrategy(stage=3, offload_optimizer="nvme", offload_params="nvme", offload_dir="/local_nvme").
+OFFLOAD_PRESETS = {
+    "zero2_offload": ("ZeRO stage 2, optimizer offloaded to the CPU", {"stage": 2, "offload_optimizer": "cpu"}),
+    "zero3_offload": (
+        "ZeRO stage 3, optimizer and parameters offloaded to the CPU",
+        {"stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+    ),
+    "zero3_offload_nvme": (
+        "ZeRO stage 3, optimizer and parameters offloaded to files (offload_dir: the temporary directory)",
+        {"stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "offload_dir": tempfile.gettempdir()},
+    ),
+}
+
+
 def register_zero_strategies(strategy_class: type, registry: Any) -> None:
     for stage in (1, 2, 3):
         registry.register(
@@ -82,6 +100,9 @@ def register_zero_strategies(strategy_class: type, registry: Any) -> None:
             stage=stage,
             override=True,
         )
+    for name, (description, settings) in OFFLOAD_PRESETS.items():
+        description = f"{description} (lightning-zero)"
+        registry.register(name, strategy_class, description=description, override=True, **settings)
 
 
 def as_zero_precision(plugin: Any, precision_class: type[PrecisionT]) -> PrecisionT | None:

@@ -241,3 +241,28 @@ def test_an_accelerate_yaml_key_without_a_meaning_here_is_refused(tmp_path: Path
     text = f"deepspeed_config:\n  {block}\ndistributed_type: DEEPSPEED\nnum_processes: 2\n"
     with pytest.raises(ValueError, match=message):
         plugin_from_arguments(["--config_file", _accelerate_yaml(tmp_path, text), "train.py"])
+
+
+# ---------------------------------------------------------------- Lightning's DeepSpeed preset names
+@pytest.mark.parametrize("registry", ["trainer", "fabric"])
+def test_lightnings_deepspeed_offload_presets_have_our_names(registry: str) -> None:
+    """strategy="zero2_offload" / "zero3_offload" / "zero3_offload_nvme" set what Lightning's
+    deepspeed_stage_2_offload, deepspeed_stage_3_offload and deepspeed_stage_3_offload_nvme set; the nvme one's
+    directory is the system's temporary directory, which exists on a fresh machine (Lightning's is /local_nvme)."""
+    import tempfile
+
+    import lightning_zero  # noqa: F401  (registers the names)
+
+    if registry == "trainer":
+        from lightning.pytorch.strategies import StrategyRegistry as names
+    else:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY as names
+    expected = {
+        "zero2_offload": (2, "cpu", "none", None),
+        "zero3_offload": (3, "cpu", "cpu", None),
+        "zero3_offload_nvme": (3, "nvme", "nvme", tempfile.gettempdir()),
+    }
+    for name, settings in expected.items():
+        config = names.get(name).zero_config
+        assert (config.stage, config.offload_optimizer, config.offload_params, config.offload_dir) == settings, name
+    assert Path(tempfile.gettempdir()).is_dir()
