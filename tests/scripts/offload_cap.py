@@ -1,17 +1,22 @@
 """A stage-3 GPT job whose optimizer state decides whether it fits a memory cap.
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/scripts/offload_cap.py MODE OFFLOAD_DIR OUT
+    python -m torch.distributed.run --nproc_per_node 2 tests/scripts/offload_cap.py MODES OFFLOAD_DIR OUT [CGROUP]
 
-MODE is "none" or "nvme" (offload_optimizer, one unit's state in memory at a time), or "nvme-resume".
-Trains 3 steps of a 71M-parameter GPT (10 blocks of width 768); rank 0 writes the losses and the bytes of
-optimizer state the in-memory run would hold on all ranks to OUT. "nvme-resume" also saves a checkpoint
-after the second step, and after the third loads it and takes the third step again ("resumed": its loss):
-a save and a load read and write the offloaded state a unit at a time, so they fit where training fits.
+MODES is one or more of "none", "nvme" (offload_optimizer, one unit's state in memory at a time) and
+"nvme-resume", joined by "+": each is a run of its own, one after the other in the same processes. Each
+trains 3 steps of a 71M-parameter GPT (10 blocks of width 768) from the same start. "nvme-resume" also saves
+a checkpoint after the second step, and after the third loads it and takes the third step again ("resumed":
+its loss): a save and a load read and write the offloaded state a unit at a time, so they fit where training
+fits. Rank 0 writes to OUT, by mode: the losses, and the peak of the memory cgroup CGROUP (a directory of
+the v1 controller, the job's own) when that run ended ("peak": what a job of that run alone would have peaked
+at, if it came first; None without CGROUP); and the bytes of optimizer state the in-memory run would hold on
+all ranks ("state bytes").
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import sys
 from collections.abc import Iterator
@@ -43,12 +48,14 @@ def peak_growth(grown: dict[str, int], phase: str) -> Iterator[None]:
     grown[phase] = _status_bytes("VmHWM:") - before
 
 
-def main() -> None:
-    mode, directory, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def cgroup_peak(group: Path | None) -> int | None:
+    """The most memory the cgroup (v1 memory controller) has used so far: its processes' and page cache."""
+    return int((group / "memory.max_usage_in_bytes").read_text()) if group is not None else None
+
+
+def run(mode: str, directory: str, config: GPTConfig) -> dict:
+    """One run of ``mode``: this rank's losses and, for "nvme-resume", how far its memory grew in the save and load."""
     torch.manual_seed(0)
-    config = GPTConfig(width=768, depth=10, heads=12)
     with torch.device("meta"):  # materialised unit by unit: setup never holds the whole model
         model = GPT(config)
     # fused: the kernel the offloaded step picks on the host, so both runs compute the same update bit for bit
@@ -81,12 +88,26 @@ def main() -> None:
         with peak_growth(grown, "load"):
             engine.load_checkpoint(checkpoint)
         resumed = train(2)
-    every_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every_rank, grown)
+    return {"losses": losses, "resumed": resumed, "grown": grown, "num_parameters": engine.num_parameters}
+
+
+def main() -> None:
+    modes, directory, out = sys.argv[1].split("+"), sys.argv[2], Path(sys.argv[3])
+    group = Path(sys.argv[4]) if len(sys.argv) > 4 else None  # the memory cgroup the job runs in
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    config = GPTConfig(width=768, depth=10, heads=12)
+    report: dict = {}
+    for mode in modes:
+        result = run(mode, directory, config)  # its engine and model are gone when it returns
+        gc.collect()
+        every_rank: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every_rank, result["grown"])  # also: every rank's run has ended
+        most_grown = {phase: max(g[phase] for g in every_rank) for phase in result["grown"]}
+        report[mode] = {"losses": result["losses"], "resumed": result["resumed"], "grown": most_grown}
+        report[mode]["peak"] = cgroup_peak(group)
+        report["state bytes"] = 8 * result["num_parameters"]  # Adam's two fp32 moments, over all ranks
     if dist.get_rank() == 0:
-        state_bytes = 8 * engine.num_parameters  # Adam's two fp32 moments, over all ranks
-        most_grown = {phase: max(g[phase] for g in every_rank) for phase in grown}
-        report = {"losses": losses, "state bytes": state_bytes, "resumed": resumed, "grown": most_grown}
         out.write_text(json.dumps(report))
     dist.destroy_process_group()
 
