@@ -38,7 +38,8 @@ from ._sharding import (
     with_settings_signature,
     zero_settings,
 )
-from .deepspeed_config import Config, check_precision, refuse_loop_keys_under_fabric, settings_with_config
+from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords, with_deepspeed_keywords
+from .deepspeed_config import Config, check_precision, refuse_loop_keys_under_fabric
 from .precision import ZeroPrecisionSettings
 
 
@@ -60,11 +61,13 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         return engine.no_sync() if enabled and engine is not None else nullcontext()
 
 
+@with_deepspeed_keywords
 @with_settings_doc
 class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
     """ZeRO for Fabric. Arguments as for :class:`lightning_zero.ZeroStrategy`: the ZeRO
     settings, generated from ``zero_core.user_settings()``, then DDP's; the precision comes
-    from ``Fabric(precision=...)``.
+    from ``Fabric(precision=...)``. Lightning's ``DeepSpeedStrategy`` keyword arguments are taken
+    too, as by ``ZeroStrategy``.
 
     Args:
     """
@@ -88,7 +91,10 @@ class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
         # ``config``: a DeepSpeed config (dict or JSON file); its loop keys are the loop's business here.
         # ``parallelize_fn(module, mesh)``: with tensor_parallel_size, splits the module over
         # mesh["tensor_parallel"] in fabric.setup, as Fabric's ModelParallelStrategy takes it.
-        explicit, self._deepspeed = settings_with_config(config, bind_settings(type(self), args, settings))
+        deepspeed_keywords = take_deepspeed_keywords(settings)  # DeepSpeedStrategy's own (deepspeed_arguments.py)
+        explicit, self._deepspeed = settings_with_deepspeed(
+            type(self).__name__, config, deepspeed_keywords, bind_settings(type(self), args, settings)
+        )
         refuse_loop_keys_under_fabric(self._deepspeed)
         self.zero_config = zero_settings(explicit)
         super().__init__(

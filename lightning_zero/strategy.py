@@ -40,12 +40,14 @@ from ._sharding import (
     with_settings_signature,
     zero_settings,
 )
-from .deepspeed_config import Config, apply_to_trainer, check_precision, settings_with_config
+from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords, with_deepspeed_keywords
+from .deepspeed_config import Config, apply_to_trainer, check_precision
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
 from .unsupported_callbacks import refuse_unsupported_callbacks
 
 
+@with_deepspeed_keywords
 @with_settings_doc
 class ZeroStrategy(TensorParallelMesh, DDPStrategy):
     """ZeRO for the Lightning Trainer: ``Trainer(strategy=ZeroStrategy(stage=3, ...))``
@@ -57,6 +59,11 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
     (``shard_group_size``) a group is usually ``devices``, one per node
     (``Trainer(num_nodes=...)``). The precision comes from ``Trainer(precision=...)``:
     "32-true", "bf16-mixed", "bf16-true" or "16-mixed". The other arguments are DDP's.
+
+    Lightning's ``DeepSpeedStrategy`` keyword arguments are taken too: ``ZeroStrategy(stage=3,
+    offload_optimizer=True, offload_parameters=True, ...)`` trains as ``DeepSpeedStrategy(<the same>)``
+    would, its defaults included (stage 2; under 16-mixed DeepSpeed's loss scaling), and what cannot be
+    honoured is refused by name (``lightning_zero.deepspeed_arguments``).
 
     Args:
     """
@@ -80,7 +87,10 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
     ) -> None:
         # Validate now, before Lightning launches any process. ``config``: a DeepSpeed config (dict or JSON
         # file), as strategy="deepspeed_stage_3" takes it.
-        explicit, self._deepspeed = settings_with_config(config, bind_settings(type(self), args, settings))
+        deepspeed_keywords = take_deepspeed_keywords(settings)  # DeepSpeedStrategy's own (deepspeed_arguments.py)
+        explicit, self._deepspeed = settings_with_deepspeed(
+            type(self).__name__, config, deepspeed_keywords, bind_settings(type(self), args, settings)
+        )
         self.zero_config = zero_settings(explicit)
         super().__init__(
             accelerator=accelerator,
