@@ -6,17 +6,29 @@ What DeepSpeed's engine did with the loop keys, the framework does here: under t
 ``gradient_clipping`` and ``gradient_accumulation_steps`` become the Trainer's own (a different value given
 to the Trainer is refused); under Fabric the loop is the user's, so they are refused with what to call.
 The config's precision must agree with the framework's precision flag, which decides it.
+
+Its ``optimizer`` and ``scheduler`` sections are built under the Trainer as Lightning's DeepSpeed strategy lets
+DeepSpeed build them: where ``configure_optimizers`` returns no optimizer, the config's over the module's
+trainable parameters, its schedule stepped after every optimizer step (``configured_optimizers``). Lightning
+has no value for their "auto"s, so those are refused when the strategy is built; under Fabric the loop builds
+its own optimizer, so the sections are refused there with the builders that make the same one.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch.optim import Optimizer
 
-from zero_core.deepspeed import DeepSpeedSettings, from_deepspeed
+from zero_core.deepspeed import DeepSpeedSettings, auto_keys, build_optimizer, build_scheduler, from_deepspeed
 
 Config = Mapping[str, Any] | str | os.PathLike | None
 # A DeepSpeed config's precision -> the framework's flags that mean it (the first one suggested).
@@ -37,6 +49,7 @@ def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict
         raise ValueError(
             f"The DeepSpeed config and the keyword arguments disagree: {'; '.join(clashes)}. Give each once."
         )
+    refuse_autos(translated)
     if translated.without_effect:
         rank_zero_info(translated.without_effect_line())  # never silent: what the config sets that changes nothing
     return {**translated.settings, **explicit}, translated
@@ -85,7 +98,66 @@ def refuse_loop_keys_under_fabric(translated: DeepSpeedSettings | None) -> None:
         "gradient_accumulation_steps": "accumulate in the loop (with fabric.no_backward_sync)",
     }
     loop = {k: v for k, v in (translated.loop if translated else {}).items() if k in where}
-    if loop:
+    sections = [f"{key}: {where}" for key, where in _FABRIC_SECTIONS.items() if getattr(translated, key, None)]
+    if loop or sections:
         raise ValueError(
-            "Under Fabric the training loop is yours: " + "; ".join(f"{k}={v!r}: {where[k]}" for k, v in loop.items())
+            "Under Fabric the training loop is yours: "
+            + "; ".join([*(f"{k}={v!r}: {where[k]}" for k, v in loop.items()), *sections])
+            + " (then drop the key or section from the config)."
         )
+
+
+_FABRIC_SECTIONS = {
+    "optimizer": "build it in the script and pass it to fabric.setup(model, optimizer); "
+    "zero_core.deepspeed.build_optimizer(config['optimizer'], model.parameters()) builds the one DeepSpeed builds",
+    "scheduler": "zero_core.deepspeed.build_scheduler(config['scheduler'], optimizer) builds DeepSpeed's schedule; "
+    "call its step() after each optimizer.step(), as DeepSpeed's engine does",
+}
+
+
+def refuse_autos(translated: DeepSpeedSettings) -> None:
+    """Hugging Face's Trainer and Accelerate fill the sections' "auto"s from their arguments; Lightning has none."""
+    autos = auto_keys(translated.optimizer, "optimizer") + auto_keys(translated.scheduler, "scheduler")
+    if autos:
+        raise ValueError(
+            f'The DeepSpeed config sets {", ".join(autos)} to "auto", which Hugging Face\'s Trainer and Accelerate '
+            "fill from their arguments; Lightning has no value for them: write the numbers in the config."
+        )
+
+
+def configured_optimizers(
+    translated: DeepSpeedSettings | None, module: pl.LightningModule
+) -> tuple[list[Optimizer], list[LRSchedulerConfig]]:
+    """What ``configure_optimizers`` returns, parsed as ``Strategy.setup_optimizers`` parses it; with a DeepSpeed
+    config's "optimizer" section, that optimizer in place of the none it returned (over the module's trainable
+    parameters, as Lightning's DeepSpeed strategy hands DeepSpeed), and with its "scheduler" section, that
+    schedule over the optimizer, stepped after every optimizer step (interval "step"), as DeepSpeed steps it."""
+    if translated is None or (translated.optimizer is None and translated.scheduler is None):
+        return _init_optimizers_and_lr_schedulers(module)
+    with warnings.catch_warnings():  # Lightning's "this fit will run with no optimizer": the config's is built
+        warnings.filterwarnings("ignore", message=re.escape("`LightningModule.configure_optimizers` returned `None`"))
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+    returned = [optimizer for optimizer in optimizers if not isinstance(optimizer, _MockOptimizer)]
+    if translated.optimizer is not None:
+        if returned:
+            raise ValueError(
+                'The DeepSpeed config has an "optimizer" section and configure_optimizers returned an optimizer too: '
+                "return None from configure_optimizers to train with the config's (built here as DeepSpeed builds "
+                "it), or drop the section to train with yours."
+            )
+        returned = [build_optimizer(translated.optimizer, [p for p in module.parameters() if p.requires_grad])]
+    elif not returned:
+        raise ValueError(
+            'The DeepSpeed config has a "scheduler" section but no "optimizer" section, and configure_optimizers '
+            "returned no optimizer: return the optimizer from configure_optimizers (the schedule is built over it), "
+            'or add an "optimizer" section.'
+        )
+    if translated.scheduler is not None:
+        if schedulers:
+            raise ValueError(
+                'The DeepSpeed config has a "scheduler" section and configure_optimizers returned a scheduler too: '
+                "return the optimizer alone to train with the config's schedule, or drop the section to train with "
+                "yours."
+            )
+        schedulers = [LRSchedulerConfig(build_scheduler(translated.scheduler, returned[0]), interval="step")]
+    return returned, schedulers

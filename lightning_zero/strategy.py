@@ -41,7 +41,7 @@ from ._sharding import (
     zero_settings,
 )
 from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords, with_deepspeed_keywords
-from .deepspeed_config import Config, apply_to_trainer, check_precision
+from .deepspeed_config import Config, apply_to_trainer, check_precision, configured_optimizers
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
 from .unsupported_callbacks import refuse_unsupported_callbacks
@@ -164,6 +164,12 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
         # wrapper takes when it is made): wrapped again, self.optimizers() and manual optimization reach it.
         self.optimizers = self.optimizers
         self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        # configure_optimizers' return, or a DeepSpeed config's optimizer and scheduler sections built in its
+        # place, as strategy="deepspeed" builds them (deepspeed_config.py).
+        assert self.lightning_module is not None
+        self.optimizers, self.lr_scheduler_configs = configured_optimizers(self._deepspeed, self.lightning_module)
 
     def model_to_device(self) -> None:
         assert self.lightning_module is not None
