@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
+from .deepspeed_sections import ConfigScheduler, SectionBuilder
 from .plain_training import zero_model_prepared
 from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
 from .tensor_parallel import (
@@ -54,6 +55,12 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     def __init__(self, optimizer: Optimizer, engine: ZeroEngine, device_placement: bool):
         super().__init__(optimizer, device_placement=device_placement, scaler=None)
         self.engine = engine
+        self.config_scheduler: Any = None  # a DeepSpeed config's schedule: stepped here, as DeepSpeed's engine does
+
+    def step(self, closure: Any = None) -> None:
+        super().step(closure)
+        if self.config_scheduler is not None and self.gradient_state.sync_gradients and not self.step_was_skipped:
+            self.config_scheduler.step()
 
     @property
     def step_was_skipped(self) -> bool:
@@ -92,6 +99,9 @@ class ZeroAccelerator(Accelerator):
         self.scaler = None
         self.engine: ZeroEngine | None = None
         self._saving_state = False  # inside save_state: the weights Accelerate collects are dropped
+        # A DeepSpeed config's optimizer and scheduler sections, built in place of DummyOptim/DummyScheduler.
+        sections = getattr(self.zero_plugin, "deepspeed_loop", None)
+        self._sections = SectionBuilder(sections, self.num_processes, self.split_batches)
 
     def _require_engine(self) -> ZeroEngine:
         if self.engine is None:
@@ -100,6 +110,7 @@ class ZeroAccelerator(Accelerator):
 
     # -------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        args = self._sections.replace_dummies(args)
         models = [a for a in args if isinstance(a, nn.Module)]
         optimizers = [a for a in args if isinstance(a, Optimizer)]
         if len(models) > 1:
@@ -117,7 +128,11 @@ class ZeroAccelerator(Accelerator):
                 get_logger(__name__).info(deepspeed.without_effect_line(), main_process_only=True)
         elif optimizer is not None:
             self._require_engine().attach_optimizer(optimizer)
-        return super().prepare(*args, device_placement=device_placement)
+        prepared = super().prepare(*args, device_placement=device_placement)
+        for scheduler in self._sections.config_schedulers:  # the config's, also where the script passed none
+            if all(known.scheduler is not scheduler for known in self._schedulers):
+                self.prepare_scheduler(scheduler)
+        return prepared
 
     def prepare_optimizer(self, optimizer: Optimizer, device_placement: bool | None = None) -> Optimizer:
         """Accelerate's wrapper, told by the engine when a step was skipped: the engine's fp16 loss scaler,
@@ -190,6 +205,12 @@ class ZeroAccelerator(Accelerator):
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         prepared = super().prepare_scheduler(scheduler)
+        if any(scheduler is built for built in self._sections.config_schedulers):
+            prepared.__class__ = ConfigScheduler  # its step() does nothing: the optimizer's step steps it
+            for optimizer in self._optimizers:
+                if isinstance(optimizer, ZeroAcceleratedOptimizer) and optimizer.optimizer is scheduler.optimizer:
+                    optimizer.config_scheduler = scheduler
+            return prepared
         if self._data_parallel is not None:
             prepared.__class__ = DataParallelScheduler  # Accelerate's wrapper, stepping per data-parallel rank
             prepared.data_parallel_size = self._data_parallel.size

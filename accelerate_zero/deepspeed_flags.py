@@ -18,7 +18,7 @@ from typing import Any
 from zero_core import user_settings
 from zero_core.deepspeed import from_deepspeed
 
-from .plugin import MIXED_PRECISION_OF_DEEPSPEED, refuse_clipping
+from .plugin import DEEPSPEED_CONFIG_ENV, MIXED_PRECISION_OF_DEEPSPEED, refuse_clipping
 
 # Accelerate's flag (its argparse dest) -> the setting it means.
 HONOURED = {
@@ -129,6 +129,8 @@ def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_give
             raise ValueError(f"{path} asks for {translated.precision}, --mixed_precision says {given}: give one.")
         args.mixed_precision = wanted
     refuse_clipping(translated, path)
+    if translated.optimizer is not None or translated.scheduler is not None:  # built in each process (plugin.py)
+        os.environ[DEEPSPEED_CONFIG_ENV] = os.path.abspath(path)
     steps = translated.loop.get("gradient_accumulation_steps")
     if steps is not None:  # the Accelerator's default, as the flag sets it (take_deepspeed_flags)
         given = getattr(args, ACCUMULATION, None)

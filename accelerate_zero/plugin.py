@@ -22,6 +22,9 @@ from zero_core.settings import parse_bool
 
 USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
 ENV_PREFIX = "ACCELERATE_ZERO_"
+# accelerate-zero launch --zero_config_file ds.json: the file, for its optimizer and scheduler sections, which
+# ZeroAccelerator builds in place of DummyOptim/DummyScheduler (the settings travel as the variables above).
+DEEPSPEED_CONFIG_ENV = ENV_PREFIX + "DEEPSPEED_CONFIG_FILE"
 
 # Accelerate's mixed_precision values -> the core's policy (fp32 master and reduction).
 MIXED_PRECISION_POLICIES = {
@@ -50,6 +53,11 @@ class _PluginBehaviour:
                 value = setting.text.normalize(value)
             object.__setattr__(self, name, setting.text.default if value is None else value)
         self.zero_config(MixedPrecision())  # validate every field now, with the core's messages
+        launched_with = os.environ.get(DEEPSPEED_CONFIG_ENV)
+        if launched_with:  # its sections alone: the launcher turned the rest into the settings and flags
+            translated = from_deepspeed(launched_with, stage_given=True)
+            sections = DeepSpeedSettings(optimizer=translated.optimizer, scheduler=translated.scheduler)
+            object.__setattr__(self, "deepspeed_loop", sections)  # read by ZeroAccelerator
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "the ZeRO config") -> ZeroPlugin:

@@ -209,3 +209,68 @@ def test_the_config_trains_as_deepspeed_and_as_the_same_optimizer_built_by_hand(
     assert report["config_losses"] == report["hand_losses"]
     theirs, ours = torch.tensor(report["deepspeed_losses"]), torch.tensor(report["config_losses"])
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+
+
+# Accelerate's usual DeepSpeed config ("auto" everywhere Accelerate fills it), as its docs' stage-2 example has it.
+ACCELERATE_CONFIG = {
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "warmup_min_lr": "auto",
+            "warmup_max_lr": "auto",
+            "warmup_num_steps": "auto",
+            "total_num_steps": "auto",
+        },
+    },  # fmt: skip
+    "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True},
+    "gradient_accumulation_steps": 1,
+    "train_micro_batch_size_per_gpu": "auto",
+}
+
+
+@pytest.mark.distributed
+def test_accelerates_dummy_optimizer_and_scheduler_become_the_configs(tmp_path: Path) -> None:
+    """``accelerate-zero launch --zero_config_file ds.json`` carries the sections to the script's processes; the
+    DummyOptim/DummyScheduler it prepares come back as the config's AdamW and WarmupDecayLR, their "auto"s from
+    the dummies' arguments as Accelerate fills them (the total divided among the processes), stepped once per
+    optimizer step: bit for bit the same optimizer and schedule built by hand."""
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps(ACCELERATE_CONFIG))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(config), "--multi_gpu"]
+        + ["--num_processes", "2", "--main_process_port", str(_free_port())]
+        + [str(SCRIPTS / "accelerate_deepspeed_sections.py"), str(tmp_path)],
+        env={**env, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    report = json.loads((tmp_path / "sections.json").read_text())
+    built, hand = report["config"], report["hand"]
+    assert built["optimizer"] == hand["optimizer"] == "AdamW"
+    assert built["lrs"] == hand["lrs"] == [0.0, 0.0, 0.01, 0.01, 0.0075, 0.005]  # warmup 2 (DeepSpeed's least), decay
+    assert built["losses"] == hand["losses"]
+    assert report["dummy_without_section"] == (
+        "You cannot create a `DummyOptim` without specifying an optimizer in the config file."
+    )
+
+
+def test_accelerates_refusals_of_a_real_optimizer_or_scheduler_beside_a_section() -> None:
+    from accelerate.utils import DummyOptim, DummyScheduler
+
+    from accelerate_zero.deepspeed_sections import SectionBuilder
+
+    builder = SectionBuilder(from_deepspeed(ACCELERATE_CONFIG), num_processes=2, split_batches=False)
+    parameters = [torch.nn.Parameter(torch.zeros(2))]
+    real = torch.optim.AdamW(parameters)
+    with pytest.raises(ValueError, match="You cannot specify an optimizer in the config file and in the code"):
+        builder.replace_dummies((real,))
+    dummy = DummyOptim(parameters)
+    with pytest.raises(ValueError, match="You cannot specify a scheduler in the config file and in the code"):
+        builder.replace_dummies((dummy, torch.optim.lr_scheduler.StepLR(real, 2)))
+    optimizer, scheduler = builder.replace_dummies((dummy, DummyScheduler(dummy, total_num_steps=9)))
+    assert type(optimizer) is torch.optim.AdamW and optimizer.defaults["lr"] == 0.001  # DummyOptim's default lr
+    assert (scheduler.total_num_steps, scheduler.warmup_num_steps) == (5, 2)  # ceil(9 / 2); DeepSpeed's least 2
