@@ -56,8 +56,11 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
         super().__init__(optimizer, device_placement=device_placement, scaler=None)
         self.engine = engine
         self.config_scheduler: Any = None  # a DeepSpeed config's schedule: stepped here, as DeepSpeed's engine does
+        self.config_clipping: float | None = None  # a DeepSpeed config's clipping: applied here, likewise
 
     def step(self, closure: Any = None) -> None:
+        if self.config_clipping and self.gradient_state.sync_gradients:
+            self.engine.clip_grad_norm_(self.config_clipping)
         super().step(closure)
         if self.config_scheduler is not None and self.gradient_state.sync_gradients and not self.step_was_skipped:
             self.config_scheduler.step()
@@ -102,6 +105,10 @@ class ZeroAccelerator(Accelerator):
         # A DeepSpeed config's optimizer and scheduler sections, built in place of DummyOptim/DummyScheduler.
         sections = getattr(self.zero_plugin, "deepspeed_loop", None)
         self._sections = SectionBuilder(sections, self.num_processes, self.split_batches)
+        # Its clipping, applied in each optimizer step as DeepSpeed's engine applies it under Accelerate (the
+        # loop's clip_grad_norm_ then only measures); None: the loop clips. ZeroTrainer clears it (it clips).
+        self.config_clipping: float | None = (sections.loop.get("gradient_clipping") or None) if sections else None
+        self._told_clipping = False
 
     def _require_engine(self) -> ZeroEngine:
         if self.engine is None:
@@ -142,6 +149,7 @@ class ZeroAccelerator(Accelerator):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         placement = self.device_placement if device_placement is None else device_placement
         wrapped = ZeroAcceleratedOptimizer(optimizer, self.engine, device_placement=placement)
+        wrapped.config_clipping = self.config_clipping
         self._optimizers.append(wrapped)  # where Accelerate's own prepare_optimizer registers it
         return wrapped
 
@@ -230,7 +238,19 @@ class ZeroAccelerator(Accelerator):
         self, parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2
     ) -> torch.Tensor:
         """The norm over all shards, as ``torch.nn.utils.clip_grad_norm_`` on the full model (or on the
-        model's parameters given: ``model.head.parameters()`` clips the head alone, as under DDP)."""
+        model's parameters given: ``model.head.parameters()`` clips the head alone, as under DDP). With a
+        DeepSpeed config the optimizer step clips at the config's norm, as DeepSpeed's engine does under
+        Accelerate, and this call only measures (said once, at INFO)."""
+        if self.config_clipping is not None:
+            if not self._told_clipping:
+                self._told_clipping = True
+                get_logger(__name__).info(
+                    f"clip_grad_norm_(max_norm={max_norm}): the DeepSpeed config's gradient_clipping "
+                    f"({self.config_clipping}) clips in the optimizer step, as DeepSpeed does under Accelerate; "
+                    "this call returns the norm only.",
+                    main_process_only=True,
+                )
+            max_norm = float("inf")
         return self._require_engine().clip_grad_norm_(max_norm, norm_type, parameters=parameters)
 
     def clip_grad_value_(self, parameters: Iterable[torch.Tensor], clip_value: float) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from zero_core import user_settings
 from zero_core.deepspeed import from_deepspeed
 
-from .plugin import DEEPSPEED_CONFIG_ENV, MIXED_PRECISION_OF_DEEPSPEED, refuse_clipping
+from .plugin import DEEPSPEED_CONFIG_ENV, MIXED_PRECISION_OF_DEEPSPEED
 
 # Accelerate's flag (its argparse dest) -> the setting it means.
 HONOURED = {
@@ -117,8 +117,7 @@ def _take_accumulation(args: argparse.Namespace) -> None:
 
 def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_given: bool = False) -> dict[str, Any]:
     """``--zero_config_file ds_config.json``: the settings it means; its precision becomes the launch's
-    ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable; the
-    loop settings Accelerate leaves to the script are refused with where to set them."""
+    ``--mixed_precision`` (a different one given is refused), its accumulation Accelerate's variable."""
     translated = from_deepspeed(path, stage_given=stage_given)
     if translated.without_effect:
         print(f"accelerate-zero: {translated.without_effect_line()}", file=sys.stderr)  # once, before the launch
@@ -128,9 +127,9 @@ def settings_from_deepspeed_file(path: str, args: argparse.Namespace, stage_give
         if given not in (None, wanted):
             raise ValueError(f"{path} asks for {translated.precision}, --mixed_precision says {given}: give one.")
         args.mixed_precision = wanted
-    refuse_clipping(translated, path)
-    if translated.optimizer is not None or translated.scheduler is not None:  # built in each process (plugin.py)
-        os.environ[DEEPSPEED_CONFIG_ENV] = os.path.abspath(path)
+    # Read again in each process (plugin.py): its optimizer and scheduler sections are built there, and its
+    # clipping applied in each optimizer step, as DeepSpeed's engine does.
+    os.environ[DEEPSPEED_CONFIG_ENV] = os.path.abspath(path)
     steps = translated.loop.get("gradient_accumulation_steps")
     if steps is not None:  # the Accelerator's default, as the flag sets it (take_deepspeed_flags)
         given = getattr(args, ACCUMULATION, None)

@@ -25,6 +25,8 @@ ENV_PREFIX = "ACCELERATE_ZERO_"
 # accelerate-zero launch --zero_config_file ds.json: the file, for its optimizer and scheduler sections, which
 # ZeroAccelerator builds in place of DummyOptim/DummyScheduler (the settings travel as the variables above).
 DEEPSPEED_CONFIG_ENV = ENV_PREFIX + "DEEPSPEED_CONFIG_FILE"
+# DeepSpeed 0.19's gradient_clipping for a config without one; Accelerate fills an "auto" with the same.
+DEEPSPEED_DEFAULT_CLIPPING = 1.0
 
 # Accelerate's mixed_precision values -> the core's policy (fp32 master and reduction).
 MIXED_PRECISION_POLICIES = {
@@ -56,7 +58,9 @@ class _PluginBehaviour:
         launched_with = os.environ.get(DEEPSPEED_CONFIG_ENV)
         if launched_with:  # its sections alone: the launcher turned the rest into the settings and flags
             translated = from_deepspeed(launched_with, stage_given=True)
-            sections = DeepSpeedSettings(optimizer=translated.optimizer, scheduler=translated.scheduler)
+            sections = DeepSpeedSettings(
+                optimizer=translated.optimizer, scheduler=translated.scheduler, loop=engine_clipping(translated)
+            )
             object.__setattr__(self, "deepspeed_loop", sections)  # read by ZeroAccelerator
 
     @classmethod
@@ -68,13 +72,16 @@ class _PluginBehaviour:
         return cls(**values)
 
     @classmethod
-    def from_deepspeed(cls, config: Any) -> ZeroPlugin:
+    def from_deepspeed(cls, config: Any, engine_clips: bool = True) -> ZeroPlugin:
         """A DeepSpeed config (dict or JSON file) as the plugin; keys without an equivalent are refused
         (``zero_core.deepspeed``). Its precision and accumulation are the Accelerator's:
-        ``ZeroAccelerator(zero_plugin=...)`` checks them against its own arguments; clipping is refused here
-        (call ``accelerator.clip_grad_norm_`` in the loop)."""
+        ``ZeroAccelerator(zero_plugin=...)`` checks them against its own arguments. Its clipping is applied in
+        each optimizer step, as DeepSpeed's engine applies it under Accelerate (``engine_clips``; ZeroTrainer,
+        which clips at ``max_grad_norm`` itself, passes False)."""
         translated = from_deepspeed(config)
-        refuse_clipping(translated, "the DeepSpeed config")
+        translated.loop.update(engine_clipping(translated) if engine_clips else {})
+        if not engine_clips:
+            translated.loop.pop("gradient_clipping", None)
         plugin = cls(**translated.settings)
         object.__setattr__(plugin, "deepspeed_loop", translated)  # read by ZeroAccelerator
         return plugin
@@ -95,14 +102,10 @@ class _PluginBehaviour:
         return ZeroConfig(mixed_precision=mixed_precision, **values)
 
 
-def refuse_clipping(translated: DeepSpeedSettings, source: str) -> None:
-    """DeepSpeed's engine clips by the config; Accelerate leaves clipping to the loop."""
-    if "gradient_clipping" in translated.loop:
-        raise ValueError(
-            f"{source}: gradient_clipping={translated.loop['gradient_clipping']!r}: call "
-            "accelerator.clip_grad_norm_(model.parameters(), max_norm) in the loop (Accelerate leaves clipping to "
-            "it) and drop the key."
-        )
+def engine_clipping(translated: DeepSpeedSettings) -> dict[str, float]:
+    """The norm DeepSpeed's engine clips at under Accelerate: the config's number, else (absent, or "auto" as
+    Accelerate fills it) DeepSpeed's default; 0 clips nothing."""
+    return {"gradient_clipping": translated.loop.get("gradient_clipping", DEEPSPEED_DEFAULT_CLIPPING)}
 
 
 def env_variable(setting: Setting) -> str:

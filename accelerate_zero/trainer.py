@@ -85,7 +85,9 @@ class ZeroTrainer(Trainer):
         # The loop keys are the Trainer's, which they now equal (checked above, as transformers checks them):
         # Trainer clips at max_grad_norm and accumulates gradient_accumulation_steps itself (its Accelerator
         # accumulates none), so the plugin is not told them.
-        plugin = ZeroPlugin.from_deepspeed({k: v for k, v in resolved.items() if k not in TRAINER_LOOP_KEYS})
+        plugin = ZeroPlugin.from_deepspeed(
+            {k: v for k, v in resolved.items() if k not in TRAINER_LOOP_KEYS}, engine_clips=False
+        )
         self._deepspeed = plugin.deepspeed_loop
         optimizer, scheduler = given.get("optimizers") or (None, None)
         for section, passed in (("optimizer", optimizer), ("scheduler", scheduler)):
@@ -125,6 +127,7 @@ class ZeroTrainer(Trainer):
                 "which ZeroTrainer builds on (tested with transformers 5.24): upgrade transformers."
             )
         self.accelerator = ZeroAccelerator(zero_plugin=self.zero_plugin, **self._accelerator_arguments)
+        self.accelerator.config_clipping = None  # Trainer clips at max_grad_norm itself (checked against a config)
         self.gather_function = self.accelerator.gather_for_metrics
         if "use_gather_object" in inspect.signature(self.gather_function).parameters:
             self.gather_function = functools.partial(

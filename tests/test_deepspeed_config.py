@@ -112,17 +112,17 @@ def test_every_key_that_would_train_otherwise_is_refused_at_once_with_what_to_do
 
 def test_the_launcher_takes_a_deepspeed_json_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", raising=False)
+    monkeypatch.delenv("ACCELERATE_ZERO_DEEPSPEED_CONFIG_FILE", raising=False)
     file = tmp_path / "ds_config.json"
     file.write_text(json.dumps(ZERO3))
     plugin, args = plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
     assert (plugin.stage, plugin.offload_optimizer, plugin.offload_fraction) == (3, "nvme", 0.5)
     assert args.mixed_precision == "bf16"  # the config's precision becomes the launch's
     assert os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "4"  # Accelerator's default from then on
+    # The file reaches each process, which builds its sections and clips as DeepSpeed's engine does there.
+    assert os.environ["ACCELERATE_ZERO_DEEPSPEED_CONFIG_FILE"] == str(file.resolve())
     with pytest.raises(ValueError, match="asks for bf16, --mixed_precision says fp16: give one"):
         plugin_from_arguments(["--zero_config_file", str(file), "--mixed_precision", "fp16", "train.py"])
-    file.write_text(json.dumps({**ZERO3, "gradient_clipping": 1.0}))
-    with pytest.raises(ValueError, match=r"gradient_clipping=1.0: call accelerator.clip_grad_norm_"):
-        plugin_from_arguments(["--zero_config_file", str(file), "train.py"])
     file.write_text(json.dumps({"zero_optimization": {"overlap_comm": True}}))  # the stage from a flag
     assert plugin_from_arguments(["--zero_config_file", str(file), "--zero_stage", "2", "train.py"])[0].stage == 2
     with pytest.raises(ValueError, match="zero_optimization.stage is not set"):
@@ -214,8 +214,12 @@ def test_zero_plugin_from_deepspeed_and_the_accelerator_agree_or_refuse() -> Non
     env = {**os.environ, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert "pass ZeroAccelerator(gradient_accumulation_steps=4, ...) (got 2)" in result.stderr, result.stderr[-2000:]
-    with pytest.raises(ValueError, match="call accelerator.clip_grad_norm_"):
-        ZeroPlugin.from_deepspeed({**ZERO3, "gradient_clipping": 1.0})
+    # Clipping is DeepSpeed's engine's under Accelerate: the config's number, else (absent, or "auto" as
+    # Accelerate fills it) DeepSpeed 0.19's default 1.0, applied in each optimizer step; ZeroTrainer clips itself.
+    for given, clip in ((0.25, 0.25), ("auto", 1.0), (None, 1.0), (0, 0)):
+        config = {**ZERO3, "gradient_clipping": given} if given is not None else ZERO3
+        assert ZeroPlugin.from_deepspeed(config).deepspeed_loop.loop["gradient_clipping"] == clip
+    assert "gradient_clipping" not in ZeroPlugin.from_deepspeed(ZERO3, engine_clips=False).deepspeed_loop.loop
 
 
 @pytest.mark.distributed

@@ -49,6 +49,8 @@ def train(accelerator: ZeroAccelerator, by_hand: bool) -> dict:
         lrs.append(optimizer.param_groups[0]["lr"])
         loss = lm_loss(model(ids), ids)
         accelerator.backward(loss)
+        if by_hand:  # what the config's run gets from its step: DeepSpeed's default clipping, the config has none
+            accelerator.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
