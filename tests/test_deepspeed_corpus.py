@@ -78,3 +78,48 @@ def test_configs_for_a_scripts_own_optimizer_train_as_deepspeed_or_their_setting
         assert torch.equal(ours, reference), (name, ours, reference)
         for parameter, (theirs, mine) in report["weights"].items():
             assert torch.equal(torch.tensor(theirs), torch.tensor(mine)), (name, parameter)
+
+
+# Accelerate's templates, written for a script that passes DummyOptim/DummyScheduler (fp16, AdamW, WarmupDecayLR).
+ACCELERATE = (
+    "accelerate_zero_stage1_config",
+    "accelerate_zero_stage2_config",
+    "accelerate_zero_stage2_offload_config",
+    "accelerate_zero_stage3_config",
+    "accelerate_zero_stage3_offload_config",
+)
+
+
+@pytest.mark.distributed
+def test_accelerates_templates_train_as_their_settings_written_our_way(tmp_path: Path) -> None:
+    """Accelerate's DeepSpeed templates, each unedited under ``accelerate-zero launch --zero_config_file FILE`` with
+    a script written for Accelerate's DeepSpeed integration (DummyOptim, DummyScheduler): losses, rates, skipped
+    fp16 steps and final weights bit for bit those of the same run written our way (ZeroPlugin with the stage,
+    offload and fp16 loss scaling the file means, torch's AdamW, WarmupDecayLR built by hand, clipping at 1.0 in
+    the loop). DeepSpeed itself cannot be the reference: its fp16 and its CPU offload (compiled CPU Adam) do not
+    run on this CPU. One launch: the launcher reads the first file, the script reads the others as it does."""
+    configs = [CORPUS / f"{name}.json" for name in ACCELERATE]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
+    result = subprocess.run(
+        [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(configs[0])]
+        + ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+        + [str(SCRIPTS / "deepspeed_corpus_accelerate.py"), str(tmp_path), *map(str, configs)],
+        env={**env, "ACCELERATE_USE_CPU": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    first = json.loads((tmp_path / f"{ACCELERATE[0]}.json").read_text())
+    assert first["reread_matches_launcher"]  # the script reads the others into what the launcher would set
+    for name in ACCELERATE:
+        report = json.loads((tmp_path / f"{name}.json").read_text())
+        built, hand = report["config"], report["hand"]
+        assert built["optimizer"] == hand["optimizer"] == "AdamW", name
+        assert built["mixed_precision"] == "fp16" and built["stage"] == hand["stage"] == int(name.split("stage")[1][0])
+        assert built["skipped"] == hand["skipped"], name  # fp16 overflows: the same steps skipped
+        assert built["lrs"] == hand["lrs"] and built["losses"] == hand["losses"], name
+        assert built["weights"] == hand["weights"], name
+        # The comparison means something: steps ran at a rate above 0, clipped (their norm above 1.0).
+        ran = [i for i, skipped in enumerate(hand["skipped"]) if not skipped and hand["lrs"][i] > 0]
+        assert len(ran) >= 3 and all(hand["norms"][i] > 1.0 for i in ran), (name, hand)
