@@ -132,16 +132,26 @@ def test_stock_zero3_config_trains_as_the_native_run_without_deepspeed(tmp_path:
     """transformers' stock ds_config_zero3.json ("auto"s, CPU offload of both) through an unchanged Trainer script
     (ZeroTrainingArguments for TrainingArguments), on 2 processes where ``import deepspeed`` fails: the losses
     and weights of ZeroTrainer given the same settings our way, bit for bit. Then, with DeepSpeed importable,
-    plain ``TrainingArguments(deepspeed=...)`` trains the same on one process."""
+    plain ``TrainingArguments(deepspeed=...)`` trains the same on one process. In the same launch, the stock
+    ds_config_zero2.json (CPU offload of the optimizer) and ds_config_zero3_bf16.json (its ``bfloat16`` section
+    "auto", off as these arguments' bf16) likewise."""
     pytest.importorskip("transformers")
-    _run_trainer(tmp_path, True, "--without-deepspeed", "native", "config")
-    native, config = _report(tmp_path, "native"), _report(tmp_path, "config")
-    assert config["arguments"] == "ZeroTrainingArguments"
-    assert config["settings"] == native["settings"] == {"stage": 3, "offload": "cpu"}
-    assert len(config["losses"]) == 5 and config["losses"] == native["losses"]
-    assert config["weights"].keys() == native["weights"].keys()
-    for name, values in native["weights"].items():
-        assert torch.equal(torch.tensor(config["weights"][name]), torch.tensor(values)), name
+    zero2, bf16 = "transformers_ds_config_zero2", "transformers_ds_config_zero3_bf16"
+    others = [f"native:{zero2}", f"config:{zero2}", f"config:{bf16}"]
+    _run_trainer(tmp_path, True, "--without-deepspeed", "native", "config", *others)
+    pairs = {  # (native, config) report names, and the settings both ran with
+        ("native", "config"): {"stage": 3, "offload": "cpu"},
+        (f"native-{zero2}", f"config-{zero2}"): {"stage": 2, "offload": "none"},
+        ("native", f"config-{bf16}"): {"stage": 3, "offload": "cpu"},
+    }
+    for (native_name, config_name), settings in pairs.items():
+        native, config = _report(tmp_path, native_name), _report(tmp_path, config_name)
+        assert config["arguments"] == "ZeroTrainingArguments"
+        assert config["settings"] == native["settings"] == settings, config_name
+        assert len(config["losses"]) == 5 and config["losses"] == native["losses"], config_name
+        assert config["weights"].keys() == native["weights"].keys()
+        for name, values in native["weights"].items():
+            assert torch.equal(torch.tensor(config["weights"][name]), torch.tensor(values)), (config_name, name)
     pytest.importorskip("deepspeed")  # plain TrainingArguments(deepspeed=...) needs it to be built at all
     single = tmp_path / "single"
     single.mkdir()

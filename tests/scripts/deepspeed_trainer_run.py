@@ -7,7 +7,8 @@ native ZeroTrainer run of the same settings; rank 0 writes OUT/CASE.json (the lo
 ``--without-deepspeed`` makes ``import deepspeed`` fail in this process before transformers is imported, as
 on a machine without DeepSpeed. Cases: ``native`` (ZeroPlugin and the optimizer and scheduler written out),
 ``config`` (``ZeroTrainingArguments(deepspeed=FILE)``), ``plain`` (``TrainingArguments(deepspeed=FILE)``, which
-needs DeepSpeed importable).
+needs DeepSpeed importable); each of FILE ds_config_zero3.json, or another of transformers' stock files as
+``CASE:STEM`` (``config:transformers_ds_config_zero2``, written to OUT/CASE-STEM.json).
 """
 
 from __future__ import annotations
@@ -30,8 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from accelerate_zero import ZeroPlugin, ZeroTrainer, ZeroTrainingArguments  # noqa: E402
 from zero_core.deepspeed import optimizer_sections  # noqa: E402
 
-CONFIG = Path(__file__).resolve().parents[1] / "deepspeed_configs" / "transformers_ds_config_zero3.json"
+CONFIGS = Path(__file__).resolve().parents[1] / "deepspeed_configs"
+CONFIG = CONFIGS / "transformers_ds_config_zero3.json"
 STEPS, ACCUMULATE, LR = 5, 2, 1e-2
+# Each stock file's zero_optimization section, written our way (their fp16/bf16 "auto": off, as these arguments).
+NATIVE = {
+    "transformers_ds_config_zero3": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    "transformers_ds_config_zero3_bf16": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
+    "transformers_ds_config_zero2": dict(stage=2, offload_optimizer="cpu"),
+}
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -81,20 +89,20 @@ def warmup_lr(step: int) -> float:
     return math.log(iteration + 1) / math.log(warmup) if iteration < warmup else 1.0
 
 
-def stock_config() -> str | dict:
+def stock_config(file: Path = CONFIG) -> str | dict:
     """The stock file; without its optimizer and scheduler sections while zero_core cannot build them yet (then
     both runs use Trainer's own AdamW and linear schedule)."""
     if hasattr(optimizer_sections, "build_optimizer"):
-        return str(CONFIG)
-    config = json.loads(CONFIG.read_text())
+        return str(file)
+    config = json.loads(file.read_text())
     del config["optimizer"], config["scheduler"]
     return config
 
 
-def trainer(case: str, out: Path) -> ZeroTrainer:
+def trainer(case: str, out: Path, file: Path = CONFIG) -> ZeroTrainer:
     data = {"model": model(), "train_dataset": Tokens(32, 1)}
     if case == "native":  # the stock config's settings, written our way
-        plugin = ZeroPlugin(stage=3, offload_optimizer="cpu", offload_params="cpu")
+        plugin = ZeroPlugin(**NATIVE[file.stem])
         args = arguments(TrainingArguments, out / case)
         if isinstance(stock_config(), dict):
             return ZeroTrainer(args=args, zero_plugin=plugin, **data)
@@ -103,14 +111,15 @@ def trainer(case: str, out: Path) -> ZeroTrainer:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lr)
         return ZeroTrainer(args=args, zero_plugin=plugin, optimizers=(optimizer, scheduler), **data)
     kind = ZeroTrainingArguments if case == "config" else TrainingArguments
-    return ZeroTrainer(args=arguments(kind, out / case, deepspeed=stock_config()), **data)
+    return ZeroTrainer(args=arguments(kind, out / case, deepspeed=stock_config(file)), **data)
 
 
 def main() -> None:
     out, cases = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
-    for case in cases:
-        run = trainer(case, out)
+    for written in cases:
+        case, _, stem = written.partition(":")
+        run = trainer(case, out, CONFIGS / f"{stem}.json" if stem else CONFIG)
         run.train()
         losses = [e["loss"] for e in run.state.log_history if "loss" in e]
         state = run.accelerator.get_state_dict(run.model)  # every process: gathers under stage 3
@@ -118,7 +127,7 @@ def main() -> None:
         report = {"losses": losses, "weights": weights, "arguments": type(run.args).__name__}
         report["settings"] = {"stage": run.zero_engine.stage, "offload": run.zero_plugin.offload_params}
         if PartialState().is_main_process:
-            (out / f"{case}.json").write_text(json.dumps(report))
+            (out / f"{written.replace(':', '-')}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
