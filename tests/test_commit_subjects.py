@@ -18,6 +18,7 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.distributed  # starts git: the suite's tier for tests that start processes
 def test_commit_subjects_are_short() -> None:
     if shutil.which("git") is None or not (REPOSITORY / ".git").exists():
         pytest.skip("not a git checkout (an installed copy has no history to check)")
