@@ -16,8 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.models import lm_loss  # noqa: E402
-from tests.scripts.deepspeed_same_config import MICRO_BATCH, data, model, ours  # noqa: E402
+from tests.scripts.deepspeed_same_config import MICRO_BATCH, deepspeed_run, ours  # noqa: E402
 
 # What each offloading config means, written as our settings (DeepSpeed's offload needs its compiled CPU Adam).
 NATIVE = {
@@ -36,25 +35,11 @@ NATIVE = {
 }
 
 
-def deepspeed_run(config: dict) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """DeepSpeed's engine on the file as Lightning's DeepSpeed strategy hands it over: the micro-batch size from
-    the DataLoader, and ``gradient_clipping`` from Trainer(gradient_clip_val) where the file has none (0: DeepSpeed
+def lightning_handed(config: dict) -> dict:
+    """The file as Lightning's DeepSpeed strategy hands it to DeepSpeed's engine: the micro-batch size from the
+    DataLoader, and ``gradient_clipping`` from Trainer(gradient_clip_val) where the file has none (0: DeepSpeed
     0.19 would otherwise clip at 1.0)."""
-    import deepspeed
-
-    net = model()
-    optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2)
-    config = {"gradient_clipping": 0.0, **config, "train_micro_batch_size_per_gpu": MICRO_BATCH}
-    ds_model, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
-    losses = []
-    for ids in data(torch.distributed.get_rank(), torch.distributed.get_world_size()):
-        loss = lm_loss(ds_model(ids), ids)
-        ds_model.backward(loss)
-        ds_model.step()
-        losses.append(loss.item())
-    with deepspeed.zero.GatheredParameters(list(ds_model.module.parameters())):
-        weights = {name: p.detach().clone() for name, p in ds_model.module.named_parameters()}
-    return losses, weights
+    return {"gradient_clipping": 0.0, **config, "train_micro_batch_size_per_gpu": MICRO_BATCH}
 
 
 def main() -> None:
@@ -67,7 +52,7 @@ def main() -> None:
         if path.stem in NATIVE:
             reference, weights = ours(None, "32-true", accumulate=1, **NATIVE[path.stem])
         else:
-            reference, weights = deepspeed_run(json.loads(path.read_text()))
+            reference, weights = deepspeed_run(lightning_handed(json.loads(path.read_text())))
         losses, our_weights = ours(path, "32-true", accumulate=1)
         if torch.distributed.get_rank() == 0:
             report = {

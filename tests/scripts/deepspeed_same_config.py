@@ -53,12 +53,15 @@ def data(rank: int, world_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler)
 
 
-def deepspeed_run(config_file: Path) -> tuple[list[float], dict[str, torch.Tensor]]:
+def deepspeed_run(config_file: Path | dict) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """DeepSpeed's own engine on the config (a file, or a dict), the same model, data and AdamW."""
     import deepspeed
 
     net = model()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR)
-    ds_model, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=str(config_file))
+    ds_model, *_ = deepspeed.initialize(
+        model=net, optimizer=optimizer, config=config_file if isinstance(config_file, dict) else str(config_file)
+    )
     losses = []
     for ids in data(torch.distributed.get_rank(), torch.distributed.get_world_size()):
         loss = lm_loss(ds_model(ids), ids)
