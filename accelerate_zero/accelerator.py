@@ -108,6 +108,7 @@ class ZeroAccelerator(Accelerator):
         # Its clipping, applied in each optimizer step as DeepSpeed's engine applies it under Accelerate (the
         # loop's clip_grad_norm_ then only measures); None: the loop clips. ZeroTrainer clears it (it clips).
         self.config_clipping: float | None = (sections.loop.get("gradient_clipping") or None) if sections else None
+        check_step_in_backward_clipping(self.zero_plugin, self.config_clipping)
         self._told_clipping = False
 
     def _require_engine(self) -> ZeroEngine:
@@ -420,6 +421,18 @@ def check_deepspeed_accumulation(plugin: ZeroPlugin, accumulation: int) -> None:
         raise ValueError(
             f"The DeepSpeed config accumulates {steps} micro-batches: pass "
             f"ZeroAccelerator(gradient_accumulation_steps={steps}, ...) (got {accumulation})."
+        )
+
+
+def check_step_in_backward_clipping(plugin: ZeroPlugin, clipping: float | None) -> None:
+    """offload_step_in_backward steps each offloaded unit before the global norm is known, so it cannot clip; a
+    DeepSpeed config clips in every step (at 1.0 where it names no gradient_clipping): refused here, before any
+    work, rather than at the first step."""
+    if clipping and plugin.offload_step_in_backward and plugin.offload_optimizer != "none":
+        raise ValueError(
+            f"The DeepSpeed config clips the gradient norm at {clipping} in each step (DeepSpeed's default 1.0 "
+            "when it names no gradient_clipping), and offload_step_in_backward=True steps before the norm is "
+            'known: set "gradient_clipping": 0 in the config, or drop offload_step_in_backward.'
         )
 
 

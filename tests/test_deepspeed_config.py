@@ -260,3 +260,16 @@ def test_the_same_config_file_trains_as_deepspeed_itself(tmp_path: Path) -> None
             assert torch.equal(our_losses, deepspeed_losses), case
         else:  # the same sums in another order (the docstring)
             torch.testing.assert_close(our_losses, deepspeed_losses, rtol=1e-5, atol=0, msg=case)
+
+
+def test_a_configs_clipping_and_a_step_in_backward_are_refused_together_before_any_work() -> None:
+    from accelerate_zero import ZeroPlugin
+    from accelerate_zero.accelerator import check_step_in_backward_clipping
+
+    early = ZeroPlugin(stage=2, offload_optimizer="cpu", offload_step_in_backward=True)
+    with pytest.raises(ValueError, match=r'clips the gradient norm at 1.0 in each step .* set "gradient_clipping": 0'):
+        check_step_in_backward_clipping(
+            early, ZeroPlugin.from_deepspeed(ZERO3).deepspeed_loop.loop["gradient_clipping"]
+        )
+    check_step_in_backward_clipping(early, None)  # no config: the loop clips, and is refused there if it does
+    check_step_in_backward_clipping(ZeroPlugin(stage=2, offload_optimizer="cpu"), 1.0)
