@@ -3,6 +3,7 @@ always do, and how a refused key is worded."""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 from collections.abc import Callable, Mapping
@@ -89,12 +90,30 @@ class DeepSpeedSettings:
         return f"DeepSpeed config: {len(self.without_effect)} key(s) accepted without effect here: {groups}."
 
 
+def is_number(value: Any) -> bool:
+    """A real number >= 0 (not a bool, which Python counts as one)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
 def _number(name: str, value: Any, apply: Any, refused: list[str]) -> None:
     """``apply(value)`` for a real number, or the key refused with its name (not a bare conversion error)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+    if not is_number(value):
         refused.append(f'{name}={value!r} (a number >= 0, or "auto")')
     else:
         apply(value)
+
+
+def rows_of(prefix: str, table: tuple, aliases: Mapping[str, str] | None = None) -> dict[str, KeyRow]:
+    """A section's rows by key from its table of ``(key, treatment, meaning[, (accepted_if, accepted_text)])``;
+    ``aliases`` (key -> DeepSpeed's other name for it) adds a row for the other name too."""
+    rows = {}
+    for key, treatment, meaning, *check in table:
+        row = KeyRow(f"{prefix}{key}", treatment, meaning, *(check[0] if check else (None, "")))
+        rows[key] = row
+        other = (aliases or {}).get(key)
+        if other is not None:  # DeepSpeed reads either name
+            rows[other] = dataclasses.replace(row, key=f"{prefix}{other}", meaning=f"as {key}")
+    return rows
 
 
 def _prefetch_cap(elements: float, result: DeepSpeedSettings) -> None:

@@ -15,8 +15,8 @@ def all_rows() -> tuple[KeyRow, ...]:
     return (
         *top_level.ROWS,
         *zero_section.ROWS,
-        *getattr(precision, "ROWS", ()),
-        *getattr(optimizer_sections, "ROWS", ()),
+        *precision.ROWS,
+        *optimizer_sections.ROWS,
     )
 
 

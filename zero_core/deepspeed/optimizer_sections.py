@@ -28,8 +28,11 @@ from .optimizers import (
 from .scheduler_params import AUTO_PARAMS, SCHEDULES
 
 MAPPED, RESOLVED, WITHOUT_EFFECT, REFUSED = (
-    Treatment.MAPPED, Treatment.RESOLVED, Treatment.WITHOUT_EFFECT, Treatment.REFUSED,
-)  # fmt: skip
+    Treatment.MAPPED,
+    Treatment.RESOLVED,
+    Treatment.WITHOUT_EFFECT,
+    Treatment.REFUSED,
+)
 # "auto" in the optimizer's params is filled, as Hugging Face fills it, for these (never under Lightning).
 OPTIMIZER_AUTO_PARAMS = ("lr", "betas", "eps", "weight_decay")
 _AUTO_SOURCES = (
@@ -47,7 +50,7 @@ def _rows() -> tuple[KeyRow, ...]:
             MAPPED,
             '"Adam", "AdamW", "Adagrad" (any case) and torch\'s elementwise optimizers '
             'by name ("SGD", "RMSprop", ...); Lamb, Lion, Muon and the mup optimizers are refused',
-        ),  # fmt: skip
+        ),
         KeyRow("optimizer.params", MAPPED, "the optimizer's arguments, by name"),
         KeyRow("optimizer.legacy_fusion", WITHOUT_EFFECT, "DeepSpeed reads it only for fp16 without ZeRO"),
         KeyRow("scheduler", MAPPED, "DeepSpeed's schedule as a torch LRScheduler, stepped after each optimizer step"),
@@ -56,7 +59,7 @@ def _rows() -> tuple[KeyRow, ...]:
             MAPPED,
             ", ".join(SCHEDULES) + "; torch's schedulers by name are refused (DeepSpeed "
             "cannot build them over its ZeRO optimizer either)",
-        ),  # fmt: skip
+        ),
         KeyRow("scheduler.params", MAPPED, "the schedule's arguments, by name"),
     ]
     for name, users in sorted(_optimizer_param_users().items()):
@@ -92,30 +95,30 @@ _OPTIMIZER_PARAM_ROWS = {
         "optimizer.params.adam_w_mode",
         MAPPED,
         'Adam: true (the default) is AdamW\'s decoupled weight decay, as in DeepSpeed; "AdamW" is AdamW either way',
-    ),  # fmt: skip
+    ),
     "torch_adam": KeyRow(
         "optimizer.params.torch_adam",
         MAPPED,
         "Adam/AdamW: torch's class with torch's defaults "
         "(AdamW's weight decay 0.01); without it, FusedAdam's (weight decay 0) in torch's class",
-    ),  # fmt: skip
+    ),
     "bias_correction": KeyRow(
         "optimizer.params.bias_correction",
         REFUSED,
         "torch's Adam always corrects the bias: drop the key",
         equals(True),
         "accepted when true",
-    ),  # fmt: skip
+    ),
     "fp32_optimizer_states": KeyRow(
         "optimizer.params.fp32_optimizer_states",
         REFUSED,
         "the optimizer states are fp32 here: drop the key",
         equals(True),
         "accepted when true",
-    ),  # fmt: skip
+    ),
     "set_grad_none": KeyRow(
         "optimizer.params.set_grad_none", WITHOUT_EFFECT, "zero_grad's set_to_none is the framework's call"
-    ),  # fmt: skip
+    ),
 }
 _SCHEDULER_PARAM_ROWS = {
     "last_batch_iteration": KeyRow(
@@ -124,7 +127,7 @@ _SCHEDULER_PARAM_ROWS = {
         "resume from a checkpoint, which holds the schedule's step",
         equals(-1),
         "accepted when -1",
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -143,8 +146,10 @@ def read_optimizer_section(key: str, section: Any, result: DeepSpeedSettings, re
             apply_row(ROW_BY_KEY["optimizer.legacy_fusion"], f"{key}.{name}", value, result, refused)
     kind, params = section.get("type"), section.get("params") or {}
     if not isinstance(kind, str):
-        refused.append(f'{key}.type={kind!r} (the {key}\'s name; without one DeepSpeed builds no {key} and ignores '
-                       "the section: name it, or drop the section)")  # fmt: skip
+        refused.append(
+            f"{key}.type={kind!r} (the {key}'s name; without one DeepSpeed builds no {key} and ignores "
+            "the section: name it, or drop the section)"
+        )
     elif not isinstance(params, Mapping):
         refused.append(f"{key}.params={params!r} (a JSON object of the {key}'s arguments)")
     elif key == "optimizer":
@@ -165,8 +170,10 @@ def _check_optimizer(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
     for name, value in params.items():
         dotted = f"optimizer.params.{name}"
         if name not in names:
-            refused.append(f"{dotted}={value!r} (not an argument of {kind!r}: DeepSpeed would fail to build it; "
-                           f"its arguments are {', '.join(names)})")  # fmt: skip
+            refused.append(
+                f"{dotted}={value!r} (not an argument of {kind!r}: DeepSpeed would fail to build it; "
+                f"its arguments are {', '.join(names)})"
+            )
         elif value == AUTO and name not in OPTIMIZER_AUTO_PARAMS:
             refused.append(
                 f'{dotted}="auto" (nothing fills it: "auto" is filled for {", ".join(OPTIMIZER_AUTO_PARAMS)})'
@@ -180,8 +187,10 @@ def _check_optimizer(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
         and params.get("torch_adam") is not True
         and params.get("amsgrad", False) is not False
     ):
-        refused.append(f"optimizer.params.amsgrad={params['amsgrad']!r} (DeepSpeed's FusedAdam has no AMSGrad and "
-                       'fails: add "torch_adam": true to train torch\'s AMSGrad, or drop it)')  # fmt: skip
+        refused.append(
+            f"optimizer.params.amsgrad={params['amsgrad']!r} (DeepSpeed's FusedAdam has no AMSGrad and "
+            'fails: add "torch_adam": true to train torch\'s AMSGrad, or drop it)'
+        )
     if len(refused) == before:
         _try_building(kind, params, refused)
 
@@ -205,8 +214,10 @@ def _check_scheduler(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
     for name, value in params.items():
         dotted = f"scheduler.params.{name}"
         if name not in accepted:
-            refused.append(f"{dotted}={value!r} (not an argument of {kind}: DeepSpeed would fail to build it; "
-                           f"its arguments are {', '.join(accepted)})")  # fmt: skip
+            refused.append(
+                f"{dotted}={value!r} (not an argument of {kind}: DeepSpeed would fail to build it; "
+                f"its arguments are {', '.join(accepted)})"
+            )
         elif value == AUTO and name not in AUTO_PARAMS:
             refused.append(f'{dotted}="auto" (nothing fills it: "auto" is filled for {", ".join(AUTO_PARAMS)})')
         elif value != AUTO and not accepted[name].accepts(value):
@@ -218,8 +229,10 @@ def _check_scheduler(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
 
 def _scheduler_hint(kind: str) -> str:
     if hasattr(torch.optim.lr_scheduler, kind):
-        return ("DeepSpeed builds torch's schedulers over its ZeRO optimizer, which torch refuses: build it in the "
-                f"script, or use one of DeepSpeed's: {', '.join(SCHEDULES)}")  # fmt: skip
+        return (
+            "DeepSpeed builds torch's schedulers over its ZeRO optimizer, which torch refuses: build it in the "
+            f"script, or use one of DeepSpeed's: {', '.join(SCHEDULES)}"
+        )
     nearest = difflib.get_close_matches(kind, list(SCHEDULES), n=1, cutoff=0.5)
     return (f"did you mean {nearest[0]!r}? " if nearest else "") + f"DeepSpeed's schedules are {', '.join(SCHEDULES)}"
 

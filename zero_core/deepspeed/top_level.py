@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .common import AUTO, DeepSpeedSettings, KeyRow, Treatment, _refusal, apply_row, disabled, equals
+from .common import AUTO, DeepSpeedSettings, Treatment, _number, _refusal, apply_row, disabled, equals, rows_of
 
 RESOLVED, MAPPED = Treatment.RESOLVED, Treatment.MAPPED
 WITHOUT_EFFECT, REFUSED = Treatment.WITHOUT_EFFECT, Treatment.REFUSED
@@ -20,55 +20,49 @@ _OFF = (disabled, 'accepted when off ("enabled": false)')
 _NO_AUTO_TP = (lambda v: isinstance(v, Mapping) and v.get("autotp_size", 1) in (0, 1), "accepted without autotp_size")
 
 
-def _row(key: str, treatment: Treatment, meaning: str, check: tuple = (None, "")) -> KeyRow:
-    return KeyRow(key, treatment, meaning, *check)
-
-
 # The loop keys: the framework owns the loop, so its value decides. A number in the config becomes the
 # framework's (or must agree with it, the adapter says which); "auto" takes the framework's.
-LOOP_ROWS = {
-    "train_micro_batch_size_per_gpu": _row(
-        "train_micro_batch_size_per_gpu", RESOLVED, "the DataLoader's batch size (a number is only reported)"
-    ),
-    "gradient_accumulation_steps": _row(
+_LOOP = (
+    ("train_micro_batch_size_per_gpu", RESOLVED, "the DataLoader's batch size (a number is only reported)"),
+    (
         "gradient_accumulation_steps",
         RESOLVED,
         "the framework's accumulation (Trainer accumulate_grad_batches, Accelerator gradient_accumulation_steps, "
         "TrainingArguments gradient_accumulation_steps): a number becomes it or must agree with it",
     ),
-    "gradient_clipping": _row(
+    (
         "gradient_clipping",
         RESOLVED,
         "the framework's clipping by norm (Trainer gradient_clip_val, TrainingArguments max_grad_norm): a number "
         "becomes it or must agree with it; absent, the framework's, as Lightning's DeepSpeed strategy fills it in "
         "(DeepSpeed 0.19's engine alone clips at 1.0)",
     ),
-    "train_batch_size": _row(
-        "train_batch_size", RESOLVED, "micro-batch x accumulation x data-parallel ranks, as the launch makes it"
-    ),
-}
+    ("train_batch_size", RESOLVED, "micro-batch x accumulation x data-parallel ranks, as the launch makes it"),
+)
+LOOP_ROWS = rows_of("", _LOOP)
 _LOOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu")
 
-_SECTIONS = {
-    # activation_checkpointing's own keys have rows below; its reader maps two of them.
-    "activation_checkpointing": _row("activation_checkpointing", MAPPED, "its keys below"),
-}
-_ACTIVATION = {
-    "partition_activations": _row(
-        "activation_checkpointing.partition_activations", MAPPED, "partition_activations (tensor parallelism)"
+# activation_checkpointing's own keys have rows below; its reader maps two of them.
+_SECTIONS = rows_of("", (("activation_checkpointing", MAPPED, "its keys below"),))
+_ACTIVATION = rows_of(
+    "activation_checkpointing.",
+    (
+        ("partition_activations", MAPPED, "partition_activations (tensor parallelism)"),
+        ("cpu_checkpointing", MAPPED, "offload_activations"),
+        ("contiguous_memory_optimization", WITHOUT_EFFECT, "checkpoints are torch's"),
+        ("number_checkpoints", WITHOUT_EFFECT, "checkpoints are torch's"),
+        ("synchronize_checkpoint_boundary", WITHOUT_EFFECT, "checkpoints are torch's"),
+        ("profile", WITHOUT_EFFECT, _REPORTING),
     ),
-    "cpu_checkpointing": _row("activation_checkpointing.cpu_checkpointing", MAPPED, "offload_activations"),
-    "contiguous_memory_optimization": _row(
-        "activation_checkpointing.contiguous_memory_optimization", WITHOUT_EFFECT, "checkpoints are torch's"
-    ),
-    "number_checkpoints": _row(
-        "activation_checkpointing.number_checkpoints", WITHOUT_EFFECT, "checkpoints are torch's"
-    ),
-    "synchronize_checkpoint_boundary": _row(
-        "activation_checkpointing.synchronize_checkpoint_boundary", WITHOUT_EFFECT, "checkpoints are torch's"
-    ),
-    "profile": _row("activation_checkpointing.profile", WITHOUT_EFFECT, _REPORTING),
-}
+)
+
+
+def _grad_accum_fp32(value: Any) -> bool:
+    """``data_types`` that asks for what we do: gradients accumulated in fp32."""
+    if not isinstance(value, Mapping) or not set(value) <= {"grad_accum_dtype"}:
+        return False
+    return value.get("grad_accum_dtype") in (None, "fp32")
+
 
 _OTHERS = (
     ("steps_per_print", WITHOUT_EFFECT, _REPORTING),
@@ -107,7 +101,7 @@ _OTHERS = (
     ("seq_parallel_communication_data_type", WITHOUT_EFFECT, "no sequence parallelism here"),
     ("communication_data_type", REFUSED, "gradients are reduced in fp32 here", (equals("fp32"), 'accepted as "fp32"')),
     ("gradient_allreduce_op", REFUSED, "gradients are averaged here", (equals("mean"), 'accepted as "mean"')),
-    ("data_types", REFUSED, "gradients accumulate in fp32 here", (lambda v: _grad_accum_fp32(v), "accepted as fp32")),
+    ("data_types", REFUSED, "gradients accumulate in fp32 here", (_grad_accum_fp32, "accepted as fp32")),
     ("amp", REFUSED, "use the framework's precision flag (16-mixed, bf16-mixed)", _OFF),
     ("torch_autocast", REFUSED, "use the framework's precision flag (bf16-mixed, 16-mixed)", _OFF),
     ("sparse_gradients", REFUSED, "gradients are dense here", (equals(False), "accepted as false")),
@@ -130,20 +124,8 @@ _OTHERS = (
     ("tensor_parallel", REFUSED, "set tensor_parallel_size; split the model with parallelize_module", _NO_AUTO_TP),
     ("expert_parallel", REFUSED, "no expert parallelism here", _OFF),
 )
-OTHER_ROWS = {key: _row(key, treatment, meaning, *check) for key, treatment, meaning, *check in _OTHERS}
+OTHER_ROWS = rows_of("", _OTHERS)
 ROWS = (*LOOP_ROWS.values(), *_SECTIONS.values(), *_ACTIVATION.values(), *OTHER_ROWS.values())
-
-
-def _grad_accum_fp32(value: Any) -> bool:
-    return (
-        isinstance(value, Mapping)
-        and set(value) <= {"grad_accum_dtype"}
-        and value.get("grad_accum_dtype")
-        in (
-            None,
-            "fp32",
-        )
-    )
 
 
 def read_top_level(key: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> bool:
@@ -169,10 +151,7 @@ def _is_count(value: Any) -> bool:
 def _loop_value(key: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
     """The loop keys, checked here so every adapter gets a clean value: a count >= 1 or a clip >= 0."""
     if key == "gradient_clipping":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            refused.append(f'{key}={value!r} (a number >= 0, or "auto")')
-        else:
-            result.loop[key] = float(value)
+        _number(key, value, lambda n: result.loop.__setitem__(key, float(n)), refused)
     elif not _is_count(value):
         refused.append(f'{key}={value!r} (an integer >= 1, or "auto")')
     else:

@@ -7,12 +7,22 @@ trained are the same whatever their value, so they are accepted without effect a
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config import OFFLOAD_MODES
-from .common import AUTO, DeepSpeedSettings, KeyRow, Treatment, _number, _prefetch_cap, _refusal, apply_row, equals
+from .common import (
+    AUTO,
+    DeepSpeedSettings,
+    Treatment,
+    _number,
+    _prefetch_cap,
+    _refusal,
+    apply_row,
+    equals,
+    is_number,
+    rows_of,
+)
 
 MAPPED, WITHOUT_EFFECT, REFUSED = Treatment.MAPPED, Treatment.WITHOUT_EFFECT, Treatment.REFUSED
 _UNITS = "units are our buffers: whole modules (wrap classes) or bucket_size_mb"
@@ -24,7 +34,7 @@ _GATHERED = "stage 3 keeps the running unit and `prefetch` units gathered, and r
 
 # The values a key accepted without effect may take (a wrong type is still refused, naming the key).
 def _is_size(value: Any) -> bool:
-    return value == AUTO or (isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0)
+    return value == AUTO or is_number(value)
 
 
 _BOOL = (lambda value: isinstance(value, bool) or value == AUTO, 'true, false or "auto"')
@@ -156,19 +166,10 @@ _OFFLOAD_PARAM = (
 )
 
 
-def _rows(prefix: str, table: tuple) -> dict[str, KeyRow]:
-    rows = {}
-    for key, treatment, meaning, *check in table:
-        row = KeyRow(f"{prefix}{key}", treatment, meaning, *(check[0] if check else (None, "")))
-        rows[key] = row
-        if key in _ALIASES:  # DeepSpeed's field name, read as its alias
-            rows[_ALIASES[key]] = dataclasses.replace(row, key=f"{prefix}{_ALIASES[key]}", meaning=f"as {key}")
-    return rows
-
-
-ZERO_ROWS = _rows("zero_optimization.", _ZERO)
-OFFLOAD_OPTIMIZER_ROWS = _rows("zero_optimization.offload_optimizer.", _OFFLOAD_OPTIMIZER)
-OFFLOAD_PARAM_ROWS = _rows("zero_optimization.offload_param.", _OFFLOAD_PARAM)
+_ALIAS_OF_FIELD = {field: alias for alias, field in _ALIASES.items()}  # read as the alias
+ZERO_ROWS = rows_of("zero_optimization.", _ZERO, _ALIASES)
+OFFLOAD_OPTIMIZER_ROWS = rows_of("zero_optimization.offload_optimizer.", _OFFLOAD_OPTIMIZER)
+OFFLOAD_PARAM_ROWS = rows_of("zero_optimization.offload_param.", _OFFLOAD_PARAM)
 ROWS = (*ZERO_ROWS.values(), *OFFLOAD_OPTIMIZER_ROWS.values(), *OFFLOAD_PARAM_ROWS.values())
 
 
@@ -177,7 +178,7 @@ def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -
         refused.append(f"zero_optimization={section!r} (a JSON object of ZeRO options)")
         return
     for key, value in section.items():
-        key = next((alias for alias, field in _ALIASES.items() if field == key), key)
+        key = _ALIAS_OF_FIELD.get(key, key)
         name = f"zero_optimization.{key}"
         mapper = _MAPPERS.get(key)
         if mapper is not None:
