@@ -31,31 +31,46 @@ from zero_core.deepspeed.schedulers import WarmupDecayLR  # noqa: E402
 STEPS, LR, WEIGHT_DECAY, WARMUP = 6, 1e-2, 0.01, 2
 
 
-def train(accelerator: ZeroAccelerator, by_hand: bool) -> dict:
+def train(accelerator: ZeroAccelerator, by_hand: bool, steps: int = STEPS) -> dict:
+    """``steps`` optimizer steps with the config's optimizer and schedule (from DummyOptim/DummyScheduler), or
+    (``by_hand``) the same built by hand and clipped at 1.0, as the config's step clips."""
     torch.manual_seed(0)
     model = TinyTransformer(blocks=2, batchnorm=False)
-    data = DataLoader(TokenDataset(2 * STEPS * accelerator.num_processes), batch_size=2)
+    data = DataLoader(TokenDataset(2 * steps * accelerator.num_processes), batch_size=2)
     if by_hand:
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        scheduler = WarmupDecayLR(optimizer, STEPS, warmup_min_lr=0, warmup_max_lr=LR, warmup_num_steps=WARMUP)
+        scheduler = WarmupDecayLR(optimizer, steps, warmup_min_lr=0, warmup_max_lr=LR, warmup_num_steps=WARMUP)
     else:  # Accelerate's DeepSpeed way: the total counts every process's steps (divided among them)
         optimizer = DummyOptim(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
         scheduler = DummyScheduler(
-            optimizer, total_num_steps=STEPS * accelerator.num_processes, warmup_num_steps=WARMUP
+            optimizer, total_num_steps=steps * accelerator.num_processes, warmup_num_steps=WARMUP
         )
     model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
-    losses, lrs = [], []
+    losses, lrs, norms, skipped = [], [], [], []
     for ids in data:
         lrs.append(optimizer.param_groups[0]["lr"])
         loss = lm_loss(model(ids), ids)
         accelerator.backward(loss)
-        if by_hand:  # what the config's run gets from its step: DeepSpeed's default clipping, the config has none
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
+        if by_hand:  # what the config's run gets from its optimizer step
+            norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
         optimizer.step()
-        scheduler.step()
+        # By hand the schedule skips with the step, as the config's (stepped in the optimizer's step) does.
+        if not (by_hand and optimizer.step_was_skipped):
+            scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "lrs": lrs, "optimizer": type(optimizer.optimizer).__name__}
+        skipped.append(optimizer.step_was_skipped)
+    weights = {name: t.float().flatten().tolist() for name, t in accelerator.get_state_dict(model).items()}
+    return {
+        "losses": losses,
+        "lrs": lrs,
+        "norms": norms,
+        "skipped": skipped,
+        "weights": weights,
+        "optimizer": type(optimizer.optimizer).__name__,
+        "stage": accelerator.engine.stage,
+        "mixed_precision": accelerator.mixed_precision,
+    }
 
 
 def main() -> None:

@@ -21,20 +21,17 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
-from accelerate.utils import DummyOptim, DummyScheduler  # noqa: E402
 
 from accelerate_zero import ZeroAccelerator, ZeroPlugin  # noqa: E402
 from accelerate_zero.launch import plugin_from_arguments  # noqa: E402
 from accelerate_zero.plugin import ENV_PREFIX  # noqa: E402
-from tests.models import TinyTransformer, TokenDataset, lm_loss  # noqa: E402
-from zero_core.deepspeed.schedulers import WarmupDecayLR  # noqa: E402
+from tests.scripts.accelerate_deepspeed_sections import train  # noqa: E402
 
-STEPS, LR, WEIGHT_DECAY, WARMUP = 10, 1e-2, 0.01, 2
+STEPS = 10  # not the sections script's 6: fp16 overflows skip the first steps, and at least 3 must train
 PRECISION_VARIABLE = "ACCELERATE_MIXED_PRECISION"
 # What each template's zero_optimization section means, written our way.
 NATIVE = {
@@ -65,46 +62,6 @@ def fresh_state() -> None:
     GradientState._reset_state()
 
 
-def train(accelerator: ZeroAccelerator, by_hand: bool) -> dict:
-    torch.manual_seed(0)
-    model = TinyTransformer(blocks=2, batchnorm=False)
-    data = DataLoader(TokenDataset(2 * STEPS * accelerator.num_processes), batch_size=2)
-    if by_hand:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        scheduler = WarmupDecayLR(optimizer, STEPS, warmup_min_lr=0, warmup_max_lr=LR, warmup_num_steps=WARMUP)
-    else:  # Accelerate's DeepSpeed way: the total counts every process's steps (divided among them)
-        optimizer = DummyOptim(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-        scheduler = DummyScheduler(
-            optimizer, total_num_steps=STEPS * accelerator.num_processes, warmup_num_steps=WARMUP
-        )
-    model, optimizer, data, scheduler = accelerator.prepare(model, optimizer, data, scheduler)
-    losses, lrs, norms, skipped = [], [], [], []
-    for ids in data:
-        lrs.append(optimizer.param_groups[0]["lr"])
-        loss = lm_loss(model(ids), ids)
-        accelerator.backward(loss)
-        if by_hand:  # what the config's run gets from its optimizer step
-            norms.append(accelerator.clip_grad_norm_(model.parameters(), 1.0).item())
-        optimizer.step()
-        # By hand the schedule skips with the step, as the config's (stepped in the optimizer's step) does.
-        if not (by_hand and optimizer.step_was_skipped):
-            scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        skipped.append(optimizer.step_was_skipped)
-    weights = {name: t.float().flatten().tolist() for name, t in accelerator.get_state_dict(model).items()}
-    return {
-        "losses": losses,
-        "lrs": lrs,
-        "norms": norms,
-        "skipped": skipped,
-        "weights": weights,
-        "optimizer": type(optimizer.optimizer).__name__,
-        "stage": accelerator.engine.stage,
-        "mixed_precision": accelerator.mixed_precision,
-    }
-
-
 def main() -> None:
     out, configs = Path(sys.argv[1]), [Path(p) for p in sys.argv[2:]]
     torch.set_num_threads(1)
@@ -115,14 +72,14 @@ def main() -> None:
         if index == 0:
             report["reread_matches_launcher"] = variables == launched
         fresh_state()
-        report["config"] = train(ZeroAccelerator(), by_hand=False)  # the launcher's settings and sections
+        report["config"] = train(ZeroAccelerator(), by_hand=False, steps=STEPS)  # the launcher's settings and sections
         # The same written our way: nothing from the file (its variables cleared).
         for name in [k for k in os.environ if k.startswith(ENV_PREFIX)]:
             del os.environ[name]
         fresh_state()
         plugin = ZeroPlugin(**NATIVE[config.stem], **FP16_SCALING)
         hand = ZeroAccelerator(zero_plugin=plugin, mixed_precision="fp16", step_scheduler_with_optimizer=False)
-        report["hand"] = train(hand, by_hand=True)
+        report["hand"] = train(hand, by_hand=True, steps=STEPS)
         if hand.is_main_process:
             (out / f"{config.stem}.json").write_text(json.dumps(report))
 
