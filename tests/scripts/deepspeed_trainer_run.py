@@ -24,11 +24,12 @@ if "--without-deepspeed" in sys.argv:
 
 import torch  # noqa: E402
 from accelerate import PartialState  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments  # noqa: E402
+from transformers import TrainingArguments  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate_zero import ZeroPlugin, ZeroTrainer, ZeroTrainingArguments  # noqa: E402
+from tests.scripts.trainer_run import Tokens, model  # noqa: E402  (the Trainer tests' data and GPT-2)
 from zero_core.deepspeed import optimizer_sections  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "deepspeed_configs"
@@ -40,24 +41,6 @@ NATIVE = {
     "transformers_ds_config_zero3_bf16": dict(stage=3, offload_optimizer="cpu", offload_params="cpu"),
     "transformers_ds_config_zero2": dict(stage=2, offload_optimizer="cpu"),
 }
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, count: int, seed: int) -> None:
-        self.ids = torch.randint(0, 64, (count, 16), generator=torch.Generator().manual_seed(seed))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
-
-
-def model() -> GPT2LMHeadModel:
-    torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)
-    config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
-    return GPT2LMHeadModel(config)
 
 
 def arguments(kind: type, output_dir: Path, **deepspeed: object) -> TrainingArguments:
