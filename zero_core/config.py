@@ -17,6 +17,7 @@ from .settings import (
     Setting,
     TextSpelling,
     complete,
+    is_count,
     join_names,
     parse_bool,
     parse_class_names,
@@ -25,12 +26,6 @@ from .settings import (
     setting,
 )
 from .wrap_policy import WrapPolicy, WrapPolicyLike, as_wrap_policy, wrap_policy_of_names
-
-
-def _is_count(value: object, minimum: int) -> bool:
-    """An integer (not a bool, which Python counts as one) of at least ``minimum``."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
 
 OFFLOAD_MODES = ("none", "cpu", "nvme")
 
@@ -276,7 +271,7 @@ class ZeroConfig:
             )
         if not self.bucket_size_mb > 0:
             raise ValueError("ZeroConfig.bucket_size_mb must be > 0 (the default is 25).")
-        if self.prefetch != "auto" and not _is_count(self.prefetch, minimum=0):
+        if self.prefetch != "auto" and not is_count(self.prefetch, minimum=0):
             raise ValueError(
                 f"ZeroConfig.prefetch={self.prefetch!r} is invalid: use an integer >= 0 (0 turns prefetch off) "
                 'or "auto" (chosen from measured times).'
@@ -290,19 +285,19 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
         if not isinstance(self.overlap_param_refresh, bool):
             raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
-        if not _is_count(self.persistence_threshold, minimum=0):
+        if not is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
                 f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "
                 "use a number of parameters >= 0 "
                 "(stage-3 units smaller than it stay gathered; 0 keeps every unit sharded)."
             )
-        if self.shard_group_size is not None and not _is_count(self.shard_group_size, minimum=1):
+        if self.shard_group_size is not None and not is_count(self.shard_group_size, minimum=1):
             raise ValueError(
                 f"ZeroConfig.shard_group_size={self.shard_group_size!r} is invalid: "
                 "use a positive number of ranks that divides "
                 "the world size (usually the devices per node), or None to shard across every rank."
             )
-        if not _is_count(self.tensor_parallel_size, minimum=1):
+        if not is_count(self.tensor_parallel_size, minimum=1):
             raise ValueError(
                 f"ZeroConfig.tensor_parallel_size={self.tensor_parallel_size!r} is invalid: use a positive "
                 "number of ranks that divides the world size (usually at most the devices per node); 1: none."
@@ -325,7 +320,7 @@ class ZeroConfig:
                 f"ZeroConfig.offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1] "
                 "(1: the whole optimizer state; for none, leave offload_optimizer at 'none')."
             )
-        if not _is_count(self.offload_units_in_memory, minimum=1):
+        if not is_count(self.offload_units_in_memory, minimum=1):
             raise ValueError(
                 f"ZeroConfig.offload_units_in_memory={self.offload_units_in_memory!r} is invalid: use an integer >= 1."
             )

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .settings import is_count
+
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -61,10 +63,6 @@ def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def check_loss_scaling(config: Any) -> None:
     """The loss-scaling settings of a ``ZeroConfig``, each refused with what to use (checked whatever the
     precision: a wrong value is found at setup, not when fp16 is first used)."""
@@ -73,9 +71,9 @@ def check_loss_scaling(config: Any) -> None:
         wrong.append(f"loss_scale={config.loss_scale!r}: use 0 (dynamic loss scaling) or a fixed scale > 0")
     if not (_number(config.initial_loss_scale) and config.initial_loss_scale > 0):
         wrong.append(f"initial_loss_scale={config.initial_loss_scale!r}: use a number > 0 (the default is 2**16)")
-    if not _count(config.loss_scale_window):
+    if not is_count(config.loss_scale_window, 1):
         wrong.append(f"loss_scale_window={config.loss_scale_window!r}: use an integer >= 1 (the default is 2000)")
-    if not _count(config.loss_scale_hysteresis):
+    if not is_count(config.loss_scale_hysteresis, 1):
         wrong.append(
             f"loss_scale_hysteresis={config.loss_scale_hysteresis!r}: use an integer >= 1 (1: every overflow "
             "halves the scale; 2: the first of a run of overflows only skips its step)"

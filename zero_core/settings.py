@@ -18,6 +18,12 @@ from typing import Any, NamedTuple
 SETTING_KEY = "zero_setting"  # the key of a field's metadata that holds its declaration
 
 
+def is_count(value: object, minimum: int) -> bool:
+    """An integer (not a bool, which Python counts as one) of at least ``minimum``: what a count setting, a
+    DeepSpeed count key and a manifest's sizes are checked with."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def parse_bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):

@@ -23,6 +23,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from ..settings import is_count
 from .errors import CheckpointError
 
 MANIFEST_FILENAME = "zero-manifest.json"
@@ -149,20 +150,17 @@ def _parse(document: dict) -> Manifest:
         size, sha256 = entry["bytes"], entry["sha256"]
         items = tuple(tuple(item) for item in entry.get("items", ()))
         well_formed = (
-            _is_count(size)
+            is_count(size, 0)
             and _is_digest(sha256)
             and all(
-                len(item) == 3 and _is_count(item[0]) and _is_count(item[1]) and _is_digest(item[2]) for item in items
+                len(item) == 3 and is_count(item[0], 0) and is_count(item[1], 0) and _is_digest(item[2])
+                for item in items
             )
         )
         if not well_formed:
             raise ValueError(f"the entry for {name} is malformed")
         files[name] = FileDigest(size, sha256, items)  # type: ignore[arg-type]
     return Manifest(document["save_id"], files)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _is_digest(value: object) -> bool:

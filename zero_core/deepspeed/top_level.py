@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ..settings import is_count
 from .common import AUTO, DeepSpeedSettings, Treatment, _number, _refusal, apply_row, disabled, equals, rows_of
 
 RESOLVED, MAPPED = Treatment.RESOLVED, Treatment.MAPPED
@@ -133,7 +134,7 @@ def read_top_level(key: str, value: Any, result: DeepSpeedSettings, refused: lis
     if key in LOOP_ROWS:
         if key in _LOOP_KEYS and value != AUTO:
             _loop_value(key, value, result, refused)
-        elif key == "train_batch_size" and value != AUTO and not _is_count(value):
+        elif key == "train_batch_size" and value != AUTO and not is_count(value, 1):
             refused.append(f'{key}={value!r} (an integer >= 1, or "auto")')
     elif key == "activation_checkpointing":
         _activation_checkpointing(value, result, refused)
@@ -144,15 +145,11 @@ def read_top_level(key: str, value: Any, result: DeepSpeedSettings, refused: lis
     return True
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
 def _loop_value(key: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
     """The loop keys, checked here so every adapter gets a clean value: a count >= 1 or a clip >= 0."""
     if key == "gradient_clipping":
         _number(key, value, lambda n: result.loop.__setitem__(key, float(n)), refused)
-    elif not _is_count(value):
+    elif not is_count(value, 1):
         refused.append(f'{key}={value!r} (an integer >= 1, or "auto")')
     else:
         result.loop[key] = value
