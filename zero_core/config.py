@@ -10,6 +10,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from functools import cache
 
+from .offload_settings import OFFLOAD_MODES, check_offload
 from .precision import MixedPrecision, check_loss_scaling
 from .settings import (
     SETTING_KEY,
@@ -27,7 +28,7 @@ from .settings import (
 )
 from .wrap_policy import WrapPolicy, WrapPolicyLike, as_wrap_policy, wrap_policy_of_names
 
-OFFLOAD_MODES = ("none", "cpu", "nvme")
+__all__ = ["OFFLOAD_MODES", "StagePlan", "ZeroConfig", "user_settings"]  # OFFLOAD_MODES: offload_settings.py
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ class ZeroConfig:
     stage: int = setting(
         3,
         doc="1 shards optimizer state, 2 also gradients, 3 also parameters",
+        values="1, 2 or 3",
         parse=int,
         example=2,
         # --zero_stage is Accelerate's DeepSpeed flag.
@@ -80,6 +82,7 @@ class ZeroConfig:
     bucket_size_mb: float = setting(
         25.0,
         doc="target size (MiB) of a unit, and so of one reduce-scatter, when units are chosen by size",
+        values="a number > 0",
         parse=float,
         example=8.0,
     )
@@ -88,12 +91,14 @@ class ZeroConfig:
     prefetch: int | str = setting(
         1,
         doc='stage 3: units all-gathered ahead of the one computing (0: off), or "auto" (from measured times)',
+        values='an integer >= 0, or "auto"',
         parse=parse_prefetch,
         example="auto",
     )
     prefetch_cap_mb: float = setting(
         256.0,
         doc='with prefetch "auto": the most memory (MiB) the units gathered ahead may take',
+        values="a number > 0 (inf: no cap)",
         parse=float,
         example=64.0,
     )
@@ -101,30 +106,45 @@ class ZeroConfig:
     # fp16 loss scaling: DeepSpeed's fp16 keys, with its meaning; the defaults are torch GradScaler's values
     # (precision.py checks them, optim/loss_scaling.py runs them). Without fp16 they change nothing.
     loss_scale: float = setting(
-        0.0, doc="fp16: a fixed loss scale (an overflow still skips its step); 0: dynamic", parse=float, example=1024.0
+        0.0,
+        doc="fp16: a fixed loss scale (an overflow still skips its step); 0: dynamic",
+        values="a number >= 0",
+        parse=float,
+        example=1024.0,
     )
     initial_loss_scale: float = setting(
-        2.0**16, doc="fp16, dynamic: the loss scale of the first step", parse=float, example=1024.0
+        2.0**16,
+        doc="fp16, dynamic: the loss scale of the first step",
+        values="a number > 0",
+        parse=float,
+        example=1024.0,
     )
     loss_scale_window: int = setting(
         2000,
         doc="fp16, dynamic: the scale doubles once this many steps since the last overflow ran clean, and "
         "again every this many",
+        values="an integer >= 1",
         parse=int,
         example=1000,
     )
     loss_scale_hysteresis: int = setting(
-        1, doc="fp16, dynamic: the overflows that halve the scale only at the last (1: each one)", parse=int, example=2
+        1,
+        doc="fp16, dynamic: the overflows that halve the scale only at the last (1: each one)",
+        values="an integer >= 1",
+        parse=int,
+        example=2,
     )
     consecutive_hysteresis: bool = setting(
         False,
         doc="fp16, dynamic: refill the hysteresis after each clean step, not only when the scale doubles",
+        values="true or false",
         parse=parse_bool,
         example=True,
     )
     min_loss_scale: float = setting(
         0.0,
         doc="fp16, dynamic: the scale halves no lower; an overflow at it stops the run; 0: no floor",
+        values="a number >= 0",
         parse=float,
         example=1.0,
     )
@@ -133,6 +153,7 @@ class ZeroConfig:
         default_factory=WrapPolicy,
         doc="the module classes that become units (transformer blocks; Accelerate: their class names); "
         "none: units chosen by size",
+        values="module classes (Accelerate: class names), or none",
         parse=parse_class_names,
         format=join_names,
         example=("GPTBlock",),
@@ -150,6 +171,7 @@ class ZeroConfig:
     broadcast_buffers: bool = setting(
         True,
         doc="broadcast buffers (BatchNorm statistics) from rank 0 before each training forward, as DDP does",
+        values="true or false",
         parse=parse_bool,
         example=False,
     )
@@ -160,6 +182,7 @@ class ZeroConfig:
     overlap_param_refresh: bool = setting(
         False,
         doc="stages 1/2: return from the optimizer step before the updated parameters are all-gathered",
+        values="true or false",
         parse=parse_bool,
         example=True,
     )
@@ -171,6 +194,7 @@ class ZeroConfig:
         None,
         doc="hybrid sharding: shard inside groups of this many consecutive ranks (usually one node's) and "
         "replicate across them; None: one group of every rank",
+        values="an integer >= 1 dividing the data-parallel size, or none",
         parse=parse_optional_int,
         example=2,
     )
@@ -181,6 +205,7 @@ class ZeroConfig:
         1,
         doc="tensor parallelism: split each layer across this many consecutive ranks (a 2-D device mesh, "
         "handed to configure_model as self.device_mesh) and shard across the rest; 1: none",
+        values="an integer >= 1 dividing the world size",
         parse=int,
         example=2,
     )
@@ -191,6 +216,7 @@ class ZeroConfig:
     persistence_threshold: int = setting(
         0,
         doc="stage 3: units with fewer parameters than this stay gathered between steps; 0: every unit sharded",
+        values="an integer >= 0",
         parse=int,
         example=1000,
     )
@@ -202,6 +228,7 @@ class ZeroConfig:
         doc='"cpu": the fp32 master shard, optimizer state and gradient shard in host memory, the step on the '
         'host; "nvme": likewise, with the optimizer state in files under offload_dir between steps; '
         '"none": on the device',
+        values='"none", "cpu" or "nvme"',
         parse=str,
         example="nvme",
     )
@@ -211,6 +238,7 @@ class ZeroConfig:
         "none",
         doc='stage 3: "cpu": the parameter shards at rest in host memory, copied to the device for each '
         'gather; "nvme": in files under offload_dir, read back for each gather; "none": on the device',
+        values='"none", "cpu" or "nvme" (stage 3)',
         parse=str,
         example="nvme",
     )
@@ -219,6 +247,7 @@ class ZeroConfig:
         False,
         doc="keep what each unit's forward saves for backward in host memory until backward needs it "
         "(a CPU device: nothing moves)",
+        values="true or false",
         parse=parse_bool,
         example=True,
     )
@@ -228,6 +257,7 @@ class ZeroConfig:
         False,
         doc="with tensor parallelism: each checkpointed block (torch's checkpoint_wrapper) keeps 1/TP of its "
         "inputs for backward, all-gathered across the tensor-parallel ranks before it is recomputed",
+        values="true or false",
         parse=parse_bool,
         example=True,
     )
@@ -235,6 +265,7 @@ class ZeroConfig:
         None,
         doc="with offload_optimizer or offload_params 'nvme': the directory (on a fast local disk) for the "
         "per-run scratch files",
+        values="a directory path, or none",
         parse=lambda text: None if text.strip().lower() in ("", "none") else text,
         example="/local_nvme",
     )
@@ -242,6 +273,7 @@ class ZeroConfig:
         1.0,
         doc="with offload_optimizer: the share of the optimizer state offloaded, largest units first; "
         "the rest stays on the device (nvme: in memory)",
+        values="a number in (0, 1]",
         parse=float,
         example=0.5,
     )
@@ -249,6 +281,7 @@ class ZeroConfig:
         2,
         doc="with 'nvme' offload: the most units whose optimizer state (and, apart, whose parameter shards "
         "waiting to be written) are in memory at once",
+        values="an integer >= 1",
         parse=int,
         example=3,
     )
@@ -259,6 +292,7 @@ class ZeroConfig:
         False,
         doc="with offload_optimizer: each offloaded unit steps on the host while backward goes on; clipping, "
         "fp16 and changing hyperparameters between backward and optimizer.step() are then refused",
+        values="true or false",
         parse=parse_bool,
         example=True,
     )
@@ -302,47 +336,13 @@ class ZeroConfig:
                 f"ZeroConfig.tensor_parallel_size={self.tensor_parallel_size!r} is invalid: use a positive "
                 "number of ranks that divides the world size (usually at most the devices per node); 1: none."
             )
-        self._check_offload()
+        check_offload(self)
 
     @property
     def steps_in_backward(self) -> bool:
         """Offloaded units step during backward (``offload_step_in_backward`` with ``offload_optimizer``: without
         an offloaded optimizer there is no host step to overlap, and the setting changes nothing)."""
         return self.offload_step_in_backward and self.offload_optimizer != "none"
-
-    def _check_offload(self) -> None:
-        for name in ("offload_optimizer", "offload_params"):
-            if getattr(self, name) not in OFFLOAD_MODES:
-                modes = " or ".join(repr(m) for m in OFFLOAD_MODES)
-                raise ValueError(f"ZeroConfig.{name}={getattr(self, name)!r} is invalid: use {modes}.")
-        if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
-            raise ValueError(
-                f"ZeroConfig.offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1] "
-                "(1: the whole optimizer state; for none, leave offload_optimizer at 'none')."
-            )
-        if not is_count(self.offload_units_in_memory, minimum=1):
-            raise ValueError(
-                f"ZeroConfig.offload_units_in_memory={self.offload_units_in_memory!r} is invalid: use an integer >= 1."
-            )
-        if self.offload_params != "none" and self.stage != 3:
-            raise ValueError(
-                f"ZeroConfig.offload_params={self.offload_params!r} needs stage=3: at stage {self.stage} every rank "
-                "keeps the full parameters on the device to compute with. Use stage=3, or offload_optimizer to "
-                "move the optimizer's part off the device."
-            )
-        if not isinstance(self.offload_activations, bool):
-            raise ValueError("ZeroConfig.offload_activations must be True or False.")
-        if not isinstance(self.partition_activations, bool):
-            raise ValueError("ZeroConfig.partition_activations must be True or False.")
-        if not isinstance(self.offload_step_in_backward, bool):
-            raise ValueError("ZeroConfig.offload_step_in_backward must be True or False.")
-        if self.steps_in_backward and self.mixed_precision.uses_loss_scaling:
-            raise ValueError(
-                "ZeroConfig.offload_step_in_backward=True cannot run with fp16 loss scaling: a step may be skipped "
-                "for an overflow found only after backward. Use bf16, or turn offload_step_in_backward off."
-            )
-        if self.offload_dir is not None and not isinstance(self.offload_dir, str):
-            raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")
 
     @property
     def plan(self) -> StagePlan:

@@ -89,6 +89,7 @@ class Setting:
 
     name: str  # the ZeroConfig field, and the strategies' keyword
     doc: str  # one line: --help, generated docstrings
+    values: str  # the valid values, as the configuration reference prints them
     default: Any  # ZeroConfig's default
     keyword: KeywordForm
     text: TextForm
@@ -110,6 +111,7 @@ class _Declared:
     """What a field declares; what it leaves out is the field's own (name, type, default)."""
 
     doc: str
+    values: str
     parse: Callable[[str], Any]
     example: Any
     format: Callable[[Any], str]
@@ -122,6 +124,7 @@ def setting(
     default: Any = dataclasses.MISSING,
     *,
     doc: str,
+    values: str,
     parse: Callable[[str], Any],
     example: Any,
     default_factory: Callable[[], Any] | Any = dataclasses.MISSING,
@@ -132,12 +135,12 @@ def setting(
 ) -> Any:
     """A ``ZeroConfig`` field that users set through every adapter.
 
-    doc: one line. parse: the text form's value from its text; format: back. example: a
+    doc: one line. values: the valid values, in words (``"1, 2 or 3"``). parse: the text form's value from its text; format: back. example: a
     valid non-default value of the text form (the schema test sets every setting to it).
     flag: the launcher flag, where ``--zero_<text name>`` cannot be used. keyword/text:
     how the strategies' keyword and Accelerate's text spell it, where not as the field.
     """
-    declared = _Declared(doc, parse, example, format, flag, keyword, text)
+    declared = _Declared(doc, values, parse, example, format, flag, keyword, text)
     return dataclasses.field(default=default, default_factory=default_factory, metadata={SETTING_KEY: declared})
 
 
@@ -157,4 +160,4 @@ def complete(field: dataclasses.Field, annotation: Any, default: Any) -> Setting
         flag=declared.flag or f"--zero_{spelling.name}",
         example=declared.example,
     )
-    return Setting(field.name, declared.doc, default, keyword, text)
+    return Setting(field.name, declared.doc, declared.values, default, keyword, text)
