@@ -1,5 +1,5 @@
 """Measured per-rank bytes of model state and bytes moved per step follow
-the README's formulas (padding aside), for every stage, in fp32 and bf16."""
+the formulas of docs/memory.md (padding aside), for every stage, in fp32 and bf16."""
 
 from __future__ import annotations
 
