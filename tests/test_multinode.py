@@ -2,7 +2,7 @@
 processes, joined by torch's rendezvous, with one shard group per node
 (``shard_group_size=2``), through torchrun, the Lightning Trainer
 (``num_nodes=2``) and ``accelerate launch --num_machines 2``; each matches DDP.
-These are the launches the README gives as the multi-node recipe."""
+These are the launches docs/multi-node.md gives as the multi-node recipe."""
 
 from __future__ import annotations
 
