@@ -18,8 +18,18 @@ import torch
 
 
 class OffloadError(RuntimeError):
-    """Reading or writing offloaded state failed (on some rank); raised alike on every rank. The last
-    checkpoint is untouched."""
+    """Reading or writing offloaded state failed (on some rank); raised alike on every rank.
+
+    What it means: with ``offload_optimizer="nvme"`` or ``offload_params="nvme"`` the engine keeps
+    optimizer state or parameters in files under ``offload_dir``; writing them (the disk is full, the
+    directory is gone or not writable) or reading them back (a file is short or missing, no memory to
+    read into) failed. The message names the cause, the file and the ranks it happened on. The last
+    checkpoint is untouched.
+
+    What to do: free disk space under ``offload_dir`` or choose another ``offload_dir`` (a local disk
+    every rank can write, with room for what the setup line says goes to disk), or offload to
+    ``"cpu"`` instead; then restart and resume from the last checkpoint.
+    """
 
 
 def succeeded(future: concurrent.futures.Future, failures: list[str]) -> bool:

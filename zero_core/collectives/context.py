@@ -17,9 +17,22 @@ from .stats import CollectiveKind, CommStats, Span
 class CollectiveFailed(RuntimeError):
     """A collective did not complete: a peer left, or the process group's timeout expired.
 
-    Almost always the ranks stopped running the same forwards, backwards and
-    steps; the message says which collective of which unit, in which phase of
-    which step, this rank was waiting for.
+    What it means: almost always the ranks stopped running the same forwards, backwards and
+    optimizer steps (evaluation or predict on rank 0 only, a batch skipped on one rank, an exception
+    caught on one rank), so this rank waited for a collective the others never entered, until a
+    peer exited or the process group's timeout expired. The message says which collective of which
+    unit (its module path), in which phase of which optimizer step, this rank was waiting for. The
+    same error, naming what differs, is raised on every rank when the ranks compare how many
+    forwards, backwards and steps they ran at an optimizer step, or disagree on values every rank
+    must share.
+
+    What to do: run the same forwards, backwards and ``optimizer.step()`` on every rank, in the same
+    order; for work on one rank only, gather on every rank first (``with engine.gathered_parameters():``
+    or ``engine.full_state_dict()``), then compute or write on one. If a rank is legitimately slow
+    (a long first compile, a slow filesystem), raise the process group's timeout:
+    ``init_process_group(timeout=...)``, the ``timeout=`` of Lightning's strategies, or Accelerate's
+    ``InitProcessGroupKwargs(timeout=...)``. After a collective timed out or a peer left, restart every
+    process (the process group's connections are gone) and resume from the last checkpoint.
     """
 
 

@@ -59,8 +59,19 @@ GATHER_ON_EVERY_RANK = (
 class RanksDivergedError(RuntimeError):
     """The ranks entered different operations that all ranks must enter together.
 
-    Raised with the same message on every rank that reached the meeting; the operation has not
-    started anywhere, so nothing changed.
+    What it means: the operations that gather a sharded model on demand (``state_dict()`` of a
+    stage-3 model, ``engine.full_state_dict()``, ``engine.gathered_parameters()``, ``unshard``,
+    checkpoint saves and loads) and the adapters' barriers (Lightning's and Fabric's ``barrier``,
+    Accelerate's ``wait_for_everyone`` and ``end_training``) are meetings: every rank must enter the
+    same one. Here the ranks entered different ones (typically a ``state_dict()`` under
+    ``if is_main_process:`` while the other ranks went on to a barrier), or a rank exited, or did not
+    arrive within the process group's timeout. The message, the same on every rank that reached the
+    meeting, names where each rank is; the operation has not started anywhere, so nothing changed.
+
+    What to do: gather on every rank, then write on one: ``state = accelerator.get_state_dict(model)``
+    (Accelerate), ``state = engine.full_state_dict(rank0_only=True)`` (the core) or
+    ``trainer.save_checkpoint(path)`` (Lightning) on every rank, then
+    ``if is_main_process: torch.save(state, f)``.
     """
 
 

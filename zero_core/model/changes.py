@@ -23,7 +23,20 @@ from .pass_control import PassControl
 
 
 class ModelChangedError(RuntimeError):
-    """The model's parameters changed after the ZeRO engine sharded it."""
+    """The model's parameters changed after the ZeRO engine sharded it.
+
+    What it means: the engine laid every parameter into its flat buffers when it was built. A
+    submodule or parameter replaced afterwards (``model.head = nn.Linear(...)``, ``setattr``), a
+    parameter cast, reshaped or moved (``model.double()``, ``model.to(other_device)``,
+    ``param.data = ...``), or a tensor-parallel parameter converted would no longer be what the engine
+    reduces, shards and steps, and would train wrongly in silence. The next outermost forward
+    checks the model and refuses, naming the parameter or submodule, before any step uses it.
+    Freezing and unfreezing (``requires_grad_``) are fine.
+
+    What to do: make structural changes, casts and device moves before building the engine (choose
+    the compute dtype with ``MixedPrecision`` or the framework's precision flag, not ``model.half()``),
+    or rebuild: ``engine.unshard()``, change the model, then build a new ``ZeroEngine``.
+    """
 
 
 class Registration(NamedTuple):

@@ -37,7 +37,21 @@ from torch.distributed.tensor import DTensor
 
 
 class ParameterAtRestError(RuntimeError):
-    """A stage-3 parameter was read while its values are sharded across the ranks."""
+    """A stage-3 parameter was read while its values are sharded across the ranks.
+
+    What it means: between uses, a stage-3 parameter's values are split across the ranks and no rank
+    holds them whole, so reading or editing it outside a forward of the module that owns it (an
+    ``other_module.weight`` used from elsewhere, ``param.sum()`` or ``param.add_(...)`` in the training
+    loop) is refused rather than computing with freed memory. Its metadata
+    (shape, dtype, device, ``requires_grad``) stays readable, and ``load_state_dict`` still loads into
+    it. The message names the parameter and its unit.
+
+    What to do: read or edit parameters inside ``with engine.gathered_parameters():`` (every rank
+    enters together); take full values with ``engine.full_state_dict()`` or ``model.state_dict()``
+    (every rank calls); load them with ``model.load_state_dict()`` or ``engine.load_full_state_dict()``;
+    or use the parameter only inside the forward of the module that registers it (or one containing
+    it), choosing a wrap policy whose unit contains every module that uses a shared parameter.
+    """
 
 
 _GETTERS = (
