@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "examples"))
 sys.path.insert(0, str(HERE))
-from plotting import pyplot  # noqa: E402
+from plotting import copy_to_docs, pyplot  # noqa: E402
 
 DEVICES_PER_NODE = 8
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
@@ -276,6 +276,7 @@ def main() -> None:
     ]
     if not args.no_plots:
         _plot(rows, Path(args.out).with_name("projection.png"))
+        copy_to_docs(Path(args.out).with_name("projection.png"))
         lines += ["", "![projection](projection.png)"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

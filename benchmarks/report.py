@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from plotting import pyplot
+from plotting import copy_to_docs, pyplot
 
 from zero_core import MixedPrecision, expected_model_state_bytes
 
@@ -260,6 +260,8 @@ def _plots(records: list[dict], size: str, directory: Path) -> list[str]:
     axis.legend()
     figure.tight_layout()
     figure.savefig(directory / "traffic_per_stage.png", dpi=100)
+    for name in ("memory_per_stage.png", "traffic_per_stage.png"):
+        copy_to_docs(directory / name)
     return ["![memory per stage](memory_per_stage.png)", "", "![traffic per stage](traffic_per_stage.png)"]
 
 
