@@ -2,7 +2,7 @@
 
 Every test iterates the schema: a setting added to ``ZeroConfig`` is covered here, in the
 strategies' keyword arguments and signatures, ``ZeroPlugin``, its environment variables,
-YAML keys and launcher flags, ``--help`` and the README, without editing this file.
+YAML keys and launcher flags, ``--help`` and the configuration reference, without editing this file.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from zero_core import MixedPrecision, Setting, WrapPolicy, ZeroConfig, user_sett
 
 SETTINGS = user_settings()
 STRATEGIES = [ZeroStrategy, ZeroFabricStrategy]
-README = Path(__file__).parent.parent / "README.md"
 
 
 class GPTBlock(nn.Linear):
@@ -209,23 +208,6 @@ def test_every_flag_is_in_the_launchers_help_with_its_doc(
     for setting in SETTINGS:
         assert _squeezed(f"{setting.text.flag} {setting.text.name.upper()} {setting.doc}") in text, setting.name
         assert _squeezed(f"(default: {setting.text.format(setting.text.default) or 'none'})") in text
-
-
-def _readme_section(title: str) -> str:
-    text = README.read_text()
-    start = text.index(f"\n## {title}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:end]
-
-
-def test_the_readme_documents_every_setting() -> None:
-    configuration = _readme_section("Configuration")
-    for setting in SETTINGS:
-        assert f"| `{setting.name}` |" in configuration, setting.name
-        if setting.text.name != setting.name:
-            assert f"`{setting.text.name}`" in configuration, setting.text.name
-        if setting.text.flag != f"--zero_{setting.text.name}":
-            assert f"`{setting.text.flag}`" in configuration, setting.text.flag
 
 
 def test_deepspeeds_flags_with_a_meaning_here_are_honoured() -> None:

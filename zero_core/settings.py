@@ -135,8 +135,9 @@ def setting(
 ) -> Any:
     """A ``ZeroConfig`` field that users set through every adapter.
 
-    doc: one line. values: the valid values, in words (``"1, 2 or 3"``). parse: the text form's value from its text; format: back. example: a
-    valid non-default value of the text form (the schema test sets every setting to it).
+    doc: one line. values: the valid values, in words (``"1, 2 or 3"``), for the configuration
+    reference. parse: the text form's value from its text; format: back. example: a valid
+    non-default value of the text form (the schema test sets every setting to it).
     flag: the launcher flag, where ``--zero_<text name>`` cannot be used. keyword/text:
     how the strategies' keyword and Accelerate's text spell it, where not as the field.
     """
