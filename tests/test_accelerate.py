@@ -27,7 +27,7 @@ ACCELERATE_ZERO = [sys.executable, "-m", "accelerate_zero.launch"]
 PARITY = ["--accumulate", "2", "--clip", "0.5"]
 RESUMABLE = ["--batchnorm", "0", "--steps", "6", "--save-at", "3", "--scheduler", "0"]
 BF16 = ["--batchnorm", "0", "--steps", "12"]
-# Each rank's loss at each step of BF16 within this of Accelerate's own bf16 DDP (README, under Accelerate).
+# Each rank's loss at each step of BF16 within this of Accelerate's own bf16 DDP (docs/guides/accelerate.md).
 BF16_BOUND = 0.02
 THEN = "--then"  # the script's next case, in the same launch
 
@@ -170,7 +170,7 @@ def test_bf16_is_accelerates_own_on_bf16_copies_of_every_parameter(runs: tuple, 
     active. But the forward sees a bf16 copy of every parameter, where Accelerate's autocast rounds only the
     inputs of the ops it lists (the linear layers here): the embedding and norms read fp32 parameters there.
     That is the whole difference: each rank's loss at each step is that of Accelerate's bf16 DDP on the model
-    whose forward rounds every parameter to bf16, and within BF16_BOUND (README) of Accelerate's bf16 DDP.
+    whose forward rounds every parameter to bf16, and within BF16_BOUND (the Accelerate guide) of Accelerate's bf16 DDP.
 
     Measured per rank and step, stages 2 and 3 alike, on an AVX2 CPU (torch 2.13) and an AVX-512 Xeon (torch
     2.11): 0.58% at most (rank 1, step 2), 0.18% on average. Rounding every parameter but the norms' gives
@@ -191,7 +191,7 @@ def test_bf16_is_accelerates_own_on_bf16_copies_of_every_parameter(runs: tuple, 
 
 @pytest.mark.distributed
 def test_fp32_copies_under_autocast_compute_what_accelerates_bf16_ddp_computes(runs: tuple) -> None:
-    """ZeroAccelerator(mixed_precision="no"), the forward under torch.autocast(bf16): the README's route to the
+    """ZeroAccelerator(mixed_precision="no"), the forward under torch.autocast(bf16): the guide's route to the
     numbers of Accelerate's bf16 DDP themselves, each rank's loss at each step."""
     _, results = runs
     ours = results["zero3-autocast"]

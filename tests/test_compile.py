@@ -1,6 +1,6 @@
 """``torch.compile`` with ZeRO: blocks compiled before the engine (in place or
 wrapped), or the whole sharded model compiled after it, train exactly as eager,
-with the graph breaks the README names and no others.
+with the graph breaks docs/guides/torchrun.md names and no others.
 
 The ``aot_eager`` backend runs Dynamo and AOTAutograd (graph capture, graph
 breaks, guards: everything that interacts with the engine's hooks) without
@@ -25,7 +25,7 @@ from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
 
 pytestmark = pytest.mark.distributed
 
-README = Path(__file__).parent.parent / "README.md"
+GUIDE = Path(__file__).parent.parent / "docs" / "guides" / "torchrun.md"
 WHOLE = "whole model, after the engine"
 
 
@@ -83,7 +83,7 @@ def _losses(stage: int, how: str, rank: int, counted: bool = False) -> dict:
         engine.step()
         losses.append(loss.item())
     # Dynamo's own count of graph breaks, kept per reason (a break after which it gives up a frame and runs the
-    # rest of it eagerly is not in it: the README says which).
+    # rest of it eagerly is not in it: the torchrun guide says which).
     breaks = sum(counters["graph_break"].values())
     counts = {"breaks": breaks, "graphs": BACKEND.graphs} if counted else {}
     return {"losses": losses, "units": len(engine.unit_reports()), **counts}
@@ -98,16 +98,16 @@ def _compile_worker(rank: int, world_size: int) -> list[dict]:
     return results
 
 
-def _readme_counts() -> tuple[int, int]:
-    """The graph breaks and graphs the README names for the whole test model compiled after the engine."""
-    text = " ".join(README.read_text().split())
+def _guide_counts() -> tuple[int, int]:
+    """The graph breaks and graphs the torchrun guide names for the whole test model compiled after the engine."""
+    text = " ".join(GUIDE.read_text().split())
     found = re.search(r"the 3-block test model Dynamo counts (\d+) graph breaks and compiles (\d+) graphs", text)
-    assert found, "README's torch.compile section no longer names the test model's graph breaks"
+    assert found, "docs/guides/torchrun.md's torch.compile section no longer names the test model's graph breaks"
     return int(found[1]), int(found[2])
 
 
-def test_compiled_blocks_and_models_train_like_eager_with_the_graph_breaks_the_readme_names() -> None:
-    breaks, graphs = _readme_counts()
+def test_compiled_blocks_and_models_train_like_eager_with_the_graph_breaks_the_guide_names() -> None:
+    breaks, graphs = _guide_counts()
     for results in run_distributed(_compile_worker, 2, timeout=600):
         for result in results:
             case = result["case"]

@@ -1,4 +1,4 @@
-"""The README's main job and the Lightning example run as documented."""
+"""The quick start's main job (docs/quick-start.md) and the Lightning example run as documented."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ LAUNCHES = 2
 
 
 def _quick_start(steps: int) -> subprocess.CompletedProcess:
-    """The README's main job: torchrun, 2 processes."""
+    """The quick start's main job: torchrun, 2 processes."""
     command = [
         sys.executable,
         "-m",
