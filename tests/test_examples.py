@@ -91,18 +91,38 @@ def test_runs_exit_cleanly_every_time_under_load(trained: subprocess.CompletedPr
 # A process group that the script leaves alive (Lightning destroys gloo's at exit for nobody).
 _LEFT_ALIVE = """
 import atexit, os, sys
+# Registered before torch is imported: atexit runs it after the clean-up (last in, first out).
+atexit.register(lambda: print("group alive after zero_core's clean-up:",
+                              sys.modules["torch.distributed"].is_initialized(), flush=True))
 import torch, torch.distributed as dist
-atexit.register(lambda: print("group alive after zero_core's exit handler:", dist.is_initialized(), flush=True))
 sys.path.insert(0, {root!r})
 from tests.models import TinyTransformer, make_optimizer
 from zero_core import ZeroConfig, ZeroEngine
-# A handler registered after the import runs before zero_core's: the group is still there for it.
+# Registered after the import, before the engine arms the clean-up: the group is still there for it.
 atexit.register(lambda: print("group alive for the script's own handler:", dist.is_initialized(), flush=True))
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT={port!r}, RANK="0", WORLD_SIZE="1")
 dist.init_process_group("gloo")
 model = TinyTransformer()
 ZeroEngine(model, make_optimizer("adamw", model), ZeroConfig(stage=3))
 """
+
+# Importing the packages registers no exit handler and arms nothing (the engine arms the clean-up).
+_IMPORT_ONLY = """
+import atexit, torch
+registered = []
+register = atexit.register
+atexit.register = lambda fn, *args, **kwargs: registered.append(fn) or register(fn, *args, **kwargs)
+import zero_core, lightning_zero, accelerate_zero
+from zero_core.collectives import shutdown
+ours = [fn for fn in registered if fn.__module__.split(".")[0] in ("zero_core", "lightning_zero", "accelerate_zero")]
+assert not ours and shutdown._armed is None, ours
+print("nothing registered;", len(registered), "handlers from torch's own imports")
+"""
+
+
+def test_importing_the_packages_registers_nothing_at_exit() -> None:
+    result = subprocess.run([sys.executable, "-c", _IMPORT_ONLY], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "nothing registered" in result.stdout, result.stderr[-3000:]
 
 
 def test_a_group_left_alive_is_destroyed_at_exit_before_the_interpreter_goes() -> None:
@@ -114,6 +134,6 @@ def test_a_group_left_alive_is_destroyed_at_exit_before_the_interpreter_goes() -
     script = _LEFT_ALIVE.format(root=str(EXAMPLES.parent), port=port)
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    # atexit is last in, first out: the first probe runs after zero_core's handler, the second before it.
-    assert "group alive after zero_core's exit handler: False" in result.stdout, result.stdout + result.stderr
+    # atexit is last in, first out: the first probe runs after the clean-up, the second before it.
+    assert "group alive after zero_core's clean-up: False" in result.stdout, result.stdout + result.stderr
     assert "group alive for the script's own handler: True" in result.stdout, result.stdout + result.stderr

@@ -12,7 +12,6 @@ is internal and may change shape.
 from .accounting import MemoryReport, UnitReport, expected_model_state_bytes
 from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDivergedError, meeting
-from .collectives.shutdown import destroy_process_group_at_exit
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .estimate import ZeroEstimate, estimate
@@ -25,10 +24,6 @@ from .setup_summary import setup_summary
 from .step.errors import UnscaledBackwardError
 from .step.state import TrainingState
 from .unit import ParameterAtRestError
-
-# A gloo group left alive at interpreter exit can abort a finished run: destroyed at exit, after every
-# exit handler the script registers from now on (collectives/shutdown.py).
-destroy_process_group_at_exit()
 
 __all__ = [
     "CheckpointError",

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from .shutdown import destroy_process_group_at_exit
 from .stats import CollectiveKind, CommStats, Span
 
 
@@ -142,6 +143,7 @@ class CommContext:
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
             backend = str(dist.get_backend(group))
+            destroy_process_group_at_exit()  # the first engine on a group: from now on it must end cleanly
         else:
             rank, world_size = 0, 1
         streams: tuple[torch.cuda.Stream | None, torch.cuda.Stream | None] = (None, None)

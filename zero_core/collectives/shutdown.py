@@ -4,28 +4,40 @@ A gloo process group still alive when the interpreter finalizes is destroyed wit
 threads can then release work objects that hold tensors (a GIL taken during finalization) or be
 destroyed unjoined, and a run that finished every step ends in SIGABRT ("terminate called without an
 active exception"), which torchrun reports as a failed job. torch destroys nothing at exit (pytorch
-#179291 proposed it), and Lightning destroys the group at exit for NCCL only. It is registered when
-``zero_core`` is imported, so runs under any adapter, or none, end cleanly, and it runs after every exit
-handler the script registers later (atexit runs the last registered first): a user's own
-``atexit.register(dist.destroy_process_group)`` or a last metric's all-reduce still finds the group. A
-script that destroys the group itself is unaffected (the handler then finds nothing to do). The
-meetings' own exit handler, registered at the first meeting, runs before it and still has the store.
+#179291 proposed it), and Lightning destroys the group at exit for NCCL only.
+
+Nothing happens at import. The clean-up is armed when it is first needed: the first time an engine
+takes a process group (``CommContext.create``), so runs under any adapter, or none, end cleanly. It
+must still run after the exit handlers the script registers, even those registered before the engine
+was built (a user's own ``atexit.register(dist.destroy_process_group)``, a last metric's all-reduce):
+those still need the group. So it is a ``weakref.finalize`` with ``atexit=True`` rather than an
+``atexit`` handler of its own: finalizers run from the one exit handler ``weakref`` registers when the
+first finalizer of the process is made, which ``import torch`` does, so it runs after every handler
+registered once torch is imported, whenever the engine arms it. A script that destroys the group
+itself is unaffected (the clean-up then finds nothing to do). The meetings' own exit handler,
+registered at the first meeting, runs before it and still has the store.
 """
 
 from __future__ import annotations
 
-import atexit
+import weakref
 
 import torch.distributed as dist
 
-_registered = False
+
+class _Process:
+    """Lives as long as the interpreter: the object the exit-time clean-up is attached to."""
+
+
+_PROCESS = _Process()
+_armed: weakref.finalize | None = None
 
 
 def destroy_process_group_at_exit() -> None:
-    global _registered
-    if not _registered:
-        _registered = True
-        atexit.register(_destroy_if_initialized)
+    """Arms the exit-time clean-up, once per process."""
+    global _armed
+    if _armed is None:
+        _armed = weakref.finalize(_PROCESS, _destroy_if_initialized)  # atexit=True is finalize's default
 
 
 def _destroy_if_initialized() -> None:
