@@ -34,11 +34,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "unit": (1, "unit"),
     "collectives": (0, "collectives"),
     "config": (0, "config"),
-    "settings": (0, "config"),
-    "offload_settings": (
-        0,
-        "config",
-    ),  # the offload modes config.py declares, and their checks  # the records config.py declares its fields with
+    "settings": (0, "config"),  # the records config.py declares its fields with
+    "offload_settings": (0, "config"),  # the offload modes config.py declares, and their checks
     "wrap_policy": (0, "config"),  # the unit policy config.py declares, and its user-written forms
     "precision": (0, "config"),  # the dtype policy config.py holds, and the checks of its loss-scaling settings
     "deepspeed": (1, "deepspeed"),  # a DeepSpeed config read as the settings config.py declares
