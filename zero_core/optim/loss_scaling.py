@@ -107,8 +107,9 @@ class LossScaler:
         if self.announce:
             logger.info(
                 "ZeRO fp16: gradient overflow, optimizer step skipped (%d so far); %s",
-                state.skipped_steps, self._scale_news(before),
-            )  # fmt: skip
+                state.skipped_steps,
+                self._scale_news(before),
+            )
 
     def _scale_news(self, before: float) -> str:
         if self.state.scale != before:
