@@ -50,10 +50,16 @@ def setup_summary(engine: ZeroEngine) -> str:
     config, precision = engine.config, engine.config.mixed_precision
     numel, shards = engine.num_parameters, engine.shard_group_size
     ours = expected_model_state_bytes(
-        engine.stage, numel, shards, precision, ADAM_STATE_BYTES,
-        offload_optimizer=config.offload_optimizer, offload_fraction=config.offload_fraction,
-        host_is_device=engine.comm.device.type == "cpu", offload_params=config.offload_params,
-    )  # fmt: skip
+        engine.stage,
+        numel,
+        shards,
+        precision,
+        ADAM_STATE_BYTES,
+        offload_optimizer=config.offload_optimizer,
+        offload_fraction=config.offload_fraction,
+        host_is_device=engine.comm.device.type == "cpu",
+        offload_params=config.offload_params,
+    )
     ddp = expected_model_state_bytes(0, numel, shards, precision, ADAM_STATE_BYTES)
     where = ""
     if ours.host_bytes or ours.nvme_bytes:
