@@ -117,9 +117,13 @@ def _stage_bytes(
     if stage == 0:  # DDP: no padding, no offload
         numel, trainable = sum(u.numel for u in units), sum(u.trainable_numel for u in units)
         return expected_model_state_bytes(
-            0, numel, settings.world_size, settings.precision, settings.optimizer_state_bytes_per_param,
+            0,
+            numel,
+            settings.world_size,
+            settings.precision,
+            settings.optimizer_state_bytes_per_param,
             trainable_numel=trainable,
-        )  # fmt: skip
+        )
     k = settings.shard_size
     reports = []
     for unit, fraction in zip(units, offloaded):
@@ -137,7 +141,7 @@ def _stage_bytes(
                 offload_fraction=fraction or 1.0,
                 host_is_device=settings.host_is_device,
                 offload_params=settings.offload_params,  # stage 3's alone (the formula ignores it below)
-            )  # fmt: skip
+            )
         )
     return _sum(reports)
 
@@ -176,9 +180,15 @@ def estimate(
     device or anywhere; ``wrap_policy`` and ``bucket_size_mb`` as in ``ZeroConfig``) or of a
     parameter count (every parameter trainable)."""
     settings = EstimateSettings(
-        world_size, shard_group_size, precision or MixedPrecision(), optimizer_state_bytes_per_param,
-        offload_optimizer, offload_fraction, host_is_device, offload_params,
-    )  # fmt: skip
+        world_size,
+        shard_group_size,
+        precision or MixedPrecision(),
+        optimizer_state_bytes_per_param,
+        offload_optimizer,
+        offload_fraction,
+        host_is_device,
+        offload_params,
+    )
     if isinstance(model, nn.Module):
         return estimate_units(count_units(model, wrap_policy, bucket_size_mb), settings)
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
