@@ -161,11 +161,18 @@ def main(argv: list[str] | None = None) -> int:
         model = load_model(args.model) if args.model else args.params
         wrap = wrap_policy_for(model, args.wrap_classes) if args.wrap_classes else None
         result = estimate(
-            model, args.world_size, shard_group_size=args.shard_group_size, precision=PRECISIONS[args.precision],
-            optimizer_state_bytes_per_param=args.optimizer_bytes, offload_optimizer=args.offload_optimizer,
-            offload_fraction=args.offload_fraction, host_is_device=args.device == "cpu",
-            offload_params=args.offload_params, wrap_policy=wrap, bucket_size_mb=args.bucket_size_mb,
-        )  # fmt: skip
+            model,
+            args.world_size,
+            shard_group_size=args.shard_group_size,
+            precision=PRECISIONS[args.precision],
+            optimizer_state_bytes_per_param=args.optimizer_bytes,
+            offload_optimizer=args.offload_optimizer,
+            offload_fraction=args.offload_fraction,
+            host_is_device=args.device == "cpu",
+            offload_params=args.offload_params,
+            wrap_policy=wrap,
+            bucket_size_mb=args.bucket_size_mb,
+        )
     except (ValueError, ImportError) as error:
         parser.error(str(error))
     print(format_table(result, args.budget))
