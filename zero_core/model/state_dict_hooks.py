@@ -72,10 +72,7 @@ class StateDictHooks:
         if not prefix:
             self.clear_exports()  # a new outermost call: nothing of an earlier, failed one survives
         wanted = {id(p) for p in module.parameters()}
-        units = [
-            u for u in self.units
-            if u.guard.exported is None and any(id(p) in wanted for p in u.params)
-        ]  # fmt: skip
+        units = [u for u in self.units if u.guard.exported is None and any(id(p) in wanted for p in u.params)]
         if not units:
             return  # an enclosing module's state_dict() gathered them already
         with meeting(of_units("state_dict()", units)):  # it gathers: every rank must call it
