@@ -61,10 +61,18 @@ class FlatUnit:
         self.offloaded = offloaded
         self.host_grads: torch.Tensor | None = None  # (S, fp32) pinned, made at the first step (GPU devices)
         self.storage = ParamStorage(
-            self.layout, self.params, stage_plan.params_sharded_at_rest, precision, comm, self.guard, self.label,
-            host_master=offloaded, host_params=params_offloaded, param_files=param_files,
+            self.layout,
+            self.params,
+            stage_plan.params_sharded_at_rest,
+            precision,
+            comm,
+            self.guard,
+            self.label,
+            host_master=offloaded,
+            host_params=params_offloaded,
+            param_files=param_files,
             master_on_disk=master_on_disk,
-        )  # fmt: skip
+        )
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
