@@ -122,11 +122,16 @@ def build_units(
         if plan is not None:
             numel = sum(local_shape(p).numel() for p in plan.params)  # this rank's pieces of split layers
             units[plan.index] = FlatUnit(
-                plan, config.unit_plan(numel), config.mixed_precision, comm, comparisons=digests,
-                offloaded=plan.index in offloaded, params_offloaded=config.offload_params != "none",
+                plan,
+                config.unit_plan(numel),
+                config.mixed_precision,
+                comm,
+                comparisons=digests,
+                offloaded=plan.index in offloaded,
+                params_offloaded=config.offload_params != "none",
                 param_files=files.params,
                 master_on_disk=plan.index in offloaded and config.offload_optimizer == "nvme",
-            )  # fmt: skip
+            )
             if files.optimizer is not None:
                 files.optimizer.add_unit(units[plan.index])  # its master to its file now
     if files.optimizer is not None:
@@ -222,6 +227,46 @@ def _quiesce_for_load(runtime: StepRuntime, model_and_optimizer: bool) -> None:
         runtime.step_in_backward.before_load(model_and_optimizer)
 
 
+def _step_runtime(
+    units: list[FlatUnit], config: ZeroConfig, comm: CommContext, loss_scaler: LossScaler | None
+) -> tuple[StepRuntime, AutoPrefetch | None]:
+    """The runtime that drives each forward and backward over the units: its prefetch depth (measured and
+    tuned with prefetch="auto"), the inputs' cast to the compute dtype, and whether a backward must start from
+    a scaled loss (fp16)."""
+    auto_prefetch = None
+    if config.prefetch == "auto":
+        auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)
+    compute_dtype = config.mixed_precision.compute_dtype
+    input_cast = floating_inputs_cast(compute_dtype) if compute_dtype != torch.float32 else None
+    runtime = StepRuntime(
+        units,
+        config.plan,
+        UNTUNED_DEPTH if auto_prefetch else config.prefetch,
+        auto_prefetch=auto_prefetch,
+        requires_scaled_backward=loss_scaler is not None,
+        input_cast=input_cast,
+    )
+    return runtime, auto_prefetch
+
+
+def _model_hooks(
+    model: nn.Module, units: list[FlatUnit], config: ZeroConfig, comm: CommContext, runtime: StepRuntime
+) -> tuple[BufferSync, list[Any]]:
+    """The model's hooks around each pass, in their order: its parameters checked against the units
+    (``model/changes.py``), rank 0's buffers broadcast as DDP does, the runtime's and the activations' hooks,
+    then ``model.state_dict()`` and ``load_state_dict()`` over the shards."""
+    runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
+    buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
+    runtime.after_root_forward.append(buffer_sync.after_root_forward)
+    hooks = runtime.install() + _activation_hooks(model, units, comm, config)
+    sharded_at_rest = config.plan.params_sharded_at_rest
+    state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
+    hooks += state_dict_hooks.install()
+    # An export that raised midway must not outlive the next forward.
+    runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
+    return buffer_sync, hooks
+
+
 def build_parts(
     model: nn.Module,
     config: ZeroConfig,
@@ -235,30 +280,14 @@ def build_parts(
     units, files = build_units(model, config, optimizer, comm, digests, param_init_fn)
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
-    precision = config.mixed_precision
-    loss_scaler = LossScaler(config, announce=comm.rank == 0) if precision.uses_loss_scaling else None
-    auto_prefetch = None
-    if config.prefetch == "auto":
-        auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)
-    input_cast = floating_inputs_cast(precision.compute_dtype) if precision.compute_dtype != torch.float32 else None
-    runtime = StepRuntime(
-        units, config.plan, UNTUNED_DEPTH if auto_prefetch else config.prefetch, auto_prefetch=auto_prefetch,
-        requires_scaled_backward=loss_scaler is not None, input_cast=input_cast,
-    )  # fmt: skip
+    loss_scaler = LossScaler(config, announce=comm.rank == 0) if config.mixed_precision.uses_loss_scaling else None
+    runtime, auto_prefetch = _step_runtime(units, config, comm, loss_scaler)
     nvme = files.optimizer
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
     param_files = _agreed_after_each_forward(files.params, runtime, comm)
     optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme, param_files)
     comm.position = lambda: Position(runtime.state.name.lower().replace("_", "-"), optimizer_step.steps_taken)
-    runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
-    buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
-    runtime.after_root_forward.append(buffer_sync.after_root_forward)
-    hooks = runtime.install() + _activation_hooks(model, units, comm, config)
-    sharded_at_rest = config.plan.params_sharded_at_rest
-    state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
-    hooks += state_dict_hooks.install()
-    # An export that raised midway must not outlive the next forward.
-    runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
+    buffer_sync, hooks = _model_hooks(model, units, config, comm, runtime)
     names = canonical_names(units)
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     step_hooks = (optimizer_step.before, optimizer_step.after)
@@ -268,15 +297,31 @@ def build_parts(
     hooks.append(ZeroGradRoute(gradients.discard).route_model(model))  # model.zero_grad(), as under DDP
     in_backward = _step_in_backward(units, config, comm, runtime, optimizer_step, attachment, nvme)
     checkpoints = CheckpointTarget(
-        model, units, spanning_every_rank(comm), attachment, loss_scaler, config.stage,
+        model,
+        units,
+        spanning_every_rank(comm),
+        attachment,
+        loss_scaler,
+        config.stage,
         steps_taken=lambda: optimizer_step.steps_taken,
         quiesce=runtime.quiesce,
         quiesce_for_load=functools.partial(_quiesce_for_load, runtime),
         sync_buffers=buffer_sync.for_export,
         discard_grads=gradients.discard if in_backward is None else lambda: (in_backward.forget(), gradients.discard()),
         refresh_parameters=optimizer_step.refresh_parameters,
-    )  # fmt: skip
+    )
     return EngineParts(
-        comm, units, digests, names, loss_scaler, auto_prefetch, runtime, optimizer_step, attachment, gradients,
-        buffer_sync, checkpoints, hooks,
-    )  # fmt: skip
+        comm,
+        units,
+        digests,
+        names,
+        loss_scaler,
+        auto_prefetch,
+        runtime,
+        optimizer_step,
+        attachment,
+        gradients,
+        buffer_sync,
+        checkpoints,
+        hooks,
+    )
