@@ -21,6 +21,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "sharding": (7, "sharding"),
     "setup_summary": (7, "setup_summary"),  # reads an engine: above it, as sharding is
     "engine": (6, "engine"),
+    "engine_checkpoints": (6, "engine"),  # the checkpoint methods ZeroEngine inherits
     "estimate": (4, "estimate"),  # before launch: plans units and offload as build.py does, then the formulas
     "estimate_cli": (4, "estimate"),
     "build": (5, "build"),

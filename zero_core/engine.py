@@ -2,15 +2,14 @@
 
 The model is sharded in place and keeps being called as before; the optimizer object is rebuilt in place over
 this rank's fp32 shard, so ``optimizer.step()`` and schedulers keep working. The parts (``build.py``) do the
-work; the engine only forwards to them. What each stage communicates: ``config.StagePlan``.
+work; the engine only forwards to them (its checkpoint methods from ``engine_checkpoints.py``). What each
+stage communicates: ``config.StagePlan``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,9 +18,9 @@ from torch import Tensor, nn
 
 from .accounting import MemoryReport, UnitReport, measure_model_state, unit_reports
 from .build import build_parts, model_device
-from .checkpoint import training_state
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
+from .engine_checkpoints import EngineCheckpoints
 from .mesh import DeviceMesh, engine_comm
 from .model import full_params
 from .model.meta_init import ParamInitFn
@@ -36,7 +35,7 @@ engine_of = _ENGINES.owner_of  # the engine that sharded this model, if any
 engine_owning = _ENGINES.owner_containing  # the engine whose model contains this module, and its name there
 
 
-class ZeroEngine:
+class ZeroEngine(EngineCheckpoints):
     """Shard ``model`` and ``optimizer`` in place and drive them.
 
     Typical loop (launched with torchrun, process group initialised)::
@@ -338,63 +337,3 @@ class ZeroEngine:
         self._runtime.late_handles.clear()
         self._parts.hooks.clear()
         self._optimizer.remove_hooks()
-
-    # --------------------------------------------------------- checkpoints
-    def sharded_model_state_dict(self) -> dict[str, Any]:
-        """``model.state_dict()``'s keys, parameters as DCP-checkpointable views of this rank's fp32 shard
-        (full logical shapes), buffers as they are: for ``torch.distributed.checkpoint.save``."""
-        return training_state.sharded_model_state_dict(self._parts.checkpoints)
-
-    def sharded_optimizer_state_dict(self) -> dict[str, Any]:
-        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard). Every
-        rank calls it: param groups added since the last step are compared across ranks first."""
-        return training_state.sharded_optimizer_state_dict(self._parts.checkpoints)
-
-    def save_checkpoint(
-        self, path: str | os.PathLike, extra: dict[str, Any] | None = None, *, include_optimizer: bool = True,
-        include_model: bool = True,
-    ) -> Path:  # fmt: skip
-        """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically: every rank writes its own
-        pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
-        ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates."""
-        targets = {"include_optimizer": include_optimizer, "include_model": include_model}
-        return training_state.save(self._parts.checkpoints, path, extra, **targets)
-
-    def read_checkpoint_extra(self, path: str | os.PathLike) -> dict[str, Any]:
-        """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every rank, without
-        loading anything. Every rank calls it; a bad checkpoint raises the same ``CheckpointError`` everywhere."""
-        return training_state.read_extra(self._parts.checkpoints, path)
-
-    def load_checkpoint(
-        self,
-        path: str | os.PathLike,
-        *,
-        load_optimizer: bool = True,
-        load_model: bool = True,
-        optimizer_path: str | os.PathLike | None = None,
-        check_extra: Callable[[dict[str, Any]], None] | None = None,
-    ) -> dict[str, Any]:
-        """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``.
-
-        All or nothing: every file is verified and read on every rank before anything changes; a failure
-        anywhere raises the same ``CheckpointError`` everywhere and leaves the training state as it was.
-        ``optimizer_path``: the optimizer from another directory of the same save (``include_model=False``).
-        ``check_extra(extra)`` runs before anything is applied; what it raises changes nothing.
-        """
-        sources = {"load_optimizer": load_optimizer, "load_model": load_model, "optimizer_path": optimizer_path}
-        resumed = training_state.load(self._parts.checkpoints, path, **sources, check_extra=check_extra)
-        self._optimizer_step.steps_taken = resumed.steps
-        return resumed.extra
-
-    def load_full_state_dict(
-        self,
-        source: Mapping[str, torch.Tensor] | str | os.PathLike,
-        strict: bool = True,
-        *,
-        optimizer_state_dict: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Full weights (a state dict, .safetensors or torch file) into the shards, each rank reading its parts;
-        with ``optimizer_state_dict`` (``optimizer.state_dict()`` of a DDP or one-process run, or
-        ``zero-consolidate``'s) the optimizer's state too, as ``optimizer.load_state_dict`` matches it. All or
-        nothing on every rank, at any stage and world size."""
-        training_state.load_full_state(self._parts.checkpoints, source, strict, optimizer_state_dict)
