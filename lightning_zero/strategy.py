@@ -157,9 +157,13 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
             self.setup_optimizers(trainer)
             optimizer = single_optimizer(self.optimizers)
         self.engine = build_engine(
-            self.lightning_module, optimizer, self.zero_config, self.precision_plugin, self.root_device,
+            self.lightning_module,
+            optimizer,
+            self.zero_config,
+            self.precision_plugin,
+            self.root_device,
             device_mesh=self._device_mesh,
-        )  # fmt: skip
+        )
         # Lightning wrapped the optimizer before the engine routed its zero_grad (a class switch that each
         # wrapper takes when it is made): wrapped again, self.optimizers() and manual optimization reach it.
         self.optimizers = self.optimizers
