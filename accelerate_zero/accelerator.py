@@ -185,13 +185,20 @@ class ZeroAccelerator(Accelerator):
                 "data-parallel rank reads its own share."
             )
         prepared = prepare_data_loader(
-            data_loader, self.device, num_processes=ranks.size, process_index=ranks.rank,
-            split_batches=self.split_batches, put_on_device=self.device_placement if device_placement is None
-            else device_placement, rng_types=self.rng_types.copy(), dispatch_batches=False,
-            even_batches=self.even_batches, use_seedable_sampler=self.use_seedable_sampler,
-            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            data_loader,
+            self.device,
+            num_processes=ranks.size,
+            process_index=ranks.rank,
+            split_batches=self.split_batches,
+            put_on_device=self.device_placement if device_placement is None else device_placement,
+            rng_types=self.rng_types.copy(),
+            dispatch_batches=False,
+            even_batches=self.even_batches,
+            use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed,
+            non_blocking=self.non_blocking,
             use_stateful_dataloader=self.use_stateful_dataloader,
-        )  # fmt: skip
+        )
         self._dataloaders.append(prepared)
         return prepared
 
