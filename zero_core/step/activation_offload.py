@@ -68,9 +68,8 @@ class _DTensorOnHost:
     """A DTensor's local tensor in host memory, with what makes it that DTensor again."""
 
     def __init__(self, tensor: DTensor, device: torch.device, on_host: torch.Tensor) -> None:
-        self.mesh, self.placements, self.shape, self.stride = (
-            tensor.device_mesh, tensor.placements, tensor.shape, tensor.stride()
-        )  # fmt: skip
+        self.mesh, self.placements = tensor.device_mesh, tensor.placements
+        self.shape, self.stride = tensor.shape, tensor.stride()
         self.device, self.on_host = device, on_host
 
     def back(self) -> DTensor:

@@ -151,9 +151,13 @@ class _Slice:
     """What autograd keeps of one input: this rank's slice, gathered back whole when backward unpacks it."""
 
     def __init__(
-        self, owner: PartitionedActivations, piece: torch.Tensor, shape: torch.Size, device: torch.device,
+        self,
+        owner: PartitionedActivations,
+        piece: torch.Tensor,
+        shape: torch.Size,
+        device: torch.device,
         check: _AgreementCheck,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.owner, self.piece, self.shape, self.device, self.check = owner, piece, shape, device, check
 
     def whole(self) -> torch.Tensor:
