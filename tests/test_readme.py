@@ -32,3 +32,14 @@ def test_every_relative_link_and_image_resolves() -> None:
     assert len(local) >= 15
     missing = [target for target in local if not (ROOT / target).exists()]
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_readme_and_docs_stand_on_their_own() -> None:
+    """No page links outside the repository: what a reader needs is in it (and stays true with it)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    outside = [
+        f"{page.relative_to(ROOT)}: {link}"
+        for page in pages
+        for link in re.findall(r"\]\((https?://[^)]+|\.\./\.\./[^)]*)\)", page.read_text())
+    ]
+    assert not outside, outside
