@@ -21,7 +21,7 @@ from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm
 from .settings import Setting
 from .setup_summary import setup_summary
-from .step.errors import UnscaledBackwardError
+from .step.errors import LateGradientError, UnscaledBackwardError
 from .step.state import TrainingState
 from .unit import ParameterAtRestError
 
@@ -30,6 +30,7 @@ __all__ = [
     "CollectiveFailed",
     "CollectiveKind",
     "CommStats",
+    "LateGradientError",
     "MemoryReport",
     "MixedPrecision",
     "ModelChangedError",
@@ -38,9 +39,9 @@ __all__ = [
     "RanksDivergedError",
     "Setting",
     "TrainingState",
-    "WrapPolicy",
     "UnitReport",
     "UnscaledBackwardError",
+    "WrapPolicy",
     "ZeroConfig",
     "ZeroEngine",
     "ZeroEstimate",
