@@ -23,6 +23,7 @@ from .workers import config_for
         (lambda: ZeroConfig(stage=0), "ZeroConfig.stage=0 is invalid"),
         (lambda: ZeroConfig(prefetch=-1), "use an integer >= 0 (0 turns prefetch off)"),
         (lambda: ZeroConfig(bucket_size_mb=0), "bucket_size_mb must be > 0"),
+        (lambda: ZeroConfig(broadcast_buffers=-1), "broadcast_buffers must be True or False"),
         (lambda: MixedPrecision(compute_dtype=torch.float64), "use torch.float32, torch.bfloat16 or torch.float16"),
         (lambda: WrapPolicy(module_classes=[Block]), "must be a tuple of nn.Module subclasses"),
         (lambda: WrapPolicy(module_classes=(int,)), "must be a tuple of nn.Module subclasses"),

@@ -319,6 +319,8 @@ class ZeroConfig:
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
         if not isinstance(self.overlap_param_refresh, bool):
             raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
+        if not isinstance(self.broadcast_buffers, bool):
+            raise ValueError("ZeroConfig.broadcast_buffers must be True or False.")
         if not is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
                 f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "
