@@ -3,6 +3,7 @@ Accelerate's class names looked up in the model)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
@@ -43,7 +44,23 @@ def as_wrap_policy(policy: WrapPolicyLike) -> WrapPolicy:
         return policy
     if isinstance(policy, type):
         return WrapPolicy(module_classes=(policy,))
+    if callable(policy):
+        return _of_fsdp_policy(policy)
     return WrapPolicy(module_classes=tuple(policy))
+
+
+def _of_fsdp_policy(policy: Callable) -> WrapPolicy:
+    """FSDP's ``functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})``, which a
+    user moving from FSDP passes as it is: its classes. Any other callable decides per module, which a
+    unit policy of classes cannot follow, so it is refused with what to pass instead."""
+    classes = getattr(policy, "keywords", {}).get("transformer_layer_cls")
+    if getattr(getattr(policy, "func", None), "__name__", "") == "transformer_auto_wrap_policy" and classes:
+        return WrapPolicy(module_classes=tuple(classes))
+    raise ValueError(
+        f"wrap_policy={policy!r} is a callable; pass the module classes that become units instead "
+        "(wrap_policy=Block or (Block, OtherBlock)); FSDP's partial(transformer_auto_wrap_policy, "
+        "transformer_layer_cls={Block}) is read as its classes."
+    )
 
 
 def wrap_policy_of_names(names: tuple[str, ...], model: nn.Module | None) -> WrapPolicy:

@@ -121,3 +121,17 @@ def test_a_wrap_class_the_model_lacks_is_refused_naming_the_classes_it_has() -> 
     check_wrap_classes_present(Net(), WrapPolicy(module_classes=(Outer, nn.Linear)))
     check_wrap_classes_present(Net(), WrapPolicy(module_classes=(nn.Module,)))  # a base class matches its subclasses
     check_wrap_classes_present(Net(), WrapPolicy())  # the size policy names no class
+
+
+def test_fsdps_transformer_wrap_policy_is_read_as_its_classes_and_other_callables_refused() -> None:
+    """What an FSDP user passes as ``wrap_policy`` unchanged: its classes, or a refusal that says what to pass."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    from zero_core.wrap_policy import as_wrap_policy
+
+    fsdp_policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={nn.Linear})
+    assert as_wrap_policy(fsdp_policy).module_classes == (nn.Linear,)
+    with pytest.raises(ValueError, match="pass the module classes that become units instead"):
+        as_wrap_policy(lambda module: True)
