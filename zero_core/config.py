@@ -17,6 +17,7 @@ from .settings import (
     KeywordForm,
     Setting,
     TextSpelling,
+    check_flags,
     complete,
     is_count,
     join_names,
@@ -317,10 +318,7 @@ class ZeroConfig:
         check_loss_scaling(self)
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
-        if not isinstance(self.overlap_param_refresh, bool):
-            raise ValueError("ZeroConfig.overlap_param_refresh must be True or False.")
-        if not isinstance(self.broadcast_buffers, bool):
-            raise ValueError("ZeroConfig.broadcast_buffers must be True or False.")
+        check_flags(self, ("overlap_param_refresh", "broadcast_buffers"))
         if not is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
                 f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .settings import is_count
+from .settings import check_flags, is_count
 
 OFFLOAD_MODES = ("none", "cpu", "nvme")
 
@@ -32,12 +32,7 @@ def check_offload(config: Any) -> None:
             "keeps the full parameters on the device to compute with. Use stage=3, or offload_optimizer to "
             "move the optimizer's part off the device."
         )
-    if not isinstance(config.offload_activations, bool):
-        raise ValueError("ZeroConfig.offload_activations must be True or False.")
-    if not isinstance(config.partition_activations, bool):
-        raise ValueError("ZeroConfig.partition_activations must be True or False.")
-    if not isinstance(config.offload_step_in_backward, bool):
-        raise ValueError("ZeroConfig.offload_step_in_backward must be True or False.")
+    check_flags(config, ("offload_activations", "partition_activations", "offload_step_in_backward"))
     if config.steps_in_backward and config.mixed_precision.uses_loss_scaling:
         raise ValueError(
             "ZeroConfig.offload_step_in_backward=True cannot run with fp16 loss scaling: a step may be skipped "

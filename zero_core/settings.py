@@ -24,6 +24,14 @@ def is_count(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
 
+def check_flags(config: Any, names: Sequence[str]) -> None:
+    """Each named field of ``config`` (a ``ZeroConfig``) is True or False, not 1, "yes" or None: the one
+    check of the boolean settings, in the order given."""
+    for name in names:
+        if not isinstance(getattr(config, name), bool):
+            raise ValueError(f"ZeroConfig.{name} must be True or False.")
+
+
 def parse_bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
