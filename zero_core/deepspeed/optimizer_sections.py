@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -169,15 +169,9 @@ def _check_optimizer(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
     before = len(refused)
     for name, value in params.items():
         dotted = f"optimizer.params.{name}"
-        if name not in names:
-            refused.append(
-                f"{dotted}={value!r} (not an argument of {kind!r}: DeepSpeed would fail to build it; "
-                f"its arguments are {', '.join(names)})"
-            )
-        elif value == AUTO and name not in OPTIMIZER_AUTO_PARAMS:
-            refused.append(
-                f'{dotted}="auto" (nothing fills it: "auto" is filled for {", ".join(OPTIMIZER_AUTO_PARAMS)})'
-            )
+        refusal = _argument_refusal(dotted, name, repr(kind), value, names, OPTIMIZER_AUTO_PARAMS)
+        if refusal:
+            refused.append(refusal)
         elif name in _OPTIMIZER_PARAM_ROWS and _OPTIMIZER_PARAM_ROWS[name].treatment is not MAPPED:
             apply_row(_OPTIMIZER_PARAM_ROWS[name], dotted, value, result, refused)
         elif name in ("adam_w_mode", "torch_adam") and not isinstance(value, bool):
@@ -193,6 +187,22 @@ def _check_optimizer(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
         )
     if len(refused) == before:
         _try_building(kind, params, refused)
+
+
+def _argument_refusal(
+    dotted: str, name: str, kind_text: str, value: Any, accepted: Collection[str], auto_filled: Collection[str]
+) -> str | None:
+    """Why a section's argument ``dotted`` (``optimizer.params.<name>``) is refused before its value is
+    looked at, the optimizer's and the schedule's alike: a name the class does not take, or an "auto"
+    nothing fills; None when neither."""
+    if name not in accepted:
+        return (
+            f"{dotted}={value!r} (not an argument of {kind_text}: DeepSpeed would fail to build it; "
+            f"its arguments are {', '.join(accepted)})"
+        )
+    if value == AUTO and name not in auto_filled:
+        return f'{dotted}="auto" (nothing fills it: "auto" is filled for {", ".join(auto_filled)})'
+    return None
 
 
 def _try_building(kind: str, params: Mapping[str, Any], refused: list[str]) -> None:
@@ -213,13 +223,9 @@ def _check_scheduler(kind: str, params: Mapping[str, Any], result: DeepSpeedSett
     _, accepted, required = SCHEDULES[kind]
     for name, value in params.items():
         dotted = f"scheduler.params.{name}"
-        if name not in accepted:
-            refused.append(
-                f"{dotted}={value!r} (not an argument of {kind}: DeepSpeed would fail to build it; "
-                f"its arguments are {', '.join(accepted)})"
-            )
-        elif value == AUTO and name not in AUTO_PARAMS:
-            refused.append(f'{dotted}="auto" (nothing fills it: "auto" is filled for {", ".join(AUTO_PARAMS)})')
+        refusal = _argument_refusal(dotted, name, kind, value, accepted, AUTO_PARAMS)
+        if refusal:
+            refused.append(refusal)
         elif value != AUTO and not accepted[name].accepts(value):
             refused.append(f"{dotted}={value!r} ({accepted[name].expected})")
     refused.extend(
