@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
 from zero_core import CheckpointError, ZeroEngine
-from zero_core.checkpoint import saving, storage
+from zero_core.checkpoint import directory, saving
 
 from . import checkpoint_files as files
 from .distributed import by_rank, run_distributed
@@ -357,7 +357,7 @@ def _fault_second_rename_rank0(rank: int) -> list[tuple[object, str, Any]]:
             raise _oserror(errno.EIO, destination)
         return os.rename(source, destination)
 
-    return [(storage.os, "replace", failing)]
+    return [(directory.os, "replace", failing)]
 
 
 def _fault_checksum_rank1(rank: int) -> list[tuple[object, str, Any]]:

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import agreement
 from .accounting import master_bytes_in_files
-from .checkpoint.training_state import CheckpointTarget
+from .checkpoint.save_and_load import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
 from .mesh import spanning_every_rank

@@ -1,7 +1,7 @@
 """The engine's checkpoint methods: sharded state dicts for DCP, a sharded checkpoint directory saved and
 loaded atomically, and full weights loaded into the shards.
 
-``ZeroEngine`` takes them from ``EngineCheckpoints``; each forwards to ``checkpoint/training_state.py``
+``ZeroEngine`` takes them from ``EngineCheckpoints``; each forwards to ``checkpoint/save_and_load.py``
 with the engine's ``CheckpointTarget`` (``build.py``).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .build import EngineParts
-from .checkpoint import training_state
+from .checkpoint import save_and_load
 from .step.optimizer_step import OptimizerStep
 
 
@@ -28,12 +28,12 @@ class EngineCheckpoints:
     def sharded_model_state_dict(self) -> dict[str, Any]:
         """``model.state_dict()``'s keys, parameters as DCP-checkpointable views of this rank's fp32 shard
         (full logical shapes), buffers as they are: for ``torch.distributed.checkpoint.save``."""
-        return training_state.sharded_model_state_dict(self._parts.checkpoints)
+        return save_and_load.sharded_model_state_dict(self._parts.checkpoints)
 
     def sharded_optimizer_state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard). Every
         rank calls it: param groups added since the last step are compared across ranks first."""
-        return training_state.sharded_optimizer_state_dict(self._parts.checkpoints)
+        return save_and_load.sharded_optimizer_state_dict(self._parts.checkpoints)
 
     def save_checkpoint(
         self,
@@ -47,12 +47,12 @@ class EngineCheckpoints:
         pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
         ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates."""
         targets = {"include_optimizer": include_optimizer, "include_model": include_model}
-        return training_state.save(self._parts.checkpoints, path, extra, **targets)
+        return save_and_load.save(self._parts.checkpoints, path, extra, **targets)
 
     def read_checkpoint_extra(self, path: str | os.PathLike) -> dict[str, Any]:
         """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every rank, without
         loading anything. Every rank calls it; a bad checkpoint raises the same ``CheckpointError`` everywhere."""
-        return training_state.read_extra(self._parts.checkpoints, path)
+        return save_and_load.read_extra(self._parts.checkpoints, path)
 
     def load_checkpoint(
         self,
@@ -71,7 +71,7 @@ class EngineCheckpoints:
         ``check_extra(extra)`` runs before anything is applied; what it raises changes nothing.
         """
         sources = {"load_optimizer": load_optimizer, "load_model": load_model, "optimizer_path": optimizer_path}
-        resumed = training_state.load(self._parts.checkpoints, path, **sources, check_extra=check_extra)
+        resumed = save_and_load.load(self._parts.checkpoints, path, **sources, check_extra=check_extra)
         self._optimizer_step.steps_taken = resumed.steps
         return resumed.extra
 
@@ -86,4 +86,4 @@ class EngineCheckpoints:
         with ``optimizer_state_dict`` (``optimizer.state_dict()`` of a DDP or one-process run, or
         ``zero-consolidate``'s) the optimizer's state too, as ``optimizer.load_state_dict`` matches it. All or
         nothing on every rank, at any stage and world size."""
-        training_state.load_full_state(self._parts.checkpoints, source, strict, optimizer_state_dict)
+        save_and_load.load_full_state(self._parts.checkpoints, source, strict, optimizer_state_dict)

@@ -1,6 +1,6 @@
 """Every "ranks agree" of the core: the setup (``setup.py``), the optimizer step (``step.py``), flags any
 rank may raise (``flags.py``), all on one packing of values (``packing.py``). Checkpoints agree on each
-filesystem step's outcome through ``checkpoint/agreement.py``, over the same collectives."""
+filesystem step's outcome through ``checkpoint/agreed_steps.py``, over the same collectives."""
 
 from .flags import agree_on_values, true_on_any_rank
 from .packing import differing_values, with_negations

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from .agreement import RankAgreement
+from .agreed_steps import RankAgreement
+from .directory import read_shards
 from .errors import CheckpointError
 from .loading import open_checkpoint
 from .records import MODEL_KEY
-from .storage import read_shards
 
 
 def _set_nested(tree: dict, path: tuple, value: Any) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..unit import MasterPiece
-from .agreement import RankAgreement
+from .agreed_steps import RankAgreement
 from .chunks import read_rectangles
 from .errors import CheckpointError, mismatch_error
 from .loading import group_settings

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import torch
 
-from .agreement import RankAgreement
+from .agreed_steps import RankAgreement
 from .chunks import Rectangle, flat_range_to_rectangles, read_rectangles
 from .errors import CheckpointError, mismatch_error
 from .loading import expected_model_shapes

@@ -20,8 +20,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..optim.nvme_staging import StagedLoad
-from .agreement import RankAgreement
+from .agreed_steps import RankAgreement
 from .chunks import ShardedChunks
+from .directory import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .errors import CheckpointError, mismatch_error
 from .manifest import Manifest, check_present, read_manifest, read_verified
 from .metadata_checks import check_metadata
@@ -37,7 +38,6 @@ from .records import (
 )
 from .staged_reads import check_staging_room, is_staged, read_staged_units
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
-from .storage import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
 from .unpickling import load_weights_only, unpickle_metadata
 
 

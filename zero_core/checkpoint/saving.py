@@ -6,7 +6,7 @@ DCP keys ``model`` and ``optimizer_0``; ``meta.pt`` with the caller's extra
 state and the engine's record (``zero``); ``zero-manifest.json`` with every
 file's checksum and the save's identity, written last.
 
-Steps, each agreed across ranks before the next (see ``agreement.py``):
+Steps, each agreed across ranks before the next (see ``agreed_steps.py``):
 prepare the hidden partial directory (rank 0), collect the state, write
 the shards (DCP, every rank), checksum and sync them (split between
 ranks), write ``meta.pt`` and the manifest (rank 0), replace the old
@@ -27,13 +27,8 @@ from typing import Any
 
 import torch
 
-from .agreement import RankAgreement
-from .disk_space import SaveSpace
-from .errors import CheckpointError
-from .manifest import FileDigest, Manifest, digest_bytes, digest_data_file, write_manifest
-from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
-from .state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
-from .storage import (
+from .agreed_steps import RankAgreement
+from .directory import (
     EXTRA_FILENAME,
     METADATA_FILENAME,
     CheckpointDirs,
@@ -42,6 +37,11 @@ from .storage import (
     replace_with_partial,
     write_shards,
 )
+from .disk_space import SaveSpace
+from .errors import CheckpointError
+from .manifest import FileDigest, Manifest, digest_bytes, digest_data_file, write_manifest
+from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
+from .state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
 from .unpickling import refusal_reason, unpickle_metadata, weights_only_load
 
 

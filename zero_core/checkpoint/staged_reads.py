@@ -17,12 +17,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..optim.nvme_staging import StagedLoad, StagingRoom, room_problem
 from ..unit import FlatUnit, MasterPiece
-from .agreement import RankAgreement
+from .agreed_steps import RankAgreement
 from .chunks import ShardedChunks
+from .directory import read_shards
 from .errors import CheckpointError
 from .records import MODEL_KEY, OPTIMIZER_KEY, ShardedModel
 from .state_dicts import is_per_element, optimizer_load_targets, saved_optimizer_state, sharded_model_state_dict
-from .storage import read_shards
 
 Install = tuple[MasterPiece, str, torch.Tensor]
 

@@ -25,7 +25,7 @@ from ..optim.loss_scaling import LossScaler
 from ..optim.nvme_staging import StagedLoad
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
-from .agreement import RankAgreement
+from .agreed_steps import RankAgreement
 from .errors import CheckpointError
 from .full_optimizer import read_full_optimizer_state
 from .full_weights import load_full_weights
