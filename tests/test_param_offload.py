@@ -474,7 +474,7 @@ class _UnitOnDisk:
         self.start_gather()
         self.state = StorageState.GATHERED
 
-    def release(self) -> None:
+    def reshard(self) -> None:
         self.state, self.read_into_memory = StorageState.SHARDED, False
 
 

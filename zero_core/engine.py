@@ -171,7 +171,7 @@ class ZeroEngine(EngineCheckpoints):
         self._runtime.announce_scaled_backward()
 
     def discard_failed_pass(self) -> None:
-        """After a forward or backward that raised was caught: release what it gathered and forget
+        """After a forward or backward that raised was caught: reshard what it gathered and forget
         it now rather than at the next forward or step, which would do the same (with the same
         warning if stage 1 had to discard the gradients accumulated since the last step).
         Nothing happens when no pass failed. Every rank whose pass failed calls it."""
@@ -323,7 +323,7 @@ class ZeroEngine(EngineCheckpoints):
         self._runtime.quiesce()
         self.remove_hooks()
         full_params.unshard(self._units)
-        _ENGINES.release(self.model)
+        _ENGINES.forget(self.model)
         self._optimizer.retire()
 
     # ---------------------------------------------------------- accounting

@@ -97,4 +97,4 @@ def _unshard(units: list[FlatUnit]) -> None:
         for param, view in zip(unit.params, unit.full_param_views(full)):
             point_at(param, view.clone())
             param.grad = None
-        unit.release()
+        unit.reshard()

@@ -22,7 +22,8 @@ class ModelOwners(Generic[Owner]):
     def register(self, model: nn.Module, owner: Owner) -> None:
         self._owners[model] = weakref.ref(owner)
 
-    def release(self, model: nn.Module) -> None:
+    def forget(self, model: nn.Module) -> None:
+        """``model`` has no owner any more (its engine gave it back): another may shard it."""
         self._owners.pop(model, None)
 
     def owner_of(self, model: nn.Module) -> Owner | None:

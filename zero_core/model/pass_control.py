@@ -18,5 +18,5 @@ class PassControl(Protocol):
         ...
 
     def suspend(self) -> AbstractContextManager[None]:
-        """No gather or release while the caller holds full parameters in place."""
+        """No gather or reshard while the caller holds full parameters in place."""
         ...

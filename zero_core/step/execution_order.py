@@ -4,7 +4,7 @@ Each forward and each backward is recorded anew; prefetching predicts from
 the previous one. The prediction is a guess, never a promise: a unit that
 runs out of the predicted order (layerdrop, a branch, generation, an eval
 forward before training) moves a cursor through the previous order, and
-whatever was prefetched and did not run is released by the runtime (the
+whatever was prefetched and did not run is resharded by the runtime (the
 live-unit bound holds whatever the order does). At the end of each pass the
 recording replaces the previous one when it differs, and ``changes`` counts
 how often that happened.

@@ -1,12 +1,12 @@
-"""Which units are gathered during a pass: the gather, release and prefetch policy.
+"""Which units are gathered during a pass: the gather, reshard and prefetch policy.
 
 Stage 3 gathers a unit right before it runs (forward, or its backward),
 starts the all-gathers of the units the recorded order predicts next
-(:class:`ExecutionOrder`, ``prefetch`` of them), and releases whatever is
+(:class:`ExecutionOrder`, ``prefetch`` of them), and reshards whatever is
 neither running nor predicted. Stages 1/2 keep parameters gathered: a unit
 only waits for its post-step all-gather, if it is still running. Inside
 :meth:`GatherPolicy.suspend` (full parameters swapped in by
-``gathered_parameters``) nothing is gathered or released. With
+``gathered_parameters``) nothing is gathered or resharded. With
 ``offload_params="nvme"`` the parameter shard of the unit after the
 prefetched ones is read from its file meanwhile.
 """
@@ -37,12 +37,12 @@ class GatherPolicy:
 
     @property
     def suspended(self) -> bool:
-        """Inside :meth:`suspend`: units are neither gathered nor released."""
+        """Inside :meth:`suspend`: units are neither gathered nor resharded."""
         return self._suspended
 
     @contextlib.contextmanager
     def suspend(self) -> Iterator[None]:
-        """Full parameters are swapped in by the caller (``gathered_parameters``): no gather or release."""
+        """Full parameters are swapped in by the caller (``gathered_parameters``): no gather or reshard."""
         self._suspended = True
         try:
             yield
@@ -62,7 +62,7 @@ class GatherPolicy:
         self._gather(unit, predicted, keep, timed=False)
 
     def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int], *, timed: bool) -> None:
-        """Gather ``unit``, prefetch ``predicted`` (its last ``reads_ahead`` units only read from disk); release
+        """Gather ``unit``, prefetch ``predicted`` (its last ``reads_ahead`` units only read from disk); reshard
         any other unit not in ``keep``."""
         if self._suspended:
             return
@@ -73,7 +73,7 @@ class GatherPolicy:
         wanted = keep | {unit.index} | set(predicted)
         for other in self.units:
             if other.index not in wanted and other.state is not StorageState.SHARDED:
-                other.release()  # prefetched for an order that did not happen
+                other.reshard()  # prefetched for an order that did not happen
         if timed and self.auto_prefetch is not None:
             self.auto_prefetch.wait_timed(unit.wait_gathered)
         else:
@@ -81,23 +81,24 @@ class GatherPolicy:
         for index in predicted:
             self.units[index].start_gather()
         for index in self._read_ahead - set(read_ahead) - wanted:
-            self.units[index].release()  # read ahead for an order that did not happen: its memory is freed
+            self.units[index].reshard()  # read ahead for an order that did not happen: its memory is freed
         self._read_ahead = set(read_ahead)
         for index in read_ahead:
             self.units[index].read_ahead()
         live = sum(u.state is not StorageState.SHARDED for u in self.units)
         self.peak_live_units = max(self.peak_live_units, live)
 
-    def release(self, unit: FlatUnit) -> None:
+    def reshard(self, unit: FlatUnit) -> None:
+        """``unit`` to SHARDED, its full parameters freed (FSDP2's reshard), unless the caller holds them."""
         if not self._suspended:
-            unit.release()
+            unit.reshard()
 
-    def release_all(self, keep: Collection[int] = ()) -> None:
+    def reshard_all(self, keep: Collection[int] = ()) -> None:
         """Every unit but those in ``keep``: the units still running when a backward inside their forward
         ends (Lightning's manual optimization), which the rest of that forward uses."""
         for unit in self.units:
             if unit.index not in keep:
-                self.release(unit)
+                self.reshard(unit)
 
     # ---------------------------------------------------------------- passes
     def forward_started(self) -> None:
@@ -105,7 +106,7 @@ class GatherPolicy:
             self.auto_prefetch.forward_started()
 
     def forward_ended(self) -> None:
-        self.release_all()  # prefetched units the forward did not use
+        self.reshard_all()  # prefetched units the forward did not use
         self.order.forward.end()
         if self.auto_prefetch is not None:
             self.auto_prefetch.forward_ended()
@@ -114,8 +115,8 @@ class GatherPolicy:
         self.order.backward.end()
 
     def abandoned(self) -> None:
-        """A forward or backward raised: release everything and forget the orders it recorded."""
-        self.release_all()
+        """A forward or backward raised: reshard everything and forget the orders it recorded."""
+        self.reshard_all()
         if self.auto_prefetch is not None:
             self.auto_prefetch.forward_abandoned()
         self.order.forward.discard()

@@ -109,7 +109,7 @@ def at_end_of_backward(callback: Callable[[], None]) -> None:
 
 class _EagerHook(InertWhenCopied):
     """A module hook run as plain Python under torch.compile (a graph break each), as FSDP2's are: it gathers,
-    releases and keeps step state, none of which belongs in a graph. A deep copy of the module gets an inert
+    reshards and keeps step state, none of which belongs in a graph. A deep copy of the module gets an inert
     hook (``hook_copies.py``)."""
 
     __slots__ = ()

@@ -5,13 +5,13 @@ every event reads it to decide what to do, and the first outermost forward (or o
 interrupted step resets whatever that step left behind. The hooks themselves are in ``hooks.py``, which
 units are gathered when in ``gathering.py``. Per unit:
 
-- pre-forward: (stage 3) wait for the unit's all-gather, prefetch the units predicted to run next, release
+- pre-forward: (stage 3) wait for the unit's all-gather, prefetch the units predicted to run next, reshard
   prefetched units that did not run; wrap the unit's grad-requiring inputs so their backward tells us the
   unit's backward is finished.
-- post-forward: (stage 3) release the unit; hook its outputs so the first gradient reaching them gathers it
+- post-forward: (stage 3) reshard the unit; hook its outputs so the first gradient reaching them gathers it
   again (pre-backward).
 - post-accumulate-grad hook per parameter: move the gradient into the unit's flat gradient buffer.
-- post-backward (the wrapped inputs' backward, once every call of the unit is back-propagated): release the
+- post-backward (the wrapped inputs' backward, once every call of the unit is back-propagated): reshard the
   unit, let the reduce schedule advance.
 
 A forward hook that fires during backward is a recompute (activation
@@ -158,11 +158,11 @@ class StepRuntime:
 
     @property
     def suspended(self) -> bool:
-        """Inside :meth:`suspend`: units are neither gathered nor released."""
+        """Inside :meth:`suspend`: units are neither gathered nor resharded."""
         return self.gathering.suspended
 
     def suspend(self) -> contextlib.AbstractContextManager[None]:
-        """Full parameters are swapped in by the caller (``gathered_parameters``): no gather or release."""
+        """Full parameters are swapped in by the caller (``gathered_parameters``): no gather or reshard."""
         return self.gathering.suspend()
 
     def settle(self, *, drop_pending_forward: bool = False) -> None:
@@ -253,7 +253,7 @@ class StepRuntime:
         passes.complete_call(unit)
         if passes.running(unit):
             return output  # a nested call of a unit still running: the outer call finishes it
-        self.gathering.release(unit)
+        self.gathering.reshard(unit)
         if torch.is_grad_enabled() and passes.recording is not None:
             # The outermost call's output hooks hold the record's token: when
             # the user drops those outputs, the record (and what it holds) goes.
@@ -353,7 +353,7 @@ class StepRuntime:
         if not self.passes.finish_call_backward(unit):
             return
         if not self.passes.running(unit):
-            self.gathering.release(unit)
+            self.gathering.reshard(unit)
         self.reduces.mark_finished(unit)
         if self._reducing():
             self.reduces.advance(self._ready)
@@ -390,7 +390,7 @@ class StepRuntime:
         self.reduces.wait_all()
         for unit in self.units:
             unit.commit_backward()
-        self.gathering.release_all(keep=self.passes.running_indices())
+        self.gathering.reshard_all(keep=self.passes.running_indices())
         if self.require_grad_sync:
             self.reduce_across_groups()  # hybrid sharding: once per synchronising backward, not per micro-batch
         if self.step_in_backward is not None:

@@ -35,7 +35,7 @@ class TrainingState(Enum):
     FORWARD = auto()  # inside an outermost forward (of the root, or of a unit called directly)
     PRE_BACKWARD = auto()  # a forward with grad enabled finished; its backward has not started
     BACKWARD = auto()  # autograd is running the backward through our units
-    POST_BACKWARD = auto()  # the end-of-backward callback: last reduces, commit, release
+    POST_BACKWARD = auto()  # the end-of-backward callback: last reduces, commit, reshard
 
 
 def inside_autograd() -> bool:

@@ -84,7 +84,7 @@ class FlatUnit:
         grads_class = ShardedGrads if stage_plan.grads_sharded else LocalGrads
         self.grads: UnitGrads = grads_class(self.layout, self.params, precision, comm, self.label)
         if stage_plan.params_sharded_at_rest:
-            self.release()
+            self.reshard()
 
     # ---------------------------------------------------------------- storage
     @property
@@ -148,8 +148,9 @@ class FlatUnit:
     def wait_gathered(self) -> None:
         self.storage.wait_gathered()
 
-    def release(self) -> None:
-        self.storage.release()
+    def reshard(self) -> None:
+        """Stage 3: any state -> SHARDED, the full parameters freed (FSDP2's reshard)."""
+        self.storage.reshard()
 
     def start_refresh(self, guard: bool) -> None:
         self.storage.start_refresh(guard)

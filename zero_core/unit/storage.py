@@ -275,7 +275,7 @@ class ParamStorage:
         if self.shard_file is not None and self.state is StorageState.SHARDED:
             self.shard_file.read_ahead()
 
-    def release(self) -> None:
+    def reshard(self) -> None:
         """Stage 3: any state -> SHARDED, freeing the full parameters (and a shard read ahead for nothing)."""
         if self.shard_file is not None:
             self.shard_file.release()
@@ -310,7 +310,7 @@ class ParamStorage:
             if self.state is StorageState.GATHERED:
                 # A step inside a forward that still runs this unit (Lightning's manual optimization): the
                 # rest of that forward sees the new values, gathered as its next forward would gather them.
-                self.release()
+                self.reshard()
                 self.wait_gathered()
             return
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
