@@ -29,10 +29,10 @@ from .model.meta_init import (
     model_is_on_meta,
 )
 from .model.state_dict_hooks import StateDictHooks
+from .offload_plan import units_to_offload
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import LossScaler
 from .optim.nvme_state import NvmeOptimizerState
-from .optim.offload_plan import units_to_offload
 from .optim.rebuild import canonical_names
 from .optim.scratch import ScratchDirectory
 from .optim.zero_grad_routes import ZeroGradRoute

@@ -10,7 +10,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from functools import cache
 
-from .offload_settings import OFFLOAD_MODES, check_offload
+from .offload_plan import OFFLOAD_MODES, OffloadPlan, check_offload
 from .precision import MixedPrecision, check_loss_scaling
 from .settings import (
     SETTING_KEY,
@@ -29,7 +29,7 @@ from .settings import (
 )
 from .wrap_policy import WrapPolicy, WrapPolicyLike, as_wrap_policy, wrap_policy_of_names
 
-__all__ = ["OFFLOAD_MODES", "StagePlan", "ZeroConfig", "user_settings"]  # OFFLOAD_MODES: offload_settings.py
+__all__ = ["OFFLOAD_MODES", "StagePlan", "ZeroConfig", "user_settings"]  # OFFLOAD_MODES: offload_plan.py
 
 
 @dataclass(frozen=True)
@@ -342,7 +342,12 @@ class ZeroConfig:
     def steps_in_backward(self) -> bool:
         """Offloaded units step during backward (``offload_step_in_backward`` with ``offload_optimizer``: without
         an offloaded optimizer there is no host step to overlap, and the setting changes nothing)."""
-        return self.offload_step_in_backward and self.offload_optimizer != "none"
+        return self.offload.step_in_backward
+
+    @property
+    def offload(self) -> OffloadPlan:
+        """The offload settings, typed: where each unit's tensors rest (``OffloadPlan.for_unit``)."""
+        return OffloadPlan.from_config(self)
 
     @property
     def plan(self) -> StagePlan:

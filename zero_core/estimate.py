@@ -23,7 +23,7 @@ from torch import nn
 
 from .accounting import MemoryReport, expected_model_state_bytes
 from .config import OFFLOAD_MODES, MixedPrecision, WrapPolicy, ZeroConfig
-from .optim.offload_plan import units_to_offload
+from .offload_plan import units_to_offload
 from .unit.plan import plan_units
 
 STAGES = (0, 1, 2, 3)  # 0: DDP, the reference
