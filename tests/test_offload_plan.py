@@ -8,8 +8,10 @@ says so, and rests in a file exactly where the plan says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import torch
 
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 from zero_core.offload_plan import OffloadPlan, OffloadTier, Rest, units_to_offload
+from zero_core.unit import FlatUnit
 
 from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
@@ -83,6 +86,23 @@ GRID = [
 ]
 
 
+@contextlib.contextmanager
+def _units_built() -> Iterator[list[FlatUnit]]:
+    """The units built meanwhile, as the engine builds them (the test reads the tensors they hold)."""
+    built: list[FlatUnit] = []
+    original = FlatUnit.__init__
+
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        built.append(self)
+
+    FlatUnit.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield built
+    finally:
+        FlatUnit.__init__ = original  # type: ignore[method-assign]
+
+
 def _memory_of(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.untyped_storage().data_ptr()
 
@@ -98,8 +118,9 @@ def _plans_and_tensors(rank: int, world_size: int, directory: str) -> list[dict]
         )
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
-        engine = ZeroEngine(model, make_optimizer("adamw", model), config)
-        for unit in engine._units:  # the units themselves: what the plan is checked against
+        with _units_built() as units:
+            engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+        for unit in units:
             unit.storage.master_shard  # noqa: B018 - every master in memory, to compare memory
             sharded = unit.stage_plan.params_sharded_at_rest
             planned = config.offload.for_unit(unit.offloaded, sharded, precision == "bf16", host_is_device=True)
