@@ -64,15 +64,19 @@ def test_where_a_units_tensors_rest(host_is_device: bool, low_precision: bool) -
         assert (unit.optimizer_state is Rest.HOST) is (state_tier is OffloadTier.CPU), where
         assert (unit.reduced_grad is Rest.HOST) is (offloaded and not host_is_device), where
         # The master is the parameters' own memory only in fp32, where it is the compute shard (or the host
-        # parameter shard itself), unless offload_params="nvme" gives the shard a file of its own.
+        # parameter shard itself), unless offload_params="nvme" gives the shard a file of its own. On a GPU,
+        # offload_params="cpu" leaves a unit that is not offloaded its master on the device, apart from the
+        # host shard (unit/storage.py: the compute shard becomes an empty staging buffer).
         shard_in_file = sharded and params is OffloadTier.NVME
-        host_shard_is_master = sharded and params is OffloadTier.CPU
-        own = low_precision or shard_in_file or (offloaded and not host_is_device and not host_shard_is_master)
+        shard_on_host = sharded and params is OffloadTier.CPU
+        on_a_gpu = not host_is_device
+        own = low_precision or shard_in_file or (offloaded and on_a_gpu and not shard_on_host)
+        own = own or (shard_on_host and not offloaded and on_a_gpu)
         assert unit.master_stands_alone is own, where
         # It rests in the optimizer's file where the optimizer state does, if it is a tensor of its own.
         assert unit.master_in_file is (unit.state_in_file and own), where
         if not unit.master_in_file:
-            on_host = (offloaded and not host_is_device) or (host_shard_is_master and not own)
+            on_host = (offloaded and not host_is_device) or (shard_on_host and not own)
             assert unit.master is (Rest.HOST if on_host else Rest.DEVICE), where
 
 

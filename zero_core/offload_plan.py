@@ -48,17 +48,19 @@ def master_stands_alone(
 ) -> bool:
     """Whether a unit's fp32 master shard is a tensor of its own rather than the parameters' own memory. In a
     lower compute precision it always is. In fp32 the master is the compute shard itself (the full parameters'
-    slice at stages 1/2), except: an offloaded unit on a GPU keeps its master in host memory (then the host
-    parameter shard itself with ``offload_params="cpu"``), and ``offload_params="nvme"`` gives the shard at rest
-    a file of its own (the master stays apart from it)."""
+    slice at stages 1/2), except: an offloaded unit on a GPU keeps its master in host memory;
+    ``offload_params="nvme"`` gives the shard at rest a file of its own (the master stays apart from it); and
+    ``offload_params="cpu"`` moves the shard at rest to the host, where it is the master of an offloaded unit
+    (and of every unit on a CPU device), while on a GPU a unit not offloaded keeps its master on the device,
+    apart from the host shard (the compute shard becomes an empty staging buffer)."""
     if low_precision:
         return True
     params_moved = sharded_at_rest and params.offloads
     if params_moved and params is OffloadTier.NVME:
         return True
-    if offloaded and not host_is_device:
-        return not (params_moved and params is OffloadTier.CPU)
-    return False
+    if params_moved:  # offload_params="cpu"
+        return not offloaded and not host_is_device
+    return offloaded and not host_is_device
 
 
 @dataclass(frozen=True)
