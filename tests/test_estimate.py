@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_core import MemoryReport, MixedPrecision, WrapPolicy, ZeroEngine, estimate
-from zero_core.estimate import EstimateSettings, largest_fitting_model
-from zero_core.estimate_cli import main
+from zero_core import MemoryReport, MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine, estimate, user_settings
+from zero_core.estimate_cli import build_parser, main
+from zero_core.memory.estimate import SHARED_SETTINGS, EstimateSettings, largest_fitting_model, shared_settings
 
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
@@ -43,6 +43,19 @@ OFFLOADS = {"none": ("none", "none"), "cpu": ("cpu", "none"), "nvme": ("nvme", "
 OFFLOADS |= {"params": ("none", "cpu"), "cpu+params": ("cpu", "cpu")}
 OFFLOADS |= {"params-nvme": ("none", "nvme"), "nvme+params-nvme": ("nvme", "nvme")}
 STATE_BYTES = {"adamw": 8, "sgd": 4}  # per parameter: two fp32 moments, one momentum buffer
+# Every other case of the offload plan (tests/test_offload_plan.py's grid: each stage, precision and mode), so
+# that the estimate and the measured report cannot drift apart for any of them ("optimizer/params").
+MODES = ("none", "cpu", "nvme")
+OFFLOADS |= {f"{optimizer}/{params}": (optimizer, params) for optimizer in MODES for params in MODES}
+_COVERED = {(stage, precision, OFFLOADS[offload]) for stage, precision, offload, _ in CASES}
+CASES += [
+    (stage, precision, f"{optimizer}/{params}", "adamw")
+    for stage in (1, 2, 3)
+    for precision in (None, BF16)
+    for optimizer in MODES
+    for params in MODES
+    if (stage == 3 or params == "none") and (stage, precision, (optimizer, params)) not in _COVERED
+]
 
 
 def _measure(rank: int, world_size: int, directory: str) -> list[dict]:
@@ -182,3 +195,38 @@ def test_the_installed_entry_point_runs() -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "350,000,000 parameters" in done.stdout
+
+
+def test_the_estimate_takes_the_engines_settings_from_the_schema() -> None:
+    """The settings it shares with the engine are ZeroConfig's, checked by it; none is declared again."""
+    names = {setting.name for setting in user_settings()}
+    assert set(SHARED_SETTINGS) <= names
+    own = {field.name for field in dataclasses.fields(EstimateSettings)}
+    assert own == {"world_size", "config", "optimizer_state_bytes_per_param", "host_is_device"}
+    assert not own & {field.name for field in dataclasses.fields(ZeroConfig)}
+    settings = EstimateSettings(
+        16, shard_group_size=8, offload_optimizer="nvme", offload_fraction=0.5, wrap_policy=Block
+    )
+    config = ZeroConfig(
+        shard_group_size=8, offload_optimizer="nvme", offload_fraction=0.5, wrap_policy=WrapPolicy((Block,))
+    )
+    assert settings.config == config and settings.shard_size == 8
+    assert EstimateSettings(16, config) == settings  # a ZeroConfig itself
+    for bad, refusal in ((dict(offload_params="disk"), "ZeroConfig.offload_params"), (dict(stage=2), "no setting")):
+        with pytest.raises((ValueError, TypeError), match=refusal):
+            estimate(10**6, 8, **bad)
+
+
+def test_the_commands_flags_for_the_engines_settings_are_generated_from_the_schema() -> None:
+    """One flag per shared setting, spelled, documented and parsed by its record; no other flag sets one."""
+    actions = {action.dest: action for action in build_parser()._actions}
+    shared = shared_settings()
+    assert [s.name for s in shared] == [s.name for s in user_settings() if s.name in SHARED_SETTINGS]
+    for setting in shared:
+        action = actions[setting.text.name]
+        assert action.option_strings == ["--" + setting.text.name.replace("_", "-")]
+        assert action.help.startswith(setting.doc.replace("%", "%%"))
+        example = setting.text.format(setting.text.example)
+        assert action.type(example) == setting.text.parse(example)
+    text_names = {s.text.name for s in user_settings()} | {s.name for s in user_settings()}
+    assert {dest for dest in actions if dest in text_names} == {s.text.name for s in shared}

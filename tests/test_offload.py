@@ -26,8 +26,8 @@ import zero_core.optim.nvme_staging as nvme_staging
 import zero_core.optim.nvme_state as nvme_state
 import zero_core.optim.scratch as scratch
 from zero_core import MixedPrecision, OffloadError, ZeroEngine
-from zero_core.accounting import StorageCounter
 from zero_core.checkpoint import CheckpointError
+from zero_core.memory.measured import StorageCounter
 
 from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer

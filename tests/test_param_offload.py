@@ -21,7 +21,7 @@ import zero_core.unit.shard_files as shard_files
 import zero_core.unit.storage as storage
 from zero_core import MixedPrecision, OffloadError, UnitReport, ZeroConfig, ZeroEngine, estimate
 from zero_core.config import StagePlan
-from zero_core.estimate import EstimateSettings, UnitCount, estimate_units
+from zero_core.memory.estimate import EstimateSettings, UnitCount, estimate_units
 from zero_core.step.gathering import GatherPolicy
 from zero_core.unit import StorageState
 

@@ -9,13 +9,14 @@ module once, for adapters asked to set it up again), ``zero_core.settings``
 is internal and may change shape.
 """
 
-from .accounting import MemoryReport, UnitReport, expected_model_state_bytes
 from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDivergedError, meeting
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
-from .estimate import ZeroEstimate, estimate
 from .file_io import OffloadError
+from .memory.estimate import ZeroEstimate, estimate
+from .memory.predicted import expected_model_state_bytes
+from .memory.records import MemoryReport, UnitReport
 from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .optim.grad_ops import total_norm

@@ -14,10 +14,10 @@ import torch.distributed as dist
 from torch import nn
 
 from . import agreement
-from .accounting import master_bytes_in_files
 from .checkpoint.save_and_load import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
+from .memory.predicted import master_bytes_in_files
 from .mesh import spanning_every_rank
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters

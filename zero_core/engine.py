@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .accounting import MemoryReport, UnitReport, measure_model_state, unit_reports
 from .build import build_parts, model_device
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
 from .engine_checkpoints import EngineCheckpoints
+from .memory.measured import measure_model_state, unit_reports
+from .memory.records import MemoryReport, UnitReport
 from .mesh import DeviceMesh, engine_comm
 from .model import full_params
 from .model.meta_init import ParamInitFn

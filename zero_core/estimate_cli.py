@@ -4,7 +4,8 @@
     zero-estimate --model my_pkg.models:build_model --world-size 8 --offload-optimizer cpu
 
 ``--model module:factory`` calls ``factory()`` under ``torch.device("meta")``: parameters are
-counted (frozen and shared ones as the engine holds them) without allocating them.
+counted (frozen and shared ones as the engine holds them) without allocating them. The flags of the
+settings shared with the engine are generated from ZeroConfig's schema (``zero_core.user_settings()``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import importlib
 import os
 import re
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .config import OFFLOAD_MODES, MixedPrecision, WrapPolicy
-from .estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model
+from .config import MixedPrecision
 from .file_io import human_bytes
+from .memory.estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model, shared_config, shared_settings
+from .settings import Setting
 
 PRECISIONS = {
     "fp32": MixedPrecision(),
@@ -69,29 +73,20 @@ def load_model(spec: str) -> nn.Module:
     return model
 
 
-def wrap_policy_for(model: nn.Module, class_names: str) -> WrapPolicy:
-    """``GPTBlock,Other`` -> the model's module classes of those names (as Accelerate's wrap_classes)."""
-    names = [name.strip() for name in class_names.split(",") if name.strip()]
-    classes = {type(module).__name__: type(module) for module in model.modules()}
-    missing = [name for name in names if name not in classes]
-    if missing:
-        raise ValueError(f"--wrap-classes: the model has no module class {missing}; its classes: {sorted(classes)}")
-    return WrapPolicy(module_classes=tuple(classes[name] for name in names))
-
-
 def format_table(result: ZeroEstimate, budget: int | None) -> str:
     settings = result.settings
-    precision = settings.precision
-    offload = settings.offload_optimizer != "none" or settings.offload_params != "none"
+    config, plan = settings.config, settings.config.offload
+    precision = config.mixed_precision
+    offload = plan.optimizer.offloads or plan.params.offloads
     dtypes = {v.compute_dtype: k for k, v in PRECISIONS.items()}
     lines = [
         f"{result.numel:,} parameters ({result.trainable_numel:,} trainable) in {result.units} unit(s); "
         f"{settings.world_size} ranks, shards over {settings.shard_size}",
         f"compute {dtypes[precision.compute_dtype]}, reduce {dtypes[precision.reduce_dtype]}; "
         f"optimizer state {settings.optimizer_state_bytes_per_param} bytes/parameter; "
-        f"offload_optimizer={settings.offload_optimizer!r}"
-        + (f", offload_fraction={settings.offload_fraction:g}" if settings.offload_optimizer != "none" else "")
-        + (f", offload_params={settings.offload_params!r} (stage 3)" if settings.offload_params != "none" else ""),
+        f"offload_optimizer={config.offload_optimizer!r}"
+        + (f", offload_fraction={config.offload_fraction:g}" if plan.optimizer.offloads else "")
+        + (f", offload_params={config.offload_params!r} (stage 3)" if plan.params.offloads else ""),
         "model-state bytes per rank (optimizer: with the fp32 master where it is a separate copy):",
     ]
     header = ["", "params", "grads", "optimizer", "device"] + (["host", "nvme"] if offload else [])
@@ -120,6 +115,31 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
     return "\n".join(lines)
 
 
+def _dest(setting: Setting) -> str:
+    return setting.text.name
+
+
+def _flag(setting: Setting) -> str:
+    """``--offload-optimizer``: the setting's text name, dashed as the command's other flags."""
+    return "--" + setting.text.name.replace("_", "-")
+
+
+def _parser_of(setting: Setting) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return setting.text.parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is invalid: use {setting.values}") from None
+
+    parse.__name__ = setting.text.name  # what argparse names in its own refusals
+    return parse
+
+
+def _help(setting: Setting) -> str:
+    default = setting.text.format(setting.text.default) or "none"
+    return f"{setting.doc} (default: {default})".replace("%", "%%")  # argparse formats help with %
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="zero-estimate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -127,20 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=parse_count, help="a parameter count: 7e9, 7B, 350M")
     source.add_argument("--model", help="module:factory, a callable returning the model (built on meta)")
-    parser.add_argument(
-        "--wrap-classes", default="", help="with --model: the block classes that become units, e.g. GPTBlock,Other"
-    )
-    parser.add_argument("--bucket-size-mb", type=float, default=25, help="without --wrap-classes: the unit size")
     parser.add_argument("--world-size", type=int, required=True, help="ranks (processes) in all")
-    parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding: ranks per shard group")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="compute dtype (reduce: fp32)")
     parser.add_argument(
         "--optimizer-bytes", type=int, default=8, help="optimizer state bytes per parameter: Adam 8, SGD momentum 4"
-    )
-    parser.add_argument("--offload-optimizer", choices=OFFLOAD_MODES, default="none")
-    parser.add_argument("--offload-fraction", type=float, default=1.0, help="share offloaded, in (0, 1]")
-    parser.add_argument(
-        "--offload-params", choices=OFFLOAD_MODES, default="none", help="stage 3: parameter shards on the host or disk"
     )
     parser.add_argument(
         "--device",
@@ -149,29 +159,44 @@ def build_parser() -> argparse.ArgumentParser:
         help="cpu: host and device are one memory (an offloaded unit's master and gradient shard stay in place)",
     )
     parser.add_argument("--budget", type=parse_bytes, default=None, help="device bytes per rank: 80GiB, 40GB, 8e10")
+    group = parser.add_argument_group(
+        "settings shared with the engine",
+        "ZeroConfig's settings (docs/configuration.md), as Accelerate spells them: --wrap-classes names\n"
+        "the model's block classes (with --model); --offload-params applies to stage 3's row.",
+    )
+    for setting in shared_settings():
+        group.add_argument(
+            _flag(setting),
+            dest=_dest(setting),
+            metavar=setting.text.name.upper(),
+            type=_parser_of(setting),
+            default=None,
+            help=_help(setting),
+        )
     return parser
+
+
+def _shared_values(args: argparse.Namespace, model: nn.Module | int) -> dict[str, Any]:
+    """The shared settings given, as ZeroConfig holds them (class names looked up in the model)."""
+    given = {s: getattr(args, _dest(s)) for s in shared_settings() if getattr(args, _dest(s)) is not None}
+    module = model if isinstance(model, nn.Module) else None
+    if any(s.name == "wrap_policy" for s in given) and module is None:
+        raise ValueError("--wrap-classes needs --model (a parameter count is one unit)")
+    return {setting.name: setting.text.resolve(value, module) for setting, value in given.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.wrap_classes and not args.model:
-            raise ValueError("--wrap-classes needs --model (a parameter count is one unit)")
         model = load_model(args.model) if args.model else args.params
-        wrap = wrap_policy_for(model, args.wrap_classes) if args.wrap_classes else None
+        config = shared_config(PRECISIONS[args.precision], **_shared_values(args, model))
         result = estimate(
             model,
             args.world_size,
-            shard_group_size=args.shard_group_size,
-            precision=PRECISIONS[args.precision],
+            config,
             optimizer_state_bytes_per_param=args.optimizer_bytes,
-            offload_optimizer=args.offload_optimizer,
-            offload_fraction=args.offload_fraction,
             host_is_device=args.device == "cpu",
-            offload_params=args.offload_params,
-            wrap_policy=wrap,
-            bucket_size_mb=args.bucket_size_mb,
         )
     except (ValueError, ImportError) as error:
         parser.error(str(error))

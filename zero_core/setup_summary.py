@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from .accounting import expected_model_state_bytes
 from .engine import ZeroEngine
 from .file_io import human_bytes
+from .memory.predicted import UnitElements, ddp_bytes, model_state_bytes
+from .offload_plan import OffloadTier
 
 ADAM_STATE_BYTES = 8  # per parameter: the formulas' assumption, said in the line
 
@@ -36,7 +37,7 @@ def _split(engine: ZeroEngine) -> str:
 def _load_staging(engine: ZeroEngine) -> str:
     """offload_optimizer="nvme": what a checkpoint load stages in offload_dir beside the state (each offloaded
     unit's loaded moments and fp32 master, until every rank has read it), so its room is known at setup."""
-    if engine.config.offload_optimizer != "nvme":
+    if engine.config.offload.optimizer is not OffloadTier.NVME:
         return ""
     staged = (4 + ADAM_STATE_BYTES) * sum(report.shard_numel for report in engine.unit_reports() if report.offloaded)
     return f"; a checkpoint load stages up to {human_bytes(staged)} more there"
@@ -47,29 +48,21 @@ def setup_summary(engine: ZeroEngine) -> str:
     units, the shard group, the precision, the prefetch, the offload and the model states per rank beside
     DDP's (formulas)."""
     reports = engine.unit_reports()
-    config, precision = engine.config, engine.config.mixed_precision
+    config, precision, plan = engine.config, engine.config.mixed_precision, engine.config.offload
     numel, shards = engine.num_parameters, engine.shard_group_size
-    ours = expected_model_state_bytes(
-        engine.stage,
-        numel,
-        shards,
-        precision,
-        ADAM_STATE_BYTES,
-        offload_optimizer=config.offload_optimizer,
-        offload_fraction=config.offload_fraction,
-        host_is_device=engine.comm.device.type == "cpu",
-        offload_params=config.offload_params,
-    )
-    ddp = expected_model_state_bytes(0, numel, shards, precision, ADAM_STATE_BYTES)
+    elements = UnitElements(numel, numel, numel, shards)  # the model as one unit, every parameter trainable
+    on_cpu = engine.comm.device.type == "cpu"
+    ours = model_state_bytes(engine.stage, elements, precision, ADAM_STATE_BYTES, plan, plan.fraction, on_cpu)
+    ddp = ddp_bytes(elements, precision, ADAM_STATE_BYTES)
     where = ""
     if ours.host_bytes or ours.nvme_bytes:
         where = f" ({_mib(ours.device_bytes)} on the device, {_mib(ours.host_bytes)} on the host"
         where += f", {_mib(ours.nvme_bytes)} on disk{_load_staging(engine)})" if ours.nvme_bytes else ")"
-    offload = config.offload_optimizer
-    if offload != "none":
+    offload = plan.optimizer.value
+    if plan.optimizer.offloads:
         offload += f" ({sum(report.offloaded for report in reports)} of the units)"
-    if config.offload_params != "none":
-        offload += f"; offload_params {config.offload_params} ({sum(r.params_offloaded for r in reports)} of the units)"
+    if plan.params.offloads:
+        offload += f"; offload_params {plan.params.value} ({sum(r.params_offloaded for r in reports)} of the units)"
     return (
         f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
         f"parameters) of {_count(numel)} parameters{_split(engine)}, sharded over {shards} of {engine.world_size} "

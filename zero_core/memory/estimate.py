@@ -17,16 +17,41 @@ to stage 3's row only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
-from .accounting import MemoryReport, expected_model_state_bytes
-from .config import OFFLOAD_MODES, MixedPrecision, WrapPolicy, ZeroConfig
-from .offload_plan import units_to_offload
-from .unit.plan import plan_units
+from ..config import ZeroConfig, user_settings
+from ..precision import MixedPrecision
+from ..settings import Setting
+from ..unit.plan import plan_units
+from .predicted import UnitElements, ddp_bytes, model_state_bytes
+from .records import MemoryReport
 
 STAGES = (0, 1, 2, 3)  # 0: DDP, the reference
+# The settings the estimate shares with the engine, by their ZeroConfig names: ZeroConfig declares and
+# checks them, and zero-estimate's flags are generated from their records (the mixed precision too, which is
+# no user setting: each framework's own precision flag sets it). What is not a setting is EstimateSettings'.
+SHARED_SETTINGS = ("shard_group_size", "bucket_size_mb", "wrap_policy", "offload_optimizer", "offload_fraction")
+SHARED_SETTINGS += ("offload_params",)
+
+
+def shared_settings() -> list[Setting]:
+    """The schema's records of the settings the estimate shares with the engine, in ZeroConfig's order."""
+    return [setting for setting in user_settings() if setting.name in SHARED_SETTINGS]
+
+
+def shared_config(precision: MixedPrecision | None = None, **settings: Any) -> ZeroConfig:
+    """The settings the estimate shares with the engine, by name and as the strategies take them
+    (``wrap_policy``: a class, classes or a ``WrapPolicy``), checked by ``ZeroConfig``; ``precision``: its
+    ``mixed_precision``."""
+    forms = {setting.name: setting.keyword for setting in shared_settings()}
+    unknown = sorted(set(settings) - set(forms))
+    if unknown:
+        raise TypeError(f"the estimate takes no setting {unknown}; it shares {list(forms)} with ZeroConfig")
+    values = {name: forms[name].to_config(value) for name, value in settings.items()}
+    return ZeroConfig(**values, **({} if precision is None else {"mixed_precision": precision}))
 
 
 @dataclass(frozen=True)
@@ -37,36 +62,45 @@ class UnitCount:
     trainable_numel: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class EstimateSettings:
-    """Everything but the model that decides the bytes."""
+    """Everything but the model that decides the bytes: the settings shared with the engine, as the
+    ``ZeroConfig`` that checks them, and what is no setting of the engine's."""
 
     world_size: int
-    shard_group_size: int | None = None  # hybrid sharding: shards divide over this many ranks
-    precision: MixedPrecision = field(default_factory=MixedPrecision)
+    config: ZeroConfig  # shard_group_size, bucket_size_mb, wrap_policy, the offload settings, mixed_precision
     optimizer_state_bytes_per_param: int = 8  # Adam(W): two fp32 moments; SGD with momentum: 4
-    offload_optimizer: str = "none"
-    offload_fraction: float = 1.0
     host_is_device: bool = False  # a CPU device: an offloaded unit's master and gradient shard stay in place
-    offload_params: str = "none"  # stage 3: the parameter shards at rest in host memory ("cpu") or files ("nvme")
 
-    def __post_init__(self) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        config: ZeroConfig | None = None,
+        *,
+        precision: MixedPrecision | None = None,
+        optimizer_state_bytes_per_param: int = 8,
+        host_is_device: bool = False,
+        **settings: Any,
+    ) -> None:
+        """``config``, or the shared settings by name (``offload_optimizer="cpu"``, ``precision=...``)."""
+        if config is not None and (settings or precision is not None):
+            raise TypeError("EstimateSettings: pass a ZeroConfig or its settings by name, not both.")
+        object.__setattr__(self, "world_size", world_size)
+        object.__setattr__(self, "config", config if config is not None else shared_config(precision, **settings))
+        object.__setattr__(self, "optimizer_state_bytes_per_param", optimizer_state_bytes_per_param)
+        object.__setattr__(self, "host_is_device", host_is_device)
+        self._check()
+
+    def _check(self) -> None:
+        """What ZeroConfig cannot check: the world size, the shard group beside it, the optimizer's bytes."""
         if not isinstance(self.world_size, int) or self.world_size < 1:
             raise ValueError(f"world_size={self.world_size!r} is invalid: use a positive number of ranks.")
-        group = self.shard_group_size
-        if group is not None and (not isinstance(group, int) or group < 1 or self.world_size % group):
+        group = self.config.shard_group_size
+        if group is not None and self.world_size % group:
             raise ValueError(
                 f"shard_group_size={group!r} is invalid: use a positive divisor of world_size={self.world_size} "
                 "(usually the ranks of one node), or None to shard over every rank."
             )
-        if self.offload_optimizer not in OFFLOAD_MODES:
-            modes = " or ".join(repr(mode) for mode in OFFLOAD_MODES)
-            raise ValueError(f"offload_optimizer={self.offload_optimizer!r} is invalid: use {modes}.")
-        if isinstance(self.offload_fraction, bool) or not 0 < self.offload_fraction <= 1:
-            raise ValueError(f"offload_fraction={self.offload_fraction!r} is invalid: use a share in (0, 1].")
-        if self.offload_params not in OFFLOAD_MODES:
-            modes = " or ".join(repr(mode) for mode in OFFLOAD_MODES)
-            raise ValueError(f"offload_params={self.offload_params!r} is invalid: use {modes}.")
         if not isinstance(self.optimizer_state_bytes_per_param, int) or self.optimizer_state_bytes_per_param < 0:
             raise ValueError(
                 f"optimizer_state_bytes_per_param={self.optimizer_state_bytes_per_param!r} is invalid: use 8 "
@@ -75,7 +109,7 @@ class EstimateSettings:
 
     @property
     def shard_size(self) -> int:
-        return self.shard_group_size or self.world_size
+        return self.config.shard_group_size or self.world_size
 
 
 @dataclass(frozen=True)
@@ -90,9 +124,9 @@ class ZeroEstimate:
         return self.by_stage[stage]
 
 
-def count_units(model: nn.Module, wrap_policy: WrapPolicy | None = None, bucket_size_mb: float = 25) -> list[UnitCount]:
-    """The model's units as the engine plans them; reads shapes only, so a meta model costs nothing."""
-    config = ZeroConfig(wrap_policy=wrap_policy or WrapPolicy(), bucket_size_mb=bucket_size_mb)
+def count_units(model: nn.Module, config: ZeroConfig) -> list[UnitCount]:
+    """The model's units as the engine plans them (``config``'s wrap_policy and bucket size); reads shapes
+    only, so a meta model costs nothing."""
     plans = plan_units(model, config.wrap_policy, config.bucket_numel)
     return [
         UnitCount(sum(p.numel() for p in plan.params), sum(p.numel() for p in plan.params if p.requires_grad))
@@ -110,53 +144,33 @@ def _sum(reports: list[MemoryReport]) -> MemoryReport:
     return MemoryReport(*(sum(getattr(report, name) for report in reports) for name in fields))
 
 
-def _stage_bytes(
-    stage: int, units: list[UnitCount], offloaded: list[float], settings: EstimateSettings
-) -> MemoryReport:
-    """Each unit through the formulas, with the unit's padding and gradients as the engine holds them."""
+def _stage_bytes(stage: int, units: list[UnitCount], shares: list[float], settings: EstimateSettings) -> MemoryReport:
+    """Each unit through the memory model, with the unit's padding and gradients as the engine holds them."""
+    config, state_bytes = settings.config, settings.optimizer_state_bytes_per_param
     if stage == 0:  # DDP: no padding, no offload
         numel, trainable = sum(u.numel for u in units), sum(u.trainable_numel for u in units)
-        return expected_model_state_bytes(
-            0,
-            numel,
-            settings.world_size,
-            settings.precision,
-            settings.optimizer_state_bytes_per_param,
-            trainable_numel=trainable,
-        )
+        return ddp_bytes(UnitElements(numel, trainable, trainable, 1), config.mixed_precision, state_bytes)
     k = settings.shard_size
     reports = []
-    for unit, fraction in zip(units, offloaded):
+    for unit, share in zip(units, shares):
         padded = _padded(unit.numel, k)
-        reports.append(
-            expected_model_state_bytes(
-                stage,
-                padded,
-                k,
-                settings.precision,
-                settings.optimizer_state_bytes_per_param,
-                trainable_numel=unit.trainable_numel,
-                gradient_numel=padded if unit.trainable_numel else 0,  # a trainable unit's whole shard
-                offload_optimizer=settings.offload_optimizer if fraction else "none",
-                offload_fraction=fraction or 1.0,
-                host_is_device=settings.host_is_device,
-                offload_params=settings.offload_params,  # stage 3's alone (the formula ignores it below)
-            )
-        )
+        # A trainable unit's gradient is its whole shard.
+        elements = UnitElements(padded, unit.trainable_numel, padded if unit.trainable_numel else 0, k)
+        plan, precision = config.offload, config.mixed_precision
+        reports.append(model_state_bytes(stage, elements, precision, state_bytes, plan, share, settings.host_is_device))
     return _sum(reports)
 
 
 def estimate_units(units: list[UnitCount], settings: EstimateSettings, whole_units: bool = True) -> ZeroEstimate:
     """``whole_units``: offload whole units, largest first, as the engine does; else each unit's
     ``offload_fraction`` of elements (a parameter count's one unit)."""
-    if settings.offload_optimizer == "none":
-        offloaded = [0.0] * len(units)
-    elif whole_units:
-        chosen = units_to_offload([u.trainable_numel for u in units], settings.offload_fraction)
-        offloaded = [1.0 if index in chosen else 0.0 for index in range(len(units))]
-    else:
-        offloaded = [settings.offload_fraction] * len(units)
-    by_stage = {stage: _stage_bytes(stage, units, offloaded, settings) for stage in STAGES}
+    plan = settings.config.offload
+    if whole_units:
+        chosen = plan.offloaded_units([u.trainable_numel for u in units])
+        shares = [1.0 if index in chosen else 0.0 for index in range(len(units))]
+    else:  # no share without offload_optimizer (model_state_bytes reads the plan)
+        shares = [plan.fraction] * len(units)
+    by_stage = {stage: _stage_bytes(stage, units, shares, settings) for stage in STAGES}
     numel, trainable = sum(u.numel for u in units), sum(u.trainable_numel for u in units)
     return ZeroEstimate(numel, trainable, len(units), settings, by_stage)
 
@@ -164,36 +178,37 @@ def estimate_units(units: list[UnitCount], settings: EstimateSettings, whole_uni
 def estimate(
     model: nn.Module | int,
     world_size: int,
+    config: ZeroConfig | None = None,
     *,
-    shard_group_size: int | None = None,
     precision: MixedPrecision | None = None,
     optimizer_state_bytes_per_param: int = 8,
-    offload_optimizer: str = "none",
-    offload_fraction: float = 1.0,
     host_is_device: bool = False,
-    offload_params: str = "none",
-    wrap_policy: WrapPolicy | None = None,
-    bucket_size_mb: float = 25,
+    **settings: Any,
 ) -> ZeroEstimate:
     """Model-state bytes per rank for DDP and stages 1-3 (``result[stage]``, a ``MemoryReport``:
     ``device_bytes``, ``host_bytes``, ``nvme_bytes``) of ``model`` (an ``nn.Module``, on the meta
-    device or anywhere; ``wrap_policy`` and ``bucket_size_mb`` as in ``ZeroConfig``) or of a
-    parameter count (every parameter trainable)."""
-    settings = EstimateSettings(
+    device or anywhere, split into units as the engine splits it) or of a parameter count (every
+    parameter trainable).
+
+    The engine's settings it reads come from ``config`` (a ``ZeroConfig``), or by name as ``ZeroConfig``
+    takes them: ``shard_group_size``, ``bucket_size_mb``, ``wrap_policy`` (a class, classes or a
+    ``WrapPolicy``), ``offload_optimizer``, ``offload_fraction``, ``offload_params`` and ``precision`` (its
+    ``mixed_precision``), checked by it. Its own: ``world_size`` (the ranks in all),
+    ``optimizer_state_bytes_per_param`` (Adam 8, SGD with momentum 4) and ``host_is_device`` (a CPU device:
+    an offloaded unit's master and gradient shard stay in place)."""
+    estimate_settings = EstimateSettings(
         world_size,
-        shard_group_size,
-        precision or MixedPrecision(),
-        optimizer_state_bytes_per_param,
-        offload_optimizer,
-        offload_fraction,
-        host_is_device,
-        offload_params,
+        config,
+        precision=precision,
+        optimizer_state_bytes_per_param=optimizer_state_bytes_per_param,
+        host_is_device=host_is_device,
+        **settings,
     )
     if isinstance(model, nn.Module):
-        return estimate_units(count_units(model, wrap_policy, bucket_size_mb), settings)
+        return estimate_units(count_units(model, estimate_settings.config), estimate_settings)
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise ValueError(f"estimate: got {model!r}; pass an nn.Module or a positive number of parameters.")
-    return estimate_units([UnitCount(model, model)], settings, whole_units=False)
+    return estimate_units([UnitCount(model, model)], estimate_settings, whole_units=False)
 
 
 def largest_fitting_model(device_budget_bytes: int, stage: int, settings: EstimateSettings) -> int:
