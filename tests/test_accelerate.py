@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -77,33 +78,33 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     # The third: Accelerate's bf16 DDP on the model whose forward rounds every parameter to bf16, as our copies.
     bf16_references = [THEN, "ddp-bf16", *BF16, "--mixed-precision", "bf16"]
     bf16_references += [THEN, "ddp-bf16-rounded", *BF16, "--mixed-precision", "bf16", "--round-params", "1"]
-    _checked(_launch(out, "ddp", *PARITY, *bf16_references))
     # Stages 1 and 3: the plugin hands the stage to the core untouched, and stage 2 sits
     # between them (its parity with DDP is checked in the core and Lightning tests). Stage 3 from the
     # launcher's file, stage 1 by the script's ZeroPlugin(stage=1) (from a file: "resumed-1" below).
     zero3 = {"stage": 3, "wrap_classes": "[Block]"}
-    _checked(
-        _launch(out, "zero3", *PARITY, THEN, "zero1", *PARITY, "--stage", "1", THEN, "saved", *RESUMABLE, zero=zero3)
-    )
-    _checked(_launch(out, "zero2-deepspeed-json", *PARITY, deepspeed=DEEPSPEED_ZERO2))
-    _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
-    _checked(
-        _launch(
-            out,
-            "resumed-1",
-            *RESUMABLE,
-            "--batch-size",
-            "8",
-            "--resume",
-            str(out / "saved-state"),
-            zero={"stage": 1},
-            processes=1,
-        )
-    )
     # bf16 at stages 3 and 2; then bf16 as Accelerate's DDP computes it: fp32 copies under the script's autocast.
     fp32_copies = ["--mixed-precision", "no", "--autocast", "1"]
     bf16_cases = ["zero3-bf16", *BF16, THEN, "zero2-bf16", *BF16, "--stage", "2", THEN, "zero3-autocast", *BF16]
-    _checked(_launch(out, *bf16_cases, *fp32_copies, zero=zero3, mixed_precision="bf16"))
+
+    def saved_and_resumed() -> None:
+        _checked(
+            _launch(
+                out, "zero3", *PARITY, THEN, "zero1", *PARITY, "--stage", "1", THEN, "saved", *RESUMABLE, zero=zero3
+            )
+        )
+        _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
+        resumed_1 = [*RESUMABLE, "--batch-size", "8", "--resume", str(out / "saved-state")]
+        _checked(_launch(out, "resumed-1", *resumed_1, zero={"stage": 1}, processes=1))
+
+    def references_json_and_bf16() -> None:
+        _checked(_launch(out, "ddp", *PARITY, *bf16_references))
+        _checked(_launch(out, "zero2-deepspeed-json", *PARITY, deepspeed=DEEPSPEED_ZERO2))
+        _checked(_launch(out, *bf16_cases, *fp32_copies, zero=zero3, mixed_precision="bf16"))
+
+    # Two lanes of launches side by side (a launch keeps about one of two cores busy); each writes its own files.
+    with ThreadPoolExecutor(max_workers=2) as lanes:
+        for lane in [lanes.submit(saved_and_resumed), lanes.submit(references_json_and_bf16)]:
+            lane.result()
     names = [
         "ddp",
         "zero1",
@@ -380,9 +381,9 @@ def test_a_plain_accelerator_or_trainer_under_the_zero_launcher_fails_before_any
     the plain cases train (a step file per process)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     script = str(Path(SCRIPT).parent / "plain_training.py")
-    outcomes = {}
-    for case in ("accelerator", "trainer", "zero"):
-        outcomes[case] = subprocess.run(
+
+    def launch(case: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
             [*ACCELERATE_ZERO, "launch", "--zero_stage", "3", "--multi_gpu", "--num_processes", "2"]
             + ["--main_process_port", str(_free_port()), script, str(tmp_path), case],
             env=env,
@@ -390,6 +391,10 @@ def test_a_plain_accelerator_or_trainer_under_the_zero_launcher_fails_before_any
             text=True,
             timeout=300,
         )
+
+    cases = ("accelerator", "trainer", "zero")
+    with ThreadPoolExecutor(max_workers=3) as launches:  # side by side: each writes its own step files
+        outcomes = dict(zip(cases, launches.map(launch, cases)))
     _checked(outcomes["zero"])
     assert sorted(p.name for p in tmp_path.glob("*.rank*")) == ["zero.rank0", "zero.rank1"]
     for case in ("accelerator", "trainer"):
