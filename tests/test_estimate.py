@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_core import MemoryReport, MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine, estimate, user_settings
+from zero_core import (
+    MemoryReport,
+    MixedPrecision,
+    WrapPolicy,
+    ZeroConfig,
+    ZeroEngine,
+    estimate,
+    expected_model_state_bytes,
+    user_settings,
+)
 from zero_core.estimate_cli import build_parser, main
 from zero_core.memory.estimate import SHARED_SETTINGS, EstimateSettings, largest_fitting_model, shared_settings
 
@@ -203,7 +213,11 @@ def test_the_estimate_takes_the_engines_settings_from_the_schema() -> None:
     assert set(SHARED_SETTINGS) <= names
     own = {field.name for field in dataclasses.fields(EstimateSettings)}
     assert own == {"world_size", "config", "optimizer_state_bytes_per_param", "host_is_device"}
-    assert not own & {field.name for field in dataclasses.fields(ZeroConfig)}
+    schema = {field.name for field in dataclasses.fields(ZeroConfig)}
+    assert not own & schema
+    # They take the schema's settings by name (the formula's stage is the row's: 0 is DDP, no ZeroConfig's).
+    assert not set(inspect.signature(estimate).parameters) & schema
+    assert set(inspect.signature(expected_model_state_bytes).parameters) & schema == {"stage"}
     settings = EstimateSettings(
         16, shard_group_size=8, offload_optimizer="nvme", offload_fraction=0.5, wrap_policy=Block
     )

@@ -69,6 +69,11 @@ def unit_bytes(
     return params, grads + host_grads, master + state, nvme, host
 
 
+def _as_written(share: float) -> Fraction:
+    """A share as written: 0.77 is 77/100, not the binary float nearest it."""
+    return Fraction(repr(share)) if isinstance(share, float) else Fraction(share)
+
+
 def ddp_bytes(elements: UnitElements, precision: MixedPrecision, state_bytes: int) -> MemoryReport:
     """DDP, the reference: everything on every rank; the fp32 master a copy of its own in lower precision."""
     compute = _element_size(precision.compute_dtype)
@@ -96,8 +101,7 @@ def model_state_bytes(
         return ddp_bytes(elements, precision, state_bytes)
     sharding = StagePlan.for_stage(stage)
     low_precision = precision.compute_dtype != torch.float32
-    # A share as written (0.77 is 77/100, not the binary float nearest it).
-    share = Fraction(repr(offloaded_share)) if plan.optimizer.offloads else Fraction(0)
+    share = _as_written(offloaded_share) if plan.optimizer.offloads else Fraction(0)
     totals = [Fraction(0)] * 5
     for offloaded, weight in ((True, share), (False, 1 - share)):
         if weight:
