@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -176,7 +179,29 @@ def _lightning_with_config(rank: int, world_size: int) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def same_config_launch(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, Future[subprocess.CompletedProcess]] | None]:
+    """The DeepSpeed launch of ``test_the_same_config_file_trains_as_deepspeed_itself``, started in the background
+    (where that test is selected and DeepSpeed is installed) by the Lightning test before it, which runs beside
+    it: each keeps about one of two cores busy."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+    if "test_the_same_config_file_trains_as_deepspeed_itself" not in selected or find_spec("deepspeed") is None:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("same-config")
+    script = Path(__file__).parent / "scripts" / "deepspeed_same_config.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(_free_port()), str(script), str(out), "1", "2", "3", "3bf16"]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    with ThreadPoolExecutor(max_workers=1) as background:
+        run = background.submit(subprocess.run, command, env=env, capture_output=True, text=True, timeout=600)
+        yield out, run
+
+
 @pytest.mark.distributed
+@pytest.mark.usefixtures("same_config_launch")  # starts the next test's launch, to run beside this one
 def test_the_trainer_strategy_takes_a_deepspeed_config_and_trains_as_the_native_settings() -> None:
     (result,) = run_distributed(_lightning_with_config, 1)
     assert result["loop"] == (0.5, 2)  # the config's clipping and accumulation became the Trainer's
@@ -223,7 +248,7 @@ def test_zero_plugin_from_deepspeed_and_the_accelerator_agree_or_refuse() -> Non
 
 
 @pytest.mark.distributed
-def test_the_same_config_file_trains_as_deepspeed_itself(tmp_path: Path) -> None:
+def test_the_same_config_file_trains_as_deepspeed_itself(same_config_launch: tuple | None) -> None:
     """The switch from DeepSpeed to ``ZeroStrategy(config=file)`` keeps the training: DeepSpeed's own engine and
     our Lightning strategy, given one ds_config.json (accumulation 2, clipping 0.5), on the same data. In fp32
     the final weights are equal to rounding at stages 1-3, and the losses equal at stage 1 and within 1e-5 at
@@ -235,15 +260,9 @@ def test_the_same_config_file_trains_as_deepspeed_itself(tmp_path: Path) -> None
     runs the whole module in bf16, we compute in bf16 under autocast) the first loss is equal and the rest within
     1% (0.5% measured)."""
     pytest.importorskip("deepspeed")
-    script = Path(__file__).parent / "scripts" / "deepspeed_same_config.py"
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-        + [str(script), str(tmp_path), "1", "2", "3", "3bf16"],
-        env={**os.environ, "DS_ACCELERATOR": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    assert same_config_launch is not None
+    tmp_path, launch = same_config_launch
+    result = launch.result()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     for case in ("1", "2", "3", "3bf16"):
         report = json.loads((tmp_path / f"{case}.json").read_text())
