@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -53,7 +55,41 @@ def _run_lightning_group(out: Path) -> subprocess.CompletedProcess:
     )
 
 
+# Accelerate's templates, written for a script that passes DummyOptim/DummyScheduler (fp16, AdamW, WarmupDecayLR).
+ACCELERATE = (
+    "accelerate_zero_stage1_config",
+    "accelerate_zero_stage2_config",
+    "accelerate_zero_stage2_offload_config",
+    "accelerate_zero_stage3_config",
+    "accelerate_zero_stage3_offload_config",
+)
+
+
+@pytest.fixture(scope="module")
+def templates_launch(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, Future[subprocess.CompletedProcess]] | None]:
+    """The launch of ``test_accelerates_templates_train_as_their_settings_written_our_way`` (where that test is
+    selected), started in the background by the Lightning test before it, which runs beside it: each keeps about
+    one of two cores busy."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+    if "test_accelerates_templates_train_as_their_settings_written_our_way" not in selected:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("accelerate-templates")
+    configs = [CORPUS / f"{name}.json" for name in ACCELERATE]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
+    command = [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(configs[0])]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    command += [str(SCRIPTS / "deepspeed_corpus_accelerate.py"), str(out), *map(str, configs)]
+    env = {**env, "ACCELERATE_USE_CPU": "1"}
+    with ThreadPoolExecutor(max_workers=1) as background:
+        run = background.submit(subprocess.run, command, env=env, capture_output=True, text=True, timeout=600)
+        yield out, run
+
+
 @pytest.mark.distributed
+@pytest.mark.usefixtures("templates_launch")  # starts the next test's launch, to run beside this one
 def test_configs_for_a_scripts_own_optimizer_train_as_deepspeed_or_their_settings(tmp_path: Path) -> None:
     """Under Lightning's Trainer with ``ZeroStrategy(config=file)``: DeepSpeed's ZeRO-1/ZeRO-2 tutorial configs and
     Lightning's stage-2 preset give DeepSpeed's own losses and weights bit for bit (fp32, one micro-batch a step,
@@ -80,35 +116,17 @@ def test_configs_for_a_scripts_own_optimizer_train_as_deepspeed_or_their_setting
             assert torch.equal(torch.tensor(theirs), torch.tensor(mine)), (name, parameter)
 
 
-# Accelerate's templates, written for a script that passes DummyOptim/DummyScheduler (fp16, AdamW, WarmupDecayLR).
-ACCELERATE = (
-    "accelerate_zero_stage1_config",
-    "accelerate_zero_stage2_config",
-    "accelerate_zero_stage2_offload_config",
-    "accelerate_zero_stage3_config",
-    "accelerate_zero_stage3_offload_config",
-)
-
-
 @pytest.mark.distributed
-def test_accelerates_templates_train_as_their_settings_written_our_way(tmp_path: Path) -> None:
+def test_accelerates_templates_train_as_their_settings_written_our_way(templates_launch: tuple | None) -> None:
     """Accelerate's DeepSpeed templates, each unedited under ``accelerate-zero launch --zero_config_file FILE`` with
     a script written for Accelerate's DeepSpeed integration (DummyOptim, DummyScheduler): losses, rates, skipped
     fp16 steps and final weights bit for bit those of the same run written our way (ZeroPlugin with the stage,
     offload and fp16 loss scaling the file means, torch's AdamW, WarmupDecayLR built by hand, clipping at 1.0 in
     the loop). DeepSpeed itself cannot be the reference: its fp16 and its CPU offload (compiled CPU Adam) do not
     run on this CPU. One launch: the launcher reads the first file, the script reads the others as it does."""
-    configs = [CORPUS / f"{name}.json" for name in ACCELERATE]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
-    result = subprocess.run(
-        [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(configs[0])]
-        + ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
-        + [str(SCRIPTS / "deepspeed_corpus_accelerate.py"), str(tmp_path), *map(str, configs)],
-        env={**env, "ACCELERATE_USE_CPU": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    assert templates_launch is not None
+    tmp_path, launch = templates_launch
+    result = launch.result()
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     first = json.loads((tmp_path / f"{ACCELERATE[0]}.json").read_text())
     assert first["reread_matches_launcher"]  # the script reads the others into what the launcher would set
