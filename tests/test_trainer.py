@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -51,14 +52,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     # TrainingArguments(bf16=True / fp16=True), last so that the fp32 cases run as in a process of their own;
     # Trainer's own bf16 under DDP beside ours (its own fp16 under DDP computes in fp32 on a CPU). The nan cases
     # (a step skipped on an fp16 overflow) only train: last, after the fp16 case.
-    _launch(ACCELERATE, 2, str(out), "ddp", "ddp_bf16", "ddp_fp16_nan")
+    ddp = (ACCELERATE, 2, str(out), "ddp", "ddp_bf16", "ddp_fp16_nan")
     # As users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
-    _launch(
-        [*ACCELERATE_ZERO, "--zero_stage", "3"],
-        2,
-        *[str(out), "zero", "zero1", "zero2", "zero_evalfirst", "zero_bf16", "zero_fp16"],
-        *["zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan"],
-    )
+    zero = ([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2", "zero_evalfirst")
+    zero += ("zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
+    # The two side by side (a launch keeps about one of two cores busy; each writes its own files).
+    with ThreadPoolExecutor(max_workers=2) as launches:
+        for launch in [launches.submit(_launch, *ddp), launches.submit(_launch, *zero)]:
+            launch.result()
     # Stage 3's step-3 checkpoint resumed by 1 process at stage 1 (the same global batch).
     checkpoint = str(out / "zero-run" / "checkpoint-3")
     _launch(
