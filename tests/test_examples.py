@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -33,9 +34,27 @@ def _quick_start(steps: int) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
+def _lightning_example() -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--max-steps", "10"],  # under 20: validates too
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
 @pytest.fixture(scope="module")
-def trained() -> subprocess.CompletedProcess:
-    return _quick_start(steps=6)
+def examples() -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """The quick start's job and the Lightning example side by side (each keeps about one of two cores busy;
+    torchrun takes its default port, Lightning a free one)."""
+    with ThreadPoolExecutor(max_workers=2) as runs:
+        quick_start, lightning = runs.submit(_quick_start, 6), runs.submit(_lightning_example)
+        return quick_start.result(), lightning.result()
+
+
+@pytest.fixture(scope="module")
+def trained(examples: tuple) -> subprocess.CompletedProcess:
+    return examples[0]
 
 
 def test_quick_start_job_trains_and_reports_memory(trained: subprocess.CompletedProcess) -> None:
@@ -47,13 +66,8 @@ def test_quick_start_job_trains_and_reports_memory(trained: subprocess.Completed
     assert len(reports) == 2 and all("stage 3" in line and "DDP would hold" in line for line in reports)
 
 
-def test_lightning_example_trains_with_zero3() -> None:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--max-steps", "10"],  # under 20: validates too
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_lightning_example_trains_with_zero3(examples: tuple) -> None:
+    result = examples[1]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "final train_loss" in result.stdout and "val_perplexity" in result.stdout
     assert sum(line.startswith("rank ") for line in result.stdout.splitlines()) == 2
