@@ -8,6 +8,8 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -147,8 +149,24 @@ def _launch(runs: list[dict], out: Path, devices: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict]]:
-    out = tmp_path_factory.mktemp("lightning")
+def fabric_launch(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Path, Future[subprocess.CompletedProcess]] | None]:
+    """The run of ``test_fabric_trains_saves_and_resumes_exactly`` (where that test is selected), started in the
+    background beside the Trainer's launches of ``results``: each keeps about one of two cores busy."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+    if "test_fabric_trains_saves_and_resumes_exactly" not in selected:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("fabric")
+    command = [sys.executable, str(Path(__file__).parent / "scripts" / "fabric_run.py"), str(out)]
+    with ThreadPoolExecutor(max_workers=1) as background:
+        yield out, background.submit(subprocess.run, command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory, fabric_launch: tuple | None) -> tuple[Path, dict[str, dict]]:
+    out = tmp_path_factory.mktemp("lightning")  # the Fabric run (fabric_launch) goes on beside these launches
     _launch(TWO_DEVICE_RUNS, out, 2)
     for run, checkpoint in (("zero3-finetuning", "epoch=3-step=4.ckpt"), ("zero3-resumable", "epoch=2-step=3.ckpt")):
         consolidated_file = out / f"{run.removeprefix('zero3-')}-consolidated.ckpt"
@@ -280,9 +298,10 @@ def test_consolidated_checkpoints_load_with_load_from_checkpoint(results: tuple,
 
 
 @pytest.mark.distributed
-def test_fabric_trains_saves_and_resumes_exactly(tmp_path: Path) -> None:
-    script = Path(__file__).parent / "scripts" / "fabric_run.py"
-    result = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+def test_fabric_trains_saves_and_resumes_exactly(fabric_launch: tuple | None) -> None:
+    assert fabric_launch is not None
+    tmp_path, launch = fabric_launch
+    result = launch.result()
     assert result.returncode == 0, result.stderr[-6000:]
     run = torch.load(tmp_path / "fabric.pt", weights_only=False)
     assert run["strategy"] == "ZeroFabricStrategy"
