@@ -10,7 +10,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -54,6 +57,30 @@ def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], out: Path,
     assert not failed, "\n".join(failed)
 
 
+@pytest.fixture(scope="module")
+def lightning_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The two nodes of ``test_lightning_num_nodes_two_matches_ddp`` (where that test is selected), started in the
+    background beside torchrun's two: each keeps about one of two cores busy while its processes import."""
+    selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
+    if "test_lightning_num_nodes_two_matches_ddp" not in selected:
+        yield None
+        return
+    out = tmp_path_factory.mktemp("lightning-nodes")
+    common = dict(max_steps=4, num_nodes=NODES, batchnorm=False, accumulate=2, clip=0.5)
+    runs = [
+        {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **common},
+        {"name": "zero3-hybrid", "strategy": "zero3", "shard_group_size": PER_NODE, **common},
+    ]
+    spec = out / "runs.json"
+    spec.write_text(json.dumps(runs))
+    port = str(_free_port())
+    command = [sys.executable, str(SCRIPTS / "lightning_runs.py"), str(spec), str(out), str(PER_NODE)]
+    envs = [{"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for node in range(NODES)]
+    with ThreadPoolExecutor(max_workers=1) as background:
+        yield out, background.submit(_run_nodes, [command] * NODES, envs, out)
+
+
+@pytest.mark.usefixtures("lightning_nodes")  # starts the next test's nodes, to run beside these
 def test_torchrun_two_nodes_one_shard_group_per_node(tmp_path: Path) -> None:
     port = _free_port()
     command = [
@@ -84,18 +111,10 @@ def test_torchrun_two_nodes_one_shard_group_per_node(tmp_path: Path) -> None:
     assert {report["node"] for report in reports} == set(range(NODES))
 
 
-def test_lightning_num_nodes_two_matches_ddp(tmp_path: Path) -> None:
-    common = dict(max_steps=4, num_nodes=NODES, batchnorm=False, accumulate=2, clip=0.5)
-    runs = [
-        {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **common},
-        {"name": "zero3-hybrid", "strategy": "zero3", "shard_group_size": PER_NODE, **common},
-    ]
-    spec = tmp_path / "runs.json"
-    spec.write_text(json.dumps(runs))
-    port = str(_free_port())
-    command = [sys.executable, str(SCRIPTS / "lightning_runs.py"), str(spec), str(tmp_path), str(PER_NODE)]
-    envs = [{"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for node in range(NODES)]
-    _run_nodes([command] * NODES, envs, tmp_path)
+def test_lightning_num_nodes_two_matches_ddp(lightning_nodes: Any) -> None:
+    assert lightning_nodes is not None
+    tmp_path, nodes = lightning_nodes
+    nodes.result()  # the nodes' own failure, if one failed or hung
     reference = torch.load(tmp_path / "ddp.pt", weights_only=False)
     ours = torch.load(tmp_path / "zero3-hybrid.pt", weights_only=False)
     assert ours["world_size"] == NODES * PER_NODE and ours["shard_group_size"] == PER_NODE
