@@ -22,9 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.multiprocessing.reductions import StorageWeakRef
 
-import zero_core.optim.nvme_staging as nvme_staging
-import zero_core.optim.nvme_state as nvme_state
-import zero_core.optim.scratch as scratch
+import zero_core.offload.nvme_load as nvme_load
+import zero_core.offload.scratch as scratch
+import zero_core.offload.state_files as state_files
+import zero_core.offload.unit_file as unit_file
 from zero_core import MixedPrecision, OffloadError, ZeroEngine
 from zero_core.checkpoint import CheckpointError
 from zero_core.memory.measured import StorageCounter
@@ -73,22 +74,22 @@ CASES = [
 def _units_joining_the_tier() -> Iterator[list]:
     """The units that join an NVMe optimizer tier meanwhile, as they are built."""
     joined: list = []
-    original = nvme_state.NvmeOptimizerState.add_unit
+    original = state_files.StateFiles.add_unit
 
     def add_unit(self, unit):  # type: ignore[no-untyped-def]
         joined.append(unit)
         return original(self, unit)
 
-    nvme_state.NvmeOptimizerState.add_unit = add_unit  # type: ignore[method-assign]
+    state_files.StateFiles.add_unit = add_unit  # type: ignore[method-assign]
     try:
         yield joined
     finally:
-        nvme_state.NvmeOptimizerState.add_unit = original  # type: ignore[method-assign]
+        state_files.StateFiles.add_unit = original  # type: ignore[method-assign]
 
 
 def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
     results = []
-    original_adopt = nvme_state.NvmeOptimizerState.adopt
+    original_adopt = state_files.StateFiles.adopt
     for case in CASES:
         case = dict(case)
         stage, accumulate = case.pop("stage"), case.pop("accumulate", 1)
@@ -109,11 +110,11 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
             masters_alive_in_step.append(StorageCounter().count(filed_masters))
             return original(self, index, optimizer)
 
-        nvme_state.NvmeOptimizerState.adopt = adopt
+        state_files.StateFiles.adopt = adopt
         try:
             losses = train_accumulated(ours, rank, range(4), accumulate)
         finally:
-            nvme_state.NvmeOptimizerState.adopt = original_adopt
+            state_files.StateFiles.adopt = original_adopt
         reports = ours.unit_reports()
         unit_state = max(8 * r.shard_numel for r in reports)  # two fp32 moments (SGD: one)
         offloaded = {index for index, report in enumerate(reports) if report.offloaded}
@@ -281,7 +282,7 @@ def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
     state_tensors = _tier_tensors(engine, joined)
     reads: list = []  # (weak reference, bytes) of every storage the save's reads made
     most_alive: list[int] = []
-    original = nvme_state.NvmeOptimizerState.read_resting
+    original = state_files.StateFiles.read_resting
 
     def read_resting(self, index, part):  # type: ignore[no-untyped-def]
         read = original(self, index, part)
@@ -293,11 +294,11 @@ def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
         )
         return read
 
-    nvme_state.NvmeOptimizerState.read_resting = read_resting  # type: ignore[method-assign]
+    state_files.StateFiles.read_resting = read_resting  # type: ignore[method-assign]
     try:
         engine.save_checkpoint(Path(directory) / "ckpt")
     finally:
-        nvme_state.NvmeOptimizerState.read_resting = original  # type: ignore[method-assign]
+        state_files.StateFiles.read_resting = original  # type: ignore[method-assign]
     results["reads"] = len(reads)
     results["most read bytes alive"] = max(most_alive, default=0)
     results["largest unit"] = max(u.resting_master.numel() * 4 * 3 for u in joined)  # master and two moments
@@ -354,17 +355,17 @@ def _tier_bytes_while_staging(engine: ZeroEngine, joined: list) -> Iterator[list
     """The tier's own bytes in memory each time a load stages a unit (what it reads back is counted)."""
     seen: list[int] = []
     tensors = _tier_tensors(engine, joined)
-    original = nvme_staging.StagedLoad.write
+    original = nvme_load.StagedLoad.write
 
     def write(self, *args):  # type: ignore[no-untyped-def]
         seen.append(StorageCounter().count(tensors))
         return original(self, *args)
 
-    nvme_staging.StagedLoad.write = write  # type: ignore[method-assign]
+    nvme_load.StagedLoad.write = write  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        nvme_staging.StagedLoad.write = original  # type: ignore[method-assign]
+        nvme_load.StagedLoad.write = original  # type: ignore[method-assign]
 
 
 def _loads_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
@@ -438,7 +439,7 @@ def _failed_loads(rank: int, world_size: int, directory: str) -> dict:
     def refuse(extra: dict) -> None:
         raise ValueError("not this one")
 
-    original_write = nvme_staging.write_tensors
+    original_write = unit_file.write_tensors
 
     def disk_full_part_way(path: Path, tensors: list) -> None:
         path.write_bytes(b"part")
@@ -446,32 +447,32 @@ def _failed_loads(rank: int, world_size: int, directory: str) -> dict:
 
     for case in ("refused", "disk full"):
         if case == "disk full" and rank == 1:
-            nvme_staging.write_tensors = disk_full_part_way
+            unit_file.write_tensors = disk_full_part_way
         try:
             engine.load_checkpoint(root / "ckpt", check_extra=refuse if case == "refused" else None)
             results[case] = "loaded"
         except (ValueError, CheckpointError) as error:
             results[case] = type(error).__name__
-        nvme_staging.write_tensors = original_write
+        unit_file.write_tensors = original_write
         results[f"left behind, {case}"] = sorted(p.name for p in root.glob(f"lightning-zero-*/rank{rank}/*.loaded"))
     train_accumulated(engine, rank, range(2, 3))
     reference = _engine(3, "nvme", directory, **settings)
     train_accumulated(reference, rank, range(3))
     results["after failed loads"] = relative_difference(engine.full_state_dict(), reference.full_state_dict())
 
-    original_replace = nvme_staging.os.replace
+    original_replace = nvme_load.os.replace
 
     def broken_replace(source, target):  # type: ignore[no-untyped-def]
         raise OSError(errno.EIO, os.strerror(errno.EIO), str(target))
 
     if rank == 1:
-        nvme_staging.os.replace = broken_replace
+        nvme_load.os.replace = broken_replace
     try:
         engine.load_checkpoint(root / "ckpt")
         results["install fails"] = "loaded"
     except OffloadError as error:
         results["install fails"] = str(error)
-    nvme_staging.os.replace = original_replace
+    nvme_load.os.replace = original_replace
     engine.load_checkpoint(root / "ckpt")  # again: whole
     train_accumulated(engine, rank, range(1, 3))
     results["loaded again"] = relative_difference(engine.full_state_dict(), reference.full_state_dict())
@@ -522,19 +523,19 @@ def _failures(rank: int, world_size: int, directory: str) -> dict:
 
     train_accumulated(engine, rank, range(1))
     engine.save_checkpoint(Path(directory) / "ckpt")
-    original_write = nvme_state._UnitState.write
+    original_write = unit_file.UnitFile.write
 
     def disk_full(self) -> None:  # type: ignore[no-untyped-def]
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
 
     if rank == 1:
-        nvme_state._UnitState.write = disk_full
+        unit_file.UnitFile.write = disk_full
     try:
         train_accumulated(engine, rank, range(1, 2))
         results["disk full"] = "trained"
     except OffloadError as error:
         results["disk full"] = str(error)
-    nvme_state._UnitState.write = original_write
+    unit_file.UnitFile.write = original_write
     engine.load_checkpoint(Path(directory) / "ckpt")  # the last checkpoint is loadable, and training goes on
     train_accumulated(engine, rank, range(1, 3))
     results["after the failure"] = engine.full_state_dict()

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import zero_core.optim.nvme_staging as nvme_staging
+import zero_core.offload.nvme_load as nvme_load
 from zero_core import ZeroEngine, setup_summary
 from zero_core.checkpoint import CheckpointError
-from zero_core.file_io import human_bytes
+from zero_core.sizes import human_bytes
 
 from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
@@ -105,26 +105,26 @@ def _refused_load(engine: ZeroEngine, rank: int, free: int, own_disk: bool, chec
     filesystem no other rank shares): its error, what it staged (every staged file, before any is put in place),
     what it left in the tier's directory, and whether the weights stayed."""
     before = engine.full_state_dict()
-    original_usage, original_filesystem = shutil.disk_usage, nvme_staging._filesystem
-    original_install, staged = nvme_staging.StagedLoad.install, []
+    original_usage, original_filesystem = shutil.disk_usage, nvme_load._filesystem
+    original_install, staged = nvme_load.StagedLoad.install, []
 
     def install(self, optimizer):  # type: ignore[no-untyped-def]
-        staged.append(sum(p.stat().st_size for p in self.tier.scratch.path.glob("*.loaded")))
+        staged.append(sum(p.stat().st_size for p in self.tier.directory.glob("*.loaded")))
         return original_install(self, optimizer)
 
     sharing = checkpoint.parent.glob(f"lightning-zero-*/rank{rank if own_disk else '*'}")
     shutil.disk_usage = _free(free, list(sharing))
-    nvme_staging.StagedLoad.install = install  # type: ignore[method-assign]
+    nvme_load.StagedLoad.install = install  # type: ignore[method-assign]
     if own_disk:
-        nvme_staging._filesystem = lambda path: ("another host", rank)
+        nvme_load._filesystem = lambda path: ("another host", rank)
     try:
         engine.load_checkpoint(checkpoint, **apart)
         outcome = "loaded"
     except CheckpointError as error:
         outcome = str(error)
     finally:
-        shutil.disk_usage, nvme_staging._filesystem = original_usage, original_filesystem
-        nvme_staging.StagedLoad.install = original_install  # type: ignore[method-assign]
+        shutil.disk_usage, nvme_load._filesystem = original_usage, original_filesystem
+        nvme_load.StagedLoad.install = original_install  # type: ignore[method-assign]
     left = sorted(p.name for p in checkpoint.parent.glob(f"lightning-zero-*/rank{rank}/*.loaded"))
     changed = relative_difference(engine.full_state_dict(), before)
     return {"error": outcome, "staged": staged, "left behind": left, "changed": changed}

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import zero_core.unit.shard_files as shard_files
+import zero_core.offload.shard_files as shard_files
 import zero_core.unit.storage as storage
 from zero_core import MixedPrecision, OffloadError, UnitReport, ZeroConfig, ZeroEngine, estimate
 from zero_core.config import StagePlan
@@ -448,7 +448,7 @@ def test_a_shard_handed_out_for_writing_is_not_freed_before_it_is_stored(tmp_pat
     file = tier.file_for(torch.arange(8, dtype=torch.float32))
     tier.drain(keep=0)
     shard = file.for_writing(keep_values=False)
-    file.release()  # what backward's end of a unit, or a drain of other writes, calls meanwhile
+    file.free_if_on_disk()  # what backward's end of a unit, or a drain of other writes, calls meanwhile
     shard.copy_(torch.full((8,), 7.0))  # freed memory here would crash, or write nowhere
     file.store()
     tier.drain(keep=0)

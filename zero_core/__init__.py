@@ -13,12 +13,12 @@ from .checkpoint.errors import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDivergedError, meeting
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
-from .file_io import OffloadError
 from .memory.estimate import ZeroEstimate, estimate
 from .memory.predicted import expected_model_state_bytes
 from .memory.records import MemoryReport, UnitReport
 from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
+from .offload import OffloadError
 from .optim.grad_ops import total_norm
 from .settings import Setting
 from .setup_summary import setup_summary

@@ -17,7 +17,6 @@ from . import agreement
 from .checkpoint.save_and_load import CheckpointTarget
 from .collectives import CommContext, Position
 from .config import ZeroConfig
-from .memory.predicted import master_bytes_in_files
 from .mesh import spanning_every_rank
 from .model.buffers import BufferSync, broadcast_buffers, cast_buffers, floating_inputs_cast
 from .model.changes import RegisteredParameters
@@ -29,12 +28,13 @@ from .model.meta_init import (
     model_is_on_meta,
 )
 from .model.state_dict_hooks import StateDictHooks
-from .offload_plan import units_to_offload
+from .offload.opening import OffloadFiles, open_offload_files
+from .offload.shard_files import ShardFiles
+from .offload.state_files import StateFiles
+from .offload_plan import UnitOffload
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import LossScaler
-from .optim.nvme_state import NvmeOptimizerState
 from .optim.rebuild import canonical_names
-from .optim.scratch import ScratchDirectory
 from .optim.zero_grad_routes import ZeroGradRoute
 from .step.activation_offload import ActivationOffload
 from .step.gradient_reads import GradientReads
@@ -43,7 +43,7 @@ from .step.partitioned_activations import PartitionedActivations, check_partitio
 from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .step.runtime import StepRuntime
 from .step.step_in_backward import StepInBackward
-from .unit import FlatUnit, ParameterDigests, ShardFiles, UnitPlan, check_wrap_classes_present, plan_units
+from .unit import FlatUnit, ParameterDigests, UnitPlan, check_wrap_classes_present, plan_units
 from .unit.tensor_parallel import local_shape
 
 
@@ -61,15 +61,6 @@ class EngineParts(NamedTuple):
     buffer_sync: BufferSync
     checkpoints: CheckpointTarget
     hooks: list[Any]  # every hook handle the parts installed on the model
-
-
-class OffloadFiles(NamedTuple):
-    """The NVMe tier's files of this rank: its scratch directory, and the optimizer state's and the parameter
-    shards' files in it (units join both as they are built)."""
-
-    scratch: ScratchDirectory | None  # offload_optimizer or offload_params "nvme"
-    params: ShardFiles | None  # offload_params="nvme"
-    optimizer: NvmeOptimizerState | None = None  # offload_optimizer="nvme"
 
 
 def model_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -105,11 +96,8 @@ def build_units(
         comm.split(config.shard_group_size)
     units: dict[int, FlatUnit] = {}
     plan_rooted_at = {id(plan.module): plan for plan in plans}
-    offloaded = set()
-    if config.offload_optimizer != "none":
-        trainable = [sum(p.numel() for p in plan.params if p.requires_grad) for plan in plans]
-        offloaded = units_to_offload(trainable, config.offload_fraction)
-    files = open_offload_files(plans, offloaded, config, comm)
+    where = unit_offloads(plans, config, comm)
+    files = _open_offload_files(plans, where, config, comm)
     materialiser = MetaMaterialiser(model, comm.device, param_init_fn) if on_meta else None
     # In construction order (children first, in registration order): a meta model's modules are
     # initialised as eager construction initialises them (the same seed gives the same weights),
@@ -120,17 +108,15 @@ def build_units(
             materialiser.initialise(module)
         plan = plan_rooted_at.get(id(module))
         if plan is not None:
-            numel = sum(local_shape(p).numel() for p in plan.params)  # this rank's pieces of split layers
             units[plan.index] = FlatUnit(
                 plan,
-                config.unit_plan(numel),
+                config.unit_plan(_numel(plan)),
                 config.mixed_precision,
                 comm,
+                where[plan.index],
                 comparisons=digests,
-                offloaded=plan.index in offloaded,
-                params_offloaded=config.offload_params != "none",
                 param_files=files.params,
-                master_on_disk=plan.index in offloaded and config.offload_optimizer == "nvme",
+                state_files=files.optimizer,
             )
             if files.optimizer is not None:
                 files.optimizer.add_unit(units[plan.index])  # its master to its file now
@@ -140,36 +126,35 @@ def build_units(
     return [units[i] for i in range(len(plans))], files
 
 
-def open_offload_files(
-    plans: list[UnitPlan], offloaded: set[int], config: ZeroConfig, comm: CommContext
+def _numel(plan: UnitPlan) -> int:
+    return sum(local_shape(p).numel() for p in plan.params)  # this rank's pieces of split layers
+
+
+def unit_offloads(plans: list[UnitPlan], config: ZeroConfig, comm: CommContext) -> list[UnitOffload]:
+    """Where each unit's tensors rest, by the offload plan: which units are offloaded (the largest first, up to
+    offload_fraction of the trainable elements), and for each its stage's sharding at rest and the precision."""
+    trainable = [sum(p.numel() for p in plan.params if p.requires_grad) for plan in plans]
+    offloaded = config.offload.offloaded_units(trainable)
+    low_precision, host_is_device = config.mixed_precision.compute_dtype != torch.float32, comm.device.type == "cpu"
+    return [
+        config.offload.for_unit(
+            plan.index in offloaded,
+            config.unit_plan(_numel(plan)).params_sharded_at_rest,
+            low_precision,
+            host_is_device,
+        )
+        for plan in plans
+    ]
+
+
+def _open_offload_files(
+    plans: list[UnitPlan], where: list[UnitOffload], config: ZeroConfig, comm: CommContext
 ) -> OffloadFiles:
-    """offload_optimizer or offload_params "nvme": this rank's scratch directory, checked on every rank for
-    room for what goes there (two fp32 moments per element of each offloaded unit's shard, Adam's, and its
-    fp32 master; each sharded unit's parameter shard), and told what a checkpoint load stages beside it, and the
-    parameter shards' files in it."""
-    if "nvme" not in (config.offload_optimizer, config.offload_params):
-        return OffloadFiles(None, None)
-    numels = {plan.index: sum(local_shape(p).numel() for p in plan.params) for plan in plans}
-    shards = {index: -(-numel // comm.shard_size) for index, numel in numels.items()}  # padded as the layout pads
-    needed = load = 0
-    if config.offload_optimizer == "nvme":
-        low_precision, on_cpu = config.mixed_precision.compute_dtype != torch.float32, comm.device.type == "cpu"
-        master = master_bytes_in_files("nvme", low_precision, on_cpu, config.stage, config.offload_params)
-        needed += (2 * 4 + master) * sum(shards[index] for index in offloaded)
-        # A checkpoint load stages each unit's loaded moments and fp32 master beside its file (StagedLoad), the
-        # master even where it stays in memory; the parameter shards' files are rewritten in place.
-        load = (2 * 4 + 4) * sum(shards[index] for index in offloaded)
-    if config.offload_params == "nvme":
-        compute_bytes = torch.empty(0, dtype=config.mixed_precision.compute_dtype).element_size()
-        at_rest = [index for index, numel in numels.items() if config.unit_plan(numel).params_sharded_at_rest]
-        needed += compute_bytes * sum(shards[index] for index in at_rest)
-    scratch = ScratchDirectory(config.offload_dir, comm, needed, load)
-    params = optimizer = None
-    if config.offload_params == "nvme":
-        params = ShardFiles(scratch.path, config.offload_units_in_memory, directory_owner=scratch)
-    if config.offload_optimizer == "nvme":
-        optimizer = NvmeOptimizerState(len(plans), comm, scratch, config.offload_units_in_memory)
-    return OffloadFiles(scratch, params, optimizer)
+    """The file tiers the offload plan chose, the scratch directory sized from each unit's shard (padded as the
+    layout pads) and where its tensors rest."""
+    shards = [-(-_numel(plan) // comm.shard_size) for plan in plans]
+    compute_bytes = config.mixed_precision.compute_dtype.itemsize
+    return open_offload_files(config.offload, where, shards, compute_bytes, config.offload_dir, comm)
 
 
 def _activation_hooks(model: nn.Module, units: list[FlatUnit], comm: CommContext, config: ZeroConfig) -> list[Any]:
@@ -188,7 +173,7 @@ def _step_in_backward(
     runtime: StepRuntime,
     optimizer_step: OptimizerStep,
     attachment: OptimizerAttachment,
-    nvme: NvmeOptimizerState | None,
+    nvme: StateFiles | None,
 ) -> StepInBackward | None:
     """offload_step_in_backward: the worker that steps offloaded units during backward, told by the runtime
     of each reduce, asked by the optimizer step for what it did, and refusing what may not run in between."""

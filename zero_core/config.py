@@ -223,7 +223,7 @@ class ZeroConfig:
     )
 
     # ZeRO-Offload: the optimizer steps offloaded units on the host; "nvme" (ZeRO-Infinity): their per-element
-    # state lives in files between steps, a few units in memory during it (optim/nvme_state.py).
+    # state lives in files between steps, a few units in memory during it (offload/state_files.py).
     offload_optimizer: str = setting(
         "none",
         doc='"cpu": the fp32 master shard, optimizer state and gradient shard in host memory, the step on the '
@@ -233,7 +233,7 @@ class ZeroConfig:
         parse=str,
         example="nvme",
     )
-    # Stage 3: a sharded unit's parameter shard rests on the host (or in a file: unit/shard_files.py), staged to
+    # Stage 3: a sharded unit's parameter shard rests on the host (or in a file: offload/shard_files.py), staged to
     # the device per gather (unit/storage.py).
     offload_params: str = setting(
         "none",

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from .config import MixedPrecision
-from .file_io import human_bytes
 from .memory.estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model, shared_config, shared_settings
 from .settings import Setting
+from .sizes import human_bytes
 
 PRECISIONS = {
     "fp32": MixedPrecision(),

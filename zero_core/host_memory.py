@@ -1,4 +1,4 @@
-"""Large host buffers that fault in as huge pages.
+"""Large host buffers that fault in as huge pages; pinned buffers for offload; freed memory handed back.
 
 Stage 3 refills each unit's parameter storage for every gather, and stages
 2/3 allocate each unit's full gradient buffer for every backward. On the CPU
@@ -27,6 +27,7 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -110,3 +111,21 @@ def copy_to_device(
     with torch.cuda.stream(stream):
         device_shard.copy_(host_shard, non_blocking=host_shard.is_pinned())
         return stream.record_event()
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None  # not glibc: its allocator returns memory by its own rules
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def release_freed_memory() -> None:
+    """Hand the memory of freed tensors back to the system now. glibc keeps freed blocks below its
+    (dynamic) mmap threshold in the heap, so without this a freed unit's bytes would still count
+    against the process's memory (and a memory cap) as if they were in memory."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from .engine import ZeroEngine
-from .file_io import human_bytes
 from .memory.predicted import UnitElements, ddp_bytes, model_state_bytes
 from .offload_plan import OffloadTier
+from .sizes import human_bytes
 
 ADAM_STATE_BYTES = 8  # per parameter: the formulas' assumption, said in the line
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTBlock, GPTConfig, next_token_loss, synthetic_batch  # noqa: E402
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine  # noqa: E402
-from zero_core.file_io import release_freed_memory  # noqa: E402
+from zero_core.host_memory import release_freed_memory  # noqa: E402
 
 
 def _status_bytes(field: str) -> int:

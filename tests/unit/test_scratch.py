@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from zero_core.optim import scratch
+from zero_core.offload import scratch
 
 
 def _make(path: Path) -> None:

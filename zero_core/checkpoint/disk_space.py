@@ -21,7 +21,7 @@ from typing import NamedTuple
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import WriteItem
 
-from ..file_io import human_bytes
+from ..sizes import human_bytes
 
 # torch's zip writer when a write comes up short (its words for ENOSPC), and the OS's own.
 _FULL_WORDS = ("unexpected pos", "pytorchstreamwriter failed writing file", "no space left on device")

@@ -23,7 +23,7 @@ from ..optim.loss_scaling import LossScalerState, state_from_checkpoint
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..optim.resting_reads import RestingReads
+    from ..offload.nvme_save import RestingReads
     from ..unit import FlatUnit, MasterPiece
 
 MODEL_KEY = "model"

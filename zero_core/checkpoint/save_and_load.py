@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from ..collectives import CommContext, meeting
-from ..file_io import release_freed_memory
+from ..host_memory import release_freed_memory
+from ..offload.nvme_load import StagedLoad
 from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import LossScaler
-from ..optim.nvme_staging import StagedLoad
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
 from .agreed_steps import RankAgreement

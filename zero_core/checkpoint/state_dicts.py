@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..optim.resting_reads import RestingReads
+from ..offload.nvme_save import RestingReads
 from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
 from .chunks import LazyValues, Rectangle, ShardedChunks, piece_rectangles
 

@@ -11,12 +11,13 @@ import torch
 
 from .. import agreement
 from ..collectives import CommContext
+from ..offload.nvme_load import StagedLoad
+from ..offload.nvme_save import RestingReads
+from ..offload.state_files import StateFiles
 from ..unit import FlatUnit
-from .nvme_staging import StagedLoad
-from .nvme_state import NvmeOptimizerState, raw_step_of
+from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
 from .rebuild import check_optimizer_supported, reset_optimizer_state
-from .resting_reads import RestingReads
 from .zero_grad_routes import Discard, ZeroGradRoute
 
 # Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
@@ -52,7 +53,7 @@ class OptimizerAttachment:
         step_hooks: StepHooks,
         agreed_at_setup: torch.optim.Optimizer | None,
         discard: Discard,
-        nvme: NvmeOptimizerState | None = None,
+        nvme: StateFiles | None = None,
     ):
         self.units, self.comm, self.canonical_names = units, comm, canonical_names
         self.discard = discard  # optimizer.zero_grad()'s, as under DDP (zero_grad_routes.py)

@@ -16,7 +16,20 @@ from typing import Any
 
 import torch
 
-from .nvme_state import raw_step_of
+from ..offload.state_files import RawStep
+
+
+def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
+    """The optimizer class's own ``step``, under torch's hook wrapper: stepping one unit at a time must
+    not run the step hooks (ours and the user's) once per unit."""
+    hooked = type(optimizer).step
+    if not getattr(hooked, "hooked", False) or not callable(getattr(hooked, "__wrapped__", None)):
+        raise ValueError(
+            f"offload_optimizer needs a torch.optim optimizer whose step torch wraps with its hooks; "
+            f"{type(optimizer).__name__}.step is not."
+        )
+    return hooked.__wrapped__
+
 
 # The optimizers whose fused CPU kernel was measured and matches the per-tensor update.
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW)

@@ -25,13 +25,14 @@ from .. import agreement
 from ..collectives import CommContext, CommStats
 from ..config import ZeroConfig
 from ..host_memory import wait_for_host_copies
+from ..offload.shard_files import ShardFiles
+from ..offload.state_files import StateFiles
 from ..optim import grad_ops
 from ..optim.attachment import compare_param_groups
-from ..optim.host_step import fused_on_host
+from ..optim.host_step import fused_on_host, raw_step_of
 from ..optim.loss_scaling import LossScaler
-from ..optim.nvme_state import NvmeOptimizerState, raw_step_of
 from ..optim.param_groups import OptimizerGroups
-from ..unit import FlatUnit, ShardFiles
+from ..unit import FlatUnit
 from .prefetch_tuning import AutoPrefetch
 from .runtime import StepRuntime
 from .step_in_backward import EarlySteps, StepInBackward
@@ -60,7 +61,7 @@ class OptimizerStep:
         config: ZeroConfig,
         loss_scaler: LossScaler | None,
         auto_prefetch: AutoPrefetch | None,
-        nvme: NvmeOptimizerState | None = None,
+        nvme: StateFiles | None = None,
         param_files: ShardFiles | None = None,
     ):
         self.units = units

@@ -4,7 +4,7 @@ ZeRO-Offload's overlap (DeepSpeed's SuperOffload runs the CPU Adam of a finished
 continues). In a synchronising backward an offloaded unit's gradient shard is final as soon as its
 reduce-scatter has landed (with hybrid sharding: after the reduce across groups, at the end of backward).
 A worker thread then steps the unit on the host, its NVMe state read ahead and written behind
-(:class:`~zero_core.optim.nvme_state.UnitWalk`), while this thread back-propagates the units before it.
+(:class:`~zero_core.offload.state_files.UnitWalk`), while this thread back-propagates the units before it.
 ``optimizer.step()`` waits for the worker and steps what is left as usual.
 
 A unit steps early only if every parameter of it that requires grad got a gradient on this rank: the
@@ -32,8 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..offload.state_files import StateFiles, UnitWalk
 from ..optim.host_step import step_of_pieces
-from ..optim.nvme_state import NvmeOptimizerState, UnitWalk
 from ..optim.param_groups import OptimizerGroups
 from ..unit import FlatUnit
 
@@ -59,7 +59,7 @@ class StepInBackward:
         self,
         units: list[FlatUnit],
         groups: Callable[[], OptimizerGroups | None],
-        nvme: NvmeOptimizerState | None,
+        nvme: StateFiles | None,
         hybrid: bool,
     ):
         self.units, self._groups, self.nvme, self.hybrid = units, groups, nvme, hybrid

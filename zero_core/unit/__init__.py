@@ -7,7 +7,6 @@ from .grads import PendingReduce
 from .guard import ParameterAtRestError
 from .layout import FlatLayout, ParamSlot, ShardPiece
 from .plan import UnitPlan, check_wrap_classes_present, plan_units
-from .shard_files import ShardFiles
 from .storage import StorageState
 
 __all__ = [
@@ -18,7 +17,6 @@ __all__ = [
     "ParameterAtRestError",
     "ParameterDigests",
     "PendingReduce",
-    "ShardFiles",
     "ShardPiece",
     "StorageState",
     "UnitPlan",

@@ -15,11 +15,13 @@ from torch import nn
 from ..collectives import CommContext, Handle
 from ..config import MixedPrecision, StagePlan
 from ..host_memory import host_zeros
+from ..offload.shard_files import ShardFiles
+from ..offload.state_files import StateFiles
+from ..offload_plan import UnitOffload
 from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
 from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
 from .plan import UnitPlan
-from .shard_files import ShardFiles
 from .storage import ParamStorage, StorageState
 from .tensor_parallel import local_shape, place_in_whole
 
@@ -38,12 +40,13 @@ class FlatUnit:
         stage_plan: StagePlan,
         precision: MixedPrecision,
         comm: CommContext,
+        offload: UnitOffload,
         comparisons: Comparisons | None = None,
-        offloaded: bool = False,
-        params_offloaded: bool = False,
         param_files: ShardFiles | None = None,
-        master_on_disk: bool = False,
+        state_files: StateFiles | None = None,
     ):
+        """``offload``: where its tensors rest (the offload plan's); ``param_files``, ``state_files``: the file
+        tiers it names (offload_params and offload_optimizer "nvme")."""
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
         self.label = f"unit '{plan.name}'" if plan.name else "the root unit"
@@ -58,7 +61,8 @@ class FlatUnit:
         self.guard = ParameterGuard(self, self.params, stage_plan.params_sharded_at_rest, comparisons)
         # Offloaded (offload_optimizer): the master shard, the optimizer state and a copy of the reduced
         # gradient shard live in host memory, and the optimizer steps the unit there.
-        self.offloaded = offloaded
+        self.offload = offload
+        self.offloaded = offload.offloaded
         self.host_grads: torch.Tensor | None = None  # (S, fp32) pinned, made at the first step (GPU devices)
         self.storage = ParamStorage(
             self.layout,
@@ -68,17 +72,16 @@ class FlatUnit:
             comm,
             self.guard,
             self.label,
-            host_master=offloaded,
-            host_params=params_offloaded,
+            offload,
             param_files=param_files,
-            master_on_disk=master_on_disk,
+            state_files=state_files,
         )
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
         self.master_pieces = [
             # Every parameter, frozen ones too: unfreezing one later trains it from its shard.
-            MasterPiece(piece, nn.Parameter(shard_view(self.master_shard, piece)))
+            MasterPiece(piece, nn.Parameter(shard_view(self.resting_master, piece)))
             for piece in self.layout.pieces(comm.shard_rank)
         ]
         grads_class = ShardedGrads if stage_plan.grads_sharded else LocalGrads
@@ -109,6 +112,19 @@ class FlatUnit:
     def resting_master(self) -> torch.Tensor:
         """As it is now, nothing read (its storage empty while the NVMe tier's file holds it)."""
         return self.storage.resting_master
+
+    @property
+    def compute_copy_current(self) -> bool:
+        """The compute copy holds the master's values already (the NVMe optimizer tier copied them)."""
+        return self.storage.compute_copy_current
+
+    @compute_copy_current.setter
+    def compute_copy_current(self, current: bool) -> None:
+        self.storage.compute_copy_current = current
+
+    def copy_master_to_compute(self, values: torch.Tensor | None = None) -> None:
+        """The NVMe optimizer tier: the compute copy takes the master's values (or ``values``) now."""
+        self.storage.copy_master_to_compute(values)
 
     @property
     def params_offloaded(self) -> bool:

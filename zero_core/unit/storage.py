@@ -14,10 +14,10 @@ unless hybrid sharding splits the ranks into groups):
   itself when computing in fp32, unless the unit is offloaded
   (``offload_optimizer``) from a GPU: then it lives in pinned host memory
   and each refresh copies it to the device. With ``offload_optimizer="nvme"``
-  a master that is a tensor of its own (``master_rests_on_disk``) rests in
-  the optimizer tier's file between steps (optim/nvme_state.py), beside its
-  moments: the tier copies it into the compute copy right after the unit's
-  step, and any reader here (``master_shard``) brings it back first.
+  a master that is a tensor of its own (``UnitOffload.master_in_file``) rests
+  in the optimizer state's file between steps (offload/state_files.py), beside
+  its moments: the tier copies it into the compute copy right after the unit's
+  step, and any reader here (``master_shard``) has the tier bring it back first.
 - ``host_shard`` (S, compute dtype), stage 3 with ``offload_params``: the
   parameter shard at rest, in host memory (pinned on a GPU; the master
   itself where that is a host fp32 shard). ``compute_shard`` is then only a
@@ -25,8 +25,11 @@ unless hybrid sharding splits the ranks into groups):
   all-gather's stream right before each gather, freed once the gather
   landed. On a CPU device the same path runs, host and device the same memory.
   With ``offload_params="nvme"`` it is never the master, and its bytes rest in a
-  file (``shard_file``, shard_files.py): read back for each gather, written
-  after each refresh.
+  file (``shard_file``, offload/shard_files.py): read back for each gather,
+  written after each refresh.
+
+Where each tensor rests is the unit's ``UnitOffload`` (the offload plan's); the
+file tiers it names are held here, typed from ``offload/`` below.
 
 Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 ``_to_unsharded``): calling it in the state it leads to does nothing.
@@ -34,7 +37,6 @@ Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from enum import Enum, auto
 
 import torch
@@ -43,9 +45,11 @@ from torch import nn
 from ..collectives import CommContext, Handle, Span, all_gather, broadcast
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
+from ..offload.shard_files import ShardFile, ShardFiles
+from ..offload.state_files import StateFiles
+from ..offload_plan import Rest, UnitOffload
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
-from .shard_files import ShardFile, ShardFiles
 from .tensor_parallel import local_piece_of, local_values, point_at
 
 
@@ -76,32 +80,36 @@ class ParamStorage:
         comm: CommContext,
         guard: ParameterGuard,
         label: str,
-        host_master: bool = False,
-        host_params: bool = False,
+        offload: UnitOffload,
         param_files: ShardFiles | None = None,
-        master_on_disk: bool = False,
+        state_files: StateFiles | None = None,
     ):
+        """``offload``: where the unit's tensors rest; ``param_files``, ``state_files``: the file tiers it names
+        (offload_params and offload_optimizer "nvme")."""
         self.layout, self.params, self.comm, self.label = layout, params, comm, label
         self.sharded_at_rest = sharded_at_rest
         self.guard = guard
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
+        self.offload = offload
+        param_files = param_files if offload.param_shard_in_file else None
+        params_moved = offload.param_shard is not Rest.DEVICE  # offload_params, a unit sharded at rest
         # offload_optimizer="nvme": a master of its own goes to disk, pageable (a pinned block resized to zero
         # stays in torch's pinned cache); one that will be the host parameter shard stays pinned.
-        becomes_host_shard = host_params and sharded_at_rest and _is_host_shard(precision.compute_dtype, param_files)
-        pinned_master = not master_on_disk or becomes_host_shard
-        self._flatten_parameters(precision.compute_dtype, host_master, pinned_master)
+        becomes_host_shard = params_moved and _is_host_shard(precision.compute_dtype, param_files)
+        pinned_master = not offload.state_in_file or becomes_host_shard
+        self._flatten_parameters(precision.compute_dtype, offload.offloaded, pinned_master)
         self.host_shard: torch.Tensor | None = None
         self.shard_file: ShardFile | None = None  # offload_params="nvme": where host_shard's bytes rest
         self._host_shard_read: torch.cuda.Event | None = None  # the last asynchronous copy out of host_shard
-        if host_params and sharded_at_rest:
+        if params_moved:
             self._move_shard_to_host(precision.compute_dtype, param_files)
-        # offload_optimizer="nvme": the master rests in the optimizer tier's file between steps, unless it is
-        # the parameters' own memory (fp32 on a CPU device: the compute shard or the full parameters).
-        self.master_rests_on_disk = master_on_disk and self._master_stands_alone()
-        # Set by the tier: settles its writes and reads back what its files hold (called before every read or
-        # write of the master: a write still pending would free newer values once done).
-        self.bring_master_back: Callable[[], None] | None = None
+        # offload_optimizer="nvme": the master rests in the optimizer state's file between steps, unless it is
+        # the parameters' own memory (fp32 on a CPU device: the compute shard or the full parameters). Its tier
+        # settles its writes and reads back what its files hold before every read or write of the master (a
+        # write still pending would free newer values once done).
+        self.master_rests_on_disk = offload.master_in_file
+        self._state_files = state_files if offload.master_in_file else None
         # The compute copy already holds the master's values: the tier copied them right after the unit's step,
         # before the master went to disk, so the refresh that follows leaves the copy out. Set by
         # copy_master_to_compute; cleared when the unit's step begins, by every refresh, and by every other
@@ -168,18 +176,12 @@ class ParamStorage:
         self._staging_nbytes = self.compute_shard.untyped_storage().nbytes()
         self.compute_shard.untyped_storage().resize_(0)
 
-    def _master_stands_alone(self) -> bool:
-        """The master is a tensor of its own, not the memory of the parameters (compared while all have bytes)."""
-        master = self._master.untyped_storage().data_ptr()
-        others = [self.gathered_params, self.compute_shard] + ([self.host_shard] if self.host_shard is not None else [])
-        return master != 0 and all(master != t.untyped_storage().data_ptr() for t in others)
-
     @property
     def master_shard(self) -> torch.Tensor:
         """The fp32 master shard, its values in memory, to read or write (with the NVMe optimizer tier, read back
         now if its file holds them: they stay in memory until the next step writes them out again)."""
-        if self.bring_master_back is not None:
-            self.bring_master_back()
+        if self._state_files is not None:
+            self._state_files.make_resident()
         return self._master
 
     @property
@@ -215,7 +217,7 @@ class ParamStorage:
             self._host_shard_read = None
         if self.shard_file is not None:
             self.shard_file.in_use = False
-            self.shard_file.release()
+            self.shard_file.free_if_on_disk()
 
     def _shard_for_writing(self, keep_values: bool = True) -> torch.Tensor:
         """Where this rank's parameter shard (compute dtype) lives between gathers, ready to be written (then
@@ -253,7 +255,7 @@ class ParamStorage:
             if self.shard_file is not None:
                 # From pinned memory a GPU's copy runs on after this returns: freed once it landed.
                 self.shard_file.in_use = self._host_shard_read is not None and source.is_pinned()
-                self.shard_file.release()
+                self.shard_file.free_if_on_disk()
         self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
         self.state = StorageState.PREFETCHING
 
@@ -278,7 +280,7 @@ class ParamStorage:
     def reshard(self) -> None:
         """Stage 3: any state -> SHARDED, freeing the full parameters (and a shard read ahead for nothing)."""
         if self.shard_file is not None:
-            self.shard_file.release()
+            self.shard_file.free_if_on_disk()
         if not self.sharded_at_rest or self.state is StorageState.SHARDED:
             return
         self.wait_gathered()

@@ -1,4 +1,5 @@
-"""Reading a checkpoint into the NVMe optimizer tier's units one at a time (``optim/nvme_staging.py``).
+"""An NVMe load's DCP reads: a checkpoint read into the optimizer state's files one unit at a time
+(``offload/nvme_load.py``; the save's side is ``offload/nvme_save.py``).
 
 Each unit of the tier is read on its own (DCP's load of just its keys: its parameters, its optimizer state),
 into about one unit's memory, and written beside its file at once;
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..optim.nvme_staging import StagedLoad, StagingRoom, room_problem
+from ..offload.nvme_load import StagedLoad, StagingRoom, room_problem
 from ..unit import FlatUnit, MasterPiece
 from .agreed_steps import RankAgreement
 from .chunks import ShardedChunks

@@ -1,10 +1,11 @@
-"""The NVMe optimizer tier's state for a reader that goes unit by unit (a save), the whole state never in memory.
+"""An NVMe save: the optimizer state's files read unit by unit for a reader (a save), the whole state never in
+memory. (Its counterpart is ``nvme_load.py``; the checkpoint's side is ``checkpoint/nvme_load_reads.py``.)
 
 A unit in memory is handed out as it is. A unit whose file holds it is read into tensors of the reader's own
 (the master alone, or the per-element state alone), the last ``units_in_memory`` reads kept for the pieces
 that follow, the tier's own tensors left as they are: nothing comes back into memory for good, so a run
 whose optimizer state only fits on disk can save it. A read is out of date once a step or a load changed the
-state (``NvmeOptimizerState.generation``), and then read again.
+state (``StateFiles.generation``), and then read again.
 """
 
 from __future__ import annotations
@@ -13,22 +14,21 @@ from collections import OrderedDict
 
 import torch
 
-from ..file_io import release_freed_memory
-from ..unit import FlatUnit
-from .nvme_state import NvmeOptimizerState
+from ..host_memory import release_freed_memory
+from .state_files import StateFiles, UnitInFiles
 
 
 class RestingReads:
-    def __init__(self, tier: NvmeOptimizerState):
+    def __init__(self, tier: StateFiles):
         self.tier = tier
         self._kept: OrderedDict[tuple[int, str], tuple[int, dict[str, torch.Tensor]]] = OrderedDict()
 
-    def master(self, unit: FlatUnit) -> torch.Tensor:
+    def master(self, unit: UnitInFiles) -> torch.Tensor:
         """The unit's fp32 master shard, as it is now (from its file when it rests there)."""
         read = self._read(unit.index, "master")
         return unit.resting_master if read is None else read["master"]
 
-    def state_key(self, unit: FlatUnit, value: torch.Tensor) -> str | None:
+    def state_key(self, unit: UnitInFiles, value: torch.Tensor) -> str | None:
         """The key of the tier's buffer that ``value`` (an optimizer-state tensor of the unit) is a view of;
         None when it is not one (a unit that stays in memory, or state loaded and not yet stepped)."""
         for key, buffer in self.tier.states[unit.index].buffers.items():
@@ -36,7 +36,7 @@ class RestingReads:
                 return key
         return None
 
-    def per_element(self, unit: FlatUnit, key: str, value: torch.Tensor) -> torch.Tensor:
+    def per_element(self, unit: UnitInFiles, key: str, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a view of the unit's ``key`` buffer), as it is now (from its file when it rests there)."""
         if self.state_key(unit, value) != key:
             raise RuntimeError(

@@ -3,15 +3,17 @@ file of its own, ``<run dir>/params<i>.bin``, between gathers.
 
 In memory the shard (``ParamStorage.host_shard``) keeps its identity and shape, its storage resized to zero
 bytes while the file holds it. A gather reads it back (issued ahead, for the unit after the prefetched ones,
-by :meth:`ShardFile.read_ahead`), copies it into the device's staging buffer and frees it again: the file
-did not change. After a step (or a load) the new values are written behind: the next units' refresh goes
-on while earlier ones are written, at most ``units_in_memory`` shards wait in memory for their writes, and
-a shard is freed once its write is on disk (a failed write keeps it: it is the only copy).
+by :meth:`ShardFile.read_ahead`), copies it into the device's staging buffer and frees it again
+(:meth:`ShardFile.free_if_on_disk`): the file did not change. After a step (or a load) the new values are
+written behind: the next units' refresh goes on while earlier ones are written, at most ``units_in_memory``
+shards wait in memory for their writes, and a shard is freed once its write is on disk (a failed write keeps
+it: it is the only copy).
 
 Every method runs under the tier's lock, on the thread that runs forward, backward and the step, or on the
 worker that steps units during backward (``offload_step_in_backward``, which with the NVMe optimizer tier
-writes a unit's new shard right after its step); the pool's threads only move bytes between a tensor's
-memory and its file. A shard handed out for writing is not freed until it is stored.
+writes a unit's new shard right after its step); the engine's I/O pool (``tier.py``, shared with the
+optimizer state's files) only moves bytes between a tensor's memory and its file. A shard handed out for
+writing is not freed until it is stored.
 
 A failed read fills the shard with zeros instead of raising: this rank still joins the gather, so no rank
 waits alone. Failures (reads and writes) are then raised alike on every rank by :meth:`ShardFiles.agree`, at
@@ -23,15 +25,17 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import threading
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from ..collectives import CommContext, all_gather_objects
-from ..file_io import agreed_failure, free, has_bytes, read_tensors, release_freed_memory, succeeded, write_tensors
+from ..collectives import CommContext
+from ..host_memory import release_freed_memory
+from .errors import succeeded
+from .file_io import free, has_bytes, read_tensors, write_tensors
+from .tier import FileTier, IOPool
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -47,13 +51,12 @@ def _locked(method: Method) -> Method:
     return locked  # type: ignore[return-value]
 
 
-class ShardFiles:
-    """The parameter shards' files of one rank: the I/O pool, the writes in flight, the failures."""
+class ShardFiles(FileTier):
+    """The parameter shards' files of one rank: the writes in flight, the failures (``pool``: the engine's)."""
 
-    def __init__(self, directory: Path, units_in_memory: int, directory_owner: object = None):
-        self.directory, self.units_in_memory = directory, units_in_memory
-        self._directory_owner = directory_owner  # removes the directory once no longer referenced: kept alive
-        self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-param-files")
+    def __init__(self, directory: Path, units_in_memory: int, pool: IOPool | None = None):
+        super().__init__(directory, pool)
+        self.units_in_memory = units_in_memory
         self.files: list[ShardFile] = []
         self.writes: dict[ShardFile, concurrent.futures.Future] = {}  # oldest first
         # This rank's, raised alike on every rank by the next agree(): reads (what they computed is wrong) and
@@ -61,9 +64,6 @@ class ShardFiles:
         self.read_failures: list[str] = []
         self.write_failures: list[str] = []
         self.lock = threading.RLock()
-        # When the engine goes away, its writes in flight end before the directory is removed (it is removed
-        # when the owner goes, which this tier keeps alive).
-        weakref.finalize(self, self.io.shutdown, wait=True)
 
     @_locked
     def file_for(self, shard: torch.Tensor) -> ShardFile:
@@ -103,12 +103,8 @@ class ShardFiles:
             self.drain(keep=0)
             failures = self.read_failures + self.write_failures
             self.read_failures, self.write_failures = [], []
-        reported = all_gather_objects(comm, failures[0] if failures else None, f"the parameter shards' files, {where}")
-        error = agreed_failure(
-            reported, f"the parameter shards offloaded to {self.directory.parent.parent}", f"; found {where}"
-        )
-        if error is not None:
-            raise error
+        what = f"the parameter shards offloaded to {self.offload_dir}"
+        self.raise_if_any_rank_failed(comm, failures, f"the parameter shards' files, {where}", what, f"; found {where}")
 
 
 class ShardFile:
@@ -138,7 +134,7 @@ class ShardFile:
         self.tier.drain(keep=0, wait=False)  # the shards whose writes are done since are freed
         if self._read is None and not has_bytes(self.shard):
             self.shard.untyped_storage().resize_(self.nbytes)  # here: the pool's threads only move bytes
-            self._read = self.tier.io.submit(read_tensors, self.path, [self.shard])
+            self._read = self.tier.submit(read_tensors, self.path, [self.shard])
 
     @_locked
     def values(self) -> torch.Tensor:
@@ -179,19 +175,19 @@ class ShardFile:
         shards waiting in memory for their writes."""
         if self._store_dropped:  # over a failed read (raised by the next agree()): the file keeps its values
             self._store_dropped = False
-            self.release()
+            self.free_if_on_disk()
             return
         self.on_disk = False
-        self.tier.writes[self] = self.tier.io.submit(write_tensors, self.path, [self.shard])
+        self.tier.writes[self] = self.tier.submit(write_tensors, self.path, [self.shard])
         self.tier.drain(keep=self.tier.units_in_memory)
 
     @_locked
     def written(self, succeeded: bool) -> None:
         self.on_disk = succeeded
-        self.release()
+        self.free_if_on_disk()
 
     @_locked
-    def release(self) -> None:
+    def free_if_on_disk(self) -> None:
         """The shard's values are not needed in memory now: freed if the file holds them (a read issued ahead
         is waited for; a shard still being written, or copied, is freed when that is done)."""
         if self._read is not None:

@@ -1,139 +1,104 @@
-"""The optimizer's per-element state on NVMe (ZeRO-Infinity's tier), one file per unit.
+"""offload_optimizer="nvme" (ZeRO-Infinity's optimizer tier): the optimizer's per-element state in files, one
+per unit.
 
 Between steps each unit's fp32 master shard and per-element state (Adam's two moments, SGD's momentum:
-every tensor shaped like a master piece) live in ``<run dir>/unit<i>.bin``, as DeepSpeed's NVMe optimizer
-offload keeps them; in memory the tensors keep their identity, shapes and offsets, but their storage is
-resized to zero bytes (FSDP2's trick), so nothing holds them. (A master that is the parameters' own memory
-in fp32 stays where it is: ``ParamStorage.master_rests_on_disk``.) The step runs unit by unit: the state
-of the next units is read by a thread pool while the current unit steps, the unit's compute copy takes the
-new master's values, its state is written back behind it, and at most ``units_in_memory`` units are in
-memory at once. Scalar state (Adam's ``step``) stays in memory.
+every tensor shaped like a master piece) live in ``<run dir>/unit<i>.bin`` (laid out by ``unit_file.py``), as
+DeepSpeed's NVMe optimizer offload keeps them; in memory the tensors keep their identity, shapes and offsets,
+but their storage is resized to zero bytes (FSDP2's trick), so nothing holds them. (A master that is the
+parameters' own memory in fp32 stays where it is: ``UnitOffload.master_in_file``.) The step runs unit by unit
+(:class:`UnitWalk`): the state of the next units is read on the I/O pool while
+the current unit steps, the unit's compute copy takes the new master's values, its state is written back
+behind it, and at most ``units_in_memory`` units are in memory at once. Scalar state (Adam's ``step``) stays
+in memory.
 
-Every reader of the state outside the step calls :meth:`NvmeOptimizerState.make_resident` first: the
-optimizer's ``state_dict()`` (its pre-hook), and any reader of a unit's master (``ParamStorage.master_shard``
+Every reader of the state outside the step calls :meth:`StateFiles.make_resident` first: the optimizer's
+``state_dict()`` (its pre-hook), and any reader of a unit's master (the unit's storage holds this tier and
 calls it): the whole state comes back into memory until the next step writes it out again. A save and a load
-go a unit at a time instead (``resting_reads.py``, ``nvme_staging.py``). A failed read or
-write raises the same error on every rank after the units were stepped (no collective runs in between), and
-the files of the run are removed at exit.
+go a unit at a time instead (``nvme_save.py``, ``nvme_load.py``). A failed read or write raises the same error
+on every rank after the units were stepped (no collective runs in between), and the files of the run are
+removed at exit.
+
+The tier sits below the units: it takes them as :class:`UnitInFiles` (what it uses of a ``FlatUnit``) and the
+optimizer's groups as :class:`StepGroups`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import functools
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 
-from ..collectives import CommContext, all_gather_objects
-from ..file_io import (
-    OffloadError,
-    agreed_failure,
-    free,
-    read_tensors,
-    release_freed_memory,
-    succeeded,
-    write_tensors,
-)
-from ..unit import FlatUnit
-from .param_groups import OptimizerGroups
-from .scratch import ScratchDirectory
+from ..collectives import CommContext
+from ..host_memory import release_freed_memory
+from ..offload_plan import UnitOffload
+from .errors import OffloadError, succeeded
+from .tier import FileTier, IOPool
+from .unit_file import UnitFile, read_part
 
-RawStep = Callable[[torch.optim.Optimizer], object]
+RawStep = Callable[[torch.optim.Optimizer], object]  # an optimizer class's own step, under torch's hooks
 
 
-@dataclass
-class _UnitState:
-    """One unit's state in its file: its master shard (when it rests there) and a flat buffer per state key,
-    each piece's tensor a view of it."""
+class UnitInFiles(Protocol):
+    """What the tier uses of a unit (a ``FlatUnit``)."""
 
-    path: Path
-    master: torch.Tensor | None = None  # the unit's fp32 master shard, when it is a tensor of its own
-    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
-    resident: bool = True  # the tensors hold their bytes (else their storage is empty and the file holds them)
+    index: int
+    offload: UnitOffload
+    master_pieces: Sequence[Any]  # (piece, param): piece.shard_start, piece.numel; param the optimizer's
+    compute_copy_current: bool
 
     @property
-    def tensors(self) -> list[torch.Tensor]:
-        return ([self.master] if self.master is not None else []) + list(self.buffers.values())
+    def resting_master(self) -> torch.Tensor: ...
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+    def master_shard(self) -> torch.Tensor: ...
 
-    def free(self) -> None:
-        for tensor in self.tensors:
-            free(tensor)
-        self.resident = False
+    def copy_master_to_compute(self, values: torch.Tensor | None = None) -> None: ...
 
-    def write(self) -> None:
-        write_tensors(self.path, self.tensors)
-
-    def read(self) -> None:
-        """Give the tensors their bytes back and fill them from the file."""
-        read_tensors(self.path, self.tensors)
-        self.resident = True
+    def load_master_shard(self, shard: torch.Tensor) -> None: ...
 
 
-def read_file_part(
-    path: Path, numel: int, with_master: bool, dtypes: dict[str, torch.dtype], part: str
-) -> dict[str, torch.Tensor]:
-    """One part of a unit's file, laid out as :class:`_UnitState` writes it (the fp32 master first when it rests
-    there, then one flat buffer of ``numel`` per state key, in ``dtypes`` order), read into new tensors:
-    ``part`` "master" (under that key; none when it does not rest there) or "state" (by key)."""
-    if part == "master":
-        wanted = {"master": torch.float32} if with_master else {}
-    else:
-        wanted = dtypes
-    copies = {key: torch.empty(numel, dtype=dtype) for key, dtype in wanted.items()}
-    master_bytes = numel * 4 if with_master and part != "master" else 0
-    read_tensors(path, list(copies.values()), offset=master_bytes)
-    return copies
+class StepGroups(Protocol):
+    """What the step uses of the optimizer's groups (``optim.param_groups.OptimizerGroups``)."""
+
+    optimizer: torch.optim.Optimizer
+
+    def restricted(self) -> AbstractContextManager[Callable[[Any], None]]: ...
 
 
-def raw_step_of(optimizer: torch.optim.Optimizer) -> RawStep:
-    """The optimizer class's own ``step``, under torch's hook wrapper: stepping one unit at a time must
-    not run the step hooks (ours and the user's) once per unit."""
-    hooked = type(optimizer).step
-    if not getattr(hooked, "hooked", False) or not callable(getattr(hooked, "__wrapped__", None)):
-        raise ValueError(
-            f"offload_optimizer needs a torch.optim optimizer whose step torch wraps with its hooks; "
-            f"{type(optimizer).__name__}.step is not."
-        )
-    return hooked.__wrapped__
-
-
-class NvmeOptimizerState:
+class StateFiles(FileTier):
     """The per-unit files, the step that brings units in and out, and reads of the whole state."""
 
-    def __init__(self, unit_count: int, comm: CommContext, scratch: ScratchDirectory, units_in_memory: int):
+    def __init__(self, unit_count: int, comm: CommContext, directory: Path, pool: IOPool, units_in_memory: int):
         """Opened before the units are built; each joins it as it is (:meth:`add_unit`)."""
-        self.comm, self.scratch = comm, scratch
+        super().__init__(directory, pool)
+        self.comm = comm
         self.units_in_memory = units_in_memory
-        self.units: list[FlatUnit] = []  # by index, once all joined
-        self._joined: dict[int, FlatUnit] = {}
+        self.units: list[UnitInFiles] = []  # by index, once all joined
+        self._joined: dict[int, UnitInFiles] = {}
         # The units whose state goes to disk (offload_fraction); the others' stays in memory and steps in place.
         self.offloaded: set[int] = set()
-        self.states = [_UnitState(scratch.path / f"unit{i}.bin") for i in range(unit_count)]
+        self.states = [UnitFile(directory / f"unit{i}.bin") for i in range(unit_count)]
         self._setup_failures: list[str] = []
-        self.io = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="zero-nvme")
         self._behind: UnitWalk | None = None  # the last walk, whose last writes may still be going on
         self._late_failures: list[str] = []  # of those writes, when settled outside a walk: raised by the next
         # Counts the walks and loads: values read from the files before it changed may be out of date.
         self.generation = 0
 
-    def add_unit(self, unit: FlatUnit) -> None:
+    def add_unit(self, unit: UnitInFiles) -> None:
         """A unit as it is built: a master that rests in its file goes there now, so the masters never all sit
         in memory at once, not even while the model is set up (a failed write keeps it: agreed at the end)."""
         self._joined[unit.index] = unit
-        if unit.offloaded:
+        if unit.offload.state_in_file:
             self.offloaded.add(unit.index)
-        if unit.master_rests_on_disk:
+        if unit.offload.master_in_file:
             state = self.states[unit.index]
             state.master = unit.resting_master
-            unit.storage.bring_master_back = self.make_resident  # its readers and writers: the state settled
-            if succeeded(self.io.submit(state.write), self._setup_failures):
+            if succeeded(self.submit(state.write), self._setup_failures):
                 state.free()
                 release_freed_memory()
 
@@ -144,7 +109,7 @@ class NvmeOptimizerState:
         self._raise_if_any_rank_failed(failures)
 
     # ----------------------------------------------------------------- stepping
-    def step(self, groups: OptimizerGroups, raw_step: RawStep, earlier: UnitWalk | None = None) -> None:
+    def step(self, groups: StepGroups, raw_step: RawStep, earlier: UnitWalk | None = None) -> None:
         """Step each unit's pieces with its state brought in (the caller then takes the pieces' gradients
         away, so the optimizer's own step that follows changes nothing). ``earlier``: the walk that stepped
         units during backward (``offload_step_in_backward``); it goes on over the units it did not step."""
@@ -158,7 +123,7 @@ class NvmeOptimizerState:
         try:
             with groups.restricted() as restrict_to:
 
-                def step_unit(unit: FlatUnit) -> None:
+                def step_unit(unit: UnitInFiles) -> None:
                     restrict_to(unit)
                     raw_step(optimizer)
 
@@ -214,10 +179,8 @@ class NvmeOptimizerState:
         return bool(state.tensors) and not state.resident
 
     def _raise_if_any_rank_failed(self, failures: list[str]) -> None:
-        reported = all_gather_objects(self.comm, failures[0] if failures else None, "the offloaded step's outcome")
-        error = agreed_failure(reported, f"the optimizer state offloaded to {self.scratch.root}")
-        if error is not None:
-            raise error
+        what = f"the optimizer state offloaded to {self.offload_dir}"
+        self.raise_if_any_rank_failed(self.comm, failures, "the offloaded step's outcome", what)
 
     # ---------------------------------------------------------------- the state
     def adopt(self, index: int, optimizer: torch.optim.Optimizer) -> None:
@@ -240,7 +203,7 @@ class NvmeOptimizerState:
         state.buffers, state.resident = buffers, True  # the master (if any) stays
 
     @staticmethod
-    def _is_view_of(state: _UnitState, optimizer: torch.optim.Optimizer, master) -> bool:  # type: ignore[no-untyped-def]
+    def _is_view_of(state: UnitFile, optimizer: torch.optim.Optimizer, master) -> bool:  # type: ignore[no-untyped-def]
         values = optimizer.state.get(master.param, {})
         return all(
             not (isinstance(v, torch.Tensor) and v.dim() == 1)
@@ -257,7 +220,7 @@ class NvmeOptimizerState:
         self.settle_behind()
         failures: list[str] = []
         wanted = [s for s in self.states if s.tensors and not s.resident and (s.buffers or not optimizer_state_only)]
-        reads = [self.io.submit(s.read) for s in wanted]
+        reads = [self.submit(s.read) for s in wanted]
         for future in reads:
             succeeded(future, failures)
         if failures:
@@ -272,9 +235,9 @@ class NvmeOptimizerState:
         if not self.needs_read(index):
             return None
         state = self.states[index]
-        dtypes = {key: buffer.dtype for key, buffer in state.buffers.items()}
-        numel = self.units[index].resting_master.numel()
-        return read_file_part(state.path, numel, state.master is not None, dtypes, part)
+        return read_part(
+            state.path, self.units[index].resting_master.numel(), state.master is not None, state.dtypes, part
+        )
 
     def forget(self) -> None:
         """The optimizer's state was replaced (a load) or reset: the next step adopts what it holds. The masters
@@ -283,15 +246,11 @@ class NvmeOptimizerState:
         self.settle()  # writes of the state replaced: their failures no longer matter
         self._late_failures = []
         self.generation += 1
-        self.states = [_UnitState(s.path, s.master, resident=s.master is None or s.resident) for s in self.states]
+        self.states = [UnitFile(s.path, s.master, resident=s.master is None or s.resident) for s in self.states]
 
     def bytes_on_disk(self) -> int:
         self.settle_behind()
         return sum(s.nbytes for s in self.states if s.tensors and not s.resident)
-
-    def close(self) -> None:
-        self.io.shutdown(wait=True)
-        self.scratch.remove()
 
 
 class UnitWalk:
@@ -300,7 +259,7 @@ class UnitWalk:
     stepping, the reads issued ahead, the writes not yet done). Driven by one thread at a time: the optimizer
     step's, or with ``offload_step_in_backward`` the thread that steps units while backward goes on."""
 
-    def __init__(self, tier: NvmeOptimizerState, order: list[int], optimizer: torch.optim.Optimizer):
+    def __init__(self, tier: StateFiles, order: list[int], optimizer: torch.optim.Optimizer):
         self.tier, self.order, self.optimizer = tier, order, optimizer
         self.position = 0  # order[position] is the next unit to step or skip
         self.reads: dict[int, concurrent.futures.Future] = {}
@@ -315,7 +274,7 @@ class UnitWalk:
             if len(self.reads) + len(self.writes) + reserve >= self.tier.units_in_memory:
                 return
             if ahead not in self.reads and self.tier.needs_read(ahead):
-                self.reads[ahead] = self.tier.io.submit(self.tier.states[ahead].read)
+                self.reads[ahead] = self.tier.submit(self.tier.states[ahead].read)
 
     def step_unit(self, index: int, step: Callable[[], object] | None) -> None:
         """The next unit in the order: ``step`` runs with its state in memory, which is then written behind
@@ -326,7 +285,7 @@ class UnitWalk:
         limit, tier = self.tier.units_in_memory, self.tier
         if index not in self.reads and step is not None and tier.needs_read(index):
             self.drain(keep=max(0, limit - 1 - len(self.reads)))
-            self.reads[index] = tier.io.submit(tier.states[index].read)
+            self.reads[index] = tier.submit(tier.states[index].read)
         current = self.reads.pop(index, None)
         self.drain(keep=max(0, limit - 1 - len(self.reads)))
         self.read_ahead(reserve=1)
@@ -337,14 +296,14 @@ class UnitWalk:
                 tier.states[index].free()
                 release_freed_memory()
             return
-        tier.units[index].storage.compute_copy_current = False  # until the copy below, after this step
+        tier.units[index].compute_copy_current = False  # until the copy below, after this step
         step()
         self.stepped.add(index)
         if index in tier.offloaded:
             tier.adopt(index, self.optimizer)
             if tier.states[index].master is not None:  # the new master goes to disk: the compute copy takes it now
-                tier.units[index].storage.copy_master_to_compute()
-            self.writes[index] = tier.io.submit(tier.states[index].write)
+                tier.units[index].copy_master_to_compute()
+            self.writes[index] = tier.submit(tier.states[index].write)
 
     def drain(self, keep: int) -> None:
         """Wait for the oldest writes until at most ``keep`` are in flight; a written unit's memory is freed

@@ -1,9 +1,10 @@
-"""A checkpoint loaded into the NVMe optimizer tier a unit at a time, all or nothing.
+"""An NVMe load: a checkpoint loaded into the optimizer state's files a unit at a time, all or nothing.
+(Its counterpart is ``nvme_save.py``; the checkpoint's DCP reads are ``checkpoint/nvme_load_reads.py``.)
 
 While a load reads, each unit of the tier gets its loaded values one unit at a time, written beside its file:
 the per-element state and a master that rests in the file to ``unit<i>.bin.loaded``, in the file's layout
-(what the load does not replace, the master when only the optimizer is loaded or the state when only the
-weights are, is copied over from the unit's current values); a master that stays in memory (fp32 on a CPU
+(``unit_file.py``; what the load does not replace, the master when only the optimizer is loaded or the state
+when only the weights are, is copied over from the unit's current values); a master that stays in memory (fp32 on a CPU
 device: the parameters' own memory) to ``unit<i>.master.loaded``. Nothing of the unit changes until every
 rank has read everything: then :meth:`StagedLoad.install` puts each file in place, the optimizer's state of
 the unit becomes views of new buffers that rest on disk, and the unit's master (or, resting on disk, its
@@ -22,13 +23,15 @@ import socket
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ..collectives import all_gather_objects
-from ..file_io import agreed_failure, free, has_bytes, human_bytes, release_freed_memory, write_tensors
-from ..unit import FlatUnit, MasterPiece
-from .nvme_state import NvmeOptimizerState, read_file_part
+from ..host_memory import release_freed_memory
+from ..sizes import human_bytes
+from .file_io import free, has_bytes
+from .state_files import StateFiles, UnitInFiles
+from .unit_file import read_part, write_unit_file
 
 STAGED_SUFFIX = ".loaded"  # the files of a load not yet put in place
 
@@ -38,7 +41,7 @@ class _StagedUnit:
     path: Path
     master_path: Path | None  # a loaded master that stays in memory, until it is installed
     dtypes: dict[str, torch.dtype]  # its per-element buffers, in file order
-    pieces: list[tuple[MasterPiece, str]] = field(default_factory=list)  # loaded state: (piece, key) to install
+    pieces: list[tuple[Any, str]] = field(default_factory=list)  # loaded state: (piece, key) to install
     loaded_master: bool = False
     loaded_state: bool = False
 
@@ -88,12 +91,12 @@ def room_problem(rooms: Sequence[StagingRoom]) -> str | None:
 
 
 class StagedLoad:
-    def __init__(self, tier: NvmeOptimizerState):
+    def __init__(self, tier: StateFiles):
         self.tier = tier
         self.units: dict[int, _StagedUnit] = {}
         tier.settle_behind()  # the last step's writes done (and their units freed) before the load reads
 
-    def takes(self, unit: FlatUnit) -> bool:
+    def takes(self, unit: UnitInFiles) -> bool:
         """Whether the unit's state rests in the tier's files (its load goes through a staged file)."""
         return unit.index in self.tier.offloaded
 
@@ -106,10 +109,10 @@ class StagedLoad:
         they stage nothing.)"""
         needed = sum(self._bytes_to_stage(index, load_model, loaded_state) for index in self.tier.offloaded)
         rewritten = sum(staged.path.stat().st_size for staged in self.units.values() if staged.path.exists())
-        path = self.tier.scratch.path
+        path = self.tier.directory
         free = shutil.disk_usage(path).free
         needed = max(0, needed - rewritten)
-        return StagingRoom(self.tier.comm.rank, str(self.tier.scratch.root), _filesystem(path), free, needed)
+        return StagingRoom(self.tier.comm.rank, str(self.tier.offload_dir), _filesystem(path), free, needed)
 
     def _bytes_to_stage(
         self, index: int, load_model: bool, loaded_state: Mapping[int, Iterable[torch.dtype]] | None
@@ -127,7 +130,7 @@ class StagedLoad:
             with_master * unit.resting_master.element_size() + sum(d.itemsize for d in dtypes)
         )
 
-    def current_master(self, unit: FlatUnit) -> torch.Tensor:
+    def current_master(self, unit: UnitInFiles) -> torch.Tensor:
         """A copy of the unit's master as it is now (a load fills the pieces it holds; the padding keeps its values)."""
         resting = self.tier.states[unit.index].master
         if resting is None:  # in memory: the parameters' own
@@ -137,10 +140,10 @@ class StagedLoad:
 
     def write(
         self,
-        unit: FlatUnit,
+        unit: UnitInFiles,
         master: torch.Tensor | None,
         state: dict[str, torch.Tensor] | None,
-        pieces: list[tuple[MasterPiece, str]],
+        pieces: list[tuple[Any, str]],
     ) -> None:
         """A unit's loaded values (None: it keeps what it has), flat like the tier's buffers, written beside its
         file; ``pieces``: the (piece, key) views of ``state`` to install in the optimizer."""
@@ -152,11 +155,11 @@ class StagedLoad:
         current_state = self._current(unit, "state") if state is None else state
         earlier = self.units.get(unit.index)
         path = self.tier.states[unit.index].path.with_suffix(".bin" + STAGED_SUFFIX)
-        write_tensors(path, ([master] if has_master else []) + list(current_state.values()))
+        write_unit_file(path, master if has_master else None, current_state)
         master_path = earlier.master_path if earlier is not None else None
         if loaded_master and not has_master:
             master_path = path.with_suffix(".master" + STAGED_SUFFIX)
-            write_tensors(master_path, [master])
+            write_unit_file(master_path, master, {})  # laid out as a unit's file with its master and no state
         dtypes = {key: value.dtype for key, value in current_state.items()}
         staged = _StagedUnit(path, master_path, dtypes)
         staged.loaded_master = loaded_master or (earlier is not None and earlier.loaded_master)
@@ -166,14 +169,14 @@ class StagedLoad:
             staged.pieces, staged.loaded_state = earlier.pieces, earlier.loaded_state
         self.units[unit.index] = staged
 
-    def _current(self, unit: FlatUnit, part: str) -> dict[str, torch.Tensor]:
+    def _current(self, unit: UnitInFiles, part: str) -> dict[str, torch.Tensor]:
         """The unit's master or state as it is now: staged by an earlier read of this load, in its file, or in
         memory."""
         tier, index = self.tier, unit.index
         staged = self.units.get(index)
         if staged is not None:
             with_master = tier.states[index].master is not None
-            return read_file_part(staged.path, unit.resting_master.numel(), with_master, staged.dtypes, part)
+            return read_part(staged.path, unit.resting_master.numel(), with_master, staged.dtypes, part)
         read = tier.read_resting(index, part)
         if read is not None:
             return read
@@ -192,12 +195,8 @@ class StagedLoad:
             failures.append(f"{type(error).__name__}: {error}")
         finally:
             self.discard()  # what was not put in place, and the loaded masters' files read
-        reported = all_gather_objects(self.tier.comm, failures[0] if failures else None, "installing a load")
-        error = agreed_failure(
-            reported, "the loaded state staged in the tier's files", found=" (the load is half applied)"
-        )
-        if error is not None:
-            raise error
+        what, found = "the loaded state staged in the tier's files", " (the load is half applied)"
+        self.tier.raise_if_any_rank_failed(self.tier.comm, failures, "installing a load", what, found)
 
     def _install_units(self, optimizer: torch.optim.Optimizer | None) -> None:
         tier = self.tier
@@ -216,7 +215,7 @@ class StagedLoad:
             if staged.loaded_master:
                 self._take_loaded_master(staged, unit)
             else:  # the weights did not change: the compute copy holds the master's values (not read back)
-                unit.storage.compute_copy_current = True
+                unit.compute_copy_current = True
             for tensor in state.tensors:
                 if has_bytes(tensor):
                     free(tensor)  # the file holds the values now
@@ -224,18 +223,18 @@ class StagedLoad:
             release_freed_memory()  # a unit at a time: else the heap keeps each unit's
         tier.generation += 1
 
-    def _take_loaded_master(self, staged: _StagedUnit, unit: FlatUnit) -> None:
+    def _take_loaded_master(self, staged: _StagedUnit, unit: UnitInFiles) -> None:
         # Both files start with the master: the unit's (in place now) where it rests there, else its own.
         path = staged.master_path or self.tier.states[unit.index].path
-        master = read_file_part(path, unit.resting_master.numel(), True, {}, "master")["master"]
+        master = read_part(path, unit.resting_master.numel(), True, {}, "master")["master"]
         if staged.master_path is None:  # it rests on disk: the compute copy takes it
-            unit.storage.copy_master_to_compute(master)
+            unit.copy_master_to_compute(master)
         else:
             unit.load_master_shard(master)
 
     def discard(self) -> None:
         """The load failed (on some rank): the staged files go (a partly written one too), and nothing of the
         units changed."""
-        for path in self.tier.scratch.path.glob(f"*{STAGED_SUFFIX}"):
+        for path in self.tier.directory.glob(f"*{STAGED_SUFFIX}"):
             path.unlink(missing_ok=True)
         self.units.clear()

@@ -1,4 +1,4 @@
-"""The per-run, per-rank scratch directory of the NVMe tier: checked at setup, removed at exit.
+"""The per-run, per-rank scratch directory of the file tiers: checked at setup, removed at exit.
 
 ``<offload_dir>/lightning-zero-<run id>/rank<r>/`` with an ``owner`` file (host and process id). The
 run id is rank 0's, shared with every rank, so one run's ranks share one parent. A directory whose
@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path
 
 from ..collectives import CommContext, all_gather_objects
-from ..file_io import human_bytes
+from ..sizes import human_bytes
 
 PREFIX = "lightning-zero-"
 
