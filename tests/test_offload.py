@@ -355,17 +355,17 @@ def _tier_bytes_while_staging(engine: ZeroEngine, joined: list) -> Iterator[list
     """The tier's own bytes in memory each time a load stages a unit (what it reads back is counted)."""
     seen: list[int] = []
     tensors = _tier_tensors(engine, joined)
-    original = nvme_load.StagedLoad.write
+    original = nvme_load.NvmeLoad.write
 
     def write(self, *args):  # type: ignore[no-untyped-def]
         seen.append(StorageCounter().count(tensors))
         return original(self, *args)
 
-    nvme_load.StagedLoad.write = write  # type: ignore[method-assign]
+    nvme_load.NvmeLoad.write = write  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        nvme_load.StagedLoad.write = original  # type: ignore[method-assign]
+        nvme_load.NvmeLoad.write = original  # type: ignore[method-assign]
 
 
 def _loads_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:

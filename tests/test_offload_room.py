@@ -106,7 +106,7 @@ def _refused_load(engine: ZeroEngine, rank: int, free: int, own_disk: bool, chec
     what it left in the tier's directory, and whether the weights stayed."""
     before = engine.full_state_dict()
     original_usage, original_filesystem = shutil.disk_usage, nvme_load._filesystem
-    original_install, staged = nvme_load.StagedLoad.install, []
+    original_install, staged = nvme_load.NvmeLoad.install, []
 
     def install(self, optimizer):  # type: ignore[no-untyped-def]
         staged.append(sum(p.stat().st_size for p in self.tier.directory.glob("*.loaded")))
@@ -114,7 +114,7 @@ def _refused_load(engine: ZeroEngine, rank: int, free: int, own_disk: bool, chec
 
     sharing = checkpoint.parent.glob(f"lightning-zero-*/rank{rank if own_disk else '*'}")
     shutil.disk_usage = _free(free, list(sharing))
-    nvme_load.StagedLoad.install = install  # type: ignore[method-assign]
+    nvme_load.NvmeLoad.install = install  # type: ignore[method-assign]
     if own_disk:
         nvme_load._filesystem = lambda path: ("another host", rank)
     try:
@@ -124,7 +124,7 @@ def _refused_load(engine: ZeroEngine, rank: int, free: int, own_disk: bool, chec
         outcome = str(error)
     finally:
         shutil.disk_usage, nvme_load._filesystem = original_usage, original_filesystem
-        nvme_load.StagedLoad.install = original_install  # type: ignore[method-assign]
+        nvme_load.NvmeLoad.install = original_install  # type: ignore[method-assign]
     left = sorted(p.name for p in checkpoint.parent.glob(f"lightning-zero-*/rank{rank}/*.loaded"))
     changed = relative_difference(engine.full_state_dict(), before)
     return {"error": outcome, "staged": staged, "left behind": left, "changed": changed}

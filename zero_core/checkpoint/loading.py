@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..offload.nvme_load import StagedLoad
+from ..offload.nvme_load import NvmeLoad
 from .agreed_steps import RankAgreement
 from .chunks import ShardedChunks
 from .directory import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
@@ -129,7 +129,7 @@ def load_checkpoint(
     *,
     load_model: bool,
     load_optimizer: bool,
-    staging: StagedLoad | None = None,
+    staging: NvmeLoad | None = None,
 ) -> LoadedCheckpoint:
     """``staging``: the NVMe optimizer tier's units are read one at a time into files beside theirs (put in
     place by the caller once the load is applied, removed by it otherwise)."""
@@ -161,7 +161,7 @@ def _read(
     checkpoint: VerifiedCheckpoint,
     load_model: bool,
     load_optimizer: bool,
-    staging: StagedLoad | None,
+    staging: NvmeLoad | None,
 ) -> LoadedCheckpoint:
     state: dict[str, Any] = {}
     shards = None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from ..offload.nvme_load import StagedLoad, StagingRoom, room_problem
+from ..offload.nvme_load import NvmeLoad, StagingRoom, room_problem
 from ..unit import FlatUnit, MasterPiece
 from .agreed_steps import RankAgreement
 from .chunks import ShardedChunks
@@ -28,7 +28,7 @@ from .state_dicts import is_per_element, optimizer_load_targets, saved_optimizer
 Install = tuple[MasterPiece, str, torch.Tensor]
 
 
-def is_staged(staging: StagedLoad | None, unit: FlatUnit) -> bool:
+def is_staged(staging: NvmeLoad | None, unit: FlatUnit) -> bool:
     """The unit (its master and its state) is loaded apart, into the tier's files (else with the checkpoint's
     other keys)."""
     return staging is not None and staging.takes(unit)
@@ -40,7 +40,7 @@ def check_staging_room(
     metadata: Metadata,
     load_model: bool,
     load_optimizer: bool,
-    staging: StagedLoad,
+    staging: NvmeLoad,
 ) -> None:
     """The same CheckpointError on every rank, before anything is read, unless every rank's offload_dir has room
     for the files this load stages beside the tier's (each unit's loaded state, as the checkpoint holds it, and
@@ -58,7 +58,7 @@ def check_staging_room(
         )
 
 
-def _loaded_state_dtypes(view: ShardedModel, metadata: Metadata, staging: StagedLoad) -> dict[int, list[torch.dtype]]:
+def _loaded_state_dtypes(view: ShardedModel, metadata: Metadata, staging: NvmeLoad) -> dict[int, list[torch.dtype]]:
     """Per unit of the tier: the dtypes of the per-element state keys its flat buffers take from the checkpoint."""
     saved = saved_optimizer_state(metadata, OPTIMIZER_KEY)
     dtypes: dict[int, list[torch.dtype]] = {}
@@ -76,7 +76,7 @@ def _loaded_state_dtypes(view: ShardedModel, metadata: Metadata, staging: Staged
 
 
 def read_staged_units(
-    view: ShardedModel, checkpoint: Any, load_model: bool, load_optimizer: bool, staging: StagedLoad
+    view: ShardedModel, checkpoint: Any, load_model: bool, load_optimizer: bool, staging: NvmeLoad
 ) -> list[Install]:
     """Every unit of the tier read and staged, one after the other; returns the scalar state to install."""
     scalars: list[Install] = []

@@ -23,7 +23,7 @@ from ..optim.loss_scaling import LossScalerState, state_from_checkpoint
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
-    from ..offload.nvme_save import RestingReads
+    from ..offload.nvme_save import NvmeSaveReads
     from ..unit import FlatUnit, MasterPiece
 
 MODEL_KEY = "model"
@@ -42,7 +42,7 @@ class ShardedModel:
     optimizer: torch.optim.Optimizer | None
     param_group_names: list[list[str]]
     # With the NVMe optimizer tier: its state read from its files a few units at a time, for a save.
-    resting: "RestingReads | None" = None
+    resting: "NvmeSaveReads | None" = None
 
     @property
     def rank(self) -> int:

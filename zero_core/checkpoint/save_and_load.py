@@ -20,7 +20,7 @@ from torch import nn
 
 from ..collectives import CommContext, meeting
 from ..host_memory import release_freed_memory
-from ..offload.nvme_load import StagedLoad
+from ..offload.nvme_load import NvmeLoad
 from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import LossScaler
 from ..optim.rebuild import install_optimizer_state
@@ -76,7 +76,7 @@ def sharded_view(target: CheckpointTarget, operation: str | None = None, streami
         target.comm,
         target.optimizer,
         target.attachment.group_names(),
-        target.attachment.resting_reads() if streaming else None,
+        target.attachment.nvme_save_reads() if streaming else None,
     )
 
 
@@ -144,7 +144,7 @@ def _read(
     optimizer_path: str | os.PathLike | None,
     load_model: bool,
     with_optimizer: bool,
-    staging: StagedLoad | None,
+    staging: NvmeLoad | None,
 ) -> LoadedCheckpoint:
     """The checkpoint at ``path``, its optimizer from ``optimizer_path`` when given (one save, two directories)."""
     loaded = load_checkpoint(
@@ -191,7 +191,7 @@ def _load(
 ) -> Resumed:
     target.quiesce_for_load(load_model and load_optimizer)
     view = sharded_view(target, f"loading checkpoint {path}")
-    staging = target.attachment.staged_load()  # the NVMe tier's units: read one at a time into files
+    staging = target.attachment.nvme_load()  # the NVMe tier's units: read one at a time into files
     try:
         with_optimizer = load_optimizer and target.optimizer is not None
         loaded = _read(view, path, optimizer_path, load_model, with_optimizer, staging)
@@ -250,7 +250,7 @@ def _install_weights(target: CheckpointTarget, weights: LoadedWeights) -> None:
     """Put weights every rank loaded in place; gradients of the old weights are dropped."""
     target.discard_grads()
     for unit, shard in zip(target.units, weights.master_shards):
-        if shard is not None:  # None: the NVMe tier's file has it (StagedLoad.install)
+        if shard is not None:  # None: the NVMe tier's file has it (NvmeLoad.install)
             unit.load_master_shard(shard)
     live = target.model.state_dict(keep_vars=True)
     for key, value in weights.buffers.items():

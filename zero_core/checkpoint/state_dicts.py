@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from ..offload.nvme_save import RestingReads
+from ..offload.nvme_save import NvmeSaveReads
 from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
 from .chunks import LazyValues, Rectangle, ShardedChunks, piece_rectangles
 
@@ -40,7 +40,7 @@ def _local_chunks(shard: torch.Tensor, slot: ParamSlot, piece: ShardPiece | None
     return slot_chunks(slot, shard[piece.shard_start : piece.shard_start + piece.numel], piece.param_start)
 
 
-def _resting_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None, resting: RestingReads) -> ShardedChunks:
+def _resting_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None, resting: NvmeSaveReads) -> ShardedChunks:
     """A piece of a master that may rest in the NVMe tier's file: read (a unit at a time) when DCP asks."""
     master = unit.resting_master
     if piece is None:
@@ -56,7 +56,7 @@ def sharded_model_state_dict(
     rank: int,
     shards: Sequence[torch.Tensor | None] | None = None,
     copy_buffers: bool = False,
-    resting: RestingReads | None = None,
+    resting: NvmeSaveReads | None = None,
 ) -> dict[str, torch.Tensor]:
     """``model.state_dict()``'s keys and order; parameters as views of the fp32 master shard.
 
@@ -102,7 +102,7 @@ def _is_per_element(value: Any, master: MasterPiece) -> bool:
 
 
 def _per_element_values(
-    unit: FlatUnit, key: str, value: torch.Tensor, resting: RestingReads | None
+    unit: FlatUnit, key: str, value: torch.Tensor, resting: NvmeSaveReads | None
 ) -> torch.Tensor | LazyValues:
     """An optimizer-state tensor, or (one of the NVMe tier's buffers) its values, read when DCP asks."""
     buffer_key = resting.state_key(unit, value) if resting is not None else None
@@ -115,7 +115,7 @@ def sharded_optimizer_state_dict(
     optimizer: torch.optim.Optimizer,
     units: Sequence[FlatUnit],
     group_names: list[list[str]],
-    resting: RestingReads | None = None,
+    resting: NvmeSaveReads | None = None,
 ) -> dict[str, Any]:
     """``resting``: state that rests in the NVMe tier's files is read from there when DCP asks."""
     state: dict[str, dict[str, Any]] = {}

@@ -6,12 +6,12 @@ the per-element state and a master that rests in the file to ``unit<i>.bin.loade
 (``unit_file.py``; what the load does not replace, the master when only the optimizer is loaded or the state
 when only the weights are, is copied over from the unit's current values); a master that stays in memory (fp32 on a CPU
 device: the parameters' own memory) to ``unit<i>.master.loaded``. Nothing of the unit changes until every
-rank has read everything: then :meth:`StagedLoad.install` puts each file in place, the optimizer's state of
+rank has read everything: then :meth:`NvmeLoad.install` puts each file in place, the optimizer's state of
 the unit becomes views of new buffers that rest on disk, and the unit's master (or, resting on disk, its
 compute copy) takes the loaded values. A load that fails anywhere removes the files
-(:meth:`StagedLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding
+(:meth:`NvmeLoad.discard`). So a run whose optimizer state fits only on disk can resume, holding
 a few units' state in memory at a time. The staged files sit beside the units' own until then: before a load
-reads anything, every rank says what it will stage and what is free (:meth:`StagedLoad.room`), and a load that
+reads anything, every rank says what it will stage and what is free (:meth:`NvmeLoad.room`), and a load that
 does not fit is refused on every rank alike (:func:`room_problem`), rather than failing part-way on a full disk.
 """
 
@@ -90,7 +90,7 @@ def room_problem(rooms: Sequence[StagingRoom]) -> str | None:
     )
 
 
-class StagedLoad:
+class NvmeLoad:
     def __init__(self, tier: StateFiles):
         self.tier = tier
         self.units: dict[int, _StagedUnit] = {}

@@ -18,7 +18,7 @@ from ..host_memory import release_freed_memory
 from .state_files import StateFiles, UnitInFiles
 
 
-class RestingReads:
+class NvmeSaveReads:
     def __init__(self, tier: StateFiles):
         self.tier = tier
         self._kept: OrderedDict[tuple[int, str], tuple[int, dict[str, torch.Tensor]]] = OrderedDict()

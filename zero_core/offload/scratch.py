@@ -91,7 +91,7 @@ def _and_a_load(load_bytes: int) -> str:
 
 
 def _warn_if_a_load_would_not_fit(root: Path, rank: int, needed_bytes: int, load_bytes: int) -> None:
-    """Setup goes on (a run may never load), but a load would be refused (``StagedLoad.check_room``): better
+    """Setup goes on (a run may never load), but a load would be refused (``NvmeLoad.check_room``): better
     known now than at the resume, hours later."""
     short = needed_bytes + load_bytes - shutil.disk_usage(root).free
     if short > 0:
@@ -108,7 +108,7 @@ class ScratchDirectory:
 
     def __init__(self, root: str | os.PathLike | None, comm: CommContext, needed_bytes: int, load_bytes: int = 0):
         """``needed_bytes``: what this rank's scratch files take; ``load_bytes``: what a checkpoint load stages
-        beside them (said at setup, checked when a load starts: ``StagedLoad.check_room``)."""
+        beside them (said at setup, checked when a load starts: ``NvmeLoad.check_room``)."""
         if root is None:
             raise ValueError(
                 "offload_optimizer='nvme' and offload_params='nvme' need offload_dir: a directory on a fast local "

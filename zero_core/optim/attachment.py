@@ -11,8 +11,8 @@ import torch
 
 from .. import agreement
 from ..collectives import CommContext
-from ..offload.nvme_load import StagedLoad
-from ..offload.nvme_save import RestingReads
+from ..offload.nvme_load import NvmeLoad
+from ..offload.nvme_save import NvmeSaveReads
 from ..offload.state_files import StateFiles
 from ..unit import FlatUnit
 from .host_step import raw_step_of
@@ -103,14 +103,14 @@ class OptimizerAttachment:
         if self.nvme is not None:
             self.nvme.make_resident()
 
-    def resting_reads(self) -> RestingReads | None:
+    def nvme_save_reads(self) -> NvmeSaveReads | None:
         """With the NVMe tier: its state for a reader that goes unit by unit (a save), none brought back into
         memory for good; None without it (the state is in memory)."""
-        return RestingReads(self.nvme) if self.nvme is not None else None
+        return NvmeSaveReads(self.nvme) if self.nvme is not None else None
 
-    def staged_load(self) -> StagedLoad | None:
+    def nvme_load(self) -> NvmeLoad | None:
         """With the NVMe tier: a load of its units' state (and masters) into its files, a unit at a time."""
-        return StagedLoad(self.nvme) if self.nvme is not None else None
+        return NvmeLoad(self.nvme) if self.nvme is not None else None
 
     def bytes_on_disk(self) -> int:
         """Read with the rest of the memory report: units stepping during backward are waited for first."""
