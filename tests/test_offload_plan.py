@@ -148,6 +148,34 @@ def _plans_and_tensors(rank: int, world_size: int, directory: str) -> list[dict]
     return results
 
 
+def _a_plan_that_misplaces_the_master(rank: int, world_size: int, directory: str) -> str | None:
+    """An fp32 stage-1 unit on a CPU device: its master is the parameters' own memory, and a plan that put it
+    in the optimizer's file (which frees it between steps) would free the parameters."""
+    original = OffloadPlan.for_unit
+
+    def misplaced(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return dataclasses.replace(original(self, *args, **kwargs), master=Rest.FILE)
+
+    OffloadPlan.for_unit = misplaced  # type: ignore[method-assign]
+    try:
+        config = dataclasses.replace(config_for(1), offload_optimizer="nvme", offload_dir=directory)
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        ZeroEngine(model, make_optimizer("adamw", model), config)
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        OffloadPlan.for_unit = original  # type: ignore[method-assign]
+    return None
+
+
+@pytest.mark.distributed
+def test_a_plan_that_disagrees_with_the_tensors_is_refused_before_any_step(tmp_path: Path) -> None:
+    messages = run_distributed(_a_plan_that_misplaces_the_master, 2, str(tmp_path), timeout=300)
+    assert messages[0] is not None and "internal error: the offload plan puts" in messages[0], messages
+    assert messages[0] == messages[1]  # alike on every rank
+
+
 @pytest.mark.distributed
 def test_the_plan_says_where_real_units_keep_their_master_and_shard(tmp_path: Path) -> None:
     results = run_distributed(_plans_and_tensors, 2, str(tmp_path), timeout=600)

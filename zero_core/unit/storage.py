@@ -109,6 +109,15 @@ class ParamStorage:
         # settles its writes and reads back what its files hold before every read or write of the master (a
         # write still pending would free newer values once done).
         self.master_rests_on_disk = offload.master_in_file
+        if offload.state_in_file and offload.master_in_file != self._master_is_own_memory():
+            # The plan and the tensors disagree (a case the plan's tests did not build): freeing the master would
+            # free the parameters, or a master left in memory would be counted on disk. Refused before any work.
+            raise RuntimeError(
+                f"ZeRO: internal error: the offload plan puts {label}'s fp32 master "
+                f"{'in' if offload.master_in_file else 'outside'} the optimizer state's file, but it was built "
+                f"{'as the memory of the parameters' if offload.master_in_file else 'as a tensor of its own'}. "
+                "Please report it with your config; offload_optimizer='cpu' avoids it."
+            )
         self._state_files = state_files if offload.master_in_file else None
         # The compute copy already holds the master's values: the tier copied them right after the unit's step,
         # before the master went to disk, so the refresh that follows leaves the copy out. Set by
@@ -116,6 +125,12 @@ class ParamStorage:
         # write of the master.
         self.compute_copy_current = False
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
+
+    def _master_is_own_memory(self) -> bool:
+        """The master shares memory with none of the parameters' tensors (the plan's ``master_stands_alone``)."""
+        master = self._master.untyped_storage().data_ptr()
+        others = [self.gathered_params, self.compute_shard] + ([self.host_shard] if self.host_shard is not None else [])
+        return master != 0 and all(master != t.untyped_storage().data_ptr() for t in others)
 
     def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool, pinned_master: bool) -> None:
         """Copy the parameters into the flat buffers and make them views of it.
