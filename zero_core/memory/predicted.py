@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import StagePlan, ZeroConfig
-from ..offload_plan import OffloadPlan, OffloadTier, Rest, UnitOffload
+from ..offload_plan import OffloadPlan, Rest, UnitOffload
 from ..precision import MixedPrecision
 from .records import MemoryReport
 
@@ -153,13 +153,3 @@ def expected_model_state_bytes(
     elements = UnitElements(numel, trainable, trainable if gradient_numel is None else gradient_numel, world_size)
     state_bytes = optimizer_state_bytes_per_param
     return model_state_bytes(stage, elements, precision, state_bytes, plan, plan.fraction, host_is_device)
-
-
-def master_bytes_in_files(optimizer: str, low_precision: bool, host_is_device: bool, stage: int, params: str) -> int:
-    """The master bytes per offloaded shard element that rest in the optimizer tier's files beside the
-    moments (4 where the plan puts the master in a file, else 0): the NVMe scratch directory's sizing
-    (``build.py``). Units that stage 3's persistence_threshold keeps are not modelled."""
-    plan = OffloadPlan(optimizer=OffloadTier(optimizer), params=OffloadTier(params))
-    sharded = StagePlan.for_stage(stage).params_sharded_at_rest
-    where = plan.for_unit(True, sharded, low_precision, host_is_device)
-    return MASTER_BYTES if where.master_in_file else 0
