@@ -94,11 +94,9 @@ class ParamStorage:
         self.offload = offload
         param_files = param_files if offload.param_shard_in_file else None
         params_moved = offload.param_shard is not Rest.DEVICE  # offload_params, a unit sharded at rest
-        # offload_optimizer="nvme": a master of its own goes to disk, pageable (a pinned block resized to zero
-        # stays in torch's pinned cache); one that will be the host parameter shard stays pinned.
-        becomes_host_shard = params_moved and _is_host_shard(precision.compute_dtype, param_files)
-        pinned_master = not offload.state_in_file or becomes_host_shard
-        self._flatten_parameters(precision.compute_dtype, offload.offloaded, pinned_master)
+        # A master that rests in the optimizer state's file is pageable (a pinned block resized to zero stays in
+        # torch's pinned cache); every other host master, the host parameter shard among them, stays pinned.
+        self._flatten_parameters(precision.compute_dtype, offload.offloaded, pinned_master=not offload.master_in_file)
         self.host_shard: torch.Tensor | None = None
         self.shard_file: ShardFile | None = None  # offload_params="nvme": where host_shard's bytes rest
         self._host_shard_read: torch.cuda.Event | None = None  # the last asynchronous copy out of host_shard
