@@ -241,9 +241,9 @@ def _model_hooks(
     (``model/changes.py``), rank 0's buffers broadcast as DDP does, the runtime's and the activations' hooks,
     then ``model.state_dict()`` and ``load_state_dict()`` over the shards."""
     runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
+    hooks = runtime.install() + _activation_hooks(model, units, comm, config)
     buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
     runtime.after_root_forward.append(buffer_sync.after_root_forward)
-    hooks = runtime.install() + _activation_hooks(model, units, comm, config)
     sharded_at_rest = config.plan.params_sharded_at_rest
     state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
     hooks += state_dict_hooks.install()
@@ -263,9 +263,9 @@ def build_parts(
     digests = ParameterDigests()
     check_partition_activations(model, config, comm.tensor_parallel_size)  # before the setup's collectives
     units, files = build_units(model, config, optimizer, comm, digests, param_init_fn)
+    loss_scaler = LossScaler(config, announce=comm.rank == 0) if config.mixed_precision.uses_loss_scaling else None
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
-    loss_scaler = LossScaler(config, announce=comm.rank == 0) if config.mixed_precision.uses_loss_scaling else None
     runtime, auto_prefetch = _step_runtime(units, config, comm, loss_scaler)
     nvme = files.optimizer
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
