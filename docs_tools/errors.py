@@ -34,6 +34,7 @@ COMBINATIONS = (
     'ZeroConfig(stage=2, offload_params="cpu")',
     'ZeroConfig(offload_optimizer="cpu", offload_step_in_backward=True, '
     "mixed_precision=MixedPrecision(compute_dtype=torch.float16))",
+    "ZeroConfig(stage=1, quantize_weights=True)",
 )
 
 

@@ -10,6 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+
+from zero_core.checkpoint import load_full_checkpoint
 from zero_core.checkpoint.manifest import Manifest, digest_data_file, read_manifest, write_manifest
 from zero_core.checkpoint.unpickling import MetadataUnpickler
 
@@ -86,3 +89,24 @@ def directory_bytes(directory: Path) -> int:
 
 def can_mount() -> bool:
     return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+def _flatten(tree: object, prefix: str = "") -> dict[str, object]:
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in _flatten(value, f"{prefix}{key}.").items()}
+    if isinstance(tree, list):
+        return _flatten(dict(enumerate(tree)), prefix)
+    return {prefix[:-1]: tree}
+
+
+def assert_same_checkpoint(original: Path, reloaded: Path) -> None:
+    """Every tensor and value of the model and the optimizer (Adam's state among them) equal, bit for bit:
+    what a load followed by a save must give back."""
+    before, after = _flatten(load_full_checkpoint(original)), _flatten(load_full_checkpoint(reloaded))
+    assert before.keys() == after.keys()
+    assert any(k.startswith("optimizer_0.state.") and k.endswith("exp_avg_sq") for k in before)
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, after[key]), f"{key} changed in a load/save round trip"
+        else:
+            assert value == after[key], key

@@ -20,8 +20,8 @@ import torch
 import zero_core.offload.shard_files as shard_files
 import zero_core.unit.storage as storage
 from zero_core import MixedPrecision, OffloadError, UnitReport, ZeroConfig, ZeroEngine, estimate
-from zero_core.config import StagePlan
 from zero_core.memory.estimate import EstimateSettings, UnitCount, estimate_units
+from zero_core.stage_plan import StagePlan
 from zero_core.step.gathering import GatherPolicy
 from zero_core.unit import StorageState
 

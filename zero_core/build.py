@@ -117,6 +117,7 @@ def build_units(
                 comparisons=digests,
                 param_files=files.params,
                 state_files=files.optimizer,
+                wire=config.wire,
             )
             if files.optimizer is not None:
                 files.optimizer.add_unit(units[plan.index])  # its master to its file now

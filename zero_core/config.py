@@ -27,37 +27,11 @@ from .settings import (
     parse_prefetch,
     setting,
 )
+from .stage_plan import StagePlan
+from .wire_plan import WirePlan, check_wire
 from .wrap_policy import WrapPolicy, WrapPolicyLike, as_wrap_policy, wrap_policy_of_names
 
-__all__ = ["OFFLOAD_MODES", "StagePlan", "ZeroConfig", "user_settings"]  # OFFLOAD_MODES: offload_plan.py
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    """What a ZeRO stage means for the runtime, derived once from ``stage``.
-
-    Units and the step runtime read these behaviours instead of comparing
-    stage numbers, so each rule lives in one place. Communication per optimizer
-    step (Ψ parameters):
-
-    - stage 1: gradients accumulate in full on every rank; at the accumulation
-      boundary each unit is reduce-scattered (Ψ) as soon as its backward ends;
-      the optimizer updates this rank's fp32 shard; the updated shards are
-      all-gathered (Ψ) back into the full parameters.
-    - stage 2: as stage 1, but every micro-batch reduce-scatters each unit
-      during backward and keeps only the gradient shard.
-    - stage 3: parameters are sharded at rest; each unit is all-gathered before
-      its forward (Ψ) and again before its backward (Ψ), released after each,
-      and its gradients are reduce-scattered (Ψ) when its backward ends.
-    """
-
-    params_sharded_at_rest: bool  # stage 3: full parameters exist only while a unit runs
-    grads_sharded: bool  # stages 2/3: each backward reduce-scatters and keeps only the shard
-    reduce_inside_no_sync: bool  # stages 2/3 cannot hold full gradients across micro-batches
-
-    @classmethod
-    def for_stage(cls, stage: int) -> "StagePlan":
-        return cls(params_sharded_at_rest=stage == 3, grads_sharded=stage >= 2, reduce_inside_no_sync=stage >= 2)
+__all__ = ["OFFLOAD_MODES", "ZeroConfig", "user_settings"]  # OFFLOAD_MODES: offload_plan.py
 
 
 @dataclass(frozen=True)
@@ -298,6 +272,24 @@ class ZeroConfig:
         example=True,
     )
 
+    # ZeRO++ (wire_plan.py): the compute gathers' values quantized on the wire; the masters stay exact.
+    quantize_weights: bool = setting(
+        False,
+        doc="stage 3 (ZeRO++'s qwZ): the forward's and backward's parameter all-gathers carry int8 blocks with "
+        "an fp32 scale each (about half of bf16's bytes); the fp32 masters, checkpoints and exports stay exact",
+        values="true or false (stage 3)",
+        parse=parse_bool,
+        example=True,
+    )
+    quantization_block_size: int = setting(
+        2048,
+        doc="with quantize_weights: the elements per quantization block, each sending one fp32 scale (smaller: "
+        "closer values, more scales)",
+        values="an integer >= 1",
+        parse=int,
+        example=512,
+    )
+
     def __post_init__(self) -> None:
         if self.stage not in (1, 2, 3):
             raise ValueError(
@@ -337,6 +329,7 @@ class ZeroConfig:
                 "number of ranks that divides the world size (usually at most the devices per node); 1: none."
             )
         check_offload(self)
+        check_wire(self)
 
     @property
     def steps_in_backward(self) -> bool:
@@ -348,6 +341,11 @@ class ZeroConfig:
     def offload(self) -> OffloadPlan:
         """The offload settings, typed: where each unit's tensors rest (``OffloadPlan.for_unit``)."""
         return OffloadPlan.from_config(self)
+
+    @property
+    def wire(self) -> WirePlan:
+        """How the collectives travel (ZeRO++): ``WirePlan``."""
+        return WirePlan.from_config(self)
 
     @property
     def plan(self) -> StagePlan:

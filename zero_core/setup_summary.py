@@ -63,11 +63,14 @@ def setup_summary(engine: ZeroEngine) -> str:
         offload += f" ({sum(report.offloaded for report in reports)} of the units)"
     if plan.params.offloads:
         offload += f"; offload_params {plan.params.value} ({sum(r.params_offloaded for r in reports)} of the units)"
+    wire = ""
+    if config.wire.quantizes_weights:  # ZeRO++'s qwZ
+        wire = f" (gathers in int8 blocks of {config.wire.weight_block_size})"
     return (
         f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
         f"parameters) of {_count(numel)} parameters{_split(engine)}, sharded over {shards} of {engine.world_size} "
         f"{'data-parallel ' if engine.comm.tensor_parallel_size > 1 else ''}ranks; "
         f"compute {_dtype(precision.compute_dtype)}, reduce {_dtype(precision.reduce_dtype)}; "
-        f"prefetch {config.prefetch}; offload_optimizer {offload}; model states per rank about "
+        f"prefetch {config.prefetch}{wire}; offload_optimizer {offload}; model states per rank about "
         f"{_mib(ours.model_state_bytes)}{where} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of state)"
     )

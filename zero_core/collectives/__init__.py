@@ -24,6 +24,7 @@ from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommC
 from .handle import Handle
 from .meetings import RanksDivergedError, meeting
 from .ops import all_gather, all_gather_objects, all_reduce, broadcast, reduce_scatter
+from .quantized_gather import all_gather_quantized
 from .stats import CollectiveCount, CollectiveKind, CommStats, Span
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "Span",
     "all_gather",
     "all_gather_objects",
+    "all_gather_quantized",
     "all_reduce",
     "broadcast",
     "meeting",

@@ -126,9 +126,8 @@ _ZERO = (
     ),
     (
         "zero_quantized_weights",
-        REFUSED,
-        "quantized all-gathers change the numbers; remove the key",
-        _ACCEPTED_IF(equals(False)),
+        MAPPED,
+        "quantize_weights (ZeRO++'s qwZ: stage 3's compute all-gathers in int8 blocks; stage 3 only)",
     ),
     (
         "zero_quantized_nontrainable_weights",
@@ -210,12 +209,14 @@ def _prefetch(name: str, value: Any, result: DeepSpeedSettings, refused: list[st
         _number(name, value, lambda n: _prefetch_cap(n, result), refused)
 
 
-def _older_offload(setting: str) -> Callable[[str, Any, DeepSpeedSettings, list[str]], None]:
+def _bool_key(setting: str, when_true: Any = True, when_false: Any = False) -> Callable[..., None]:
+    """A DeepSpeed boolean key that sets ``setting`` (``when_false`` None: false leaves it as it is)."""
+
     def read(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
         if not isinstance(value, bool):
             refused.append(f"{name}={value!r} (true or false)")
-        elif value:
-            result.settings[setting] = "cpu"
+        elif value or when_false is not None:
+            result.settings[setting] = when_true if value else when_false
 
     return read
 
@@ -266,6 +267,7 @@ _MAPPERS = {
     "offload_param": _offload,
     "stage3_param_persistence_threshold": _persistence,
     "stage3_prefetch_bucket_size": _prefetch,
-    "cpu_offload": _older_offload("offload_optimizer"),
-    "cpu_offload_param": _older_offload("offload_params"),
+    "cpu_offload": _bool_key("offload_optimizer", "cpu", None),  # DeepSpeed's older spellings
+    "cpu_offload_param": _bool_key("offload_params", "cpu", None),
+    "zero_quantized_weights": _bool_key("quantize_weights"),
 }

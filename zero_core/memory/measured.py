@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from ..config import StagePlan
+from ..stage_plan import StagePlan
 from ..unit import FlatUnit
 from .records import MemoryReport, UnitReport
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 
-from ..config import StagePlan, ZeroConfig
+from ..config import ZeroConfig
 from ..offload_plan import OffloadPlan, Rest, UnitOffload
 from ..precision import MixedPrecision
+from ..stage_plan import StagePlan
 from .records import MemoryReport
 
 MASTER_BYTES = 4  # the fp32 master, per element

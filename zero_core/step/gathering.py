@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Collection, Iterator
 
-from ..config import StagePlan
+from ..stage_plan import StagePlan
 from ..unit import FlatUnit, StorageState
 from .execution_order import ExecutionOrder
 from .prefetch_tuning import AutoPrefetch

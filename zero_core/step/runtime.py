@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..config import StagePlan
+from ..stage_plan import StagePlan
 from ..unit import FlatUnit
 from . import hooks
 from .errors import LateGradientError, UnscaledBackwardError, warn_accumulation_dropped

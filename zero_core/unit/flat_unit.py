@@ -13,11 +13,13 @@ import torch
 from torch import nn
 
 from ..collectives import CommContext, Handle
-from ..config import MixedPrecision, StagePlan
+from ..config import MixedPrecision
 from ..host_memory import host_zeros
 from ..offload.shard_files import ShardFiles
 from ..offload.state_files import StateFiles
 from ..offload_plan import UnitOffload
+from ..stage_plan import StagePlan
+from ..wire_plan import WirePlan
 from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
 from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
@@ -44,9 +46,10 @@ class FlatUnit:
         comparisons: Comparisons | None = None,
         param_files: ShardFiles | None = None,
         state_files: StateFiles | None = None,
+        wire: WirePlan = WirePlan(),
     ):
         """``offload``: where its tensors rest (the offload plan's); ``param_files``, ``state_files``: the file
-        tiers it names (offload_params and offload_optimizer "nvme")."""
+        tiers it names (offload_params and offload_optimizer "nvme"); ``wire``: how its gathers travel."""
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
         self.label = f"unit '{plan.name}'" if plan.name else "the root unit"
@@ -75,6 +78,7 @@ class FlatUnit:
             offload,
             param_files=param_files,
             state_files=state_files,
+            wire=wire,
         )
         # Where each parameter's data starts in the gathered buffer (model/changes.py checks it).
         element_size = self.storage.gathered_params.element_size()

@@ -38,16 +38,18 @@ Each transition is one idempotent method (FSDP2's ``_to_sharded`` /
 from __future__ import annotations
 
 from enum import Enum, auto
+from functools import partial
 
 import torch
 from torch import nn
 
-from ..collectives import CommContext, Handle, Span, all_gather, broadcast
+from ..collectives import CommContext, Handle, Span, all_gather, all_gather_quantized, broadcast
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages, copy_to_device, host_zeros
 from ..offload.shard_files import ShardFile, ShardFiles
 from ..offload.state_files import StateFiles
 from ..offload_plan import Rest, UnitOffload
+from ..wire_plan import WirePlan
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
 from .tensor_parallel import local_piece_of, local_values, point_at
@@ -83,14 +85,18 @@ class ParamStorage:
         offload: UnitOffload,
         param_files: ShardFiles | None = None,
         state_files: StateFiles | None = None,
+        wire: WirePlan = WirePlan(),
     ):
         """``offload``: where the unit's tensors rest; ``param_files``, ``state_files``: the file tiers it names
-        (offload_params and offload_optimizer "nvme")."""
+        (offload_params and offload_optimizer "nvme"); ``wire``: how its gathers travel (ZeRO++)."""
         self.layout, self.params, self.comm, self.label = layout, params, comm, label
         self.sharded_at_rest = sharded_at_rest
         self.guard = guard
         self.state = StorageState.GATHERED
         self._gather_handle: Handle | None = None
+        # qwZ: stage 3's gathers before the unit runs carry int8 blocks; a refresh and the masters' gathers stay exact.
+        block = wire.weight_block_size
+        self._compute_gather = all_gather if block is None else partial(all_gather_quantized, block_size=block)
         self.offload = offload
         param_files = param_files if offload.param_shard_in_file else None
         params_moved = offload.param_shard is not Rest.DEVICE  # offload_params, a unit sharded at rest
@@ -269,7 +275,9 @@ class ParamStorage:
                 # From pinned memory a GPU's copy runs on after this returns: freed once it landed.
                 self.shard_file.in_use = self._host_shard_read is not None and source.is_pinned()
                 self.shard_file.free_if_on_disk()
-        self._gather_handle = all_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
+        self._gather_handle = self._compute_gather(
+            self.comm, self.gathered_params, self.compute_shard, label=self.label
+        )
         self.state = StorageState.PREFETCHING
 
     def wait_gathered(self) -> None:

@@ -1,0 +1,146 @@
+"""ZeRO++'s quantized weights (``quantize_weights``, qwZ): convergence kept, bytes on the wire as the formula
+says, the fp32 masters exact.
+
+Quantization changes the numbers a forward computes with, so the contract is measured convergence: a small
+GPT trained 300 steps in bf16 on a corpus whose loss floor is ln 4 ends within 1% of the same run with exact
+gathers, its curve within 2% at every 50 steps; at 2 ranks and at 4 (2 groups of 2, hybrid sharding). The
+bytes are counted from the calls really handed to ``torch.distributed``. The quantizer itself is tested in
+``tests/unit/test_quantization.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import pytest
+
+from .checkpoint_files import assert_same_checkpoint
+from .distributed import by_rank, run_distributed, run_each
+from .zero_plus_plus_workers import (
+    EVERY,
+    STEPS,
+    SUCCESSORS,
+    VOCAB,
+    compositions,
+    convergence,
+    exact_reads,
+    traffic,
+)
+
+
+@pytest.fixture(scope="module")
+def at_two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("qwz")
+    workers = {
+        "convergence": convergence,
+        "traffic": traffic,
+        "exact_reads": functools.partial(exact_reads, directory=directory),
+        "compositions": functools.partial(compositions, directory=directory),
+    }
+    results = run_distributed(run_each, 2, workers, timeout=600)
+    results[0]["directory"] = directory
+    return results
+
+
+@pytest.fixture(scope="module")
+def at_four() -> list[dict[str, Any]]:
+    return run_distributed(
+        run_each, 4, {"convergence": functools.partial(convergence, shard_group_size=2)}, timeout=600
+    )
+
+
+def _assert_converges_alike(curves: dict[str, list[float]]) -> None:
+    exact, quantized = curves["exact"], curves["quantize_weights"]
+    assert len(exact) == len(quantized) == STEPS
+    # The run learns: from about ln 64 to near its floor of ln 4, far below its start.
+    assert exact[0] > 0.95 * math.log(VOCAB) and exact[-1] < 0.5 * exact[0]
+    assert exact[-1] > math.log(SUCCESSORS) * 0.97  # nothing learns below the corpus's entropy
+    assert abs(quantized[-1] - exact[-1]) <= 0.01 * exact[-1], (quantized[-1], exact[-1])
+    for step in range(0, STEPS, EVERY):
+        assert abs(quantized[step] - exact[step]) <= 0.02 * exact[step], (step, quantized[step], exact[step])
+    # And quantization did change the numbers (the setting is not ignored).
+    assert quantized != exact
+
+
+@pytest.mark.distributed
+def test_quantized_weights_converge_as_exact_gathers_at_two_ranks(at_two: list[dict[str, Any]]) -> None:
+    curves = by_rank(at_two, "convergence")
+    assert curves[0] == curves[1]  # the mean loss, all-reduced
+    _assert_converges_alike(curves[0])
+
+
+@pytest.mark.distributed
+def test_quantized_weights_converge_as_exact_gathers_under_hybrid_sharding(at_four: list[dict[str, Any]]) -> None:
+    _assert_converges_alike(by_rank(at_four, "convergence")[0])
+
+
+@pytest.mark.distributed
+def test_each_parameter_gather_sends_int8_blocks_and_their_scales(at_two: list[dict[str, Any]]) -> None:
+    """Call by call, the same collectives; every bf16 parameter gather of shard S (2 S bytes per rank's
+    slice) becomes S + 4 ceil(S / block) bytes, and nothing else changes."""
+    for result in by_rank(at_two, "traffic"):
+        exact, quantized = result["sent"]["exact"], result["sent"]["quantize_weights"]
+        assert [name for name, _ in exact] == [name for name, _ in quantized]
+        packed = result["packed"]  # shard numel -> bytes on the wire
+        by_exact_bytes = {2 * shard: packed[shard] for shard in result["shards"]}
+        changed = [(a, b) for (_, a), (_, b) in zip(exact, quantized) if a != b]
+        assert changed, "no gather was quantized"
+        for exact_bytes, quantized_bytes in changed:
+            assert by_exact_bytes.get(exact_bytes) == quantized_bytes, (exact_bytes, quantized_bytes)
+        # Every unit is gathered at least twice a step (forward and backward), one slice per rank.
+        assert len(changed) >= 2 * 2 * len(result["shards"])
+        saved = sum(a for a, _ in changed) / sum(b for _, b in changed)
+        block = result["block"]
+        assert saved == pytest.approx(2 / (1 + 4 / block), rel=0.02)  # about half of bf16's bytes
+
+
+@pytest.mark.distributed
+def test_masters_and_exports_stay_exact(at_two: list[dict[str, Any]]) -> None:
+    for result in by_rank(at_two, "exact_reads"):
+        assert result["forward_differs_from_masters"]
+        assert result["gathered_parameters_exact"]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("direction", ["with_to_without", "without_to_with"])
+def test_a_checkpoint_moves_exactly_between_runs_with_and_without_it(
+    at_two: list[dict[str, Any]], direction: str
+) -> None:
+    """Saved with quantize_weights and resumed without it (or the reverse): every tensor of the model and
+    the optimizer, re-saved after the load, is the one saved."""
+    assert all(result[direction] for result in by_rank(at_two, "exact_reads"))  # the step count too
+    directory = at_two[0]["directory"]
+    assert_same_checkpoint(directory / f"saved-{direction}", directory / f"reloaded-{direction}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["offload_params_cpu", "offload_params_nvme", "persistence_threshold", "accumulation"])
+def test_it_composes_with_offload_persistence_and_accumulation(at_two: list[dict[str, Any]], case: str) -> None:
+    """10 steps beside the same run with exact gathers: close, not equal, and learning alike."""
+    exact, quantized = by_rank(at_two, "compositions")[0][case]
+    assert quantized != exact
+    for a, b in zip(exact, quantized):
+        assert abs(a - b) <= 0.02 * a, (exact, quantized)
+    assert quantized[-1] < quantized[0]
+
+
+def test_a_deepspeed_config_turns_it_on() -> None:
+    from zero_core.deepspeed.reading import from_deepspeed
+
+    settings = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}).settings
+    assert settings == {"stage": 3, "quantize_weights": True}
+
+
+def test_refused_where_it_means_nothing() -> None:
+    from zero_core import ZeroConfig
+
+    for stage in (1, 2):
+        with pytest.raises(ValueError, match="quantize_weights quantizes stage 3's parameter all-gathers"):
+            ZeroConfig(stage=stage, quantize_weights=True)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="quantization_block_size"):
+            ZeroConfig(quantize_weights=True, quantization_block_size=bad)
+    with pytest.raises(ValueError, match="quantize_weights must be True or False"):
+        ZeroConfig(quantize_weights=1)

@@ -1,0 +1,182 @@
+"""What the ZeRO++ tests run on each rank: a small GPT trained with and without quantized all-gathers.
+
+The corpus is a Markov chain over 64 tokens where each token has 4 equally likely successors: the loss
+starts near ln 64 (4.16) and can fall no lower than ln 4 (1.39), so a run that learns ends well below its
+start at a floor that quantization cannot reach under by luck.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core.quantization import packed_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import gpt  # noqa: E402
+
+VOCAB, SEQ, BATCH, SUCCESSORS = 64, 16, 4, 4
+STEPS, EVERY = 300, 50
+BF16 = MixedPrecision(compute_dtype=torch.bfloat16)
+
+
+def corpus_batch(step: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(step * 7919 + rank)
+    ids = torch.empty(BATCH, SEQ, dtype=torch.long)
+    ids[:, 0] = torch.randint(0, VOCAB, (BATCH,), generator=generator)
+    choice = torch.randint(0, SUCCESSORS, (BATCH, SEQ), generator=generator)
+    for i in range(1, SEQ):
+        ids[:, i] = (ids[:, i - 1] * 5 + choice[:, i] * 17 + 3) % VOCAB
+    return ids
+
+
+class Run:
+    """A small GPT (two blocks as units and the root) under stage 3 with AdamW, in bf16 with fp32 masters."""
+
+    def __init__(self, **settings: Any):
+        torch.manual_seed(0)
+        self.config = gpt.GPTConfig(vocab_size=VOCAB, seq_len=SEQ, width=32, depth=2, heads=2)
+        self.model = gpt.GPT(self.config)
+        config = ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(gpt.GPTBlock,)), **settings)
+        self.engine = ZeroEngine(self.model, torch.optim.AdamW(self.model.parameters(), lr=3e-3), config)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def step(self, step: int) -> float:
+        """One optimizer step on this rank's batch; the loss averaged over every rank."""
+        ids = corpus_batch(step, self.rank)
+        loss = gpt.next_token_loss(self.model(ids), ids)
+        self.engine.backward(loss)
+        self.engine.step()
+        mean = loss.detach().float()
+        dist.all_reduce(mean)
+        return mean.item() / self.world
+
+    def train(self, steps: range) -> list[float]:
+        return [self.step(step) for step in steps]
+
+
+def convergence(rank: int, world_size: int, shard_group_size: int | None = None) -> dict[str, list[float]]:
+    """300 steps with and without quantized weights, the same batches: both loss curves."""
+    curves = {}
+    for name, settings in (("exact", {}), ("quantize_weights", {"quantize_weights": True})):
+        run = Run(mixed_precision=BF16, shard_group_size=shard_group_size, **settings)
+        curves[name] = run.train(range(STEPS))
+    return curves
+
+
+class SentPayloads:
+    """Every collective handed to ``torch.distributed`` with its payload bytes, in order (really sent)."""
+
+    NAMES = ("broadcast", "all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce")
+
+    def __enter__(self) -> "SentPayloads":
+        self.calls: list[tuple[str, int]] = []
+        self._originals = {name: getattr(dist, name) for name in self.NAMES}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counted(name, original))
+        return self
+
+    def _counted(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            first = args[0]
+            tensors = first if isinstance(first, list) else [first]
+            self.calls.append((name, sum(t.numel() * t.element_size() for t in tensors)))
+            return original(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+
+def traffic(rank: int, world_size: int) -> dict[str, Any]:
+    """One step's collectives, exact and with quantized weights (same model, same batch), call by call."""
+    block = 64
+    sent = {}
+    for name, settings in (("exact", {}), ("quantize_weights", {"quantize_weights": True})):
+        run = Run(mixed_precision=BF16, quantization_block_size=block, **settings)
+        run.step(0)
+        with SentPayloads() as payloads:
+            run.step(1)
+        sent[name] = payloads.calls
+        shards = [report.padded_numel // world_size for report in run.engine.unit_reports()]
+    return {"sent": sent, "block": block, "shards": shards, "packed": {s: packed_bytes(s, block) for s in shards}}
+
+
+def exact_reads(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
+    """With quantized weights: exports and ``gathered_parameters()`` read the fp32 masters, not the
+    dequantized values the forward used; checkpoints move between runs with and without it exactly
+    (``directory``: shared by the ranks)."""
+    results: dict[str, Any] = {}
+    quantized = Run(quantize_weights=True, quantization_block_size=16)
+    quantized.train(range(3))
+    masters = quantized.engine.full_state_dict(to_cpu=True)
+    with quantized.engine.gathered_parameters():
+        inside = {name: p.detach().clone() for name, p in quantized.model.named_parameters()}
+    results["gathered_parameters_exact"] = all(torch.equal(inside[n], masters[n]) for n in inside)
+    # The forward computes with dequantized values: they differ from the masters (else nothing was quantized).
+    ids = corpus_batch(99, rank)
+    with torch.no_grad():
+        quantized_logits = quantized.model(ids)
+        with quantized.engine.gathered_parameters():
+            exact_logits = quantized.model(ids)
+    results["forward_differs_from_masters"] = not torch.equal(quantized_logits, exact_logits)
+    # Saved with it, loaded without it (and back), saved again: the test compares the two checkpoints.
+    for source_settings, target_settings, name in (
+        ({"quantize_weights": True}, {}, "with_to_without"),
+        ({}, {"quantize_weights": True}, "without_to_with"),
+    ):
+        source = Run(quantization_block_size=16, **source_settings)
+        source.train(range(2))
+        source.engine.save_checkpoint(directory / f"saved-{name}")
+        target = Run(quantization_block_size=16, **target_settings)
+        target.train(range(5, 6))  # its own state first: the load must replace it
+        target.engine.load_checkpoint(directory / f"saved-{name}")
+        target.engine.save_checkpoint(directory / f"reloaded-{name}")
+        results[name] = target.engine.steps_taken == source.engine.steps_taken
+    return results
+
+
+def compositions(rank: int, world_size: int, directory: Path) -> dict[str, tuple[list[float], list[float]]]:
+    """Quantized weights with the parameter shards offloaded (host, files) and with accumulation: 10 steps
+    each, beside the same run with exact gathers."""
+    cases = {
+        "offload_params_cpu": {"offload_params": "cpu", "offload_optimizer": "cpu"},
+        "offload_params_nvme": {"offload_params": "nvme", "offload_optimizer": "nvme", "offload_dir": str(directory)},
+        "persistence_threshold": {"persistence_threshold": 5000},  # the blocks kept whole, the root sharded
+    }
+    results = {}
+    for name, settings in cases.items():
+        curves = []
+        for quantize in (False, True):
+            run = Run(mixed_precision=BF16, quantize_weights=quantize, quantization_block_size=128, **settings)
+            curves.append(run.train(range(10)))
+        results[name] = (curves[0], curves[1])
+    exact, quantized = Run(quantization_block_size=128), Run(quantize_weights=True, quantization_block_size=128)
+    results["accumulation"] = (_accumulated(exact), _accumulated(quantized))
+    return results
+
+
+def _accumulated(run: Run, micro_batches: int = 3) -> list[float]:
+    """10 steps of ``micro_batches`` micro-batches each (no_sync on all but the last)."""
+    losses = []
+    for step in range(10):
+        total = 0.0
+        for micro in range(micro_batches):
+            ids = corpus_batch(step * micro_batches + micro, run.rank)
+            loss = gpt.next_token_loss(run.model(ids), ids) / micro_batches
+            if micro < micro_batches - 1:
+                with run.engine.no_sync():
+                    run.engine.backward(loss)
+            else:
+                run.engine.backward(loss)
+            total += loss.item()
+        run.engine.step()
+        losses.append(total)
+    return losses
