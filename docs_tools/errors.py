@@ -35,6 +35,7 @@ COMBINATIONS = (
     'ZeroConfig(offload_optimizer="cpu", offload_step_in_backward=True, '
     "mixed_precision=MixedPrecision(compute_dtype=torch.float16))",
     "ZeroConfig(stage=1, quantize_weights=True)",
+    "ZeroConfig(stage=2, secondary_shard_group_size=2)",
 )
 
 

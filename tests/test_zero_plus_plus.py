@@ -15,6 +15,7 @@ import math
 from typing import Any
 
 import pytest
+import torch
 
 from .checkpoint_files import assert_same_checkpoint
 from .distributed import by_rank, run_distributed, run_each
@@ -26,6 +27,8 @@ from .zero_plus_plus_workers import (
     compositions,
     convergence,
     exact_reads,
+    on_cuda,
+    secondary_shards,
     traffic,
 )
 
@@ -46,9 +49,8 @@ def at_two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def at_four() -> list[dict[str, Any]]:
-    return run_distributed(
-        run_each, 4, {"convergence": functools.partial(convergence, shard_group_size=2)}, timeout=600
-    )
+    workers = {"convergence": functools.partial(convergence, shard_group_size=2), "secondary": secondary_shards}
+    return run_distributed(run_each, 4, workers, timeout=600)
 
 
 def _assert_converges_alike(curves: dict[str, list[float]]) -> None:
@@ -126,11 +128,56 @@ def test_it_composes_with_offload_persistence_and_accumulation(at_two: list[dict
     assert quantized[-1] < quantized[0]
 
 
-def test_a_deepspeed_config_turns_it_on() -> None:
+@pytest.mark.distributed
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_on_cuda_the_side_stream_quantizes_what_it_gathers(world_size: int) -> None:
+    """A quantization that ran before the shard (or its staging copy) was ready would gather stale or
+    unfilled values: losses far from the exact run's, or NaN."""
+    backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+    for losses in run_distributed(run_each, world_size, {"cuda": on_cuda}, backend=backend):
+        for offload in ("none", "cpu"):
+            exact, quantized = losses["cuda"][f"{offload}-False"], losses["cuda"][f"{offload}-True"]
+            assert exact[-1] < exact[0]
+            for a, b in zip(exact, quantized):
+                assert abs(a - b) <= 0.02 * a, (offload, exact, quantized)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["k2", "k1", "k2_quantized", "hybrid_k1"])
+def test_secondary_shards_train_bit_for_bit_as_without(at_four: list[dict[str, Any]], case: str) -> None:
+    """hpZ gathers the backward's values from the pieces the forward kept: the same values, so the same
+    numbers, through accumulation and steps (a piece kept across a step would break it)."""
+    for ranked in by_rank(at_four, "secondary"):
+        without, with_pieces = ranked[case]
+        assert with_pieces == without
+
+
+@pytest.mark.distributed
+def test_secondary_shards_keep_the_backward_gathers_inside_a_node(at_four: list[dict[str, Any]]) -> None:
+    """4 ranks as 2 nodes of 2, k = 2: the backward's all-gathers cross no node (counted from the calls
+    handed to torch.distributed); the pieces cost P/k compute elements per unit until the backward."""
+    for ranked in by_rank(at_four, "secondary"):
+        without, with_pieces = ranked["backward_without"], ranked["backward_with"]
+        assert without["gathered_across"] > 0
+        assert with_pieces["gathered_across"] == 0
+        assert with_pieces["gathered_inside"] > 0
+        assert without["pieces"] == 0
+        # Every unit's piece (bf16, 2 bytes), sharded units all (persistence_threshold is 0).
+        assert with_pieces["pieces"] == sum(padded // 2 * 2 for padded in with_pieces["padded"])
+        assert with_pieces["left_after_backward"] == without["left_after_backward"] == 0
+
+
+def test_a_deepspeed_config_turns_them_on() -> None:
     from zero_core.deepspeed.reading import from_deepspeed
 
-    settings = from_deepspeed({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}).settings
-    assert settings == {"stage": 3, "quantize_weights": True}
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8}
+    settings = from_deepspeed({"zero_optimization": zero}).settings
+    assert settings == {"stage": 3, "quantize_weights": True, "secondary_shard_group_size": 8}
+    # DeepSpeed's default, 1, is no secondary shard.
+    assert from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).settings == {"stage": 3}
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=0"):
+        from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}})
 
 
 def test_refused_where_it_means_nothing() -> None:
@@ -144,3 +191,8 @@ def test_refused_where_it_means_nothing() -> None:
             ZeroConfig(quantize_weights=True, quantization_block_size=bad)
     with pytest.raises(ValueError, match="quantize_weights must be True or False"):
         ZeroConfig(quantize_weights=1)
+    with pytest.raises(ValueError, match="secondary_shard_group_size keeps stage 3's units in pieces"):
+        ZeroConfig(stage=2, secondary_shard_group_size=2)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="secondary_shard_group_size"):
+            ZeroConfig(secondary_shard_group_size=bad)

@@ -38,17 +38,18 @@ def corpus_batch(step: int, rank: int) -> torch.Tensor:
 class Run:
     """A small GPT (two blocks as units and the root) under stage 3 with AdamW, in bf16 with fp32 masters."""
 
-    def __init__(self, **settings: Any):
+    def __init__(self, device: str = "cpu", **settings: Any):
         torch.manual_seed(0)
+        self.device = torch.device(device)
         self.config = gpt.GPTConfig(vocab_size=VOCAB, seq_len=SEQ, width=32, depth=2, heads=2)
-        self.model = gpt.GPT(self.config)
+        self.model = gpt.GPT(self.config).to(self.device)
         config = ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(gpt.GPTBlock,)), **settings)
         self.engine = ZeroEngine(self.model, torch.optim.AdamW(self.model.parameters(), lr=3e-3), config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
     def step(self, step: int) -> float:
         """One optimizer step on this rank's batch; the loss averaged over every rank."""
-        ids = corpus_batch(step, self.rank)
+        ids = corpus_batch(step, self.rank).to(self.device)
         loss = gpt.next_token_loss(self.model(ids), ids)
         self.engine.backward(loss)
         self.engine.step()
@@ -180,3 +181,78 @@ def _accumulated(run: Run, micro_batches: int = 3) -> list[float]:
         run.engine.step()
         losses.append(total)
     return losses
+
+
+def on_cuda(rank: int, world_size: int) -> dict[str, list[float]]:
+    """On a GPU (the side streams under NCCL): 8 steps with exact and quantized gathers, the parameter shards
+    on the device and staged from pinned host memory (the staging copy and the quantization share the
+    all-gather's stream)."""
+    device = f"cuda:{rank % torch.cuda.device_count()}"
+    torch.cuda.set_device(device)
+    losses = {}
+    for offload in ("none", "cpu"):
+        for quantize in (False, True):
+            run = Run(device, mixed_precision=BF16, offload_params=offload, quantize_weights=quantize)
+            assert (run.engine.comm.all_gather_stream is not None) == (dist.get_backend() == "nccl")
+            losses[f"{offload}-{quantize}"] = run.train(range(8))
+    return losses
+
+
+class SentByNode(SentPayloads):
+    """Payload bytes of the collectives whose ranks span more than one "node" of ``node_size`` ranks."""
+
+    def __init__(self, node_size: int):
+        self.node_size = node_size
+
+    def _counted(self, name: str, original: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            group = kwargs.get("group")
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+            first = args[0]
+            tensors = first if isinstance(first, list) else [first]
+            link = "across" if len({r // self.node_size for r in ranks}) > 1 else "inside"
+            self.calls.append((f"{name} {link}", sum(t.numel() * t.element_size() for t in tensors)))
+            return original(*args, **kwargs)
+
+        return counted
+
+    def total(self, name: str, link: str) -> int:
+        return sum(nbytes for call, nbytes in self.calls if call == f"{name} {link}")
+
+
+def secondary_shards(rank: int, world_size: int) -> dict[str, Any]:
+    """At 4 ranks as 2 "nodes" of 2: runs with secondary shards over a node (and over 1 rank, and with
+    quantized weights) beside the same runs without, with accumulation; the bytes each backward sends across
+    nodes; the pieces' bytes between a forward and its backward."""
+    results: dict[str, Any] = {}
+    for name, settings in {
+        "k2": {"secondary_shard_group_size": 2},
+        "k1": {"secondary_shard_group_size": 1},
+        "k2_quantized": {"secondary_shard_group_size": 2, "quantize_weights": True},
+        "hybrid_k1": {"secondary_shard_group_size": 1, "shard_group_size": 2},
+    }.items():
+        base = {key: settings[key] for key in ("quantize_weights", "shard_group_size") if key in settings}
+        results[name] = (
+            _accumulated(Run(mixed_precision=BF16, **base), micro_batches=2),
+            _accumulated(Run(mixed_precision=BF16, **settings), micro_batches=2),
+        )
+    for name, settings in {"without": {}, "with": {"secondary_shard_group_size": 2}}.items():
+        run = Run(mixed_precision=BF16, **settings)
+        run.step(0)
+        ids = corpus_batch(1, rank)
+        before = run.engine.memory_report().parameter_bytes
+        loss = gpt.next_token_loss(run.model(ids), ids)
+        between = run.engine.memory_report().parameter_bytes
+        with SentByNode(node_size=2) as sent:
+            run.engine.backward(loss)
+        after = run.engine.memory_report().parameter_bytes
+        run.engine.step()
+        padded = [report.padded_numel for report in run.engine.unit_reports()]
+        results[f"backward_{name}"] = {
+            "gathered_across": sent.total("broadcast", "across") + sent.total("all_gather_into_tensor", "across"),
+            "gathered_inside": sent.total("broadcast", "inside") + sent.total("all_gather_into_tensor", "inside"),
+            "pieces": between - before,
+            "left_after_backward": after - before,
+            "padded": padded,
+        }
+    return results

@@ -94,6 +94,8 @@ def build_units(
     check_wrap_classes_present(model, config.wrap_policy)
     if config.shard_group_size is not None:  # agreed above: every rank creates the same subgroups
         comm.split(config.shard_group_size)
+    if config.secondary_shard_group_size is not None:  # hpZ: inside each shard group
+        comm.split_secondary(config.secondary_shard_group_size)
     units: dict[int, FlatUnit] = {}
     plan_rooted_at = {id(plan.module): plan for plan in plans}
     where = unit_offloads(plans, config, comm)

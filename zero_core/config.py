@@ -281,6 +281,15 @@ class ZeroConfig:
         parse=parse_bool,
         example=True,
     )
+    secondary_shard_group_size: int | None = setting(
+        None,
+        doc="stage 3 (ZeRO++'s hpZ): after its forward each unit stays in pieces over groups of this many "
+        "consecutive ranks (a node), so its backward's all-gather stays inside the group; the same numbers, "
+        "P/k more parameter elements per unit until its backward; None: off",
+        values="an integer >= 1 dividing the shard group and smaller than it, or none (stage 3)",
+        parse=parse_optional_int,
+        example=8,
+    )
     quantization_block_size: int = setting(
         2048,
         doc="with quantize_weights: the elements per quantization block, each sending one fp32 scale (smaller: "

@@ -66,6 +66,8 @@ def setup_summary(engine: ZeroEngine) -> str:
     wire = ""
     if config.wire.quantizes_weights:  # ZeRO++'s qwZ
         wire = f" (gathers in int8 blocks of {config.wire.weight_block_size})"
+    if config.wire.secondary_size is not None:  # ZeRO++'s hpZ
+        wire += f" (backward gathers inside groups of {config.wire.secondary_size})"
     return (
         f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
         f"parameters) of {_count(numel)} parameters{_split(engine)}, sharded over {shards} of {engine.world_size} "

@@ -1,10 +1,14 @@
 """How a unit's collectives travel (ZeRO++), derived once from the settings, like ``StagePlan``.
 
-``quantize_weights`` (qwZ) is the one piece built so far: stage 3's forward and backward parameter
-all-gathers carry int8 blocks of ``quantization_block_size`` elements, each with an fp32 scale
-(``quantization.py``, ``collectives/quantized_gather.py``). It changes the values a forward computes
-with, never the fp32 masters: the optimizer, checkpoints, ``gathered_parameters()`` and exports read and
-gather the masters exactly.
+Two pieces are built:
+
+- ``quantize_weights`` (qwZ): stage 3's forward and backward parameter all-gathers carry int8 blocks of
+  ``quantization_block_size`` elements, each with an fp32 scale (``quantization.py``,
+  ``collectives/quantized_gather.py``). It changes the values a forward computes with, never the fp32
+  masters: the optimizer, checkpoints, ``gathered_parameters()`` and exports read and gather them exactly.
+- ``secondary_shard_group_size`` (hpZ): a unit's parameters stay in pieces over k ranks between its forward
+  and its backward, whose all-gather then stays inside those ranks (``unit/secondary_shard.py``). The
+  numbers do not change.
 
 ``ZeroConfig`` calls :func:`check_wire` when it is built (the checks live here, beside the plan).
 """
@@ -21,11 +25,14 @@ from .settings import check_flags, is_count
 class WirePlan:
     # qwZ: stage 3's compute gathers carry int8 blocks of this many elements; None: they gather exactly.
     weight_block_size: int | None = None
+    # hpZ: a unit's pieces kept over this many ranks between its forward and its backward; None: none kept.
+    secondary_size: int | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> WirePlan:
         """From a ``ZeroConfig`` (checked by :func:`check_wire` first)."""
-        return cls(weight_block_size=config.quantization_block_size if config.quantize_weights else None)
+        block = config.quantization_block_size if config.quantize_weights else None
+        return cls(weight_block_size=block, secondary_size=config.secondary_shard_group_size)
 
     @property
     def quantizes_weights(self) -> bool:
@@ -39,6 +46,17 @@ def check_wire(config: Any) -> None:
         raise ValueError(
             f"ZeroConfig.quantization_block_size={config.quantization_block_size!r} is invalid: use a number of "
             "elements >= 1 per quantization block (each block sends one fp32 scale; the default is 2048)."
+        )
+    size = config.secondary_shard_group_size
+    if size is not None and not is_count(size, minimum=1):
+        raise ValueError(
+            f"ZeroConfig.secondary_shard_group_size={size!r} is invalid: use a number of ranks >= 1 that divides "
+            "the shard group (usually the devices per node), or None for no secondary shards."
+        )
+    if size is not None and config.stage != 3:
+        raise ValueError(
+            f"ZeroConfig.secondary_shard_group_size keeps stage 3's units in pieces between forward and backward; "
+            f"stage {config.stage} keeps the full parameters. Use stage=3, or leave it unset."
         )
     if config.quantize_weights and config.stage != 3:
         raise ValueError(

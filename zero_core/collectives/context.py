@@ -135,6 +135,10 @@ class CommContext:
     # A 2-D mesh: the global ranks of every data-parallel group (one per tensor-parallel rank), which hybrid
     # sharding splits alike; None: ``group`` is the whole world.
     data_parallel_groups: tuple[tuple[int, ...], ...] | None = None
+    # hpZ (ZeRO++): the consecutive ranks of the shard group that keep a unit's pieces between its forward
+    # and its backward (``split_secondary``); size 1: every rank keeps the whole unit.
+    secondary_group: dist.ProcessGroup | None = None
+    secondary_size: int = 1
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
@@ -195,6 +199,30 @@ class CommContext:
         self.replicate_group = next(group for ranks, group in _SUBGROUPS[key][1] if me in ranks)
         self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
 
+    def split_secondary(self, size: int) -> None:
+        """hpZ: groups of ``size`` consecutive ranks inside each shard group, made by every rank alike (after
+        :meth:`split`, with the agreed size)."""
+        if size >= self.shard_size or self.shard_size % size:
+            raise ValueError(
+                f"ZeroConfig.secondary_shard_group_size={size} must divide the ranks of a shard group "
+                f"({self.shard_size}) and be smaller: use the devices per node (or fewer), or leave it unset."
+            )
+        self.secondary_size = size
+        if size == 1:
+            return  # each rank keeps the whole unit: no group
+        layout = self.data_parallel_groups or (tuple(range(dist.get_world_size())),)
+        if self.data_parallel_groups is None and self.world_size != dist.get_world_size():
+            raise ValueError(
+                "ZeroConfig.secondary_shard_group_size needs the engine to span every rank: build it without "
+                "process_group= (the secondary groups are made inside the world)."
+            )
+        timeout = world_timeout(self.device)
+        key = (dist.group.WORLD, size, timeout, layout)
+        if key not in _SUBGROUPS:
+            _SUBGROUPS[key] = _create_subgroups(layout, size, timeout)
+        me = dist.get_rank()
+        self.secondary_group = next(group for ranks, group in _SUBGROUPS[key][0] if me in ranks)
+
     def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
         """The process group and its size that ``span`` names, from this rank."""
         if span is Span.SHARD_GROUP:
@@ -203,6 +231,8 @@ class CommContext:
             return self.replicate_group, self.replicas
         if span is Span.TENSOR_PARALLEL:
             return self.tensor_parallel_group, self.tensor_parallel_size
+        if span is Span.SECONDARY:
+            return self.secondary_group, self.secondary_size
         return self.group, self.world_size
 
     def rank_in(self, span: "Span") -> int:
@@ -213,6 +243,8 @@ class CommContext:
             return self.rank // self.shard_size
         if span is Span.TENSOR_PARALLEL:
             return self.tensor_parallel_rank
+        if span is Span.SECONDARY:
+            return self.shard_rank % self.secondary_size
         return self.rank
 
     @property

@@ -23,6 +23,7 @@ class Span(str, Enum):
     SHARD_GROUP = "inside the shard group"  # the ranks that together hold one copy of the model state
     ACROSS_GROUPS = "across shard groups"  # the ranks holding the same shard, one per group
     TENSOR_PARALLEL = "across the tensor-parallel group"  # the ranks splitting each layer (a 2-D mesh)
+    SECONDARY = "inside the secondary group"  # hpZ: the k ranks of a shard group holding a unit between passes
 
 
 @dataclass

@@ -113,10 +113,8 @@ _ZERO = (
     ("leaf_module", WITHOUT_EFFECT, _UNITS),
     (
         "zero_hpz_partition_size",
-        WITHOUT_EFFECT,
-        "ZeRO++'s secondary shards are not built: each backward "
-        "all-gathers across the shard group (the same numbers, more traffic)",
-        _SIZE,
+        MAPPED,
+        "secondary_shard_group_size (ZeRO++'s hpZ; 1, DeepSpeed's default: none; stage 3 only)",
     ),
     (
         "load_from_fp32_weights",
@@ -221,6 +219,13 @@ def _bool_key(setting: str, when_true: Any = True, when_false: Any = False) -> C
     return read
 
 
+def _secondary(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        refused.append(f"{name}={value!r} (an integer >= 1: the ranks per node, or 1 for none)")
+    elif value > 1:
+        result.settings["secondary_shard_group_size"] = value
+
+
 def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
     if section is None:
         return  # DeepSpeed reads null as no offload
@@ -270,4 +275,5 @@ _MAPPERS = {
     "cpu_offload": _bool_key("offload_optimizer", "cpu", None),  # DeepSpeed's older spellings
     "cpu_offload_param": _bool_key("offload_params", "cpu", None),
     "zero_quantized_weights": _bool_key("quantize_weights"),
+    "zero_hpz_partition_size": _secondary,
 }

@@ -66,7 +66,10 @@ def measure_model_state(
     ``.grad`` and the optimizer's state really keep alive, not what the formulas expect."""
     counter = StorageCounter()
     params = counter.count(
-        [u.gathered_params for u in units] + [u.compute_shard for u in units] + [u.host_shard for u in units]
+        [u.gathered_params for u in units]
+        + [u.compute_shard for u in units]
+        + [u.host_shard for u in units]
+        + [u.secondary_piece for u in units]  # hpZ: between a unit's forward and its backward
     )
     grads = counter.count(
         [grad for u in units for grad in u.grads.tensors()]

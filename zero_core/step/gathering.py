@@ -53,17 +53,17 @@ class GatherPolicy:
     def for_forward(self, unit: FlatUnit, keep: set[int], *, timed: bool) -> None:
         """``unit`` runs its forward now; ``timed`` when prefetch="auto" measures this forward."""
         predicted = self.order.forward.record(unit.index, self.prefetch + self.reads_ahead)
-        self._gather(unit, predicted, keep, timed=timed)
+        self._gather(unit, predicted, keep, timed=timed, backward=False)
 
     def for_backward(self, unit: FlatUnit, keep: set[int]) -> None:
         """``unit``'s backward starts now; ``keep``: the units whose backward runs, and those still running
         (a backward inside a forward, as Lightning's manual optimization runs it, needs them gathered)."""
         predicted = self.order.backward.record(unit.index, self.prefetch + self.reads_ahead)
-        self._gather(unit, predicted, keep, timed=False)
+        self._gather(unit, predicted, keep, timed=False, backward=True)
 
-    def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int], *, timed: bool) -> None:
+    def _gather(self, unit: FlatUnit, predicted: list[int], keep: set[int], *, timed: bool, backward: bool) -> None:
         """Gather ``unit``, prefetch ``predicted`` (its last ``reads_ahead`` units only read from disk); reshard
-        any other unit not in ``keep``."""
+        any other unit not in ``keep``. A ``backward``'s gathers come from the secondary pieces (hpZ) if kept."""
         if self._suspended:
             return
         if not self.plan.params_sharded_at_rest:
@@ -77,9 +77,9 @@ class GatherPolicy:
         if timed and self.auto_prefetch is not None:
             self.auto_prefetch.wait_timed(unit.wait_gathered)
         else:
-            unit.wait_gathered()
+            unit.wait_gathered(backward)
         for index in predicted:
-            self.units[index].start_gather()
+            self.units[index].start_gather(backward)
         for index in self._read_ahead - set(read_ahead) - wanted:
             self.units[index].reshard()  # read ahead for an order that did not happen: its memory is freed
         self._read_ahead = set(read_ahead)
@@ -88,10 +88,11 @@ class GatherPolicy:
         live = sum(u.state is not StorageState.SHARDED for u in self.units)
         self.peak_live_units = max(self.peak_live_units, live)
 
-    def reshard(self, unit: FlatUnit) -> None:
-        """``unit`` to SHARDED, its full parameters freed (FSDP2's reshard), unless the caller holds them."""
+    def reshard(self, unit: FlatUnit, after_forward: bool = False) -> None:
+        """``unit`` to SHARDED, its full parameters freed (FSDP2's reshard), unless the caller holds them;
+        ``after_forward`` with a backward to come: hpZ keeps this rank's piece for the backward's gather."""
         if not self._suspended:
-            unit.reshard()
+            unit.reshard(keep_secondary=after_forward)
 
     def reshard_all(self, keep: Collection[int] = ()) -> None:
         """Every unit but those in ``keep``: the units still running when a backward inside their forward
@@ -113,6 +114,8 @@ class GatherPolicy:
 
     def backward_ended(self) -> None:
         self.order.backward.end()
+        for unit in self.units:
+            unit.forget_secondary()  # hpZ: a piece the backward did not gather from goes with it
 
     def abandoned(self) -> None:
         """A forward or backward raised: reshard everything and forget the orders it recorded."""

@@ -253,7 +253,7 @@ class StepRuntime:
         passes.complete_call(unit)
         if passes.running(unit):
             return output  # a nested call of a unit still running: the outer call finishes it
-        self.gathering.reshard(unit)
+        self.gathering.reshard(unit, after_forward=torch.is_grad_enabled())
         if torch.is_grad_enabled() and passes.recording is not None:
             # The outermost call's output hooks hold the record's token: when
             # the user drops those outputs, the record (and what it holds) goes.

@@ -162,15 +162,25 @@ class FlatUnit:
         """Stages 1/2: the post-step all-gather may still be writing the parameters."""
         return self.storage.refreshing
 
-    def start_gather(self) -> None:
-        self.storage.start_gather()
+    def start_gather(self, backward: bool = False) -> None:
+        """For a ``backward``: from the secondary pieces (hpZ) when they were kept."""
+        self.storage.start_gather(backward)
 
-    def wait_gathered(self) -> None:
-        self.storage.wait_gathered()
+    def wait_gathered(self, backward: bool = False) -> None:
+        self.storage.wait_gathered(backward)
 
-    def reshard(self) -> None:
-        """Stage 3: any state -> SHARDED, the full parameters freed (FSDP2's reshard)."""
-        self.storage.reshard()
+    def reshard(self, keep_secondary: bool = False) -> None:
+        """Stage 3: any state -> SHARDED, the full parameters freed (FSDP2's reshard); ``keep_secondary``:
+        after a forward with a backward to come, hpZ keeps this rank's piece (FSDP2's int reshard_after_forward)."""
+        self.storage.reshard(keep_secondary)
+
+    def forget_secondary(self) -> None:
+        self.storage.forget_secondary()
+
+    @property
+    def secondary_piece(self) -> torch.Tensor | None:
+        """hpZ: this rank's piece kept from the last forward for the backward (None: none kept)."""
+        return self.storage.secondary.piece if self.storage.secondary is not None else None
 
     def start_refresh(self, guard: bool) -> None:
         self.storage.start_refresh(guard)

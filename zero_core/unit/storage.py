@@ -52,6 +52,8 @@ from ..offload_plan import Rest, UnitOffload
 from ..wire_plan import WirePlan
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
+from .master_check import check_master_placement
+from .secondary_shard import SecondaryShard
 from .tensor_parallel import local_piece_of, local_values, point_at
 
 
@@ -64,12 +66,6 @@ class StorageState(Enum):
     # Stages 1/2 after a step: the all-gather of the updated shards is still writing the full
     # parameters; the unit's next forward (or any touch of a parameter, through the guard) waits.
     REFRESHING = auto()
-
-
-def _is_host_shard(compute_dtype: torch.dtype, param_files: ShardFiles | None) -> bool:
-    """offload_params: whether a master in host memory is the parameter shard at rest itself (fp32, and the
-    shard not going to a file of its own)."""
-    return compute_dtype == torch.float32 and param_files is None
 
 
 class ParamStorage:
@@ -97,6 +93,8 @@ class ParamStorage:
         # qwZ: stage 3's gathers before the unit runs carry int8 blocks; a refresh and the masters' gathers stay exact.
         block = wire.weight_block_size
         self._compute_gather = all_gather if block is None else partial(all_gather_quantized, block_size=block)
+        # hpZ: this rank's piece of the full parameters, kept from a forward for the backward's gather.
+        self.secondary = SecondaryShard(comm, label) if wire.secondary_size is not None else None
         self.offload = offload
         param_files = param_files if offload.param_shard_in_file else None
         params_moved = offload.param_shard is not Rest.DEVICE  # offload_params, a unit sharded at rest
@@ -113,15 +111,10 @@ class ParamStorage:
         # settles its writes and reads back what its files hold before every read or write of the master (a
         # write still pending would free newer values once done).
         self.master_rests_on_disk = offload.master_in_file
-        if offload.state_in_file and offload.master_in_file != self._master_is_own_memory():
-            # The plan and the tensors disagree (a case the plan's tests did not build): freeing the master would
-            # free the parameters, or a master left in memory would be counted on disk. Refused before any work.
-            raise RuntimeError(
-                f"ZeRO: internal error: the offload plan puts {label}'s fp32 master "
-                f"{'in' if offload.master_in_file else 'outside'} the optimizer state's file, but it was built "
-                f"{'as the memory of the parameters' if offload.master_in_file else 'as a tensor of its own'}. "
-                "Please report it with your config; offload_optimizer='cpu' avoids it."
-            )
+        parameters = [self.gathered_params, self.compute_shard] + (
+            [self.host_shard] if self.host_shard is not None else []
+        )
+        check_master_placement(self._master, parameters, offload, label)
         self._state_files = state_files if offload.master_in_file else None
         # The compute copy already holds the master's values: the tier copied them right after the unit's step,
         # before the master went to disk, so the refresh that follows leaves the copy out. Set by
@@ -129,12 +122,6 @@ class ParamStorage:
         # write of the master.
         self.compute_copy_current = False
         self._own_pieces = {piece.slot.index: piece for piece in layout.pieces(comm.shard_rank)}
-
-    def _master_is_own_memory(self) -> bool:
-        """The master shares memory with none of the parameters' tensors (the plan's ``master_stands_alone``)."""
-        master = self._master.untyped_storage().data_ptr()
-        others = [self.gathered_params, self.compute_shard] + ([self.host_shard] if self.host_shard is not None else [])
-        return master != 0 and all(master != t.untyped_storage().data_ptr() for t in others)
 
     def _flatten_parameters(self, compute_dtype: torch.dtype, host_master: bool, pinned_master: bool) -> None:
         """Copy the parameters into the flat buffers and make them views of it.
@@ -179,8 +166,8 @@ class ParamStorage:
     def _move_shard_to_host(self, compute_dtype: torch.dtype, param_files: ShardFiles | None) -> None:
         """offload_params: the parameter shard rests in host memory (or, "nvme", in a file); the device keeps
         an empty staging buffer."""
-        if self._master.device.type == "cpu" and _is_host_shard(compute_dtype, param_files):
-            self.host_shard = self._master  # the host fp32 master is the shard itself: no second copy
+        if self._master.device.type == "cpu" and compute_dtype == torch.float32 and param_files is None:
+            self.host_shard = self._master  # the host fp32 master is the shard itself (no file): no second copy
         elif self.compute_shard.device.type == "cpu" and self.compute_shard is not self._master:
             self.host_shard = self.compute_shard
         elif param_files is not None:  # a copy of its own, the master staying where the optimizer keeps it;
@@ -247,8 +234,14 @@ class ParamStorage:
         return self.host_shard if self.host_shard is not None else self.compute_shard
 
     def _shard_written(self) -> None:
+        """The parameters' values changed: a secondary piece cut from the old ones is forgotten."""
+        self.forget_secondary()
         if self.shard_file is not None:
             self.shard_file.store()  # written behind, freed once on disk
+
+    def forget_secondary(self) -> None:
+        if self.secondary is not None:
+            self.secondary.forget()
 
     # ------------------------------------------------------------ transitions
     @property
@@ -261,12 +254,19 @@ class ParamStorage:
         """The full parameters take memory (gathered, or being gathered)."""
         return self.state is not StorageState.SHARDED
 
-    def start_gather(self) -> None:
-        """SHARDED -> PREFETCHING: refill the storage and issue the all-gather."""
+    def start_gather(self, backward: bool = False) -> None:
+        """SHARDED -> PREFETCHING: refill the storage and issue the all-gather (for a ``backward``, from the
+        secondary pieces when they were kept)."""
         if self.state is not StorageState.SHARDED:
             return
         self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
         advise_huge_pages(self.gathered_params)
+        handle = self.secondary.gather_into(self.gathered_params) if backward and self.secondary else None
+        self._gather_handle = handle or self._gather_from_shard()
+        self.state = StorageState.PREFETCHING
+
+    def _gather_from_shard(self) -> Handle:
+        """Every rank's shard all-gathered (staged from the host or a file first, with offload_params)."""
         if self.host_shard is not None:
             self.compute_shard.untyped_storage().resize_(self._staging_nbytes)
             source = self.shard_file.values() if self.shard_file is not None else self.host_shard
@@ -275,14 +275,11 @@ class ParamStorage:
                 # From pinned memory a GPU's copy runs on after this returns: freed once it landed.
                 self.shard_file.in_use = self._host_shard_read is not None and source.is_pinned()
                 self.shard_file.free_if_on_disk()
-        self._gather_handle = self._compute_gather(
-            self.comm, self.gathered_params, self.compute_shard, label=self.label
-        )
-        self.state = StorageState.PREFETCHING
+        return self._compute_gather(self.comm, self.gathered_params, self.compute_shard, label=self.label)
 
-    def wait_gathered(self) -> None:
+    def wait_gathered(self, backward: bool = False) -> None:
         """Any state -> GATHERED."""
-        self.start_gather()
+        self.start_gather(backward)
         if self.state in (StorageState.PREFETCHING, StorageState.REFRESHING):
             self._gather_handle.wait()
             self._gather_handle = None
@@ -298,13 +295,16 @@ class ParamStorage:
         if self.shard_file is not None and self.state is StorageState.SHARDED:
             self.shard_file.read_ahead()
 
-    def reshard(self) -> None:
-        """Stage 3: any state -> SHARDED, freeing the full parameters (and a shard read ahead for nothing)."""
+    def reshard(self, keep_secondary: bool = False) -> None:
+        """Stage 3: any state -> SHARDED, freeing the full parameters (and a shard read ahead for nothing);
+        ``keep_secondary``: after a forward with a backward to come, hpZ keeps this rank's piece."""
         if self.shard_file is not None:
             self.shard_file.free_if_on_disk()
         if not self.sharded_at_rest or self.state is StorageState.SHARDED:
             return
         self.wait_gathered()
+        if keep_secondary and self.secondary is not None:
+            self.secondary.keep(self.gathered_params)
         self.gathered_params.untyped_storage().resize_(0)
         self.state = StorageState.SHARDED
         self.guard.guard(True)
@@ -380,6 +380,7 @@ class ParamStorage:
         master = self.master_shard
         self._wait_host_shard_read()  # before writing: the master may be the host shard a copy still reads
         self.compute_copy_current = False
+        self.forget_secondary()
         master.copy_(shard)
 
     def load_full_master(self, full: torch.Tensor) -> None:

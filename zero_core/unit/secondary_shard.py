@@ -1,0 +1,45 @@
+"""ZeRO++'s secondary shard (hpZ): a unit's parameters kept between its forward and its backward in 1/k
+pieces over a group of k ranks (a node), so the backward's all-gather stays inside that group.
+
+When the forward frees a unit's full parameters (stage 3, with a backward to come) this rank keeps its
+piece of them, in the compute dtype: the values the forward computed with (dequantized ones under
+``quantize_weights``), so the backward computes with the very same values and the numbers are those of
+a run without it. The backward's gather of the unit fills the full buffer from the group's pieces and lets
+the piece go. Any write of the parameters (a step, a load) forgets it, and so does the end of a backward
+that did not gather the unit: a piece never outlives the values it was cut from.
+
+Memory: P/k elements in the compute dtype per unit, between its forward and its backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..collectives import CommContext, Handle, Span, all_gather
+
+
+class SecondaryShard:
+    def __init__(self, comm: CommContext, label: str):
+        self.comm, self.label = comm, label
+        self.piece: torch.Tensor | None = None  # this rank's 1/k of the full parameters, while kept
+
+    def keep(self, gathered: torch.Tensor) -> None:
+        """The forward is done with ``gathered`` (full, valid): keep this rank's piece of it."""
+        _, size = self.comm.span(Span.SECONDARY)
+        length = gathered.numel() // size
+        start = self.comm.rank_in(Span.SECONDARY) * length
+        self.piece = gathered[start : start + length].clone()
+
+    def gather_into(self, gathered: torch.Tensor) -> Handle | None:
+        """The backward's gather from the kept pieces, the piece let go (the collective holds what it reads);
+        None when there is no piece to gather from."""
+        piece, self.piece = self.piece, None
+        if piece is None:
+            return None
+        if piece.numel() == gathered.numel():  # k = 1: this rank kept the whole unit
+            gathered.copy_(piece)
+            return Handle()
+        return all_gather(self.comm, gathered, piece, label=self.label, span=Span.SECONDARY)
+
+    def forget(self) -> None:
+        self.piece = None
