@@ -76,8 +76,8 @@ def _after_each_gather(record: Callable[[], None]) -> Iterator[None]:
     original_wait, original_start = storage.ParamStorage.wait_gathered, storage.ParamStorage.start_gather
 
     def recorded(original):  # type: ignore[no-untyped-def]
-        def method(self):  # type: ignore[no-untyped-def]
-            original(self)
+        def method(self, backward=False):  # type: ignore[no-untyped-def]
+            original(self, backward)
             record()
 
         return method
@@ -466,15 +466,15 @@ class _UnitOnDisk:
     def read_ahead(self) -> None:
         self.read_into_memory = self.state is StorageState.SHARDED
 
-    def start_gather(self) -> None:
+    def start_gather(self, backward: bool = False) -> None:
         if self.state is StorageState.SHARDED:
             self.state, self.read_into_memory = StorageState.PREFETCHING, False  # copied to the device, freed
 
-    def wait_gathered(self) -> None:
+    def wait_gathered(self, backward: bool = False) -> None:
         self.start_gather()
         self.state = StorageState.GATHERED
 
-    def reshard(self) -> None:
+    def reshard(self, keep_secondary: bool = False) -> None:
         self.state, self.read_into_memory = StorageState.SHARDED, False
 
 
