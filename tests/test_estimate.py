@@ -8,6 +8,8 @@ import dataclasses
 import inspect
 import subprocess
 import sys
+from contextlib import redirect_stdout
+from io import StringIO
 from pathlib import Path
 
 import pytest
@@ -187,6 +189,8 @@ def test_the_command_reads_a_model_built_on_meta(capsys: pytest.CaptureFixture[s
         (["--params", "7e9", "--world-size", "8", "--budget", "lots"], "80GiB"),
         (["--model", "tests.models", "--world-size", "8"], "module:factory"),
         (["--params", "7e9", "--world-size", "8", "--offload-optimizer", "cpu", "--offload-fraction", "2"], "(0, 1]"),
+        (["--params", "7e9", "--world-size", "8", "--secondary-shard-group-size", "3"], "divisor of the shard group"),
+        (["--params", "7e9", "--world-size", "8", "--secondary-shard-group-size", "8"], "smaller than it"),
     ],
 )
 def test_bad_input_names_what_to_use(argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -244,3 +248,19 @@ def test_the_commands_flags_for_the_engines_settings_are_generated_from_the_sche
         assert action.type(example) == setting.text.parse(example)
     text_names = {s.text.name for s in user_settings()} | {s.name for s in user_settings()}
     assert {dest for dest in actions if dest in text_names} == {s.text.name for s in shared}
+
+
+def test_hpz_pieces_are_a_line_of_their_own() -> None:
+    """stage 3 with secondary_shard_group_size=k: each unit's padded elements / k in the compute dtype, printed
+    beside the table (the table's peak, after a backward, holds none of them)."""
+    plain = estimate(7_000_000, 8, precision=MixedPrecision(compute_dtype=torch.bfloat16))
+    pieces = estimate(
+        7_000_000, 8, precision=MixedPrecision(compute_dtype=torch.bfloat16), secondary_shard_group_size=4
+    )
+    assert plain.secondary_piece_bytes == 0
+    assert pieces.secondary_piece_bytes == 7_000_000 // 4 * 2
+    assert pieces.by_stage == plain.by_stage
+    out = StringIO()
+    with redirect_stdout(out):
+        main(["--params", "7e6", "--world-size", "8", "--precision", "bf16", "--secondary-shard-group-size", "4"])
+    assert "secondary_shard_group_size=4: 3.34 MiB more on the device" in out.getvalue()

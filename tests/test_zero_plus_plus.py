@@ -165,6 +165,8 @@ def test_secondary_shards_keep_the_backward_gathers_inside_a_node(at_four: list[
         assert without["pieces"] == 0
         # Every unit's piece (bf16, 2 bytes), sharded units all (persistence_threshold is 0).
         assert with_pieces["pieces"] == sum(padded // 2 * 2 for padded in with_pieces["padded"])
+        assert with_pieces["estimated"] == with_pieces["pieces"], "zero-estimate's figure for the pieces"
+        assert without["estimated"] == 0
         assert with_pieces["left_after_backward"] == without["left_after_backward"] == 0
 
 

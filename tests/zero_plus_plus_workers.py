@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
+from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine, estimate
 from zero_core.quantization import packed_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
@@ -248,7 +248,10 @@ def secondary_shards(rank: int, world_size: int) -> dict[str, Any]:
         after = run.engine.memory_report().parameter_bytes
         run.engine.step()
         padded = [report.padded_numel for report in run.engine.unit_reports()]
+        with torch.device("meta"):
+            estimated = estimate(gpt.GPT(run.config), world_size, run.engine.config).secondary_piece_bytes
         results[f"backward_{name}"] = {
+            "estimated": estimated,
             "gathered_across": sent.total("broadcast", "across") + sent.total("all_gather_into_tensor", "across"),
             "gathered_inside": sent.total("broadcast", "inside") + sent.total("all_gather_into_tensor", "inside"),
             "pieces": between - before,

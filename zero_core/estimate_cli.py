@@ -112,6 +112,12 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
             "DDP: no offload. host: offloaded master, optimizer state and gradient copies, and (stage 3, "
             "offload_params='cpu') the parameter shards; nvme: files (optimizer state, parameter shards)."
         )
+    if config.secondary_shard_group_size is not None:
+        lines.append(
+            f"stage 3 with secondary_shard_group_size={config.secondary_shard_group_size}: "
+            f"{human_bytes(result.secondary_piece_bytes)} more on the device from each unit's forward to its "
+            "backward (hpZ's pieces; gone by the peak after a backward that the table shows)."
+        )
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ STAGES = (0, 1, 2, 3)  # 0: DDP, the reference
 # checks them, and zero-estimate's flags are generated from their records (the mixed precision too, which is
 # no user setting: each framework's own precision flag sets it). What is not a setting is EstimateSettings'.
 SHARED_SETTINGS = ("shard_group_size", "bucket_size_mb", "wrap_policy", "offload_optimizer", "offload_fraction")
-SHARED_SETTINGS += ("offload_params",)
+SHARED_SETTINGS += ("offload_params", "secondary_shard_group_size")
 
 
 def shared_settings() -> list[Setting]:
@@ -101,6 +101,12 @@ class EstimateSettings:
                 f"shard_group_size={group!r} is invalid: use a positive divisor of world_size={self.world_size} "
                 "(usually the ranks of one node), or None to shard over every rank."
             )
+        secondary = self.config.secondary_shard_group_size
+        if secondary is not None and (secondary >= self.shard_size or self.shard_size % secondary):
+            raise ValueError(
+                f"secondary_shard_group_size={secondary!r} is invalid: use a divisor of the shard group "
+                f"({self.shard_size} ranks) smaller than it, or None."
+            )
         if not isinstance(self.optimizer_state_bytes_per_param, int) or self.optimizer_state_bytes_per_param < 0:
             raise ValueError(
                 f"optimizer_state_bytes_per_param={self.optimizer_state_bytes_per_param!r} is invalid: use 8 "
@@ -119,6 +125,9 @@ class ZeroEstimate:
     units: int
     settings: EstimateSettings
     by_stage: dict[int, MemoryReport]  # 0 (DDP), 1, 2, 3 -> bytes per rank
+    # hpZ (secondary_shard_group_size, stage 3): every unit's piece, on the device between the unit's forward
+    # and its backward; not in by_stage, whose peak is after a backward, when the pieces are gone.
+    secondary_piece_bytes: int = 0
 
     def __getitem__(self, stage: int) -> MemoryReport:
         return self.by_stage[stage]
@@ -172,7 +181,16 @@ def estimate_units(units: list[UnitCount], settings: EstimateSettings, whole_uni
         shares = [plan.fraction] * len(units)
     by_stage = {stage: _stage_bytes(stage, units, shares, settings) for stage in STAGES}
     numel, trainable = sum(u.numel for u in units), sum(u.trainable_numel for u in units)
-    return ZeroEstimate(numel, trainable, len(units), settings, by_stage)
+    return ZeroEstimate(numel, trainable, len(units), settings, by_stage, _secondary_piece_bytes(units, settings))
+
+
+def _secondary_piece_bytes(units: list[UnitCount], settings: EstimateSettings) -> int:
+    """hpZ: each unit's padded elements over the secondary group, in the compute dtype."""
+    secondary = settings.config.secondary_shard_group_size
+    if secondary is None:
+        return 0
+    compute_bytes = settings.config.mixed_precision.compute_dtype.itemsize
+    return sum(_padded(unit.numel, settings.shard_size) // secondary * compute_bytes for unit in units)
 
 
 def estimate(
@@ -192,8 +210,9 @@ def estimate(
 
     The engine's settings it reads come from ``config`` (a ``ZeroConfig``), or by name as ``ZeroConfig``
     takes them: ``shard_group_size``, ``bucket_size_mb``, ``wrap_policy`` (a class, classes or a
-    ``WrapPolicy``), ``offload_optimizer``, ``offload_fraction``, ``offload_params`` and ``precision`` (its
-    ``mixed_precision``), checked by it. Its own: ``world_size`` (the ranks in all),
+    ``WrapPolicy``), ``offload_optimizer``, ``offload_fraction``, ``offload_params``,
+    ``secondary_shard_group_size`` (hpZ: ``secondary_piece_bytes``) and ``precision`` (its ``mixed_precision``),
+    checked by it. Its own: ``world_size`` (the ranks in all),
     ``optimizer_state_bytes_per_param`` (Adam 8, SGD with momentum 4) and ``host_is_device`` (a CPU device:
     an offloaded unit's master and gradient shard stay in place)."""
     estimate_settings = EstimateSettings(
