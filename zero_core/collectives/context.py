@@ -180,12 +180,20 @@ class CommContext:
                 f"ZeroConfig.shard_group_size={size} must divide the number of ranks ({self.world_size}): "
                 "use the number of devices per node, or leave it unset to shard across every rank."
             )
+        groups = self._consecutive_groups(size, "shard_group_size", "hybrid sharding makes its own groups")
+        self.shard_group, self.replicate_group = groups
+        self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
+
+    def _consecutive_groups(self, size: int, setting: str, whose: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+        """This rank's group of ``size`` consecutive ranks and the group of the ranks at its place in the
+        others, each data-parallel group split alike; every rank makes every group, in the same order (the
+        ``setting`` named in the error, ``whose`` groups they are)."""
         layout = self.data_parallel_groups or (tuple(range(dist.get_world_size())),)
         if self.data_parallel_groups is None and self.world_size != dist.get_world_size():
             # new_group needs every rank of the world, and ranks outside this group never get here.
             raise ValueError(
-                "ZeroConfig.shard_group_size needs the engine to span every rank: build it without "
-                "process_group= (hybrid sharding makes its own groups inside the world)."
+                f"ZeroConfig.{setting} needs the engine to span every rank: build it without "
+                f"process_group= ({whose} inside the world)."
             )
         world = dist.group.WORLD
         for stale in [key for key in _SUBGROUPS if key[0] is not world]:
@@ -195,9 +203,8 @@ class CommContext:
         if key not in _SUBGROUPS:
             _SUBGROUPS[key] = _create_subgroups(layout, size, timeout)
         me = dist.get_rank()
-        self.shard_group = next(group for ranks, group in _SUBGROUPS[key][0] if me in ranks)
-        self.replicate_group = next(group for ranks, group in _SUBGROUPS[key][1] if me in ranks)
-        self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
+        consecutive, replicate = (next(g for ranks, g in groups if me in ranks) for groups in _SUBGROUPS[key])
+        return consecutive, replicate
 
     def split_secondary(self, size: int) -> None:
         """hpZ: groups of ``size`` consecutive ranks inside each shard group, made by every rank alike (after
@@ -210,18 +217,8 @@ class CommContext:
         self.secondary_size = size
         if size == 1:
             return  # each rank keeps the whole unit: no group
-        layout = self.data_parallel_groups or (tuple(range(dist.get_world_size())),)
-        if self.data_parallel_groups is None and self.world_size != dist.get_world_size():
-            raise ValueError(
-                "ZeroConfig.secondary_shard_group_size needs the engine to span every rank: build it without "
-                "process_group= (the secondary groups are made inside the world)."
-            )
-        timeout = world_timeout(self.device)
-        key = (dist.group.WORLD, size, timeout, layout)
-        if key not in _SUBGROUPS:
-            _SUBGROUPS[key] = _create_subgroups(layout, size, timeout)
-        me = dist.get_rank()
-        self.secondary_group = next(group for ranks, group in _SUBGROUPS[key][0] if me in ranks)
+        groups = self._consecutive_groups(size, "secondary_shard_group_size", "the secondary groups are made")
+        self.secondary_group = groups[0]
 
     def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
         """The process group and its size that ``span`` names, from this rank."""
