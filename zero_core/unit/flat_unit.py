@@ -110,7 +110,7 @@ class FlatUnit:
     @property
     def master_rests_on_disk(self) -> bool:
         """offload_optimizer="nvme": the master rests in the optimizer tier's file between steps."""
-        return self.storage.master_rests_on_disk
+        return self.offload.master_in_file
 
     @property
     def resting_master(self) -> torch.Tensor:

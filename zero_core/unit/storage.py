@@ -110,7 +110,6 @@ class ParamStorage:
         # the parameters' own memory (fp32 on a CPU device: the compute shard or the full parameters). Its tier
         # settles its writes and reads back what its files hold before every read or write of the master (a
         # write still pending would free newer values once done).
-        self.master_rests_on_disk = offload.master_in_file
         parameters = [self.gathered_params, self.compute_shard] + (
             [self.host_shard] if self.host_shard is not None else []
         )
