@@ -43,11 +43,12 @@ def packed_bytes(numel: int, block_size: int) -> int:
 
 
 def _as_blocks(flat: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``flat`` (float32) as rows of ``block_size``, the last row padded with zeros (which raise no amax)."""
-    pad = blocks_of(flat.numel(), block_size) * block_size - flat.numel()
+    """``flat`` (float32; its last dimension the elements) as rows of ``block_size``, the last row padded with
+    zeros (which raise no amax)."""
+    pad = blocks_of(flat.shape[-1], block_size) * block_size - flat.shape[-1]
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    return flat.view(-1, block_size)
+        flat = torch.nn.functional.pad(flat, (0, pad))
+    return flat.view(*flat.shape[:-1], -1, block_size)
 
 
 def quantize(tensor: torch.Tensor, block_size: int) -> Quantized:
@@ -65,11 +66,12 @@ def quantize(tensor: torch.Tensor, block_size: int) -> Quantized:
 
 
 def dequantize_into(out: torch.Tensor, quantized: Quantized, block_size: int) -> None:
-    """Write the dequantized values into ``out`` (flat, any floating dtype, as many elements as quantized)."""
+    """Write the dequantized values into ``out`` (any floating dtype, as many elements as quantized): one shard,
+    or several back to back (:func:`unpack`'s ``parts``) at once."""
     values = quantized.values.float()
     blocks = _as_blocks(values, block_size)
-    restored = quantized.scales.view(-1, 1) * (blocks / LEVELS)
-    out.view(-1).copy_(restored.reshape(-1)[: values.numel()])
+    restored = quantized.scales.unsqueeze(-1) * (blocks / LEVELS)
+    out.view(values.shape).copy_(restored.flatten(-2)[..., : values.shape[-1]])
 
 
 def pack(quantized: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,8 +85,11 @@ def pack(quantized: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-def unpack(buffer: torch.Tensor, numel: int) -> Quantized:
-    """The inverse of :func:`pack` for a buffer of ``numel`` quantized elements (views, no copy of values)."""
-    values = buffer[:numel].view(torch.int8)
-    scales = buffer[numel:].clone().view(torch.float32)  # clone: the scales' bytes may be unaligned
-    return Quantized(values, scales)
+def unpack(buffer: torch.Tensor, numel: int, parts: int = 1) -> Quantized:
+    """The inverse of :func:`pack` for a buffer of ``numel`` quantized elements (views of the values, no copy),
+    or of ``parts`` such buffers back to back (an all-gather's output): values (parts, numel), scales (parts,
+    blocks)."""
+    rows = buffer.view(parts, -1)
+    values = rows[:, :numel].view(torch.int8)
+    scales = rows[:, numel:].clone(memory_format=torch.contiguous_format).view(torch.float32)  # aligned bytes
+    return Quantized(values[0], scales[0]) if parts == 1 else Quantized(values, scales)

@@ -90,3 +90,14 @@ def test_the_packed_buffer_holds_values_then_scales(numel: int, block: int) -> N
     assert torch.equal(back.values, quantized.values) and torch.equal(back.scales, quantized.scales)
     into = torch.empty_like(buffer)
     assert torch.equal(pack(quantized, into), buffer)
+
+
+@pytest.mark.parametrize("numel,block,parts", [(10, 3, 4), (4097, 2048, 3), (1, 1, 2)])
+def test_shards_back_to_back_dequantize_at_once_as_each_alone(numel: int, block: int, parts: int) -> None:
+    """An all-gather's output: every rank's packed shard, dequantized in one go, bit for bit as one by one."""
+    shards = [torch.randn(numel) * 10 for _ in range(parts)]
+    gathered = torch.cat([pack(quantize(shard, block)) for shard in shards])
+    at_once = torch.empty(parts * numel, dtype=torch.bfloat16)
+    dequantize_into(at_once, unpack(gathered, numel, parts=parts), block)
+    for index, shard in enumerate(shards):
+        assert torch.equal(at_once[index * numel : (index + 1) * numel], round_trip(shard, block, torch.bfloat16))

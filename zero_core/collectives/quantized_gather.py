@@ -64,7 +64,6 @@ def all_gather_quantized(
     received = torch.empty(size * per_rank, dtype=torch.uint8, device=gathered_out.device)
 
     def dequantize() -> None:
-        for rank, part in enumerate(received.split(per_rank)):
-            dequantize_into(gathered_out[rank * numel : (rank + 1) * numel], unpack(part, numel), block_size)
+        dequantize_into(gathered_out, unpack(received, numel, parts=size), block_size)  # every rank's at once
 
     return _DequantizeOnWait(all_gather(comm, received, send, label, span), dequantize)
