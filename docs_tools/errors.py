@@ -36,6 +36,7 @@ COMBINATIONS = (
     "mixed_precision=MixedPrecision(compute_dtype=torch.float16))",
     "ZeroConfig(stage=1, quantize_weights=True)",
     "ZeroConfig(stage=2, secondary_shard_group_size=2)",
+    "ZeroConfig(stage=1, quantize_gradients=True)",
 )
 
 

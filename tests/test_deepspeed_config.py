@@ -61,7 +61,7 @@ def test_every_key_that_would_train_otherwise_is_refused_at_once_with_what_to_do
             "stage": 2,
             "overlap_comm": False,  # a knob: accepted without effect
             "sub_group_size": 1e9,
-            "zero_quantized_gradients": True,  # would change the numbers
+            "zero_quantized_nontrainable_weights": True,  # not built
             "offload_param": {"device": "disk"},
             "offload_optimizer": {"device": "nvme", "nvme_path": "/a"},
             "reduce_bucket_size": "big",  # a knob, but not a value DeepSpeed takes
@@ -75,7 +75,7 @@ def test_every_key_that_would_train_otherwise_is_refused_at_once_with_what_to_do
     message = str(refused.value)
     assert message.startswith("the DeepSpeed config: 5 key(s) cannot be honoured here, so nothing was started: ")
     for expected in (
-        "zero_optimization.zero_quantized_gradients=True (quantized reduce-scatters change the numbers)",
+        "zero_optimization.zero_quantized_nontrainable_weights=True (frozen weights kept in int8 at rest are not built",
         'zero_optimization.offload_param.device=\'disk\' ("none", "cpu" or "nvme")',
         "zero_optimization.reduce_bucket_size='big' (a number >= 0, or \"auto\")",
         "sparse_attention={'enabled': True} (use the model's own attention)",
@@ -85,7 +85,7 @@ def test_every_key_that_would_train_otherwise_is_refused_at_once_with_what_to_do
     for accepted in ("overlap_comm", "sub_group_size", "flops_profiler"):
         assert accepted not in message
     del config["zero_optimisation"], config["sparse_attention"]
-    config["zero_optimization"].pop("zero_quantized_gradients")
+    config["zero_optimization"].pop("zero_quantized_nontrainable_weights")
     config["zero_optimization"].update(reduce_bucket_size=5e8, offload_param={"device": "cpu"})
     translated = from_deepspeed(config)
     assert translated.without_effect == {

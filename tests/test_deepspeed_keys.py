@@ -119,7 +119,7 @@ def test_bad_input_names_the_file_the_key_and_the_fix(tmp_path: Path) -> None:
 @pytest.mark.distributed  # runs the launcher
 def test_a_bad_config_stops_the_launch_before_any_process_starts(tmp_path: Path) -> None:
     config = tmp_path / "ds_config.json"
-    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}))
+    config.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}))
     script = tmp_path / "train.py"
     ran = tmp_path / "ran"
     script.write_text(f"open({str(ran)!r}, 'w').close()\n")
@@ -134,9 +134,7 @@ def test_a_bad_config_stops_the_launch_before_any_process_starts(tmp_path: Path)
     )
     assert result.returncode != 0
     assert f"accelerate-zero: {config}: 1 key(s) cannot be honoured here" in result.stderr
-    assert (
-        "zero_optimization.zero_quantized_gradients=True (quantized reduce-scatters change the numbers" in result.stderr
-    )
+    assert "zero_optimization.zero_quantized_nontrainable_weights=True (frozen weights kept in int8" in result.stderr
     assert not ran.exists()
 
 

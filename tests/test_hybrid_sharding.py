@@ -182,6 +182,7 @@ def test_bytes_per_link_class_match_the_formulas(grid: list, stage: int) -> None
         assert 0 < sent["WORLD"] < 0.01 * sent["SHARD_GROUP"], "only agreements and buffers cross every link"
         assert reported.pop("TENSOR_PARALLEL") == 0, "no tensor-parallel ranks on a 1-D layout"
         assert reported.pop("SECONDARY") == 0, "no secondary shards (hpZ) unless asked for"
+        assert reported.pop("ACROSS_SECONDARY") == 0, "no two-hop gradient reduce (qgZ) unless asked for"
         assert sent == reported, f"rank {rank}: the traffic report differs from what was sent"
         accumulated = result["accumulated_sent"]
         assert accumulated["ACROSS_GROUPS"] == padded // GROUP * 4, "gradient shards cross groups once per step"

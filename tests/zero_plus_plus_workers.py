@@ -1,4 +1,4 @@
-"""What the ZeRO++ tests run on each rank: a small GPT trained with and without quantized all-gathers.
+"""What the ZeRO++ tests run on each rank: a small GPT trained with and without quantized collectives.
 
 The corpus is a Markov chain over 64 tokens where each token has 4 equally likely successors: the loss
 starts near ln 64 (4.16) and can fall no lower than ln 4 (1.39), so a run that learns ends well below its
@@ -43,7 +43,8 @@ class Run:
         self.device = torch.device(device)
         self.config = gpt.GPTConfig(vocab_size=VOCAB, seq_len=SEQ, width=32, depth=2, heads=2)
         self.model = gpt.GPT(self.config).to(self.device)
-        config = ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(gpt.GPTBlock,)), **settings)
+        wrap = WrapPolicy(module_classes=(gpt.GPTBlock,))
+        config = ZeroConfig(**{"stage": 3, "wrap_policy": wrap, **settings})
         self.engine = ZeroEngine(self.model, torch.optim.AdamW(self.model.parameters(), lr=3e-3), config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
 
@@ -61,19 +62,26 @@ class Run:
         return [self.step(step) for step in steps]
 
 
-def convergence(rank: int, world_size: int, shard_group_size: int | None = None) -> dict[str, list[float]]:
-    """300 steps with and without quantized weights, the same batches: both loss curves."""
-    curves = {}
-    for name, settings in (("exact", {}), ("quantize_weights", {"quantize_weights": True})):
-        run = Run(mixed_precision=BF16, shard_group_size=shard_group_size, **settings)
-        curves[name] = run.train(range(STEPS))
-    return curves
+QUANTIZED = {"quantize_weights": True, "quantize_gradients": True}  # qwZ and qgZ
+
+
+def convergence(rank: int, world_size: int, variants: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """300 steps of each variant's settings, the same batches: their loss curves by name."""
+    return {name: Run(mixed_precision=BF16, **settings).train(range(STEPS)) for name, settings in variants.items()}
 
 
 class SentPayloads:
     """Every collective handed to ``torch.distributed`` with its payload bytes, in order (really sent)."""
 
-    NAMES = ("broadcast", "all_gather", "all_gather_into_tensor", "all_reduce", "reduce_scatter", "reduce")
+    NAMES = (
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_reduce",
+        "reduce_scatter",
+        "reduce",
+        "all_to_all_single",
+    )
 
     def __enter__(self) -> "SentPayloads":
         self.calls: list[tuple[str, int]] = []
@@ -100,20 +108,27 @@ def traffic(rank: int, world_size: int) -> dict[str, Any]:
     """One step's collectives, exact and with quantized weights (same model, same batch), call by call."""
     block = 64
     sent = {}
-    for name, settings in (("exact", {}), ("quantize_weights", {"quantize_weights": True})):
-        run = Run(mixed_precision=BF16, quantization_block_size=block, **settings)
+    for name in ("exact", "quantize_weights", "quantize_gradients"):
+        run = Run(mixed_precision=BF16, quantization_block_size=block, **({name: True} if name != "exact" else {}))
         run.step(0)
         with SentPayloads() as payloads:
             run.step(1)
         sent[name] = payloads.calls
         shards = [report.padded_numel // world_size for report in run.engine.unit_reports()]
-    return {"sent": sent, "block": block, "shards": shards, "packed": {s: packed_bytes(s, block) for s in shards}}
+    return {
+        "sent": sent,
+        "block": block,
+        "shards": shards,
+        "packed": {s: packed_bytes(s, block) for s in shards},
+        "packed_int4": {s: packed_bytes(s, block, 4) for s in shards},
+        "reduce_element_bytes": run.engine.config.mixed_precision.reduce_dtype.itemsize,
+    }
 
 
 def exact_reads(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
     """With quantized weights: exports and ``gathered_parameters()`` read the fp32 masters, not the
-    dequantized values the forward used; checkpoints move between runs with and without it exactly
-    (``directory``: shared by the ranks)."""
+    dequantized values the forward used; checkpoints move between runs with and without ZeRO++'s three pieces
+    exactly (``directory``: shared by the ranks)."""
     results: dict[str, Any] = {}
     quantized = Run(quantize_weights=True, quantization_block_size=16)
     quantized.train(range(3))
@@ -129,9 +144,10 @@ def exact_reads(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
             exact_logits = quantized.model(ids)
     results["forward_differs_from_masters"] = not torch.equal(quantized_logits, exact_logits)
     # Saved with it, loaded without it (and back), saved again: the test compares the two checkpoints.
+    every_piece = {**QUANTIZED, "secondary_shard_group_size": 1}
     for source_settings, target_settings, name in (
-        ({"quantize_weights": True}, {}, "with_to_without"),
-        ({}, {"quantize_weights": True}, "without_to_with"),
+        (every_piece, {}, "with_to_without"),
+        ({}, every_piece, "without_to_with"),
     ):
         source = Run(quantization_block_size=16, **source_settings)
         source.train(range(2))
@@ -145,22 +161,21 @@ def exact_reads(rank: int, world_size: int, directory: Path) -> dict[str, Any]:
 
 
 def compositions(rank: int, world_size: int, directory: Path) -> dict[str, tuple[list[float], list[float]]]:
-    """Quantized weights with the parameter shards offloaded (host, files) and with accumulation: 10 steps
-    each, beside the same run with exact gathers."""
+    """Quantized weights and gradients with the parameter shards offloaded (host, files), with some units
+    kept whole, at stage 2 (gradients only), and with accumulation: 10 steps each, beside the same run
+    exact."""
     cases = {
         "offload_params_cpu": {"offload_params": "cpu", "offload_optimizer": "cpu"},
         "offload_params_nvme": {"offload_params": "nvme", "offload_optimizer": "nvme", "offload_dir": str(directory)},
         "persistence_threshold": {"persistence_threshold": 5000},  # the blocks kept whole, the root sharded
+        "stage_2": {"stage": 2},
     }
     results = {}
     for name, settings in cases.items():
-        curves = []
-        for quantize in (False, True):
-            run = Run(mixed_precision=BF16, quantize_weights=quantize, quantization_block_size=128, **settings)
-            curves.append(run.train(range(10)))
-        results[name] = (curves[0], curves[1])
-    exact, quantized = Run(quantization_block_size=128), Run(quantize_weights=True, quantization_block_size=128)
-    results["accumulation"] = (_accumulated(exact), _accumulated(quantized))
+        quantized = {"quantize_gradients": True} if name == "stage_2" else QUANTIZED
+        exact = Run(mixed_precision=BF16, **settings).train(range(10))
+        results[name] = (exact, Run(mixed_precision=BF16, **settings, **quantized).train(range(10)))
+    results["accumulation"] = (_accumulated(Run()), _accumulated(Run(**QUANTIZED)))
     return results
 
 

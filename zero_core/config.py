@@ -290,10 +290,27 @@ class ZeroConfig:
         parse=parse_optional_int,
         example=8,
     )
+    quantize_gradients: bool = setting(
+        False,
+        doc="stages 2 and 3 (ZeRO++'s qgZ): gradients reduce as all-to-alls of int4 (or int8) blocks with an "
+        "fp32 scale each, summed in fp32; in two hops (inside, then across secondary groups) with "
+        "secondary_shard_group_size, and quantized across shard groups under hybrid sharding",
+        values="true or false (stages 2 and 3)",
+        parse=parse_bool,
+        example=True,
+    )
+    gradient_quantization_bits: int = setting(
+        4,
+        doc="with quantize_gradients: the bits per gradient value on the wire (4: a quarter of bf16's bytes, "
+        "as ZeRO++; 8: half, closer values)",
+        values="4 or 8",
+        parse=int,
+        example=8,
+    )
     quantization_block_size: int = setting(
-        2048,
-        doc="with quantize_weights: the elements per quantization block, each sending one fp32 scale (smaller: "
-        "closer values, more scales)",
+        128,
+        doc="with quantize_weights or quantize_gradients: the elements per quantization block, each sending "
+        "one fp32 scale (smaller: closer values, more scales)",
         values="an integer >= 1",
         parse=int,
         example=512,

@@ -25,6 +25,7 @@ from .handle import Handle
 from .meetings import RanksDivergedError, meeting
 from .ops import all_gather, all_gather_objects, all_reduce, broadcast, reduce_scatter
 from .quantized_gather import all_gather_quantized
+from .quantized_reduce import all_reduce_quantized, reduce_scatter_quantized
 from .stats import CollectiveCount, CollectiveKind, CommStats, Span
 
 __all__ = [
@@ -43,7 +44,9 @@ __all__ = [
     "all_gather_objects",
     "all_gather_quantized",
     "all_reduce",
+    "all_reduce_quantized",
     "broadcast",
     "meeting",
     "reduce_scatter",
+    "reduce_scatter_quantized",
 ]

@@ -139,6 +139,9 @@ class CommContext:
     # and its backward (``split_secondary``); size 1: every rank keeps the whole unit.
     secondary_group: dist.ProcessGroup | None = None
     secondary_size: int = 1
+    # qgZ's second hop (ZeRO++): the ranks at this rank's place in each secondary group of the shard group.
+    # Only without hybrid sharding (one shard group); None: gradients reduce in one hop.
+    across_secondary_group: dist.ProcessGroup | None = None
 
     @classmethod
     def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
@@ -219,6 +222,8 @@ class CommContext:
             return  # each rank keeps the whole unit: no group
         groups = self._consecutive_groups(size, "secondary_shard_group_size", "the secondary groups are made")
         self.secondary_group = groups[0]
+        if self.replicas == 1:  # the ranks at one place in each group: inside the shard group only then
+            self.across_secondary_group = groups[1]
 
     def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
         """The process group and its size that ``span`` names, from this rank."""
@@ -230,6 +235,8 @@ class CommContext:
             return self.tensor_parallel_group, self.tensor_parallel_size
         if span is Span.SECONDARY:
             return self.secondary_group, self.secondary_size
+        if span is Span.ACROSS_SECONDARY:
+            return self.across_secondary_group, self.shard_size // self.secondary_size
         return self.group, self.world_size
 
     def rank_in(self, span: "Span") -> int:
@@ -242,6 +249,8 @@ class CommContext:
             return self.tensor_parallel_rank
         if span is Span.SECONDARY:
             return self.shard_rank % self.secondary_size
+        if span is Span.ACROSS_SECONDARY:
+            return self.shard_rank // self.secondary_size
         return self.rank
 
     @property

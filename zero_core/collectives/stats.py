@@ -24,6 +24,7 @@ class Span(str, Enum):
     ACROSS_GROUPS = "across shard groups"  # the ranks holding the same shard, one per group
     TENSOR_PARALLEL = "across the tensor-parallel group"  # the ranks splitting each layer (a 2-D mesh)
     SECONDARY = "inside the secondary group"  # hpZ: the k ranks of a shard group holding a unit between passes
+    ACROSS_SECONDARY = "across secondary groups"  # qgZ's second hop: one rank of each secondary group
 
 
 @dataclass

@@ -130,10 +130,14 @@ _ZERO = (
     (
         "zero_quantized_nontrainable_weights",
         REFUSED,
-        "quantized weights change the numbers",
+        "frozen weights kept in int8 at rest are not built; quantize_weights quantizes every gather, frozen too",
         _ACCEPTED_IF(equals(False)),
     ),
-    ("zero_quantized_gradients", REFUSED, "quantized reduce-scatters change the numbers", _ACCEPTED_IF(equals(False))),
+    (
+        "zero_quantized_gradients",
+        MAPPED,
+        "quantize_gradients (ZeRO++'s qgZ: the gradient reduce-scatter as all-to-alls of int4 blocks; stages 2 and 3)",
+    ),
     (
         "zenflow",
         REFUSED,
@@ -275,5 +279,6 @@ _MAPPERS = {
     "cpu_offload": _bool_key("offload_optimizer", "cpu", None),  # DeepSpeed's older spellings
     "cpu_offload_param": _bool_key("offload_params", "cpu", None),
     "zero_quantized_weights": _bool_key("quantize_weights"),
+    "zero_quantized_gradients": _bool_key("quantize_gradients"),
     "zero_hpz_partition_size": _secondary,
 }

@@ -89,7 +89,7 @@ class FlatUnit:
             for piece in self.layout.pieces(comm.shard_rank)
         ]
         grads_class = ShardedGrads if stage_plan.grads_sharded else LocalGrads
-        self.grads: UnitGrads = grads_class(self.layout, self.params, precision, comm, self.label)
+        self.grads: UnitGrads = grads_class(self.layout, self.params, precision, comm, self.label, wire)
         if stage_plan.params_sharded_at_rest:
             self.reshard()
 

@@ -21,17 +21,29 @@ link carries Ψ/k per optimizer step, not per micro-batch.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from functools import partial
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from ..collectives import CommContext, Handle, Span, all_reduce, reduce_scatter
+from ..collectives import (
+    CommContext,
+    Handle,
+    Span,
+    all_reduce,
+    all_reduce_quantized,
+    reduce_scatter,
+    reduce_scatter_quantized,
+)
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages
+from ..wire_plan import WirePlan
 from .layout import FlatLayout, shard_view, slot_view
 from .tensor_parallel import is_dtensor, local_grad
+
+AllReduce = Callable[..., Handle]  # (comm, tensor, label=, span=) -> Handle
 
 
 def _sum_into(total: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
@@ -80,9 +92,10 @@ class ShardSum:
 class AcrossGroupsShardSum(ShardSum):
     """Hybrid sharding: reduced inside the shard group only, until the next reduce across groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, all_reduce_across: AllReduce) -> None:
         super().__init__()
         self.group_grads: torch.Tensor | None = None
+        self._all_reduce = all_reduce_across  # exact, or quantized (qgZ)
 
     def add(self, reduced: torch.Tensor) -> None:
         self.group_grads = _sum_into(self.group_grads, reduced)
@@ -98,7 +111,7 @@ class AcrossGroupsShardSum(ShardSum):
         """All-reduce ``group_grads`` with the other groups' ranks holding this shard."""
         if self.group_grads is None:
             return None
-        return all_reduce(comm, self.group_grads, label=label, span=Span.ACROSS_GROUPS)
+        return self._all_reduce(comm, self.group_grads, label=label, span=Span.ACROSS_GROUPS)
 
     def finish_across_groups(self, handle: Handle) -> None:
         handle.wait()
@@ -119,10 +132,23 @@ class UnitGrads:
     """What both strategies share: which slots got a gradient, and the reduce-scatter itself."""
 
     def __init__(
-        self, layout: FlatLayout, params: list[nn.Parameter], precision: MixedPrecision, comm: CommContext, label: str
+        self,
+        layout: FlatLayout,
+        params: list[nn.Parameter],
+        precision: MixedPrecision,
+        comm: CommContext,
+        label: str,
+        wire: WirePlan = WirePlan(),
     ):
         self.layout, self.params, self.precision, self.comm, self.label = layout, params, precision, comm, label
-        self.shards: ShardSum = AcrossGroupsShardSum() if comm.replicas > 1 else ShardSum()
+        # qgZ: both reductions carry quantized blocks; otherwise both are exact.
+        block, bits = wire.gradient_block_size, wire.gradient_bits
+        if block is None:
+            self._reduce_scatter, across = reduce_scatter, all_reduce
+        else:
+            self._reduce_scatter = partial(reduce_scatter_quantized, block_size=block, bits=bits)
+            across = partial(all_reduce_quantized, block_size=block, bits=bits)
+        self.shards: ShardSum = AcrossGroupsShardSum(across) if comm.replicas > 1 else ShardSum()
         self.full_grads: torch.Tensor | None = None
         self.slot_has_grad = [False] * len(layout.slots)
         self._filled_this_backward: set[int] = set()
@@ -138,7 +164,7 @@ class UnitGrads:
     def _start_reduce_scatter(self, sharded_out: torch.Tensor) -> PendingReduce:
         if self.precision.reduce_dtype != torch.float32:
             self.full_grads.div_(self.comm.world_size)  # low precision: average (over every rank) before summing
-        handle = reduce_scatter(self.comm, sharded_out, self.full_grads, label=self.label)
+        handle = self._reduce_scatter(self.comm, sharded_out, self.full_grads, label=self.label)
         return PendingReduce(sharded_out, self.full_grads, handle)
 
     def _wait_averaged(self, pending: PendingReduce) -> torch.Tensor:
@@ -211,11 +237,9 @@ class UnitGrads:
 class LocalGrads(UnitGrads):
     """Stage 1: full local gradients across micro-batches, reduce-scattered in place at the boundary."""
 
-    def __init__(
-        self, layout: FlatLayout, params: list[nn.Parameter], precision: MixedPrecision, comm: CommContext, label: str
-    ):
-        super().__init__(layout, params, precision, comm, label)
-        self.full_grads = torch.zeros(layout.padded_numel, dtype=precision.reduce_dtype, device=comm.device)
+    def __init__(self, layout: FlatLayout, params: list[nn.Parameter], precision: MixedPrecision, *args, **kwargs):
+        super().__init__(layout, params, precision, *args, **kwargs)
+        self.full_grads = torch.zeros(layout.padded_numel, dtype=precision.reduce_dtype, device=self.comm.device)
         self._attach_model_grad_views()
 
     def _attach_model_grad_views(self) -> None:
@@ -282,10 +306,8 @@ class LocalGrads(UnitGrads):
 class ShardedGrads(UnitGrads):
     """Stages 2/3: each backward reduce-scatters and keeps only the shard."""
 
-    def __init__(
-        self, layout: FlatLayout, params: list[nn.Parameter], precision: MixedPrecision, comm: CommContext, label: str
-    ):
-        super().__init__(layout, params, precision, comm, label)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.backward_shard: torch.Tensor | None = None  # what the running backward reduced
 
     def tensors(self) -> list[torch.Tensor | None]:

@@ -1,0 +1,131 @@
+"""ZeRO++'s quantized gradients (qgZ): reductions whose pieces travel as int4 (or int8) blocks.
+
+A reduce-scatter becomes an all-to-all: each rank quantizes the piece every other rank owns
+(``quantization.py``), sends it straight there, and each rank dequantizes what it received and sums it in
+fp32, in rank order. With secondary groups (hpZ's node, one shard group) it runs in two hops, as the
+paper's hierarchical all-to-all: first inside the secondary group, each rank summing what its group holds
+for the ranks at its place in every group, then across the groups, between the ranks at one place. The
+link between nodes carries 1/k of the gradient, quantized, instead of all of it.
+
+Under hybrid sharding the shard group's reduce-scatter is one hop (the shard group is the node), and the
+across-groups all-reduce is a quantized all-to-all of its pieces, summed in fp32, then a quantized
+all-gather of the sums that every replica dequantizes alike, its own piece too: replicas keep equal shards.
+
+Each call runs its hops to completion before it returns (on a GPU, queued on the reduce-scatter stream), so
+the collectives of every rank are issued in the same order; the returned handle orders the caller after
+them. Byte counts are the packed ``uint8`` buffers: what really travels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.autograd.profiler import record_function
+
+from ..quantization import Quantized, dequantize_into, pack, packed_bytes, quantize, unpack
+from .context import CommContext
+from .handle import Handle, _handle, _on_side_stream
+from .ops import all_gather
+from .stats import CollectiveKind, Span
+
+# Rows quantized (and dequantized) per batch: bounds the fp32 temporaries to about this many elements.
+_BATCH_ELEMENTS = 1 << 22
+
+
+def _all_to_all(comm: CommContext, send: torch.Tensor, span: Span, label: str) -> torch.Tensor:
+    """Row ``i`` of ``send`` to the ``i``-th rank of ``span``; row ``i`` of the result from it."""
+    comm.stats.record(CollectiveKind.REDUCE_SCATTER, send, span)
+    group, size = comm.span(span)
+    if size == 1:
+        return send
+    received = torch.empty_like(send)
+    work = dist.all_to_all_single(received, send, group=group, async_op=True)
+    _handle(comm, work, CollectiveKind.REDUCE_SCATTER, label).wait()  # raises CollectiveFailed, naming it
+    return received
+
+
+def _batches(rows: int, numel: int) -> range:
+    return range(0, rows, max(1, _BATCH_ELEMENTS // max(numel, 1)))
+
+
+def _sum_rows(rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int):
+    """``rows`` (one per rank of ``span``, in its order): this rank's row summed over ``span``, in fp32."""
+    count, numel = rows.shape
+    send = torch.empty(count, packed_bytes(numel, block_size, bits), dtype=torch.uint8, device=rows.device)
+    step = _batches(count, numel).step
+    for first in range(0, count, step):
+        pack(quantize(rows[first : first + step], block_size, bits), send[first : first + step])
+    received = unpack(_all_to_all(comm, send, span, label), numel, parts=count, bits=bits)
+    total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
+    restored = torch.empty(min(step, count), numel, dtype=torch.float32, device=rows.device)
+    for first in range(0, count, step):
+        part = Quantized(received.values[first : first + step], received.scales[first : first + step], bits)
+        into = restored[: part.values.shape[0]]
+        dequantize_into(into, part, block_size)
+        total += into.sum(dim=0)  # in rank order on every rank
+    return total
+
+
+def _run(comm: CommContext, stream, tensors: tuple[torch.Tensor, ...], hops: Callable[[], None], label: str):
+    if stream is None:
+        hops()
+        return Handle()
+    return _on_side_stream(comm, stream, tensors, hops, CollectiveKind.REDUCE_SCATTER, label)
+
+
+def reduce_scatter_quantized(
+    comm: CommContext,
+    shard_out: torch.Tensor,
+    full_in: torch.Tensor,
+    label: str = "gradients",
+    *,
+    block_size: int,
+    bits: int,
+) -> Handle:
+    """Sum ``full_in`` over the shard group and leave this rank's slice in ``shard_out`` (which may be a slice of
+    ``full_in``), each piece quantized to ``bits`` in blocks of ``block_size`` on the wire."""
+    if full_in.numel() == 0:
+        comm.stats.record(CollectiveKind.REDUCE_SCATTER, full_in, Span.SHARD_GROUP)
+        return Handle()
+    size, piece = comm.shard_size, full_in.numel() // comm.shard_size
+
+    def hops() -> None:
+        with record_function("zero::reduce_scatter_quantized"):
+            if comm.across_secondary_group is None:
+                summed = _sum_rows(full_in.view(size, piece), comm, Span.SHARD_GROUP, label, block_size, bits)
+            else:
+                inner, outer = comm.secondary_size, size // comm.secondary_size
+                # Shard rank g * inner + l: row l holds what this rank has for the ranks at place l of every group.
+                by_place = full_in.view(outer, inner, piece).transpose(0, 1).reshape(inner, outer * piece)
+                partial = _sum_rows(by_place, comm, Span.SECONDARY, label, block_size, bits)
+                summed = _sum_rows(partial.view(outer, piece), comm, Span.ACROSS_SECONDARY, label, block_size, bits)
+            shard_out.copy_(summed)
+
+    return _run(comm, comm.reduce_scatter_stream, (shard_out, full_in), hops, label)
+
+
+def all_reduce_quantized(
+    comm: CommContext, tensor: torch.Tensor, label: str, span: Span = Span.ACROSS_GROUPS, *, block_size: int, bits: int
+) -> Handle:
+    """Sum ``tensor`` over ``span`` in place: a quantized all-to-all of its pieces, each rank summing one in
+    fp32, then a quantized all-gather of the sums, which every rank (its own piece too) dequantizes alike."""
+    _, size = comm.span(span)
+    if size == 1 or tensor.numel() == 0:
+        return Handle()
+    numel = tensor.numel()
+    piece = -(-numel // size)
+
+    def hops() -> None:
+        with record_function("zero::all_reduce_quantized"):
+            rows = torch.nn.functional.pad(tensor.reshape(-1), (0, size * piece - numel)).view(size, piece)
+            summed = _sum_rows(rows, comm, span, label, block_size, bits)
+            send = pack(quantize(summed, block_size, bits))
+            received = torch.empty(size * send.numel(), dtype=torch.uint8, device=tensor.device)
+            all_gather(comm, received, send, label, span).wait()
+            gathered = torch.empty(size, piece, dtype=tensor.dtype, device=tensor.device)
+            dequantize_into(gathered, unpack(received, piece, parts=size, bits=bits), block_size)
+            tensor.view(-1).copy_(gathered.view(-1)[:numel])
+
+    return _run(comm, None, (tensor,), hops, label)
