@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,9 +229,21 @@ def test_secondary_shards_keep_the_backward_gathers_inside_a_node(at_four: list[
 def test_a_deepspeed_config_turns_them_on() -> None:
     from zero_core.deepspeed.reading import from_deepspeed
 
-    zero = {"stage": 3, "zero_quantized_weights": True, "zero_hpz_partition_size": 8}
-    settings = from_deepspeed({"zero_optimization": zero}).settings
-    assert settings == {"stage": 3, "quantize_weights": True, "secondary_shard_group_size": 8}
+    # DeepSpeed's ZeRO++ tutorial config, as published: its three keys become the three settings, its
+    # bucket and stream knobs are accepted without effect.
+    tutorial = from_deepspeed(Path(__file__).parent / "deepspeed_configs" / "deepspeed_tutorial_zeropp.json")
+    assert tutorial.settings == {
+        "stage": 3,
+        "quantize_weights": True,
+        "quantize_gradients": True,
+        "secondary_shard_group_size": 16,
+    }
+    assert set(tutorial.without_effect) == {
+        f"zero_optimization.{key}"
+        for key in ("reduce_bucket_size", "reduce_scatter", "contiguous_gradients", "overlap_comm")
+    }
+    zero = {"stage": 2, "zero_quantized_gradients": True}
+    assert from_deepspeed({"zero_optimization": zero}).settings == {"stage": 2, "quantize_gradients": True}
     # DeepSpeed's default, 1, is no secondary shard.
     assert from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).settings == {"stage": 3}
     with pytest.raises(ValueError, match="zero_hpz_partition_size=0"):
@@ -243,6 +256,13 @@ def test_refused_where_it_means_nothing() -> None:
     for stage in (1, 2):
         with pytest.raises(ValueError, match="quantize_weights quantizes stage 3's parameter all-gathers"):
             ZeroConfig(stage=stage, quantize_weights=True)
+    with pytest.raises(ValueError, match="quantize_gradients quantizes the gradient reduce-scatter of stages 2"):
+        ZeroConfig(stage=1, quantize_gradients=True)
+    for bad in (2, 16, True, "4"):
+        with pytest.raises(ValueError, match="gradient_quantization_bits"):
+            ZeroConfig(stage=2, quantize_gradients=True, gradient_quantization_bits=bad)
+    with pytest.raises(ValueError, match="quantize_gradients must be True or False"):
+        ZeroConfig(quantize_gradients="yes")
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="quantization_block_size"):
             ZeroConfig(quantize_weights=True, quantization_block_size=bad)
