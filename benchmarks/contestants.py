@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
@@ -72,6 +73,22 @@ STAGE_OF = {
     "zero3_infinity_in_backward": 3,
     "deepspeed3_nvme": 3,
     "deepspeed3_infinity": 3,
+    # ZeRO++ and hybrid sharding with the ranks as two "nodes" (world size / 2 ranks each).
+    "zero3_hybrid": 3,
+    "zero3_qwz": 3,
+    "zero3_qgz": 3,
+    "zero3_zeropp": 3,
+}
+# Their settings; a node is half the ranks.
+WIRE = {
+    "zero3_hybrid": lambda node: {"shard_group_size": node},
+    "zero3_qwz": lambda node: {"quantize_weights": True},
+    "zero3_qgz": lambda node: {"quantize_gradients": True},
+    "zero3_zeropp": lambda node: {
+        "quantize_weights": True,
+        "quantize_gradients": True,
+        "secondary_shard_group_size": node,
+    },
 }
 
 
@@ -180,6 +197,8 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
         offload.update(offload_optimizer="cpu")
     if kind.endswith("_params"):
         offload["offload_params"] = "cpu"
+    if kind in WIRE:
+        offload.update(WIRE[kind](max(1, dist.get_world_size() // 2)))
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=kind.endswith("_overlap"), **offload
     )
