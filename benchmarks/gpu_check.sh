@@ -38,6 +38,8 @@ if wants bench; then
         tee "$OUT/bench.log" || status=1
     cp /tmp/gpu-bench/all-cuda.json "$OUT/" 2>/dev/null || status=1
     timeout 90 python3 benchmarks/host_adam.py 2>&1 | tee "$OUT/host_adam.log" || status=1
+    timeout 60 python3 benchmarks/quantization_cost.py --device cuda --numel 4e8 --repeats 5 2>&1 |
+        tee "$OUT/quantization_cost.log" || status=1
 fi
 if wants offload; then
     timeout 570 python3 benchmarks/gpu_offload.py --minutes 8 --out "$OUT/offload" 2>&1 |

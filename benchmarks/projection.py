@@ -24,6 +24,10 @@
    and the break-even batch, the tokens per device at which compute time
    equals communication time, so communication can hide behind compute.
 
+4. ZeRO++ (``ZEROPP``): the same 4 ranks sharded together, secondary shards and quantized gradients over
+   2 "nodes" of 2, int8 weights; its bytes per link class, then a projection at 64 nodes x 8 with 100,
+   200 and 400 Gb/s between nodes, beside flat and hybrid ZeRO-3 and the paper's reported ratios.
+
 Stated, not measured: the link rates and latencies and the device FLOP
 rate (defaults: 900 GB/s and 3 µs inside a node, 400 Gb/s = 50 GB/s per
 device and 10 µs between nodes, 400 TFLOP/s sustained bf16).
@@ -50,6 +54,14 @@ from plotting import copy_to_docs, pyplot  # noqa: E402
 
 DEVICES_PER_NODE = 8
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+# ZeRO++ as the paper runs it: sharded over every device, secondary shards and qgZ's hops over a node (2 of
+# the 4 ranks measured here), int8 weights and int4 gradients in blocks of BLOCK.
+BLOCK = 128
+ZEROPP = {"quantize_weights": True, "quantize_gradients": True, "secondary_shard_group_size": 2}
+INTER_GBITS = (100.0, 200.0, 400.0)
+# The paper's own figures (Wang et al., 2023, abstract): cross-node volume 3M -> 0.75M, up to 2.16x the
+# throughput of ZeRO-3 at 384 GPUs.
+PAPER_VOLUME_RATIO, PAPER_THROUGHPUT_RATIO = 4.0, 2.16
 
 
 # ------------------------------------------------------------------ measuring
@@ -62,31 +74,33 @@ def _measure_rank(rank: int, world_size: int, port: int, queue) -> None:  # type
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     results = []
-    for stage in (1, 2, 3):
-        for group in (None, 2):
-            torch.manual_seed(0)
-            config = GPTConfig(vocab_size=256, seq_len=32, width=64, depth=4, heads=4)
-            model = GPT(config)
-            engine = ZeroEngine(
-                model,
-                torch.optim.AdamW(model.parameters(), lr=1e-3),
-                ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(GPTBlock,)), shard_group_size=group),
-            )
-            for step in range(2):
-                ids = synthetic_batch(config, 4, step, rank)
-                engine.backward(next_token_loss(model(ids), ids))
-                engine.step()
-            padded = sum(report.padded_numel for report in engine.unit_reports())
-            traffic = {span: count.bytes / (4 * padded) for span, count in engine.last_step_traffic_by_span.items()}
-            results.append(
-                {
-                    "stage": stage,
-                    "shard_group_size": engine.shard_group_size,
-                    "per_param": traffic,
-                    "units": len(engine.unit_reports()),
-                }
-            )
-            engine.unshard()
+    layouts = [(stage, {"shard_group_size": group}) for stage in (1, 2, 3) for group in (None, 2)]
+    layouts.append((3, ZEROPP))
+    for stage, settings in layouts:
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=256, seq_len=32, width=64, depth=4, heads=4)
+        model = GPT(config)
+        engine = ZeroEngine(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-3),
+            ZeroConfig(stage=stage, wrap_policy=WrapPolicy(module_classes=(GPTBlock,)), **settings),
+        )
+        for step in range(2):
+            ids = synthetic_batch(config, 4, step, rank)
+            engine.backward(next_token_loss(model(ids), ids))
+            engine.step()
+        padded = sum(report.padded_numel for report in engine.unit_reports())
+        traffic = {span: count.bytes / (4 * padded) for span, count in engine.last_step_traffic_by_span.items()}
+        results.append(
+            {
+                "stage": stage,
+                "shard_group_size": engine.shard_group_size,
+                "zeropp": settings is ZEROPP,
+                "per_param": traffic,
+                "units": len(engine.unit_reports()),
+            }
+        )
+        engine.unshard()
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
@@ -165,6 +179,65 @@ def project(
     return Projection(nodes, compute, flat, hybrid, flat / per_token, hybrid / per_token)
 
 
+@dataclass(frozen=True)
+class ZeroPlusPlus:
+    inter_gbits: float
+    compute_s: float
+    flat_comm_s: float
+    hybrid_comm_s: float
+    zeropp_comm_s: float
+    flat_cross_node_bytes: float  # per device per step: bf16 parameters, fp32 gradients
+    flat_bf16_cross_node_bytes: float  # the paper's baseline: bf16 gradients too
+    zeropp_cross_node_bytes: float
+
+
+def project_zeropp(
+    params: float, tokens: float, units: int, nodes: int, hw: Hardware, inside: float, across: float, wire: dict
+) -> ZeroPlusPlus:
+    """ZeRO++ beside flat and hybrid ZeRO-3 on ``nodes`` x 8 devices. ``wire``: measured bytes per parameter
+    per step of the int8 forward gathers (``forward``) and of the int4 gradient rows (``gradients``); sharded
+    over every device, the backward gathers in bf16 inside a node, the gradients in two hops."""
+    devices = nodes * DEVICES_PER_NODE
+    base = project(params, tokens, units, nodes, hw, inside, across)
+    intra, inter = (hw.intra_bytes_per_s, hw.intra_latency_s), (hw.inter_bytes_per_s, hw.inter_latency_s)
+    per_unit = lambda total: total / units  # noqa: E731 - one collective per unit
+    forward, gradients = wire["forward"] * params, wire["gradients"] * params
+    zeropp = units * (
+        ring_seconds(per_unit(forward), devices, *(inter if nodes > 1 else intra))
+        + ring_seconds(per_unit(2 * params), DEVICES_PER_NODE, *intra)  # the backward's gather, in a node
+        + ring_seconds(per_unit(gradients), DEVICES_PER_NODE, *intra)  # qgZ's first hop (an all-to-all)
+        + ring_seconds(per_unit(gradients / DEVICES_PER_NODE), nodes, *inter)  # its second: 1/8 across
+    )
+    share = (devices - 1) / devices
+    return ZeroPlusPlus(
+        hw.inter_bytes_per_s * 8 / 1e9,
+        base.compute_s,
+        base.flat_comm_s,
+        base.hybrid_comm_s,
+        zeropp,
+        share * (2 * 2 + 4) * params,
+        share * (2 * 2 + 2) * params,
+        share * forward + (nodes - 1) / nodes * gradients / DEVICES_PER_NODE,
+    )
+
+
+def _zeropp_table(rows: list[ZeroPlusPlus]) -> list[str]:
+    lines = [
+        "| between nodes | compute (s) | flat ZeRO-3 comm (s) | hybrid comm (s) | ZeRO++ comm (s) | "
+        "step, ZeRO++ vs flat | cross-node bytes per device: flat (bf16 grads) / ZeRO++ | the paper's |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        speedup = (r.compute_s + r.flat_comm_s) / (r.compute_s + r.zeropp_comm_s)
+        volume = r.flat_bf16_cross_node_bytes / r.zeropp_cross_node_bytes
+        lines.append(
+            f"| {r.inter_gbits:g} Gb/s | {r.compute_s:.3f} | {r.flat_comm_s:.3f} | {r.hybrid_comm_s:.3f} | "
+            f"{r.zeropp_comm_s:.3f} | {speedup:.2f}x | {volume:.1f}x fewer | {PAPER_VOLUME_RATIO:g}x fewer volume; "
+            f"up to {PAPER_THROUGHPUT_RATIO}x throughput (384 GPUs) |"
+        )
+    return lines
+
+
 def _table(rows: list[Projection]) -> list[str]:
     lines = [
         "| nodes x 8 | compute (s) | flat comm (s) | flat comm share | hybrid comm (s) | hybrid comm share | "
@@ -234,6 +307,23 @@ def main() -> None:
     # Measured with groups of 2: Ψ/k per rank. With a node of 8 as the group, each device's shard is Ψ/8.
     across = hybrid["ACROSS_GROUPS"] * 2 / DEVICES_PER_NODE
     rows = [project(args.params, args.tokens_per_device, args.units, n, hw, inside, across) for n in NODE_COUNTS]
+    zeropp = next(r["per_param"] for r in measured if r["zeropp"])
+    # Measured over 2 "nodes" of 2 in fp32 (per_param counts fp32 elements: x 4 is bytes): the forward's int8
+    # gathers inside the one shard group, the gradients' second hop (1/2 of the int4 rows) across the groups.
+    wire = {"forward": 4 * zeropp["SHARD_GROUP"], "gradients": 4 * zeropp["ACROSS_SECONDARY"] * 2}
+    zeropp_rows = [
+        project_zeropp(
+            args.params,
+            args.tokens_per_device,
+            args.units,
+            64,
+            Hardware(hw.intra_bytes_per_s, hw.intra_latency_s, gbits / 8 * 1e9, hw.inter_latency_s, hw.flops),
+            inside,
+            across,
+            wire,
+        )
+        for gbits in INTER_GBITS
+    ]
 
     lines = [
         "# Flat vs hybrid sharding at cluster scale (projected)",
@@ -245,7 +335,7 @@ def main() -> None:
         "| stage | layout | inside the shard group | across shard groups | every rank | formula (inside / across) |",
         "|---|---|---|---|---|---|",
     ]
-    for r in measured:
+    for r in [r for r in measured if not r["zeropp"]]:
         k = r["shard_group_size"]
         inside_formula = 3 if r["stage"] == 3 else 2
         across_formula = f"1/{k}" if k < 4 else "0"
@@ -273,6 +363,26 @@ def main() -> None:
         "rings cross the network as soon as there are two nodes, so its communication jumps there and its "
         "break-even batch with it; hybrid sharding pays the network only for the gradient shards (Ψ/8 fp32 per "
         "device), so its cost grows slowly with the node count (ring latency and the (n-1)/n factor).",
+        "",
+        "## ZeRO++ at 64 nodes x 8, by the rate between nodes",
+        "",
+        f"Measured here (4 gloo ranks as 2 nodes of 2, fp32, blocks of {BLOCK}), bytes per parameter per step: "
+        f"the forward's int8 gathers {wire['forward']:.4f} (formula 1 + 4/{BLOCK} = {1 + 4 / BLOCK:.4f}); the "
+        f"int4 gradient rows {wire['gradients']:.4f} (0.5 + 4/{BLOCK} = {0.5 + 4 / BLOCK:.4f}), of which qgZ's "
+        "second hop sends 1/k across nodes; the backward's gathers stay inside a node (hpZ): "
+        f"{4 * zeropp['SECONDARY']:.4f} inside the secondary groups (fp32 gathers 4 + the first hop).",
+        "",
+        "Projected: sharded over all 512 devices, secondary shards and qgZ's first hop inside each node of 8, "
+        "parameters gathered in int8 forward and bf16 backward, gradients in int4; the step's compute and the "
+        "links as above. Flat ZeRO-3 moves bf16 parameters and fp32 gradients (the cross-node column compares "
+        "with bf16 gradients, the paper's baseline).",
+        "",
+        *_zeropp_table(zeropp_rows),
+        "",
+        "The paper counts qgZ's cross-node volume as 0.25M (the whole gradient at int4); with the intra-node "
+        "sum first, each device sends 1/8 of it across, so our count of that hop is lower, and the forward's "
+        "int8 gathers (about Ψ bytes per device) are most of what is left. Its 2.16x is measured end to end "
+        "on 384 V100s with overlap; ours is a projection with nothing overlapped.",
     ]
     if not args.no_plots:
         _plot(rows, Path(args.out).with_name("projection.png"))

@@ -108,8 +108,10 @@ def _train(
     shard_group_size: int | None = None,
     partition: bool = False,
     persistence_threshold: int = 0,
+    **wire: Any,
 ) -> tuple[ZeroEngine, dict[str, list[float]]]:
-    """The engine's run of one case: its losses (the mean over the data-parallel ranks) and clipped norms."""
+    """The engine's run of one case: its losses (the mean over the data-parallel ranks) and clipped norms;
+    ``wire``: ZeRO++'s settings."""
     mesh = tensor_parallel_mesh(TP)
     dp_rank = mesh["data_parallel"].get_local_rank()
     torch.manual_seed(0)
@@ -120,7 +122,7 @@ def _train(
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy(module_classes=(Layer,)), mixed_precision=precision,
         shard_group_size=shard_group_size, partition_activations=partition,
-        persistence_threshold=persistence_threshold,
+        persistence_threshold=persistence_threshold, **wire,
     )  # fmt: skip
     engine = ZeroEngine(split, _optimizer(optimizer, split), config, device_mesh=mesh)
     assert engine.shard_group_size == (shard_group_size or DP)
@@ -229,6 +231,13 @@ def _parity(rank: int, world_size: int) -> list[dict[str, Any]]:
         result["case"] = {k: str(v) for k, v in case.items()}
         results.append(result)
     return results
+
+
+def _zero_plus_plus() -> tuple[list[float], list[float]]:
+    """Stage 3 on the 2-D mesh, exact and with ZeRO++'s three pieces (a "node" of one data-parallel rank: the
+    data-parallel group is 2): the quantized collectives run over the data-parallel ranks only."""
+    wire = {"quantize_weights": True, "quantize_gradients": True, "secondary_shard_group_size": 1}
+    return _train(3, "adamw")[1]["losses"], _train(3, "adamw", **wire)[1]["losses"]
 
 
 def _engine(stage: int = 3, dtype: Any = None, before: Any = None) -> tuple[ZeroEngine, TinyLlama, Any]:
@@ -509,6 +518,7 @@ def _grid(rank: int, world_size: int) -> dict[str, Any]:
         "replicated_agree": _tensor_parallel_ranks_agree(rank, world_size),
         "overflow": _overflow_on_one_tensor_parallel_rank(rank, world_size),
         "traffic": _traffic(rank, world_size),
+        "zero_plus_plus": _zero_plus_plus(),
         "refusals": _refusals(rank, world_size),
         "checkpoints": _checkpoints(rank, world_size),
         "full_weights": _full_weights(rank, world_size),
@@ -672,6 +682,18 @@ def _launch(script: str, out: Path, *args: str) -> list[dict[str, Any]]:
 
 def _by_rank(out: Path) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD)]
+
+
+@pytest.mark.distributed
+def test_zero_plus_plus_composes_with_tensor_parallelism(grid: list[Any]) -> None:
+    """Quantized gathers and gradients over the data-parallel ranks of each tensor-parallel rank: close to the
+    exact run, not equal to it, and the same on every rank (the loss is the mean over data parallelism)."""
+    runs = [ranked["zero_plus_plus"] for ranked in grid]
+    exact, quantized = runs[0]
+    assert all(run == runs[0] for run in runs)
+    assert quantized != exact
+    for a, b in zip(exact, quantized):
+        assert abs(a - b) <= 0.02 * a, (exact, quantized)
 
 
 @pytest.fixture(scope="module")

@@ -187,16 +187,18 @@ def test_it_composes_with_offload_persistence_stage_2_and_accumulation(at_two: l
 @pytest.mark.distributed
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_on_cuda_the_side_stream_quantizes_what_it_gathers(world_size: int) -> None:
-    """A quantization that ran before the shard (or its staging copy) was ready would gather stale or
-    unfilled values: losses far from the exact run's, or NaN."""
+def test_on_cuda_the_side_streams_quantize_what_they_send(world_size: int) -> None:
+    """A quantization that ran before the shard (or its staging copy, or the gradient) was ready would send
+    stale or unfilled values: losses far from the exact run's, or NaN."""
     backend = "nccl" if torch.cuda.device_count() >= world_size else "gloo"
     for losses in run_distributed(run_each, world_size, {"cuda": on_cuda}, backend=backend):
         for offload in ("none", "cpu"):
-            exact, quantized = losses["cuda"][f"{offload}-False"], losses["cuda"][f"{offload}-True"]
+            exact = losses["cuda"][f"{offload}-exact"]
             assert exact[-1] < exact[0]
-            for a, b in zip(exact, quantized):
-                assert abs(a - b) <= 0.02 * a, (offload, exact, quantized)
+            for piece in ("weights", "gradients"):
+                quantized = losses["cuda"][f"{offload}-{piece}"]
+                for a, b in zip(exact, quantized):
+                    assert abs(a - b) <= 0.02 * a, (offload, piece, exact, quantized)
 
 
 @pytest.mark.distributed

@@ -199,17 +199,19 @@ def _accumulated(run: Run, micro_batches: int = 3) -> list[float]:
 
 
 def on_cuda(rank: int, world_size: int) -> dict[str, list[float]]:
-    """On a GPU (the side streams under NCCL): 8 steps with exact and quantized gathers, the parameter shards
-    on the device and staged from pinned host memory (the staging copy and the quantization share the
-    all-gather's stream)."""
+    """On a GPU (the side streams under NCCL): 8 steps exact, with quantized gathers and with quantized
+    gradients, the parameter shards on the device and staged from pinned host memory (the staging copy and
+    the weights' quantization share the all-gather's stream; the gradients' hops run on the reduce-scatter
+    stream)."""
     device = f"cuda:{rank % torch.cuda.device_count()}"
     torch.cuda.set_device(device)
     losses = {}
     for offload in ("none", "cpu"):
-        for quantize in (False, True):
-            run = Run(device, mixed_precision=BF16, offload_params=offload, quantize_weights=quantize)
+        for quantized in ("exact", "weights", "gradients"):
+            settings = {} if quantized == "exact" else {f"quantize_{quantized}": True}
+            run = Run(device, mixed_precision=BF16, offload_params=offload, **settings)
             assert (run.engine.comm.all_gather_stream is not None) == (dist.get_backend() == "nccl")
-            losses[f"{offload}-{quantize}"] = run.train(range(8))
+            losses[f"{offload}-{quantized}"] = run.train(range(8))
     return losses
 
 

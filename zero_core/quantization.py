@@ -70,12 +70,14 @@ def quantize(tensor: torch.Tensor, block_size: int, bits: int = 8) -> Quantized:
     rows = tensor.detach().float()
     rows = rows if rows.dim() == 2 else rows.reshape(-1)
     blocks = _as_blocks(rows, block_size)
-    # amax is NaN for a block with a NaN (amax propagates it), inf for one with an inf: dequantized, both
+    # amax is NaN for a block with a NaN (aminmax propagates it), inf for one with an inf: dequantized, both
     # give NaN throughout (inf * 0 is NaN).
-    amax = blocks.abs().amax(dim=-1, keepdim=True)
-    divisor = torch.where(amax > 0, amax, torch.ones_like(amax))  # a zero block: every q is 0 anyway
-    scaled = torch.round(blocks / divisor * levels(bits))
-    scaled = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))  # inf/NaN: lost in amax
+    lowest, highest = torch.aminmax(blocks, dim=-1, keepdim=True)
+    amax = torch.maximum(-lowest, highest)
+    # One multiplier per block (a pass over the elements fewer than dividing each): 0 for a zero block, whose
+    # values are all 0 anyway, and for an inf or NaN one, whose values the scale's inf or NaN overrides.
+    multiplier = torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax))
+    scaled = (blocks * multiplier).round_().nan_to_num_(0.0, 0.0, 0.0)  # inf * 0 is NaN: to 0 as well
     values = scaled.to(torch.int8).flatten(-2)[..., : rows.shape[-1]]
     return Quantized(values, amax.squeeze(-1), bits)
 
@@ -83,10 +85,10 @@ def quantize(tensor: torch.Tensor, block_size: int, bits: int = 8) -> Quantized:
 def dequantize_into(out: torch.Tensor, quantized: Quantized, block_size: int) -> None:
     """Write the dequantized values into ``out`` (any floating dtype, as many elements as quantized): one row,
     or several back to back (:func:`unpack`'s ``parts``) at once."""
-    values = quantized.values.float()
-    blocks = _as_blocks(values, block_size)
-    restored = quantized.scales.unsqueeze(-1) * (blocks / levels(quantized.bits))
-    out.view(values.shape).copy_(restored.flatten(-2)[..., : values.shape[-1]])
+    values = quantized.values.float()  # a new tensor: worked on in place
+    # q / L first: exactly +-1 at a block's largest magnitude, which the scale then restores exactly.
+    blocks = _as_blocks(values, block_size).div_(levels(quantized.bits)).mul_(quantized.scales.unsqueeze(-1))
+    out.view(values.shape).copy_(blocks.flatten(-2)[..., : values.shape[-1]])
 
 
 def _value_bytes_of(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -46,15 +46,17 @@ def _all_to_all(comm: CommContext, send: torch.Tensor, span: Span, label: str) -
     return received
 
 
-def _batches(rows: int, numel: int) -> range:
-    return range(0, rows, max(1, _BATCH_ELEMENTS // max(numel, 1)))
+def _rows_per_batch(numel: int) -> int:
+    return max(1, _BATCH_ELEMENTS // max(numel, 1))
 
 
-def _sum_rows(rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int):
+def _sum_rows(
+    rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int
+) -> torch.Tensor:
     """``rows`` (one per rank of ``span``, in its order): this rank's row summed over ``span``, in fp32."""
     count, numel = rows.shape
     send = torch.empty(count, packed_bytes(numel, block_size, bits), dtype=torch.uint8, device=rows.device)
-    step = _batches(count, numel).step
+    step = _rows_per_batch(numel)
     for first in range(0, count, step):
         pack(quantize(rows[first : first + step], block_size, bits), send[first : first + step])
     received = unpack(_all_to_all(comm, send, span, label), numel, parts=count, bits=bits)
@@ -68,7 +70,15 @@ def _sum_rows(rows: torch.Tensor, comm: CommContext, span: Span, label: str, blo
     return total
 
 
-def _run(comm: CommContext, stream, tensors: tuple[torch.Tensor, ...], hops: Callable[[], None], label: str):
+def _run(
+    comm: CommContext,
+    stream: torch.cuda.Stream | None,
+    tensors: tuple[torch.Tensor, ...],
+    hops: Callable[[], None],
+    label: str,
+) -> Handle:
+    """``hops`` now, on the caller's stream (CPU: each collective waited for inside), or queued on ``stream``
+    with the handle ordering the caller after it."""
     if stream is None:
         hops()
         return Handle()
