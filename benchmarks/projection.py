@@ -221,37 +221,36 @@ def project_zeropp(
     )
 
 
+def _markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
 def _zeropp_table(rows: list[ZeroPlusPlus]) -> list[str]:
-    lines = [
-        "| between nodes | compute (s) | flat ZeRO-3 comm (s) | hybrid comm (s) | ZeRO++ comm (s) | "
-        "step, ZeRO++ vs flat | cross-node bytes per device: flat (bf16 grads) / ZeRO++ | the paper's |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["between nodes", "compute (s)", "flat ZeRO-3 comm (s)", "hybrid comm (s)", "ZeRO++ comm (s)"]
+    header += ["step, ZeRO++ vs flat", "cross-node bytes per device: flat (bf16 grads) / ZeRO++", "the paper's"]
+    paper = f"{PAPER_VOLUME_RATIO:g}x fewer volume; up to {PAPER_THROUGHPUT_RATIO}x throughput (384 GPUs)"
+    cells = []
     for r in rows:
         speedup = (r.compute_s + r.flat_comm_s) / (r.compute_s + r.zeropp_comm_s)
         volume = r.flat_bf16_cross_node_bytes / r.zeropp_cross_node_bytes
-        lines.append(
-            f"| {r.inter_gbits:g} Gb/s | {r.compute_s:.3f} | {r.flat_comm_s:.3f} | {r.hybrid_comm_s:.3f} | "
-            f"{r.zeropp_comm_s:.3f} | {speedup:.2f}x | {volume:.1f}x fewer | {PAPER_VOLUME_RATIO:g}x fewer volume; "
-            f"up to {PAPER_THROUGHPUT_RATIO}x throughput (384 GPUs) |"
-        )
-    return lines
+        times = [r.compute_s, r.flat_comm_s, r.hybrid_comm_s, r.zeropp_comm_s]
+        cells.append([f"{r.inter_gbits:g} Gb/s", *(f"{t:.3f}" for t in times), f"{speedup:.2f}x"])
+        cells[-1] += [f"{volume:.1f}x fewer", paper]
+    return _markdown_table(header, cells)
 
 
 def _table(rows: list[Projection]) -> list[str]:
-    lines = [
-        "| nodes x 8 | compute (s) | flat comm (s) | flat comm share | hybrid comm (s) | hybrid comm share | "
-        "break-even tokens/device, flat | hybrid |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["nodes x 8", "compute (s)", "flat comm (s)", "flat comm share", "hybrid comm (s)"]
+    header += ["hybrid comm share", "break-even tokens/device, flat", "hybrid"]
+    cells = []
     for r in rows:
         share = lambda comm: comm / (comm + r.compute_s)  # noqa: E731 - nothing overlapped: the upper bound
-        lines.append(
-            f"| {r.nodes} | {r.compute_s:.3f} | {r.flat_comm_s:.3f} | {share(r.flat_comm_s):.0%} | "
-            f"{r.hybrid_comm_s:.3f} | "
-            f"{share(r.hybrid_comm_s):.0%} | {r.flat_break_even_tokens:,.0f} | {r.hybrid_break_even_tokens:,.0f} |"
+        cells.append(
+            [f"{r.nodes}", f"{r.compute_s:.3f}", f"{r.flat_comm_s:.3f}", f"{share(r.flat_comm_s):.0%}"]
+            + [f"{r.hybrid_comm_s:.3f}", f"{share(r.hybrid_comm_s):.0%}"]
+            + [f"{r.flat_break_even_tokens:,.0f}", f"{r.hybrid_break_even_tokens:,.0f}"]
         )
-    return lines
+    return _markdown_table(header, cells)
 
 
 def _plot(rows: list[Projection], path: Path) -> None:
