@@ -48,9 +48,10 @@ def all_gather_quantized(
     span: Span = Span.SHARD_GROUP,
     *,
     block_size: int,
+    bits: int = 8,
 ) -> Handle:
-    """Fill ``gathered_out`` (group size * shard numel) with every rank's shard, int8-quantized in blocks of
-    ``block_size`` on the wire and dequantized into ``gathered_out``'s dtype."""
+    """Fill ``gathered_out`` (group size * shard numel) with every rank's shard, quantized to ``bits`` (int8
+    unless asked) in blocks of ``block_size`` on the wire and dequantized into ``gathered_out``'s dtype."""
     numel = shard_in.numel()
     if numel == 0:
         return all_gather(comm, gathered_out, shard_in, label, span)
@@ -59,11 +60,12 @@ def all_gather_quantized(
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(shard_in.device))
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        send = pack(quantize(shard_in, block_size))
-    per_rank = packed_bytes(numel, block_size)
+        send = pack(quantize(shard_in, block_size, bits))
+    per_rank = packed_bytes(numel, block_size, bits)
     received = torch.empty(size * per_rank, dtype=torch.uint8, device=gathered_out.device)
 
     def dequantize() -> None:
-        dequantize_into(gathered_out, unpack(received, numel, parts=size), block_size)  # every rank's at once
+        # Every rank's part at once, this rank's own among them: every rank holds the same values.
+        dequantize_into(gathered_out, unpack(received, numel, parts=size, bits=bits), block_size)
 
     return _DequantizeOnWait(all_gather(comm, received, send, label, span), dequantize)

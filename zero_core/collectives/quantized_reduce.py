@@ -27,7 +27,7 @@ from torch.autograd.profiler import record_function
 from ..quantization import Quantized, dequantize_into, pack, packed_bytes, quantize, unpack
 from .context import CommContext
 from .handle import Handle, _handle, _on_side_stream
-from .ops import all_gather
+from .quantized_gather import all_gather_quantized
 from .stats import CollectiveKind, Span
 
 # Rows quantized (and dequantized) per batch: bounds the fp32 temporaries to about this many elements.
@@ -131,11 +131,8 @@ def all_reduce_quantized(
         with record_function("zero::all_reduce_quantized"):
             rows = torch.nn.functional.pad(tensor.reshape(-1), (0, size * piece - numel)).view(size, piece)
             summed = _sum_rows(rows, comm, span, label, block_size, bits)
-            send = pack(quantize(summed, block_size, bits))
-            received = torch.empty(size * send.numel(), dtype=torch.uint8, device=tensor.device)
-            all_gather(comm, received, send, label, span).wait()
-            gathered = torch.empty(size, piece, dtype=tensor.dtype, device=tensor.device)
-            dequantize_into(gathered, unpack(received, piece, parts=size, bits=bits), block_size)
-            tensor.view(-1).copy_(gathered.view(-1)[:numel])
+            gathered = torch.empty(size * piece, dtype=tensor.dtype, device=tensor.device)
+            all_gather_quantized(comm, gathered, summed, label, span, block_size=block_size, bits=bits).wait()
+            tensor.view(-1).copy_(gathered[:numel])
 
     return _run(comm, None, (tensor,), hops, label)
