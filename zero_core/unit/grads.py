@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 from functools import partial
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -237,9 +237,10 @@ class UnitGrads:
 class LocalGrads(UnitGrads):
     """Stage 1: full local gradients across micro-batches, reduce-scattered in place at the boundary."""
 
-    def __init__(self, layout: FlatLayout, params: list[nn.Parameter], precision: MixedPrecision, *args, **kwargs):
-        super().__init__(layout, params, precision, *args, **kwargs)
-        self.full_grads = torch.zeros(layout.padded_numel, dtype=precision.reduce_dtype, device=self.comm.device)
+    def __init__(self, *args: Any, **kwargs: Any):  # UnitGrads's
+        super().__init__(*args, **kwargs)
+        numel, dtype = self.layout.padded_numel, self.precision.reduce_dtype
+        self.full_grads = torch.zeros(numel, dtype=dtype, device=self.comm.device)
         self._attach_model_grad_views()
 
     def _attach_model_grad_views(self) -> None:
@@ -306,7 +307,7 @@ class LocalGrads(UnitGrads):
 class ShardedGrads(UnitGrads):
     """Stages 2/3: each backward reduce-scatters and keeps only the shard."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any):  # UnitGrads's
         super().__init__(*args, **kwargs)
         self.backward_shard: torch.Tensor | None = None  # what the running backward reduced
 
