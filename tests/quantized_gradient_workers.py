@@ -6,12 +6,26 @@ Four ranks, three layouts: one shard group (one hop), one shard group in seconda
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from zero_core.collectives import CommContext, Span, all_reduce_quantized, reduce_scatter_quantized
+from zero_core import quantization
+from zero_core.collectives import (
+    CommContext,
+    Span,
+    all_gather_quantized,
+    all_reduce_quantized,
+    all_reduce_working_bytes,
+    gather_working_bytes,
+    reduce_scatter_quantized,
+    reduce_working_bytes,
+)
+
+from .allocations import peak_allocated_bytes
 
 PIECE, BLOCK = 1024, 64  # elements per rank's shard, elements per quantization block
 
@@ -69,7 +83,41 @@ def reductions(rank: int, world_size: int) -> dict[str, Any]:
             results[f"{layout}-{bits}-spans"] = {name: c.bytes for name, c in comm.stats.span_snapshot().items()}
         if layout == "hybrid":
             results.update(_across_groups(comm, rank))
+        results[f"{layout}-working"] = _working_memory(comm, layout)
     return results
+
+
+# Elements per quantization pass while the working memory is measured: a piece of 3000 elements goes in passes
+# of several rows, one of 20000 in runs of one row's blocks.
+SMALL_PASS = 16384
+
+
+def _working_memory(comm: CommContext, layout: str) -> dict[str, tuple[int, int]]:
+    """Each quantized collective's peak allocation (the profiler's count) beside the formula the estimate uses."""
+    measured: dict[str, tuple[int, int]] = {}
+    secondary = comm.secondary_size if layout == "two_hops" else None
+    default, quantization.BATCH_ELEMENTS = quantization.BATCH_ELEMENTS, SMALL_PASS
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            trace = Path(folder) / "trace.json"
+            for piece in (3000, 20000):
+                for bits in (4, 8):
+                    shard, full = torch.randn(piece).bfloat16(), torch.randn(piece * comm.shard_size)
+                    out = torch.empty(piece * comm.shard_size, dtype=torch.bfloat16)
+                    call = lambda: all_gather_quantized(comm, out, shard, block_size=BLOCK, bits=bits).wait()  # noqa: E731
+                    formula = gather_working_bytes(piece, comm.shard_size, BLOCK, bits)
+                    measured[f"gather-{piece}-{bits}"] = (peak_allocated_bytes(call, trace), formula)
+                    into = torch.empty(piece)
+                    call = lambda: reduce_scatter_quantized(comm, into, full, block_size=BLOCK, bits=bits).wait()  # noqa: E731
+                    formula = reduce_working_bytes(piece, comm.shard_size, secondary, BLOCK, bits)
+                    measured[f"reduce-{piece}-{bits}"] = (peak_allocated_bytes(call, trace), formula)
+                    if layout == "hybrid":
+                        call = lambda: all_reduce_quantized(comm, into, "gradients", block_size=BLOCK, bits=bits).wait()  # noqa: E731
+                        formula = all_reduce_working_bytes(piece, comm.replicas, BLOCK, bits, into.element_size())
+                        measured[f"all_reduce-{piece}-{bits}"] = (peak_allocated_bytes(call, trace), formula)
+    finally:
+        quantization.BATCH_ELEMENTS = default
+    return measured
 
 
 def _across_groups(comm: CommContext, rank: int) -> dict[str, Any]:

@@ -25,8 +25,16 @@ from zero_core import (
     expected_model_state_bytes,
     user_settings,
 )
+from zero_core.collectives import all_reduce_working_bytes, gather_working_bytes, reduce_working_bytes
 from zero_core.estimate_cli import build_parser, main
-from zero_core.memory.estimate import SHARED_SETTINGS, EstimateSettings, largest_fitting_model, shared_settings
+from zero_core.memory.estimate import (
+    SHARED_SETTINGS,
+    EstimateSettings,
+    count_units,
+    largest_fitting_model,
+    shared_config,
+    shared_settings,
+)
 
 from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
@@ -264,3 +272,37 @@ def test_hpz_pieces_are_a_line_of_their_own() -> None:
     with redirect_stdout(out):
         main(["--params", "7e6", "--world-size", "8", "--precision", "bf16", "--secondary-shard-group-size", "4"])
     assert "secondary_shard_group_size=4: 3.34 MiB more on the device" in out.getvalue()
+
+
+def test_zero_plus_plus_buffers_are_lines_of_their_own() -> None:
+    """quantize_weights and quantize_gradients: the working memory of the largest unit's quantized gather and
+    reduce (the formulas tests/test_quantized_gradients.py holds to what the profiler sees allocated), in the
+    layout the engine would run them (one hop, two hops with hpZ, hybrid's all-reduce across groups), printed
+    beside the table, which they leave alone."""
+    bf16 = MixedPrecision(compute_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    plain = estimate(7_000_000, 8, precision=bf16)
+    both = estimate(7_000_000, 8, precision=bf16, quantize_weights=True, quantize_gradients=True)
+    assert (plain.quantized_gather_bytes, plain.quantized_reduce_bytes) == (0, 0)
+    assert both.by_stage == plain.by_stage
+    shard = 7_000_000 // 8
+    assert both.quantized_gather_bytes == gather_working_bytes(shard, 8, 128)
+    assert both.quantized_reduce_bytes == reduce_working_bytes(shard, 8, None, 128, 4)
+    assert both.quantized_reduce_bytes > 8 * 2 * shard // 4  # at least the int4 gradient, sent and arrived
+    two_hops = estimate(7_000_000, 8, precision=bf16, quantize_gradients=True, secondary_shard_group_size=4)
+    assert two_hops.quantized_gather_bytes == 0
+    assert two_hops.quantized_reduce_bytes == reduce_working_bytes(shard, 8, 4, 128, 4)
+    hybrid = estimate(
+        7_000_000, 8, precision=bf16, quantize_gradients=True, shard_group_size=4, quantization_block_size=64
+    )
+    inside, across = reduce_working_bytes(2 * shard, 4, None, 64, 4), all_reduce_working_bytes(2 * shard, 2, 64, 4, 2)
+    assert hybrid.quantized_reduce_bytes == max(inside, across)
+    with torch.device("meta"):  # a model: its largest unit decides
+        model = TinyTransformer(blocks=2, vocab=4096)
+    units = count_units(model, shared_config(wrap_policy=Block))
+    largest = max(-(-unit.numel // 8) for unit in units)
+    by_model = estimate(model, 8, wrap_policy=Block, quantize_weights=True)
+    assert by_model.quantized_gather_bytes == gather_working_bytes(largest, 8, 128)
+    out = StringIO()
+    with redirect_stdout(out):
+        main(["--params", "7e6", "--world-size", "8", "--quantize-weights", "true", "--quantize-gradients", "true"])
+    assert "quantize_weights: up to" in out.getvalue() and "packed int4 buffers" in out.getvalue()

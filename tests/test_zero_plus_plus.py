@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 import torch
 
+from zero_core.quantization import packed_bytes
+
 from .checkpoint_files import assert_same_checkpoint
 from .distributed import by_rank, run_distributed, run_each
 from .zero_plus_plus_workers import (
@@ -131,6 +133,18 @@ def test_each_parameter_gather_sends_int8_blocks_and_their_scales(at_two: list[d
         saved = sum(a for a, _ in changed) / sum(b for _, b in changed)
         block = result["block"]
         assert saved == pytest.approx(2 / (1 + 4 / block), rel=0.02)  # about half of bf16's bytes
+
+
+@pytest.mark.distributed
+def test_memory_report_counts_the_packed_buffers_of_gathers_in_flight(at_two: list[dict[str, Any]]) -> None:
+    """While the first block computes, the second block's quantized gather is in flight (prefetch 1): its
+    packed shard sent and every rank's arriving are alive, and memory_report() counts them; after the step,
+    nothing is in flight."""
+    for rank_result in by_rank(at_two, "traffic"):
+        in_flight, world_size = rank_result["in_flight"], 2
+        packed = packed_bytes(in_flight["shard"], rank_result["block"])
+        assert in_flight["during"] == [(world_size + 1) * packed]
+        assert in_flight["after"] == 0
 
 
 @pytest.mark.distributed

@@ -115,14 +115,30 @@ def traffic(rank: int, world_size: int) -> dict[str, Any]:
             run.step(1)
         sent[name] = payloads.calls
         shards = [report.padded_numel // world_size for report in run.engine.unit_reports()]
+        if name == "quantize_weights":
+            in_flight = _gathers_in_flight(run)
     return {
         "sent": sent,
+        "in_flight": in_flight,
         "block": block,
         "shards": shards,
         "packed": {s: packed_bytes(s, block) for s in shards},
         "packed_int4": {s: packed_bytes(s, block, 4) for s in shards},
         "reduce_element_bytes": run.engine.config.mixed_precision.reduce_dtype.itemsize,
     }
+
+
+def _gathers_in_flight(run: Run) -> dict[str, Any]:
+    """``memory_report().communication_bytes`` while the first block computes (prefetch 1: the second block's
+    quantized gather in flight) and after the step; the second block's shard, to hold it to."""
+    seen: list[int] = []
+    hook = run.model.blocks[0].register_forward_pre_hook(
+        lambda *_: seen.append(run.engine.memory_report().communication_bytes)
+    )
+    run.step(2)
+    hook.remove()
+    second = next(r for r in run.engine.unit_reports() if r.name == "blocks.1")
+    return {"during": seen, "after": run.engine.memory_report().communication_bytes, "shard": second.shard_numel}
 
 
 def exact_reads(rank: int, world_size: int, directory: Path) -> dict[str, Any]:

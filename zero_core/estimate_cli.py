@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import MixedPrecision
+from .config import MixedPrecision, ZeroConfig
 from .memory.estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model, shared_config, shared_settings
 from .settings import Setting
 from .sizes import human_bytes
@@ -118,7 +118,25 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
             f"{human_bytes(result.secondary_piece_bytes)} more on the device from each unit's forward to its "
             "backward (hpZ's pieces; gone by the peak after a backward that the table shows)."
         )
+    lines += _quantization_lines(result, config)
     return "\n".join(lines)
+
+
+def _quantization_lines(result: ZeroEstimate, config: ZeroConfig) -> list[str]:
+    """ZeRO++'s quantized collectives: the working memory of the largest unit's, beside the table."""
+    lines = []
+    if config.quantize_weights:
+        lines.append(
+            f"stage 3 with quantize_weights: up to {human_bytes(result.quantized_gather_bytes)} more on the device "
+            "while a unit's quantized all-gather runs (its packed int8 buffers and a float32 pass)."
+        )
+    if config.quantize_gradients:
+        lines.append(
+            f"stages 2/3 with quantize_gradients: up to {human_bytes(result.quantized_reduce_bytes)} more on the "
+            f"device while a unit's quantized reduce runs (its packed int{config.gradient_quantization_bits} "
+            "buffers, a float32 sum and pass)."
+        )
+    return lines
 
 
 def _dest(setting: Setting) -> str:

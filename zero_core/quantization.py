@@ -22,6 +22,7 @@ Plain torch operations, on whatever device the tensor is on; no state.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -30,6 +31,9 @@ BITS = (4, 8)  # the widths the wire carries
 LEVELS = 127  # int8, symmetric
 SCALE_BYTES = 4  # one fp32 scale per block
 _INT4_OFFSET = 8  # an int4 value q in [-7, 7] travels as the nibble q + 8
+# Elements quantized or dequantized per pass (:func:`quantize_rows_into`, :func:`dequantized_rows`): whole rows
+# while they fit, else whole blocks of one row; bounds the float32 working copy of a collective to this many.
+BATCH_ELEMENTS = 1 << 22
 
 
 class Quantized(NamedTuple):
@@ -55,40 +59,58 @@ def packed_bytes(numel: int, block_size: int, bits: int = 8) -> int:
     return value_bytes(numel, bits) + SCALE_BYTES * blocks_of(numel, block_size)
 
 
-def _as_blocks(rows: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``rows`` (float32; its last dimension the elements) as blocks of ``block_size``, the last block of
-    each row padded with zeros (which raise no amax)."""
-    pad = blocks_of(rows.shape[-1], block_size) * block_size - rows.shape[-1]
-    if pad:
-        rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.view(*rows.shape[:-1], -1, block_size)
+def _block_views(rows: torch.Tensor, block_size: int) -> list[tuple[torch.Tensor, slice]]:
+    """``rows`` (2-D, the last dimension the elements) as views of its blocks, (rows, blocks, elements), with
+    the blocks' indices: the whole blocks, then the short last one if any. Views, so no padding copy."""
+    numel = rows.shape[-1]
+    whole = numel // block_size
+    views = [(rows[:, : whole * block_size].view(rows.shape[0], whole, block_size), slice(0, whole))] if whole else []
+    if numel % block_size:
+        views.append((rows[:, whole * block_size :].unsqueeze(1), slice(whole, whole + 1)))
+    return views
 
 
-def quantize(tensor: torch.Tensor, block_size: int, bits: int = 8) -> Quantized:
-    """``tensor`` (any floating dtype) to ``bits``-wide values and one fp32 scale per block: a 1-D tensor (or
-    one of any shape, read flat) as one row; a 2-D tensor row by row."""
-    rows = tensor.detach().float()
-    rows = rows if rows.dim() == 2 else rows.reshape(-1)
-    blocks = _as_blocks(rows, block_size)
-    # amax is NaN for a block with a NaN (aminmax propagates it), inf for one with an inf: dequantized, both
-    # give NaN throughout (inf * 0 is NaN).
-    lowest, highest = torch.aminmax(blocks, dim=-1, keepdim=True)
-    amax = torch.maximum(-lowest, highest)
-    # One multiplier per block (a pass over the elements fewer than dividing each): 0 for a zero block, whose
-    # values are all 0 anyway, and for an inf or NaN one, whose values the scale's inf or NaN overrides.
-    multiplier = torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax))
-    scaled = (blocks * multiplier).round_().nan_to_num_(0.0, 0.0, 0.0)  # inf * 0 is NaN: to 0 as well
-    values = scaled.to(torch.int8).flatten(-2)[..., : rows.shape[-1]]
-    return Quantized(values, amax.squeeze(-1), bits)
+def _float_copy(source: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor:
+    """``source`` in float32, in ``work`` (a flat float32 buffer at least as long) if given, else a new tensor."""
+    if work is None:
+        return source.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
+    return work[: source.numel()].view(source.shape).copy_(source)
+
+
+def quantize(tensor: torch.Tensor, block_size: int, bits: int = 8, work: torch.Tensor | None = None) -> Quantized:
+    """``tensor`` (any floating dtype) to ``bits``-wide values and one fp32 scale per block: a 2-D tensor row by
+    row; any other as one row, read flat (values and scales then 1-D). ``work``: a float32 buffer to compute
+    in (else one is made)."""
+    rows = tensor.detach().reshape(tensor.shape if tensor.dim() == 2 else (1, -1))
+    work = _float_copy(rows, work)  # worked on in place
+    scales = torch.empty(rows.shape[0], blocks_of(rows.shape[-1], block_size), device=rows.device)
+    for blocks, which in _block_views(work, block_size):
+        # amax is NaN for a block with a NaN (aminmax propagates it), inf for one with an inf: dequantized,
+        # both give NaN throughout (inf * 0 is NaN).
+        lowest, highest = torch.aminmax(blocks, dim=-1, keepdim=True)
+        amax = torch.maximum(-lowest, highest)
+        # One multiplier per block (a pass over the elements fewer than dividing each): 0 for a zero block,
+        # whose values are all 0 anyway, and for an inf or NaN one, whose values the scale's inf or NaN overrides.
+        blocks.mul_(torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax)))
+        scales[:, which] = amax.squeeze(-1)
+    values = work.round_().nan_to_num_(0.0, 0.0, 0.0).to(torch.int8)  # inf * 0 is NaN: to 0 as well
+    return Quantized(values, scales, bits) if tensor.dim() == 2 else Quantized(values[0], scales[0], bits)
+
+
+def _dequantized(quantized: Quantized, block_size: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """The values in float32, in the shape of ``quantized.values`` (in ``work``, a float32 buffer, if given)."""
+    values = _float_copy(quantized.values, work)  # worked on in place
+    rows, scales = values.view(-1, values.shape[-1]), quantized.scales.view(-1, quantized.scales.shape[-1])
+    for blocks, which in _block_views(rows, block_size):
+        # q / L first: exactly +-1 at a block's largest magnitude, which the scale then restores exactly.
+        blocks.div_(levels(quantized.bits)).mul_(scales[:, which].unsqueeze(-1))
+    return values
 
 
 def dequantize_into(out: torch.Tensor, quantized: Quantized, block_size: int) -> None:
     """Write the dequantized values into ``out`` (any floating dtype, as many elements as quantized): one row,
     or several back to back (:func:`unpack`'s ``parts``) at once."""
-    values = quantized.values.float()  # a new tensor: worked on in place
-    # q / L first: exactly +-1 at a block's largest magnitude, which the scale then restores exactly.
-    blocks = _as_blocks(values, block_size).div_(levels(quantized.bits)).mul_(quantized.scales.unsqueeze(-1))
-    out.view(values.shape).copy_(blocks.flatten(-2)[..., : values.shape[-1]])
+    out.view(quantized.values.shape).copy_(_dequantized(quantized, block_size))
 
 
 def _value_bytes_of(values: torch.Tensor, bits: int) -> torch.Tensor:
@@ -98,6 +120,11 @@ def _value_bytes_of(values: torch.Tensor, bits: int) -> torch.Tensor:
     if nibbles.shape[-1] % 2:
         nibbles = torch.nn.functional.pad(nibbles, (0, 1))
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def _write_packed(value_out: torch.Tensor, scale_out: torch.Tensor, quantized: Quantized) -> None:
+    value_out.copy_(_value_bytes_of(quantized.values, quantized.bits))
+    scale_out.copy_(quantized.scales.contiguous().view(torch.uint8))
 
 
 def pack(quantized: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -111,17 +138,112 @@ def pack(quantized: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+def _unpack(values_raw: torch.Tensor, scales_raw: torch.Tensor, numel: int, bits: int) -> Quantized:
+    """Values (rows, numel) from their packed bytes, scales (rows, blocks) from theirs (copied: fp32-aligned)."""
+    if bits == 8:
+        values = values_raw.view(torch.int8)
+    else:
+        low = (values_raw & 0xF).to(torch.int8) - _INT4_OFFSET
+        high = (values_raw >> 4).to(torch.int8) - _INT4_OFFSET
+        values = torch.stack([low, high], dim=-1).flatten(-2)[:, :numel]
+    return Quantized(values, scales_raw.clone(memory_format=torch.contiguous_format).view(torch.float32), bits)
+
+
 def unpack(buffer: torch.Tensor, numel: int, parts: int = 1, bits: int = 8) -> Quantized:
     """The inverse of :func:`pack` for a buffer of ``numel`` quantized elements, or of ``parts`` such rows back
     to back (an all-gather's output): values (parts, numel), scales (parts, blocks). int8 values are views
     of the buffer; int4 values are widened to int8."""
     rows = buffer.view(parts, -1)
-    raw = rows[:, : value_bytes(numel, bits)]
-    if bits == 8:
-        values = raw.view(torch.int8)
-    else:
-        low = (raw & 0xF).to(torch.int8) - _INT4_OFFSET
-        high = (raw >> 4).to(torch.int8) - _INT4_OFFSET
-        values = torch.stack([low, high], dim=-1).flatten(-2)[:, :numel]
-    scales = rows[:, value_bytes(numel, bits) :].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    split = value_bytes(numel, bits)
+    values, scales, _ = _unpack(rows[:, :split], rows[:, split:], numel, bits)
     return Quantized(values[0], scales[0], bits) if parts == 1 else Quantized(values, scales, bits)
+
+
+class _Segment(NamedTuple):
+    """Some rows' elements ``[start, stop)`` (whole blocks but the row's last), and where they are packed."""
+
+    rows: slice
+    start: int
+    stop: int
+    values: slice  # bytes of each packed row
+    scales: slice
+
+
+def _rows_per_pass(numel: int) -> int:
+    return max(1, BATCH_ELEMENTS // max(numel, 1))
+
+
+def _run_elements(block_size: int) -> int:
+    """Elements of one pass over a row longer than ``BATCH_ELEMENTS``: whole blocks, an even number of them
+    (int4 packs two values to a byte)."""
+    return max(1, BATCH_ELEMENTS // (2 * block_size)) * 2 * block_size
+
+
+def pass_elements(count: int, numel: int, block_size: int) -> int:
+    """The most elements one pass over ``count`` rows of ``numel`` holds: its float32 working buffer."""
+    if numel <= BATCH_ELEMENTS:
+        return min(count, _rows_per_pass(numel)) * numel
+    return min(numel, _run_elements(block_size))
+
+
+def dequantize_working_bytes(count: int, numel: int, block_size: int, bits: int, per_pass_bytes: int = 0) -> int:
+    """What :func:`dequantized_rows` of ``count`` rows of ``numel`` allocates at its peak: the float32 pass, its
+    scales, and with int4 the values widened to int8 (with the nibbles they are widened from), or instead
+    ``per_pass_bytes``, what the caller allocates for each pass once its int8 values are freed."""
+    elements = pass_elements(count, numel, block_size)
+    widened = 5 * elements // 2 if bits == 4 else 0
+    scales = SCALE_BYTES * (blocks_of(elements, block_size) + min(count, _rows_per_pass(numel)))
+    return 4 * elements + scales + max(widened, per_pass_bytes)
+
+
+def _segments(count: int, numel: int, block_size: int, bits: int) -> Iterator[_Segment]:
+    """The passes over ``count`` rows of ``numel`` elements: whole rows while ``BATCH_ELEMENTS`` holds them,
+    else runs of whole blocks of one row."""
+    whole_rows = numel <= BATCH_ELEMENTS
+    runs = (
+        [(0, numel)]
+        if whole_rows
+        else [(s, min(s + _run_elements(block_size), numel)) for s in range(0, numel, _run_elements(block_size))]
+    )
+    rows_per_pass = _rows_per_pass(numel) if whole_rows else 1
+    scales_at = value_bytes(numel, bits)
+    for first in range(0, count, rows_per_pass):
+        rows = slice(first, min(count, first + rows_per_pass))
+        for start, stop in runs:
+            values = slice(value_bytes(start, bits), value_bytes(stop, bits))
+            scale_bytes = slice(
+                scales_at + SCALE_BYTES * (start // block_size), scales_at + SCALE_BYTES * blocks_of(stop, block_size)
+            )
+            yield _Segment(rows, start, stop, values, scale_bytes)
+
+
+def _work_buffer(count: int, numel: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """One float32 buffer every pass computes in, so a pass's temporaries are freed before the next begins."""
+    return torch.empty(pass_elements(count, numel, block_size), dtype=torch.float32, device=device)
+
+
+def quantize_rows_into(out: torch.Tensor, rows: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
+    """Each row of ``rows`` (2-D, any floating dtype) quantized and packed into the same row of ``out``
+    (``uint8``, ``packed_bytes`` wide), at most ``BATCH_ELEMENTS`` at a time; returns ``out``."""
+    count, numel = rows.shape
+    work = _work_buffer(count, numel, block_size, rows.device)
+    for segment in _segments(count, numel, block_size, bits):
+        quantized = quantize(rows[segment.rows, segment.start : segment.stop], block_size, bits, work)
+        _write_packed(out[segment.rows, segment.values], out[segment.rows, segment.scales], quantized)
+    return out
+
+
+def dequantized_rows(
+    buffer: torch.Tensor, numel: int, parts: int, bits: int, block_size: int
+) -> Iterator[tuple[tuple[slice, slice], torch.Tensor]]:
+    """The ``parts`` packed rows of ``buffer`` (of ``numel`` elements each) dequantized, at most
+    ``BATCH_ELEMENTS`` at a time: ``((rows, elements), values)``, ``values`` float32 of shape (rows, elements),
+    in one buffer every pass reuses: valid until the next pass."""
+    packed_rows = buffer.view(parts, -1)
+    work = _work_buffer(parts, numel, block_size, buffer.device)
+    for rows, start, stop, values, scales in _segments(parts, numel, block_size, bits):
+        # One expression: the widened int8 values are freed once in ``work``, before the caller sees the pass.
+        restored = _dequantized(
+            _unpack(packed_rows[rows, values], packed_rows[rows, scales], stop - start, bits), block_size, work
+        )
+        yield (rows, slice(start, stop)), restored

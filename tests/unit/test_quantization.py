@@ -8,7 +8,18 @@ import math
 import pytest
 import torch
 
-from zero_core.quantization import BITS, dequantize_into, levels, pack, packed_bytes, quantize, unpack
+from zero_core import quantization
+from zero_core.quantization import (
+    BITS,
+    dequantize_into,
+    dequantized_rows,
+    levels,
+    pack,
+    packed_bytes,
+    quantize,
+    quantize_rows_into,
+    unpack,
+)
 
 LEVELS = levels(8)
 each_width = pytest.mark.parametrize("bits", BITS)
@@ -128,3 +139,26 @@ def test_rows_quantize_each_on_its_own_blocks(bits: int) -> None:
         assert torch.equal(packed[index], pack(quantize(rows[index], 16, bits)))
     back = unpack(packed.reshape(-1), 100, parts=3, bits=bits)
     assert torch.equal(back.values, quantized.values) and torch.equal(back.scales, quantized.scales)
+
+
+@each_width
+@pytest.mark.parametrize("batch", [64, 100, 1 << 22])  # runs of one row's blocks, rows per pass, one pass
+@pytest.mark.parametrize("rows,numel,block", [(5, 37, 8), (3, 301, 7), (2, 4097, 16), (1, 64, 64)])
+def test_passes_pack_and_restore_bit_for_bit_as_one_pass(
+    monkeypatch: pytest.MonkeyPatch, bits: int, batch: int, rows: int, numel: int, block: int
+) -> None:
+    """The collectives quantize and dequantize a bounded number of elements per pass (whole rows, or runs of
+    one row's blocks): the bytes and the values are those of the whole tensor at once."""
+    torch.manual_seed(rows * numel + block)
+    tensor = torch.randn(rows, numel) * torch.logspace(-3, 3, numel)
+    whole = pack(quantize(tensor, block, bits))
+    monkeypatch.setattr(quantization, "BATCH_ELEMENTS", batch)
+    assert torch.equal(quantize_rows_into(torch.empty_like(whole), tensor, block, bits), whole)
+    restored, elements = torch.full((rows, numel), float("nan")), 0
+    for where, values in dequantized_rows(whole.reshape(-1), numel, rows, bits, block):
+        assert values.numel() <= max(batch, 2 * block)  # whole blocks, an even number of values (int4)
+        restored[where] = values
+        elements += values.numel()
+    expected = torch.empty(rows, numel)
+    dequantize_into(expected, unpack(whole.reshape(-1), numel, parts=rows, bits=bits), block)
+    assert elements == rows * numel and torch.equal(restored, expected)

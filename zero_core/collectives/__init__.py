@@ -24,8 +24,13 @@ from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommC
 from .handle import Handle
 from .meetings import RanksDivergedError, meeting
 from .ops import all_gather, all_gather_objects, all_reduce, broadcast, reduce_scatter
-from .quantized_gather import all_gather_quantized
-from .quantized_reduce import all_reduce_quantized, reduce_scatter_quantized
+from .quantized_gather import all_gather_quantized, gather_working_bytes
+from .quantized_reduce import (
+    all_reduce_quantized,
+    all_reduce_working_bytes,
+    reduce_scatter_quantized,
+    reduce_working_bytes,
+)
 from .stats import CollectiveCount, CollectiveKind, CommStats, Span
 
 __all__ = [
@@ -45,8 +50,11 @@ __all__ = [
     "all_gather_quantized",
     "all_reduce",
     "all_reduce_quantized",
+    "all_reduce_working_bytes",
     "broadcast",
+    "gather_working_bytes",
     "meeting",
     "reduce_scatter",
     "reduce_scatter_quantized",
+    "reduce_working_bytes",
 ]

@@ -24,6 +24,9 @@ class Handle:
     the connection) raises :class:`CollectiveFailed` naming the collective.
     """
 
+    # The packed buffers a quantized collective (ZeRO++) holds until it is waited for: memory_report() counts them.
+    wire_buffers: tuple[torch.Tensor, ...] = ()
+
     def __init__(
         self,
         work: dist.Work | list[dist.Work] | None = None,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..quantization import dequantize_into, pack, packed_bytes, quantize, unpack
+from ..quantization import dequantize_working_bytes, dequantized_rows, packed_bytes, quantize_rows_into
 from .context import CommContext
 from .handle import Handle
 from .ops import all_gather
@@ -28,12 +28,14 @@ from .stats import Span
 class _DequantizeOnWait(Handle):
     """The gather's handle, with the dequantization run once after it completed."""
 
-    def __init__(self, gather: Handle, dequantize: Callable[[], None]):
+    def __init__(self, gather: Handle, dequantize: Callable[[], None], wire_buffers: tuple[torch.Tensor, ...]):
         super().__init__(after_wait=dequantize)
         self._gather = gather
+        self.wire_buffers = wire_buffers  # what was sent and what arrives, while in flight
 
     def wait(self) -> None:
         self._gather.wait()  # raises CollectiveFailed (the output untouched) if the gather failed
+        self.wire_buffers = ()  # the sent bytes go now; the dequantization holds what arrived until it is done
         super().wait()
 
     def is_completed(self) -> bool:
@@ -59,13 +61,25 @@ def all_gather_quantized(
     side = comm.all_gather_stream if shard_in.is_cuda else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(shard_in.device))
-    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-        send = pack(quantize(shard_in, block_size, bits))
     per_rank = packed_bytes(numel, block_size, bits)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        send = torch.empty(1, per_rank, dtype=torch.uint8, device=shard_in.device)
+        quantize_rows_into(send, shard_in.reshape(1, numel), block_size, bits)
     received = torch.empty(size * per_rank, dtype=torch.uint8, device=gathered_out.device)
 
     def dequantize() -> None:
-        # Every rank's part at once, this rank's own among them: every rank holds the same values.
-        dequantize_into(gathered_out, unpack(received, numel, parts=size, bits=bits), block_size)
+        # Every rank's part, this rank's own among them: every rank holds the same values.
+        out_rows = gathered_out.view(size, numel)
+        for where, values in dequantized_rows(received, numel, size, bits, block_size):
+            out_rows[where].copy_(values)
 
-    return _DequantizeOnWait(all_gather(comm, received, send, label, span), dequantize)
+    gather = all_gather(comm, received, send.view(-1), label, span)
+    return _DequantizeOnWait(gather, dequantize, (send, received))
+
+
+def gather_working_bytes(numel: int, size: int, block_size: int, bits: int = 8) -> int:
+    """What :func:`all_gather_quantized` of a shard of ``numel`` over ``size`` ranks allocates at its peak besides
+    its input and output: the packed bytes sent (a backend may let them go only when the call returns) and
+    arrived, and the dequantization's float32 pass (with int4, the widened values)."""
+    packed = packed_bytes(numel, block_size, bits) * (size + 1)
+    return packed + dequantize_working_bytes(size, numel, block_size, bits)

@@ -24,14 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from ..quantization import Quantized, dequantize_into, pack, packed_bytes, quantize, unpack
+from ..quantization import dequantize_working_bytes, dequantized_rows, packed_bytes, pass_elements, quantize_rows_into
 from .context import CommContext
 from .handle import Handle, _handle, _on_side_stream
-from .quantized_gather import all_gather_quantized
+from .quantized_gather import all_gather_quantized, gather_working_bytes
 from .stats import CollectiveKind, Span
-
-# Rows quantized (and dequantized) per batch: bounds the fp32 temporaries to about this many elements.
-_BATCH_ELEMENTS = 1 << 22
 
 
 def _all_to_all(comm: CommContext, send: torch.Tensor, span: Span, label: str) -> torch.Tensor:
@@ -46,27 +43,28 @@ def _all_to_all(comm: CommContext, send: torch.Tensor, span: Span, label: str) -
     return received
 
 
-def _rows_per_batch(numel: int) -> int:
-    return max(1, _BATCH_ELEMENTS // max(numel, 1))
+def _quantized_rows(rows: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
+    """``rows`` packed, one ``uint8`` row each: a 2-D tensor in passes; a 3-D one (rows of strided pieces, the
+    two hops' regrouping) one row at a time, each copied whole only while it is quantized."""
+    count, numel = rows.shape[0], rows[0].numel()
+    send = torch.empty(count, packed_bytes(numel, block_size, bits), dtype=torch.uint8, device=rows.device)
+    if rows.dim() == 2:
+        return quantize_rows_into(send, rows, block_size, bits)
+    for index in range(count):
+        quantize_rows_into(send[index : index + 1], rows[index].reshape(1, numel), block_size, bits)
+    return send
 
 
 def _sum_rows(
     rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int
 ) -> torch.Tensor:
-    """``rows`` (one per rank of ``span``, in its order): this rank's row summed over ``span``, in fp32."""
-    count, numel = rows.shape
-    send = torch.empty(count, packed_bytes(numel, block_size, bits), dtype=torch.uint8, device=rows.device)
-    step = _rows_per_batch(numel)
-    for first in range(0, count, step):
-        pack(quantize(rows[first : first + step], block_size, bits), send[first : first + step])
-    received = unpack(_all_to_all(comm, send, span, label), numel, parts=count, bits=bits)
+    """``rows`` (one per rank of ``span``, in its order; each 1-D, or 2-D read flat): this rank's row summed over
+    ``span``, in fp32."""
+    count, numel = rows.shape[0], rows[0].numel()
+    received = _all_to_all(comm, _quantized_rows(rows, block_size, bits), span, label)
     total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
-    restored = torch.empty(min(step, count), numel, dtype=torch.float32, device=rows.device)
-    for first in range(0, count, step):
-        part = Quantized(received.values[first : first + step], received.scales[first : first + step], bits)
-        into = restored[: part.values.shape[0]]
-        dequantize_into(into, part, block_size)
-        total += into.sum(dim=0)  # in rank order on every rank
+    for (_, elements), values in dequantized_rows(received, numel, count, bits, block_size):
+        total[elements] += values.sum(dim=0)  # in rank order on every rank
     return total
 
 
@@ -108,7 +106,7 @@ def reduce_scatter_quantized(
             else:
                 inner, outer = comm.secondary_size, size // comm.secondary_size
                 # Shard rank g * inner + l: row l holds what this rank has for the ranks at place l of every group.
-                by_place = full_in.view(outer, inner, piece).transpose(0, 1).reshape(inner, outer * piece)
+                by_place = full_in.view(outer, inner, piece).transpose(0, 1)
                 partial = _sum_rows(by_place, comm, Span.SECONDARY, label, block_size, bits)
                 summed = _sum_rows(partial.view(outer, piece), comm, Span.ACROSS_SECONDARY, label, block_size, bits)
             shard_out.copy_(summed)
@@ -131,8 +129,39 @@ def all_reduce_quantized(
         with record_function("zero::all_reduce_quantized"):
             rows = torch.nn.functional.pad(tensor.reshape(-1), (0, size * piece - numel)).view(size, piece)
             summed = _sum_rows(rows, comm, span, label, block_size, bits)
+            del rows  # a padded copy: summed now
             gathered = torch.empty(size * piece, dtype=tensor.dtype, device=tensor.device)
             all_gather_quantized(comm, gathered, summed, label, span, block_size=block_size, bits=bits).wait()
             tensor.view(-1).copy_(gathered[:numel])
 
     return _run(comm, None, (tensor,), hops, label)
+
+
+def _hop_working_bytes(count: int, numel: int, block_size: int, bits: int) -> int:
+    """:func:`_sum_rows` of ``count`` rows of ``numel`` at its peak, the dequantization: the packed bytes sent
+    (a backend may let them go only when the call returns) and arrived, the float32 total, a pass and its sum
+    over the pass's rows."""
+    summed = 4 * min(numel, pass_elements(count, numel, block_size))
+    packed = 2 * count * packed_bytes(numel, block_size, bits)
+    return packed + 4 * numel + dequantize_working_bytes(count, numel, block_size, bits, per_pass_bytes=summed)
+
+
+def reduce_working_bytes(piece: int, size: int, secondary: int | None, block_size: int, bits: int) -> int:
+    """What :func:`reduce_scatter_quantized` over ``size`` ranks into a shard of ``piece`` elements allocates at
+    its peak besides its input and output; ``secondary``: the secondary group's size when it runs in two hops."""
+    if secondary is None:
+        return _hop_working_bytes(size, piece, block_size, bits)
+    outer = size // secondary
+    first = _hop_working_bytes(secondary, outer * piece, block_size, bits)
+    first_sent = secondary * packed_bytes(outer * piece, block_size, bits)
+    return max(first, first_sent + 4 * outer * piece + _hop_working_bytes(outer, piece, block_size, bits))
+
+
+def all_reduce_working_bytes(numel: int, size: int, block_size: int, bits: int, element_bytes: int) -> int:
+    """What :func:`all_reduce_quantized` of ``numel`` elements of ``element_bytes`` over ``size`` ranks allocates at
+    its peak besides the tensor: its padded copy while summed, then the sum and the gather of the sums."""
+    piece = -(-numel // size)
+    summing = size * piece * element_bytes + _hop_working_bytes(size, piece, block_size, bits)
+    sent = size * packed_bytes(piece, block_size, bits)
+    gathering = sent + 4 * piece + size * piece * element_bytes + gather_working_bytes(piece, size, block_size, bits)
+    return max(summing, gathering)

@@ -4,7 +4,8 @@
 What an estimate stands for: what ``engine.memory_report()`` measures at the peak of model state,
 after a backward of a step after the first (gradients alive, optimizer state made by the step
 before), with the optimizer state of ``offload_optimizer="nvme"`` in its files. Activations,
-gathered stage-3 units, communication buffers and the allocator's slack are not in it.
+gathered stage-3 units, communication buffers and the allocator's slack are not in it; hpZ's secondary
+pieces and ZeRO++'s quantization buffers are figures of their own.
 
 A model is split into units the way the engine splits it (``wrap_policy``), so padding, gradients
 of units with frozen parameters and the offloaded units are the engine's own; a parameter count is
@@ -22,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from ..collectives import all_reduce_working_bytes, gather_working_bytes, reduce_working_bytes
 from ..config import ZeroConfig, user_settings
 from ..precision import MixedPrecision
 from ..settings import Setting
@@ -34,7 +36,8 @@ STAGES = (0, 1, 2, 3)  # 0: DDP, the reference
 # checks them, and zero-estimate's flags are generated from their records (the mixed precision too, which is
 # no user setting: each framework's own precision flag sets it). What is not a setting is EstimateSettings'.
 SHARED_SETTINGS = ("shard_group_size", "bucket_size_mb", "wrap_policy", "offload_optimizer", "offload_fraction")
-SHARED_SETTINGS += ("offload_params", "secondary_shard_group_size")
+SHARED_SETTINGS += ("offload_params", "secondary_shard_group_size", "quantize_weights", "quantize_gradients")
+SHARED_SETTINGS += ("gradient_quantization_bits", "quantization_block_size")
 
 
 def shared_settings() -> list[Setting]:
@@ -128,6 +131,11 @@ class ZeroEstimate:
     # hpZ (secondary_shard_group_size, stage 3): every unit's piece, on the device between the unit's forward
     # and its backward; not in by_stage, whose peak is after a backward, when the pieces are gone.
     secondary_piece_bytes: int = 0
+    # ZeRO++ (quantize_weights at stage 3, quantize_gradients at stages 2 and 3): the most one quantized gather,
+    # and one quantized reduce, of the largest unit allocates at once besides its input and output (the packed
+    # buffers and a float32 pass); transient, on the device, not in by_stage.
+    quantized_gather_bytes: int = 0
+    quantized_reduce_bytes: int = 0
 
     def __getitem__(self, stage: int) -> MemoryReport:
         return self.by_stage[stage]
@@ -181,7 +189,28 @@ def estimate_units(units: list[UnitCount], settings: EstimateSettings, whole_uni
         shares = [plan.fraction] * len(units)
     by_stage = {stage: _stage_bytes(stage, units, shares, settings) for stage in STAGES}
     numel, trainable = sum(u.numel for u in units), sum(u.trainable_numel for u in units)
-    return ZeroEstimate(numel, trainable, len(units), settings, by_stage, _secondary_piece_bytes(units, settings))
+    gather, reduce = _quantized_working_bytes(units, settings)
+    secondary = _secondary_piece_bytes(units, settings)
+    return ZeroEstimate(numel, trainable, len(units), settings, by_stage, secondary, gather, reduce)
+
+
+def _quantized_working_bytes(units: list[UnitCount], settings: EstimateSettings) -> tuple[int, int]:
+    """ZeRO++: the working bytes of the largest unit's quantized gather and quantized reduce (0 when off)."""
+    config, shards = settings.config, settings.shard_size
+    if not units or not (config.quantize_weights or config.quantize_gradients):
+        return 0, 0
+    shard = max(_padded(unit.numel, shards) for unit in units) // shards
+    block, bits = config.quantization_block_size, config.gradient_quantization_bits
+    gather = gather_working_bytes(shard, shards, block) if config.quantize_weights else 0
+    if not config.quantize_gradients:
+        return gather, 0
+    element_bytes, replicas = config.mixed_precision.reduce_dtype.itemsize, settings.world_size // shards
+    # Two hops with secondary groups in one shard group; under hybrid sharding one, then the all-reduce across.
+    secondary = config.secondary_shard_group_size if replicas == 1 else None
+    reduce = reduce_working_bytes(shard, shards, secondary, block, bits)
+    if replicas > 1:
+        reduce = max(reduce, all_reduce_working_bytes(shard, replicas, block, bits, element_bytes))
+    return gather, reduce
 
 
 def _secondary_piece_bytes(units: list[UnitCount], settings: EstimateSettings) -> int:
@@ -211,7 +240,9 @@ def estimate(
     The engine's settings it reads come from ``config`` (a ``ZeroConfig``), or by name as ``ZeroConfig``
     takes them: ``shard_group_size``, ``bucket_size_mb``, ``wrap_policy`` (a class, classes or a
     ``WrapPolicy``), ``offload_optimizer``, ``offload_fraction``, ``offload_params``,
-    ``secondary_shard_group_size`` (hpZ: ``secondary_piece_bytes``) and ``precision`` (its ``mixed_precision``),
+    ``secondary_shard_group_size`` (hpZ: ``secondary_piece_bytes``), ``quantize_weights``,
+    ``quantize_gradients``, ``gradient_quantization_bits``, ``quantization_block_size`` (ZeRO++:
+    ``quantized_gather_bytes``, ``quantized_reduce_bytes``) and ``precision`` (its ``mixed_precision``),
     checked by it. Its own: ``world_size`` (the ranks in all),
     ``optimizer_state_bytes_per_param`` (Adam 8, SGD with momentum 4) and ``host_is_device`` (a CPU device:
     an offloaded unit's master and gradient shard stay in place)."""

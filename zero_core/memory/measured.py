@@ -100,4 +100,5 @@ def measure_model_state(
         [u.host_grads for u in offloaded] + state_of(m.param for u in offloaded for m in u.master_pieces)
     )
     nvme_bytes += sum(u.param_bytes_on_disk for u in units)  # offload_params="nvme"
-    return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host)
+    in_flight = counter.count(buffer for u in units for buffer in u.wire_buffers)
+    return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host, communication_bytes=in_flight)

@@ -16,6 +16,9 @@ class MemoryReport:
     # and gradient copies (offload_optimizer) and their parameter shards at rest (offload_params). The rest
     # is on the device.
     host_bytes: int = 0
+    # ZeRO++'s quantized gathers in flight now (qwZ, prefetched or waiting): their packed buffers, on the device.
+    # Transient communication memory, in none of the figures above; 0 between steps.
+    communication_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:

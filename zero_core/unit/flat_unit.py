@@ -133,7 +133,7 @@ class FlatUnit:
     @property
     def params_offloaded(self) -> bool:
         """offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers."""
-        return self.storage.params_on_host
+        return self.storage.host_shard is not None
 
     @property
     def params_on_disk(self) -> bool:
@@ -181,6 +181,11 @@ class FlatUnit:
     def secondary_piece(self) -> torch.Tensor | None:
         """hpZ: this rank's piece kept from the last forward for the backward (None: none kept)."""
         return self.storage.secondary.piece if self.storage.secondary is not None else None
+
+    @property
+    def wire_buffers(self) -> tuple[torch.Tensor, ...]:
+        """qwZ: the packed buffers of this unit's quantized gather while it is in flight."""
+        return self.storage.wire_buffers
 
     def start_refresh(self, guard: bool) -> None:
         self.storage.start_refresh(guard)

@@ -206,10 +206,6 @@ class ParamStorage:
         self.compute_copy_current = True
 
     @property
-    def params_on_host(self) -> bool:
-        return self.host_shard is not None
-
-    @property
     def bytes_on_disk(self) -> int:
         """offload_params="nvme": the shard's bytes when its file holds them and memory does not."""
         return self.shard_file.bytes_on_disk if self.shard_file is not None else 0
@@ -253,6 +249,10 @@ class ParamStorage:
         """The full parameters take memory (gathered, or being gathered)."""
         return self.state is not StorageState.SHARDED
 
+    @property
+    def wire_buffers(self) -> tuple[torch.Tensor, ...]:  # qwZ: a quantized gather's, until it is waited for
+        return self._gather_handle.wire_buffers if self._gather_handle is not None else ()
+
     def start_gather(self, backward: bool = False) -> None:
         """SHARDED -> PREFETCHING: refill the storage and issue the all-gather (for a ``backward``, from the
         secondary pieces when they were kept)."""
@@ -261,7 +261,7 @@ class ParamStorage:
         self.gathered_params.untyped_storage().resize_(self._gathered_nbytes)
         advise_huge_pages(self.gathered_params)
         handle = self.secondary.gather_into(self.gathered_params) if backward and self.secondary else None
-        self._gather_handle = handle or self._gather_from_shard()
+        self._gather_handle = handle if handle is not None else self._gather_from_shard()
         self.state = StorageState.PREFETCHING
 
     def _gather_from_shard(self) -> Handle:
