@@ -253,24 +253,38 @@ def _table(rows: list[Projection]) -> list[str]:
     return _markdown_table(header, cells)
 
 
-def _plot(rows: list[Projection], path: Path) -> None:
+def _plot(
+    rows: list[Projection], zeropp_by_nodes: list[ZeroPlusPlus], zeropp_by_rate: list[ZeroPlusPlus], path: Path
+) -> None:
+    """Per step and break-even batch by node count (flat, hybrid, ZeRO++), and at 64 nodes ZeRO++'s step
+    against flat ZeRO-3's by the rate between nodes, beside the paper's reported throughput ratio."""
     plt = pyplot()
     nodes = [r.nodes for r in rows]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (left, middle, right) = plt.subplots(1, 3, figsize=(15, 4))
     left.plot(nodes, [r.flat_comm_s for r in rows], "o-", label="flat ZeRO-3: communication")
     left.plot(nodes, [r.hybrid_comm_s for r in rows], "s-", label="hybrid (node groups): communication")
+    left.plot(nodes, [r.zeropp_comm_s for r in zeropp_by_nodes], "^-", label="ZeRO++ (qwZ + hpZ + qgZ)")
     left.plot(nodes, [r.compute_s for r in rows], "k--", label="compute")
     left.set(xscale="log", yscale="log", xlabel="nodes (x 8 devices)", ylabel="seconds per step", title="Per step")
     left.legend(fontsize=8)
-    right.plot(nodes, [r.flat_break_even_tokens for r in rows], "o-", label="flat")
-    right.plot(nodes, [r.hybrid_break_even_tokens for r in rows], "s-", label="hybrid")
-    right.set(
+    middle.plot(nodes, [r.flat_break_even_tokens for r in rows], "o-", label="flat")
+    middle.plot(nodes, [r.hybrid_break_even_tokens for r in rows], "s-", label="hybrid")
+    compute_per_token = rows[-1].flat_comm_s / rows[-1].flat_break_even_tokens  # 6 Ψ / F, as project() has it
+    middle.plot(nodes, [z.zeropp_comm_s / compute_per_token for z in zeropp_by_nodes], "^-", label="ZeRO++")
+    middle.set(
         xscale="log",
         yscale="log",
         xlabel="nodes (x 8 devices)",
         ylabel="tokens per device",
         title="Break-even batch (compute = communication)",
     )
+    middle.legend(fontsize=8)
+    rates = [r.inter_gbits for r in zeropp_by_rate]
+    ratios = [(r.compute_s + r.flat_comm_s) / (r.compute_s + r.zeropp_comm_s) for r in zeropp_by_rate]
+    right.plot(rates, ratios, "^-", label="ZeRO++ vs flat ZeRO-3, projected (nothing overlapped)")
+    right.axhline(PAPER_THROUGHPUT_RATIO, color="k", linestyle=":", label="the paper: up to 2.16x (384 GPUs)")
+    right.set(xlabel="Gb/s per device between nodes", ylabel="step time, flat / ZeRO++", title="64 nodes x 8")
+    right.set_ylim(bottom=1.0)
     right.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -384,7 +398,11 @@ def main() -> None:
         "on 384 V100s with overlap; ours is a projection with nothing overlapped.",
     ]
     if not args.no_plots:
-        _plot(rows, Path(args.out).with_name("projection.png"))
+        zeropp_by_nodes = [
+            project_zeropp(args.params, args.tokens_per_device, args.units, n, hw, inside, across, wire)
+            for n in NODE_COUNTS
+        ]
+        _plot(rows, zeropp_by_nodes, zeropp_rows, Path(args.out).with_name("projection.png"))
         copy_to_docs(Path(args.out).with_name("projection.png"))
         lines += ["", "![projection](projection.png)"]
     Path(args.out).write_text("\n".join(lines) + "\n")
