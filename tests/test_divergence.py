@@ -4,6 +4,7 @@ silent hang, never a silent mix of collectives of different steps."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -50,6 +51,52 @@ def _extra_forward_on_rank0(rank: int, world_size: int) -> dict:
             _train_step(model, engine, step)
 
     return _outcome(diverge)
+
+
+def _extra_forward_on_rank0_with_zero_plus_plus(rank: int, world_size: int) -> dict:
+    """Stage 3 with quantized weights and gradients: rank 0 alone runs an evaluation forward, so one rank's
+    quantized gradient all-to-all meets the other's quantized parameter gathers."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = dataclasses.replace(config_for(3), quantize_weights=True, quantize_gradients=True)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    _train_step(model, engine, 0)
+
+    def diverge() -> None:
+        if rank == 0:
+            with torch.no_grad():
+                model(batch(50, rank))
+        for step in range(1, 4):
+            _train_step(model, engine, step)
+
+    return _outcome(diverge)
+
+
+def _rank0_fails_mid_backward_with_quantized_gradients(rank: int, world_size: int) -> dict:
+    """Stage 3 with quantized gradients: rank 0's backward raises halfway (its own error, say a check on a
+    gradient), while rank 1 goes on to the next unit's quantized all-to-all."""
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    config = dataclasses.replace(config_for(3), quantize_gradients=True)
+    engine = ZeroEngine(model, make_optimizer("adamw", model), config)
+    _train_step(model, engine, 0)
+
+    def fail_in_backward(module: torch.nn.Module, args: object, output: torch.Tensor) -> None:
+        def fail(grad: torch.Tensor) -> None:
+            raise ValueError("rank 0's own check failed")
+
+        output.register_hook(fail)
+
+    if rank == 0:
+        model.blocks[1].register_forward_hook(fail_in_backward)
+    start = time.monotonic()
+    try:
+        _train_step(model, engine, 1)
+    except ValueError as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    except CollectiveFailed as error:
+        return {"error": str(error), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
 
 
 def _skipped_micro_batch_on_rank1(rank: int, world_size: int) -> dict:
@@ -101,6 +148,32 @@ def test_extra_forward_on_one_rank_fails_on_every_rank_within_the_timeout() -> N
         assert outcome["seconds"] <= PG_TIMEOUT + SLACK, outcome
     # At least one rank names the unit whose all-gather it waited for.
     assert any("unit '" in outcome["error"] or "root unit" in outcome["error"] for outcome in outcomes)
+
+
+@pytest.mark.distributed
+def test_quantized_collectives_of_diverged_ranks_fail_on_every_rank_within_the_timeout() -> None:
+    """ZeRO++'s quantized all-to-alls and gathers end in the same clear error as the exact ones: no rank
+    hangs or goes on alone with a sum of mismatched pieces."""
+    outcomes = run_distributed(_extra_forward_on_rank0_with_zero_plus_plus, 2, pg_timeout=PG_TIMEOUT, timeout=120)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome["error"] is not None, f"rank {rank} went on as if nothing happened"
+        _assert_names_the_rule(outcome["error"])
+        assert outcome["seconds"] <= PG_TIMEOUT + SLACK, outcome
+
+
+@pytest.mark.distributed
+def test_a_rank_leaving_mid_backward_fails_the_others_quantized_all_to_all() -> None:
+    """qgZ: when one rank's backward stops halfway, the other's next quantized reduce (an all-to-all) ends in
+    the clear error naming it, within the timeout, instead of waiting forever or summing without it."""
+    outcomes = run_distributed(
+        _rank0_fails_mid_backward_with_quantized_gradients, 2, pg_timeout=PG_TIMEOUT, timeout=120
+    )
+    assert outcomes[0]["error"] == "rank 0's own check failed"
+    error = outcomes[1]["error"]
+    assert error is not None and error.startswith("ZeRO: reduce_scatter of unit 'blocks."), error
+    assert "(rank 1, backward" in error, error
+    _assert_names_the_rule(error)
+    assert outcomes[1]["seconds"] <= PG_TIMEOUT + SLACK
 
 
 @pytest.mark.distributed
