@@ -153,8 +153,9 @@ def reduce_working_bytes(piece: int, size: int, secondary: int | None, block_siz
         return _hop_working_bytes(size, piece, block_size, bits)
     outer = size // secondary
     first = _hop_working_bytes(secondary, outer * piece, block_size, bits)
-    first_sent = secondary * packed_bytes(outer * piece, block_size, bits)
-    return max(first, first_sent + 4 * outer * piece + _hop_working_bytes(outer, piece, block_size, bits))
+    # The first hop's packed buffers, sent and arrived, which a backend may still hold through the second.
+    first_packed = 2 * secondary * packed_bytes(outer * piece, block_size, bits)
+    return max(first, first_packed + 4 * outer * piece + _hop_working_bytes(outer, piece, block_size, bits))
 
 
 def all_reduce_working_bytes(numel: int, size: int, block_size: int, bits: int, element_bytes: int) -> int:
