@@ -18,6 +18,7 @@ from .workers import config_for
 
 PG_TIMEOUT = 4.0  # seconds; the process group's own timeout
 SLACK = 8.0  # how much longer than the timeout a rank may take to give up
+ZERO_PLUS_PLUS = {"quantize_weights": True, "quantize_gradients": True}
 
 
 def _train_step(model: TinyTransformer, engine: ZeroEngine, step: int) -> None:
@@ -26,39 +27,24 @@ def _train_step(model: TinyTransformer, engine: ZeroEngine, step: int) -> None:
     engine.step()
 
 
-def _outcome(run) -> dict:  # type: ignore[no-untyped-def]
-    """Run the diverging part; report what was raised and how long it took."""
+def _outcome(run, *also: type[Exception]) -> dict:  # type: ignore[no-untyped-def]
+    """Run the diverging part; report what was raised (``CollectiveFailed``, or one of ``also``) and how long
+    it took."""
     start = time.monotonic()
     try:
         run()
-    except CollectiveFailed as error:
+    except (CollectiveFailed, *also) as error:
         return {"error": str(error), "seconds": time.monotonic() - start}
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def _extra_forward_on_rank0(rank: int, world_size: int) -> dict:
-    """Stage 3: rank 0 alone runs an evaluation forward (predict on rank 0 only)."""
+def _extra_forward_on_rank0(rank: int, world_size: int, settings: dict | None = None) -> dict:
+    """Stage 3: rank 0 alone runs an evaluation forward (predict on rank 0 only). ``settings``: more of
+    ZeroConfig's (ZeRO++'s quantized weights and gradients: one rank's quantized gradient all-to-all then
+    meets the other's quantized parameter gathers)."""
     torch.manual_seed(0)
     model = TinyTransformer()
-    engine = ZeroEngine(model, make_optimizer("adamw", model), config_for(3))
-    _train_step(model, engine, 0)
-
-    def diverge() -> None:
-        if rank == 0:
-            with torch.no_grad():
-                model(batch(50, rank))
-        for step in range(1, 4):
-            _train_step(model, engine, step)
-
-    return _outcome(diverge)
-
-
-def _extra_forward_on_rank0_with_zero_plus_plus(rank: int, world_size: int) -> dict:
-    """Stage 3 with quantized weights and gradients: rank 0 alone runs an evaluation forward, so one rank's
-    quantized gradient all-to-all meets the other's quantized parameter gathers."""
-    torch.manual_seed(0)
-    model = TinyTransformer()
-    config = dataclasses.replace(config_for(3), quantize_weights=True, quantize_gradients=True)
+    config = dataclasses.replace(config_for(3), **(settings or {}))
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
     _train_step(model, engine, 0)
 
@@ -89,14 +75,7 @@ def _rank0_fails_mid_backward_with_quantized_gradients(rank: int, world_size: in
 
     if rank == 0:
         model.blocks[1].register_forward_hook(fail_in_backward)
-    start = time.monotonic()
-    try:
-        _train_step(model, engine, 1)
-    except ValueError as error:
-        return {"error": str(error), "seconds": time.monotonic() - start}
-    except CollectiveFailed as error:
-        return {"error": str(error), "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
+    return _outcome(lambda: _train_step(model, engine, 1), ValueError)
 
 
 def _skipped_micro_batch_on_rank1(rank: int, world_size: int) -> dict:
@@ -154,7 +133,7 @@ def test_extra_forward_on_one_rank_fails_on_every_rank_within_the_timeout() -> N
 def test_quantized_collectives_of_diverged_ranks_fail_on_every_rank_within_the_timeout() -> None:
     """ZeRO++'s quantized all-to-alls and gathers end in the same clear error as the exact ones: no rank
     hangs or goes on alone with a sum of mismatched pieces."""
-    outcomes = run_distributed(_extra_forward_on_rank0_with_zero_plus_plus, 2, pg_timeout=PG_TIMEOUT, timeout=120)
+    outcomes = run_distributed(_extra_forward_on_rank0, 2, ZERO_PLUS_PLUS, pg_timeout=PG_TIMEOUT, timeout=120)
     for rank, outcome in enumerate(outcomes):
         assert outcome["error"] is not None, f"rank {rank} went on as if nothing happened"
         _assert_names_the_rule(outcome["error"])
