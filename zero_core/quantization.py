@@ -129,12 +129,11 @@ def _write_packed(value_out: torch.Tensor, scale_out: torch.Tensor, quantized: Q
 
 def pack(quantized: Quantized, out: torch.Tensor | None = None) -> torch.Tensor:
     """``uint8`` bytes, each row its values then its scales' bytes (into ``out``, of that shape, if given)."""
-    values = _value_bytes_of(quantized.values, quantized.bits)
-    scales = quantized.scales.contiguous().view(torch.uint8)
+    split = value_bytes(quantized.values.shape[-1], quantized.bits)
     if out is None:
-        return torch.cat([values, scales], dim=-1)
-    out[..., : values.shape[-1]].copy_(values)
-    out[..., values.shape[-1] :].copy_(scales)
+        width = split + SCALE_BYTES * quantized.scales.shape[-1]
+        out = torch.empty(*quantized.values.shape[:-1], width, dtype=torch.uint8, device=quantized.values.device)
+    _write_packed(out[..., :split], out[..., split:], quantized)
     return out
 
 
@@ -199,13 +198,11 @@ def dequantize_working_bytes(count: int, numel: int, block_size: int, bits: int,
 def _segments(count: int, numel: int, block_size: int, bits: int) -> Iterator[_Segment]:
     """The passes over ``count`` rows of ``numel`` elements: whole rows while ``BATCH_ELEMENTS`` holds them,
     else runs of whole blocks of one row."""
-    whole_rows = numel <= BATCH_ELEMENTS
-    runs = (
-        [(0, numel)]
-        if whole_rows
-        else [(s, min(s + _run_elements(block_size), numel)) for s in range(0, numel, _run_elements(block_size))]
-    )
-    rows_per_pass = _rows_per_pass(numel) if whole_rows else 1
+    if numel <= BATCH_ELEMENTS:
+        runs, rows_per_pass = [(0, numel)], _rows_per_pass(numel)
+    else:
+        run = _run_elements(block_size)
+        runs, rows_per_pass = [(start, min(start + run, numel)) for start in range(0, numel, run)], 1
     scales_at = value_bytes(numel, bits)
     for first in range(0, count, rows_per_pass):
         rows = slice(first, min(count, first + rows_per_pass))
