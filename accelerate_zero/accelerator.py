@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
 from zero_core.sharding import shard_module, single_optimizer
 
+from .deepspeed_batch import ConfigBatch
 from .deepspeed_sections import ConfigScheduler, SectionBuilder
 from .plain_training import zero_model_prepared
 from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
@@ -92,6 +93,17 @@ class ZeroAccelerator(Accelerator):
             super().__init__(mixed_precision=requested, **accelerate_kwargs)
         self.device_mesh = build_mesh(tensor_parallel, self.device)
         self._data_parallel = DataParallelRanks(self.device_mesh) if self.device_mesh is not None else None
+        # A DeepSpeed config's train_batch_size: the accumulation derived from it (or its three numbers refused
+        # where they disagree), the DataLoader's batch size checked when it is prepared.
+        ranks = self._data_parallel.size if self._data_parallel is not None else self.num_processes
+        self._config_batch = ConfigBatch(
+            getattr(self.zero_plugin, "deepspeed_loop", None),
+            ranks,
+            self.gradient_accumulation_steps,
+            self.split_batches,
+            _on_every_rank,
+        )
+        self.gradient_accumulation_steps = self._config_batch.accumulation
         # Against what Accelerate settled on (the keyword, a GradientAccumulationPlugin or its variable).
         check_deepspeed_accumulation(self.zero_plugin, self.gradient_accumulation_steps)
         check_step_in_backward_accumulation(
@@ -118,6 +130,8 @@ class ZeroAccelerator(Accelerator):
 
     # -------------------------------------------------------------- prepare
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        self._config_batch.see_prepared(args)  # before any work: the batch the config asks for, or refused
+        self.gradient_accumulation_steps = self._config_batch.accumulation
         args = self._sections.replace_dummies(args)
         models = [a for a in args if isinstance(a, nn.Module)]
         optimizers = [a for a in args if isinstance(a, Optimizer)]
@@ -235,6 +249,7 @@ class ZeroAccelerator(Accelerator):
     # ------------------------------------------------------------- backward
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """As Accelerate: the loss is divided by the accumulation steps; fp16 scaling by the engine."""
+        self._config_batch.before_backward()
         self._require_engine().backward(loss / self.gradient_accumulation_steps, **kwargs)
 
     @contextlib.contextmanager
@@ -406,6 +421,10 @@ def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _on_every_rank(value: int) -> list[int]:
+    return [int(v) for v in gather_object([value])]
+
+
 def check_deepspeed_precision(plugin: ZeroPlugin, mixed_precision: str) -> None:
     """``ZeroPlugin.from_deepspeed``: the config's precision is the Accelerator's argument, which must say
     the same (Accelerate's own DeepSpeed plugin takes it from there too)."""
@@ -413,7 +432,7 @@ def check_deepspeed_precision(plugin: ZeroPlugin, mixed_precision: str) -> None:
     if translated is not None and translated.precision is not None:
         if MIXED_PRECISION_OF_DEEPSPEED[translated.precision] != mixed_precision:
             raise ValueError(
-                f"The DeepSpeed config asks for {translated.precision}: pass ZeroAccelerator(mixed_precision="
+                f"{translated.source} asks for {translated.precision}: pass ZeroAccelerator(mixed_precision="
                 f"{MIXED_PRECISION_OF_DEEPSPEED[translated.precision]!r}, ...) (got {mixed_precision!r})."
             )
 
@@ -426,7 +445,7 @@ def check_deepspeed_accumulation(plugin: ZeroPlugin, accumulation: int) -> None:
     steps = translated.loop.get("gradient_accumulation_steps")
     if steps is not None and steps != accumulation:
         raise ValueError(
-            f"The DeepSpeed config accumulates {steps} micro-batches: pass "
+            f"{translated.source} accumulates {steps} micro-batches: pass "
             f"ZeroAccelerator(gradient_accumulation_steps={steps}, ...) (got {accumulation})."
         )
 

@@ -25,6 +25,8 @@ ENV_PREFIX = "ACCELERATE_ZERO_"
 # accelerate-zero launch --zero_config_file ds.json: the file, for its optimizer and scheduler sections, which
 # ZeroAccelerator builds in place of DummyOptim/DummyScheduler (the settings travel as the variables above).
 DEEPSPEED_CONFIG_ENV = ENV_PREFIX + "DEEPSPEED_CONFIG_FILE"
+# The keys of a DeepSpeed config that make its global batch (checked in each process: deepspeed_batch.py).
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 # DeepSpeed 0.19's gradient_clipping for a config without one; Accelerate fills an "auto" with the same.
 DEEPSPEED_DEFAULT_CLIPPING = 1.0
 
@@ -58,10 +60,18 @@ class _PluginBehaviour:
         launched_with = os.environ.get(DEEPSPEED_CONFIG_ENV)
         if launched_with:  # its sections alone: the launcher turned the rest into the settings and flags
             translated = from_deepspeed(launched_with, stage_given=True)
+            # The batch keys too: the launcher cannot know the micro-batch an "auto" leaves to the DataLoader. With
+            # a train_batch_size the config's accumulation is one of its three numbers (else the script's decides).
+            keys = (*BATCH_KEYS, "gradient_accumulation_steps") if "train_batch_size" in translated.loop else ()
+            batch = {k: v for k, v in translated.loop.items() if k in keys}
             sections = DeepSpeedSettings(
-                optimizer=translated.optimizer, scheduler=translated.scheduler, loop=engine_clipping(translated)
+                optimizer=translated.optimizer,
+                scheduler=translated.scheduler,
+                loop={**engine_clipping(translated), **batch},
+                source=translated.source,
             )
             object.__setattr__(self, "deepspeed_loop", sections)  # read by ZeroAccelerator
+            object.__setattr__(self, "deepspeed_source", launched_with)  # ZeroTrainer reads it as transformers would
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "the ZeRO config") -> ZeroPlugin:
@@ -84,6 +94,7 @@ class _PluginBehaviour:
             translated.loop.pop("gradient_clipping", None)
         plugin = cls(**translated.settings)
         object.__setattr__(plugin, "deepspeed_loop", translated)  # read by ZeroAccelerator
+        object.__setattr__(plugin, "deepspeed_source", config)  # ZeroTrainer reads it as transformers would
         return plugin
 
     @classmethod

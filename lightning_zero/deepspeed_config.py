@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,8 +27,16 @@ from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
-from zero_core.deepspeed import DeepSpeedSettings, auto_keys, build_optimizer, build_scheduler, from_deepspeed
+from zero_core.deepspeed import (
+    DeepSpeedSettings,
+    GlobalBatch,
+    auto_keys,
+    build_optimizer,
+    build_scheduler,
+    from_deepspeed,
+)
 
 Config = Mapping[str, Any] | str | os.PathLike | None
 # A DeepSpeed config's precision -> the framework's flags that mean it (the first one suggested).
@@ -47,7 +55,7 @@ def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict
     ]
     if clashes:
         raise ValueError(
-            f"The DeepSpeed config and the keyword arguments disagree: {'; '.join(clashes)}. Give each once."
+            f"{translated.source} and the keyword arguments disagree: {'; '.join(clashes)}. Give each once."
         )
     refuse_autos(translated)
     if translated.without_effect:
@@ -59,49 +67,88 @@ def check_precision(translated: DeepSpeedSettings | None, flag: str, owner: str)
     if translated is None or translated.precision is None or flag in _FLAGS[translated.precision]:
         return
     raise ValueError(
-        f"The DeepSpeed config asks for {translated.precision}, {owner}(precision={flag!r}) for another: "
+        f"{translated.source} asks for {translated.precision}, {owner}(precision={flag!r}) for another: "
         f"pass {owner}(precision={_FLAGS[translated.precision][0]!r}) (the framework's flag decides here)."
     )
 
 
-def apply_to_trainer(translated: DeepSpeedSettings | None, trainer: Any) -> None:
-    """The config's clipping and accumulation as the Trainer's own, unless the Trainer was given others."""
+def apply_to_trainer(translated: DeepSpeedSettings | None, trainer: Any, ranks: int) -> GlobalBatch | None:
+    """The config's clipping and accumulation as the Trainer's own, unless the Trainer was given others. With
+    ``train_batch_size`` and no ``gradient_accumulation_steps``, the accumulation is derived as DeepSpeed derives
+    it over ``ranks`` data-parallel ranks; the batch returned is checked against the DataLoader's batch size when
+    training starts (``check_train_dataloader``)."""
     loop = translated.loop if translated is not None else {}
+    source = translated.source if translated is not None else ""
     clip = loop.get("gradient_clipping")
     if clip is not None and clip != 0 and str(trainer.gradient_clip_algorithm) == "value":
         raise ValueError(
-            f"The DeepSpeed config clips the gradient norm at {clip}, Trainer(gradient_clip_algorithm='value') "
+            f"{source} clips the gradient norm at {clip}, Trainer(gradient_clip_algorithm='value') "
             "clips values: leave the algorithm at 'norm' or drop gradient_clipping from the config."
         )
     if clip is not None and clip != 0:
         if trainer.gradient_clip_val not in (None, 0, clip):
             raise ValueError(
-                f"The DeepSpeed config clips at {clip}, Trainer(gradient_clip_val={trainer.gradient_clip_val}): "
-                "give it once."
+                f"{source} clips at {clip}, Trainer(gradient_clip_val={trainer.gradient_clip_val}): give it once."
             )
         trainer.gradient_clip_val = float(clip)  # by norm, as DeepSpeed clips
     steps = loop.get("gradient_accumulation_steps")
     if steps is not None:
         if trainer.accumulate_grad_batches not in (1, steps):
             raise ValueError(
-                f"The DeepSpeed config accumulates {steps} micro-batches, Trainer(accumulate_grad_batches="
+                f"{source} accumulates {steps} micro-batches, Trainer(accumulate_grad_batches="
                 f"{trainer.accumulate_grad_batches}): give it once."
             )
         trainer.accumulate_grad_batches = int(steps)
-    # train_micro_batch_size_per_gpu: the DataLoader's batch size decides, as under Lightning's DeepSpeed
-    # strategy, where DeepSpeed only reports it.
+    if translated is None:
+        return None
+    # train_batch_size: the Trainer's accumulation, where one other than its default 1 was given, stands (and must
+    # agree); else the config's, else the one DeepSpeed derives. The micro-batch is the DataLoader's batch size.
+    given = trainer.accumulate_grad_batches if trainer.accumulate_grad_batches != 1 else None
+    batch = translated.global_batch(ranks, given, f"Trainer(accumulate_grad_batches={given})")
+    if batch is not None:
+        trainer.accumulate_grad_batches = batch.accumulation
+    return batch
+
+
+def check_train_dataloader(batch: GlobalBatch, trainer: Any, gathered: Callable[[int], list[int]]) -> None:
+    """When fitting starts: the DataLoader's batch size must be the config's micro-batch, or the global batch
+    would not be ``train_batch_size``. ``gathered``: every rank's value (the strategy's all-gather), so each rank
+    raises the same error, or none does."""
+    observed = _batch_size(trainer.train_dataloader)
+    values = gathered(-1 if observed is None else observed)
+    if len(set(values)) > 1:
+        raise ValueError(
+            f"{batch.source}: train_batch_size={batch.train_batch} needs one micro-batch on every rank, and the "
+            f"ranks' train DataLoaders yield batches of {values} (by rank; -1: no batch_size): give them one "
+            "batch_size."
+        )
+    batch.check_micro_batch(None if values[0] == -1 else values[0], "the train DataLoader")
+
+
+def _batch_size(loaders: Any) -> int | None:
+    """The batch size of the one train DataLoader (as Lightning's DeepSpeed strategy reads it for the config's
+    micro-batch); None where it states none, or where there are several loaders."""
+    if isinstance(loaders, DataLoader):
+        size = (
+            loaders.batch_size if loaders.batch_size is not None else getattr(loaders.batch_sampler, "batch_size", None)
+        )
+        return size if isinstance(size, int) else None
+    return None
 
 
 def refuse_loop_keys_under_fabric(translated: DeepSpeedSettings | None) -> None:
     where = {
         "gradient_clipping": "call fabric.clip_gradients(model, optimizer, max_norm=...) in the loop",
         "gradient_accumulation_steps": "accumulate in the loop (with fabric.no_backward_sync)",
+        # Fabric cannot see the loop's accumulation, so the global batch cannot be held to the config's.
+        "train_batch_size": "the global batch is the DataLoader's batch_size x the micro-batches the loop "
+        "accumulates x the ranks",
     }
     loop = {k: v for k, v in (translated.loop if translated else {}).items() if k in where}
     sections = [f"{key}: {where}" for key, where in _FABRIC_SECTIONS.items() if getattr(translated, key, None)]
     if loop or sections:
         raise ValueError(
-            "Under Fabric the training loop is yours: "
+            f"{translated.source}: under Fabric the training loop is yours: "
             + "; ".join([*(f"{k}={v!r}: {where[k]}" for k, v in loop.items()), *sections])
             + " (then drop the key or section from the config)."
         )
@@ -120,7 +167,7 @@ def refuse_autos(translated: DeepSpeedSettings) -> None:
     autos = auto_keys(translated.optimizer, "optimizer") + auto_keys(translated.scheduler, "scheduler")
     if autos:
         raise ValueError(
-            f'The DeepSpeed config sets {", ".join(autos)} to "auto", which Hugging Face\'s Trainer and Accelerate '
+            f'{translated.source} sets {", ".join(autos)} to "auto", which Hugging Face\'s Trainer and Accelerate '
             "fill from their arguments; Lightning has no value for them: write the numbers in the config."
         )
 
@@ -141,21 +188,21 @@ def configured_optimizers(
     if translated.optimizer is not None:
         if returned:
             raise ValueError(
-                'The DeepSpeed config has an "optimizer" section and configure_optimizers returned an optimizer too: '
+                f'{translated.source} has an "optimizer" section and configure_optimizers returned an optimizer too: '
                 "return None from configure_optimizers to train with the config's (built here as DeepSpeed builds "
                 "it), or drop the section to train with yours."
             )
         returned = [build_optimizer(translated.optimizer, [p for p in module.parameters() if p.requires_grad])]
     elif not returned:
         raise ValueError(
-            'The DeepSpeed config has a "scheduler" section but no "optimizer" section, and configure_optimizers '
+            f'{translated.source} has a "scheduler" section but no "optimizer" section, and configure_optimizers '
             "returned no optimizer: return the optimizer from configure_optimizers (the schedule is built over it), "
             'or add an "optimizer" section.'
         )
     if translated.scheduler is not None:
         if schedulers:
             raise ValueError(
-                'The DeepSpeed config has a "scheduler" section and configure_optimizers returned a scheduler too: '
+                f'{translated.source} has a "scheduler" section and configure_optimizers returned a scheduler too: '
                 "return the optimizer alone to train with the config's schedule, or drop the section to train with "
                 "yours."
             )

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from zero_core import ZeroEngine, engine_of, meeting
 from zero_core.checkpoint import is_sharded_checkpoint, remove_checkpoint
+from zero_core.deepspeed import GlobalBatch
 from zero_core.sharding import move_real_tensors, single_optimizer
 
 from ._sharding import (
@@ -41,7 +42,13 @@ from ._sharding import (
     zero_settings,
 )
 from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords, with_deepspeed_keywords
-from .deepspeed_config import Config, apply_to_trainer, check_precision, configured_optimizers
+from .deepspeed_config import (
+    Config,
+    apply_to_trainer,
+    check_precision,
+    check_train_dataloader,
+    configured_optimizers,
+)
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
 from .precision import ZeroPrecision
 from .unsupported_callbacks import refuse_unsupported_callbacks
@@ -104,6 +111,7 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
         )
         self._forward_redirection = _ForwardRedirection()
         self.engine: ZeroEngine | None = None
+        self._global_batch: GlobalBatch | None = None  # a DeepSpeed config's train_batch_size, resolved at setup
 
     # ------------------------------------------------- tensor parallelism
     def setup_environment(self) -> None:
@@ -137,7 +145,9 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
         optimizer = None
         refuse_unsupported_callbacks(trainer.callbacks)
         check_precision(self._deepspeed, self.precision_plugin.precision, "Trainer")
-        apply_to_trainer(self._deepspeed, trainer)
+        # With TP, the ranks of one tensor-parallel group see one batch: the data-parallel ranks are the rest.
+        ranks = self.world_size // self.zero_config.tensor_parallel_size
+        self._global_batch = apply_to_trainer(self._deepspeed, trainer, ranks)
         if self.zero_config.steps_in_backward and trainer.gradient_clip_val:
             # Refused before any work, on every rank alike (the clip itself would be refused at the first step).
             raise ValueError(
@@ -168,6 +178,18 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
         # wrapper takes when it is made): wrapped again, self.optimizers() and manual optimization reach it.
         self.optimizers = self.optimizers
         self.setup_precision_plugin()
+
+    def on_train_start(self) -> None:
+        """A DeepSpeed config's ``train_batch_size`` against the train DataLoader's batch size, now that the fit
+        loop has it: before any step, the same error on every rank."""
+        super().on_train_start()
+        if self._global_batch is not None:
+            assert self.lightning_module is not None
+            check_train_dataloader(self._global_batch, self.lightning_module.trainer, self._every_rank)
+
+    def _every_rank(self, value: int) -> list[int]:
+        gathered = self.all_gather(torch.tensor([value], dtype=torch.int64, device=self.root_device))
+        return [int(v) for v in gathered.reshape(-1).tolist()]
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         # configure_optimizers' return, or a DeepSpeed config's optimizer and scheduler sections built in its

@@ -4,7 +4,8 @@ rank 0 writes OUT/<case>.json with both runs' per-micro-batch losses and final f
 
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/scripts/deepspeed_same_config.py OUT CASE [CASE ...]
 
-CASE: a stage (1, 2, 3), with bf16 after it for a bf16 config (3bf16).
+CASE: a stage (1, 2, 3), with bf16 after it for a bf16 config (3bf16), or tbs after it for a config that gives
+the global batch (train_batch_size) in place of the accumulation, which DeepSpeed then derives (2tbs).
 """
 
 from __future__ import annotations
@@ -118,11 +119,15 @@ def main() -> None:
 
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
-    for case in sys.argv[2:]:  # "3" or "3bf16"
+    for case in sys.argv[2:]:  # "3", "3bf16" or "2tbs"
         stage, bf16 = int(case[0]), case.endswith("bf16")
         config_file = out / f"ds_config_{case}.json"
+        written = config(stage, bf16)
+        if case.endswith("tbs"):  # micro-batch x accumulation x ranks, the accumulation left out
+            del written["gradient_accumulation_steps"]
+            written["train_batch_size"] = MICRO_BATCH * ACCUMULATE * torch.distributed.get_world_size()
         if rank == 0:
-            config_file.write_text(json.dumps(config(stage, bf16)))
+            config_file.write_text(json.dumps(written))
         torch.distributed.barrier()
         ds_losses, ds_weights = deepspeed_run(config_file)
         our_losses, our_weights = ours(config_file, "bf16-mixed" if bf16 else "32-true")

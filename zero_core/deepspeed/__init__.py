@@ -1,6 +1,7 @@
 """A DeepSpeed config (``ds_config.json`` or its dict) read as our settings: ``from_deepspeed``; its optimizer
 and scheduler sections built as DeepSpeed builds them: ``build_optimizer``, ``build_scheduler``."""
 
+from .batch_size import GlobalBatch
 from .common import AUTO, DeepSpeedSettings
 from .optimizer_sections import auto_keys, build_scheduler
 from .optimizers import build_optimizer, built_from_config
@@ -9,6 +10,7 @@ from .reading import from_deepspeed, read_deepspeed_config
 __all__ = [
     "AUTO",
     "DeepSpeedSettings",
+    "GlobalBatch",
     "auto_keys",
     "build_optimizer",
     "build_scheduler",

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import user_settings
+from .batch_size import GlobalBatch, resolve_global_batch
 
 # DeepSpeed's "auto" (filled in by Hugging Face's integration): the value the framework would have.
 AUTO = "auto"
@@ -78,6 +79,31 @@ class DeepSpeedSettings:
     scheduler: dict[str, Any] | None = None
     # Keys accepted without effect (dotted name -> why nothing here changes with them): one setup line lists them.
     without_effect: dict[str, str] = field(default_factory=dict)
+    # Where the config came from, for every later refusal: the file's path, or this for a dict.
+    source: str = "the DeepSpeed config"
+
+    def global_batch(
+        self,
+        ranks: int,
+        accumulation: int | None = None,
+        accumulation_name: str = "gradient_accumulation_steps",
+        micro_batch: int | None = None,
+    ) -> GlobalBatch | None:
+        """``train_batch_size`` resolved over ``ranks`` data-parallel ranks (``batch_size.py``): the config's
+        micro-batch and accumulation, else ``micro_batch`` (the DataLoader's, where the framework reads it, as
+        Accelerate fills an "auto") and ``accumulation`` (the framework's, where it was given; its name in the
+        messages: ``accumulation_name``). None when the config sets no ``train_batch_size``."""
+        given = self.loop.get("gradient_accumulation_steps")
+        if given is not None:
+            accumulation, accumulation_name = given, "gradient_accumulation_steps"
+        return resolve_global_batch(
+            self.source,
+            self.loop.get("train_batch_size"),
+            self.loop.get("train_micro_batch_size_per_gpu", micro_batch),
+            accumulation,
+            ranks,
+            accumulation_name,
+        )
 
     def without_effect_line(self) -> str | None:
         """The setup line that lists the keys accepted without effect, grouped by why; None if there are none."""

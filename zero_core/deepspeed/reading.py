@@ -53,7 +53,8 @@ def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettin
     ``stage_given``: the caller has the stage from elsewhere (a keyword or a flag), so a config without one
     is not refused for it."""
     config = read_deepspeed_config(source)
-    result, refused = DeepSpeedSettings(), []
+    where = "the DeepSpeed config" if isinstance(source, Mapping) else str(source)
+    result, refused = DeepSpeedSettings(source=where), []
     for key, value in config.items():
         if key == "zero_optimization":
             _zero_section(value, result, refused)
@@ -71,7 +72,6 @@ def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettin
             "3, or train with plain DDP)"
         )
     if refused:
-        where = "the DeepSpeed config" if isinstance(source, Mapping) else str(source)
         raise ValueError(
             f"{where}: {len(refused)} key(s) cannot be honoured here, so nothing was started: "
             + "; ".join(refused)

@@ -38,10 +38,17 @@ _LOOP = (
         "becomes it or must agree with it; absent, the framework's, as Lightning's DeepSpeed strategy fills it in "
         "(DeepSpeed 0.19's engine alone clips at 1.0)",
     ),
-    ("train_batch_size", RESOLVED, "micro-batch x accumulation x data-parallel ranks, as the launch makes it"),
+    (
+        "train_batch_size",
+        RESOLVED,
+        "micro-batch x accumulation x data-parallel ranks, as DeepSpeed derives it: a config without "
+        "gradient_accumulation_steps sets the framework's accumulation to train_batch_size / (micro-batch x ranks) "
+        "where the framework lets it (Trainer, Accelerate); numbers that disagree, with each other or with the "
+        "DataLoader's batch size, are refused naming them",
+    ),
 )
 LOOP_ROWS = rows_of("", _LOOP)
-_LOOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu")
+_LOOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps", "train_micro_batch_size_per_gpu", "train_batch_size")
 
 # activation_checkpointing's own keys have rows below; its reader maps two of them.
 _SECTIONS = rows_of("", (("activation_checkpointing", MAPPED, "its keys below"),))
@@ -134,8 +141,6 @@ def read_top_level(key: str, value: Any, result: DeepSpeedSettings, refused: lis
     if key in LOOP_ROWS:
         if key in _LOOP_KEYS and value != AUTO:
             _loop_value(key, value, result, refused)
-        elif key == "train_batch_size" and value != AUTO and not is_count(value, 1):
-            refused.append(f'{key}={value!r} (an integer >= 1, or "auto")')
     elif key == "activation_checkpointing":
         _activation_checkpointing(value, result, refused)
     elif key in OTHER_ROWS:
