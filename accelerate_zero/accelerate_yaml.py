@@ -17,10 +17,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .deepspeed_flags import ACCEPTED, ACCUMULATION, CONFIG_FILE, HONOURED, REFUSED
+from .deepspeed_flags import ACCEPTED, ACCUMULATION, CLIPPING, CONFIG_FILE, FROM_YAML, HONOURED, LAUNCHER, REFUSED
 
 # The block's keys: every DeepSpeed flag of Accelerate's launcher has a treatment here.
-BLOCK_KEYS = frozenset(HONOURED) | frozenset(REFUSED) | frozenset(ACCEPTED) | {ACCUMULATION, CONFIG_FILE}
+BLOCK_KEYS = (
+    frozenset(HONOURED) | frozenset(REFUSED) | frozenset(ACCEPTED) | {ACCUMULATION, CONFIG_FILE, CLIPPING, LAUNCHER}
+)
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -59,9 +61,12 @@ def take_accelerate_yaml(args: argparse.Namespace) -> None:
             f"{path}: deepspeed_config has key(s) {unknown} that Accelerate's DeepSpeed launch does not take either "
             f"(its keys: {sorted(BLOCK_KEYS)}): correct or remove them."
         )
+    from_file = getattr(args, FROM_YAML, {})
     for key, value in block.items():
         if getattr(args, key, None) is None and value is not None:
             setattr(args, key, value if isinstance(value, str) else str(value).lower())  # as typed on the line
+            from_file[key] = path  # for the messages: the file's key, not a flag
+    setattr(args, FROM_YAML, from_file)
     config["distributed_type"] = _plain_distributed_type(config)
     args.config_file = _write_copy(config, Path(path).name)
 

@@ -24,7 +24,7 @@ from typing import Any
 from zero_core import Setting, user_settings
 
 from .accelerate_yaml import take_accelerate_yaml
-from .deepspeed_flags import CONFIG_FILE, settings_from_deepspeed_file, take_deepspeed_flags
+from .deepspeed_flags import CONFIG_FILE, FROM_YAML, settings_from_deepspeed_file, take_deepspeed_flags
 from .plugin import ENV_PREFIX, ZeroPlugin, read_yaml
 
 GROUP_TITLE = "ZeRO (accelerate-zero)"
@@ -106,6 +106,8 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
             values[setting.text.name] = value
             given_our_way.add(setting.text.name)
     take_deepspeed_flags(args, values, given_our_way)  # --zero_stage 1 is honoured, never dropped
+    if hasattr(args, FROM_YAML):
+        delattr(args, FROM_YAML)  # ours, for the messages; Accelerate's launcher gets its own arguments only
     return ZeroPlugin.from_mapping(values, config_file or "the ZeRO settings"), args
 
 

@@ -25,6 +25,9 @@ ENV_PREFIX = "ACCELERATE_ZERO_"
 # accelerate-zero launch --zero_config_file ds.json: the file, for its optimizer and scheduler sections, which
 # ZeroAccelerator builds in place of DummyOptim/DummyScheduler (the settings travel as the variables above).
 DEEPSPEED_CONFIG_ENV = ENV_PREFIX + "DEEPSPEED_CONFIG_FILE"
+# accelerate-zero launch with Accelerate's DeepSpeed gradient_clipping (its flag, or its YAML block's key): the norm
+# each optimizer step clips at, as DeepSpeed's engine clips with it (as a JSON config's gradient_clipping does).
+DEEPSPEED_CLIPPING_ENV = ENV_PREFIX + "DEEPSPEED_GRADIENT_CLIPPING"
 # The keys of a DeepSpeed config that make its global batch (checked in each process: deepspeed_batch.py).
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
 # DeepSpeed 0.19's gradient_clipping for a config without one; Accelerate fills an "auto" with the same.
@@ -58,6 +61,7 @@ class _PluginBehaviour:
             object.__setattr__(self, name, setting.text.default if value is None else value)
         self.zero_config(MixedPrecision())  # validate every field now, with the core's messages
         launched_with = os.environ.get(DEEPSPEED_CONFIG_ENV)
+        clipping = os.environ.get(DEEPSPEED_CLIPPING_ENV)
         if launched_with:  # its sections alone: the launcher turned the rest into the settings and flags
             translated = from_deepspeed(launched_with, stage_given=True)
             # The batch keys too: the launcher cannot know the micro-batch an "auto" leaves to the DataLoader. With
@@ -70,8 +74,13 @@ class _PluginBehaviour:
                 loop={**engine_clipping(translated), **batch},
                 source=translated.source,
             )
+            if clipping is not None:  # the launcher's, which the file's agrees with or leaves out
+                sections.loop["gradient_clipping"] = float(clipping)
             object.__setattr__(self, "deepspeed_loop", sections)  # read by ZeroAccelerator
             object.__setattr__(self, "deepspeed_source", launched_with)  # ZeroTrainer reads it as transformers would
+        elif clipping is not None:  # Accelerate's DeepSpeed gradient_clipping without a JSON config
+            clipped = DeepSpeedSettings(loop={"gradient_clipping": float(clipping)}, source="the launch's")
+            object.__setattr__(self, "deepspeed_loop", clipped)
 
     @classmethod
     def from_mapping(cls, values: dict[str, Any], source: str = "the ZeRO config") -> ZeroPlugin:

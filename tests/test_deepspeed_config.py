@@ -180,6 +180,15 @@ def _lightning_with_config(rank: int, world_size: int) -> dict:
     }
 
 
+# The tests that read the launch's reports, and the cases of the second (tests/scripts/deepspeed_same_config.py's
+# INF_CASES: bf16.check_grad_overflow true, left out, false, then fp32; rank 1's loss inf in step 1).
+LAUNCH_READERS = {
+    "test_the_same_config_file_trains_as_deepspeed_itself",
+    "test_a_step_with_an_inf_gradient_is_skipped_as_deepspeed_skips_it",
+}
+INF_CASES = ("1bf16inf", "2bf16inf", "3bf16inf", "2inf")
+
+
 @pytest.fixture(scope="module")
 def same_config_launch(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -188,13 +197,13 @@ def same_config_launch(
     (where that test is selected and DeepSpeed is installed) by the Lightning test before it, which runs beside
     it: each keeps about one of two cores busy."""
     selected = {getattr(item, "originalname", None) for item in request.session.items if item.module is request.module}
-    if "test_the_same_config_file_trains_as_deepspeed_itself" not in selected or find_spec("deepspeed") is None:
+    if not selected & LAUNCH_READERS or find_spec("deepspeed") is None:
         yield None
         return
     out = tmp_path_factory.mktemp("same-config")
     script = Path(__file__).parent / "scripts" / "deepspeed_same_config.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(_free_port()), str(script), str(out), "1", "2", "3", "3bf16", "2tbs"]
+    command += ["--master_port", str(_free_port()), str(script), str(out), "1", "2", "3", "3bf16", "2tbs", *INF_CASES]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     with ThreadPoolExecutor(max_workers=1) as background:
         run = background.submit(subprocess.run, command, env=env, capture_output=True, text=True, timeout=600)
@@ -285,6 +294,35 @@ def test_the_same_config_file_trains_as_deepspeed_itself(same_config_launch: tup
     derived, named = (json.loads((tmp_path / f"{case}.json").read_text()) for case in ("2tbs", "2"))
     assert derived["ours"] == named["ours"] and derived["deepspeed"] == named["deepspeed"]
     assert all(derived["weights"][name][1] == named["weights"][name][1] for name in named["weights"])
+
+
+@pytest.mark.distributed
+def test_a_step_with_an_inf_gradient_is_skipped_as_deepspeed_skips_it(same_config_launch: tuple | None) -> None:
+    """DeepSpeed's engine and ``ZeroStrategy(config=file)`` on one config whose step 1 gets an inf gradient on one
+    rank: both skip that step on both ranks and train on from the same weights. bf16 at stage 1 with
+    check_grad_overflow true (refused here before), at stage 2 with the key left out (DeepSpeed's default, true,
+    which was off here), at stage 3 with it false (DeepSpeed's stage 3 skips all the same); fp32 at stage 2
+    (DeepSpeed skips there too). The losses are recorded before the inf; a step not skipped would turn every
+    later loss and weight NaN. fp32: the weights equal to rounding; bf16: the losses as close as without the
+    inf (the test above)."""
+    pytest.importorskip("deepspeed")
+    assert same_config_launch is not None
+    tmp_path, launch = same_config_launch
+    result = launch.result()
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
+    for case in INF_CASES:
+        report = json.loads((tmp_path / f"{case}.json").read_text())
+        assert report["applied"]["deepspeed"] == report["applied"]["ours"] == [True, False, True, True], case
+        deepspeed_losses, our_losses = torch.tensor(report["deepspeed"]), torch.tensor(report["ours"])
+        assert len(our_losses) == 8 and torch.isfinite(our_losses).all() and torch.isfinite(deepspeed_losses).all()
+        for name, (theirs, ours) in report["weights"].items():
+            theirs, ours = torch.tensor(theirs), torch.tensor(ours)
+            assert torch.isfinite(ours).all() and torch.isfinite(theirs).all(), (case, name)
+            if "bf16" not in case:
+                assert (theirs - ours).abs().max() <= 1e-6 * theirs.abs().max(), (case, name)
+        assert our_losses[0] == deepspeed_losses[0], case
+        tolerance = 1e-2 if "bf16" in case else 1e-5
+        torch.testing.assert_close(our_losses, deepspeed_losses, rtol=tolerance, atol=0, msg=case)
 
 
 def test_a_configs_clipping_and_a_step_in_backward_are_refused_together_before_any_work() -> None:

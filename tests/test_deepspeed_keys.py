@@ -164,3 +164,36 @@ def test_keys_accepted_without_effect_are_listed_at_setup(
     with caplog.at_level(logging.INFO):
         ZeroStrategy(config={"zero_optimization": {"stage": 3}})
     assert "accepted without effect" not in caplog.text
+
+
+def test_what_deepspeed_ignores_or_only_logs_with_is_accepted_and_said_on_the_setup_line(tmp_path: Path) -> None:
+    """LLaMA-Factory's configs carry top-level ``comms_config`` and ``monitor_config`` (names of DeepSpeed's config
+    objects, which DeepSpeed 0.19 never reads from the file): accepted, as DeepSpeed trains them; a monitor section
+    is accepted with the setup line saying that nothing is written here, and where to log instead."""
+    wild = Path(__file__).parent / "deepspeed_configs" / "wild" / "llamafactory_ds_z3_fp8_config.json"
+    line = from_deepspeed(wild).without_effect_line()
+    assert line is not None
+    assert "comms_config (DeepSpeed 0.19 reads no such key either" in line
+    assert "monitor_config (DeepSpeed 0.19 reads no such key either" in line and "nothing is written" in line
+    monitors = {"zero_optimization": {"stage": 2}, "tensorboard": {"enabled": True, "output_path": "runs"}}
+    line = from_deepspeed(monitors).without_effect_line()
+    assert line is not None and "tensorboard (DeepSpeed's monitor: not written here; log with the framework's" in line
+
+
+def test_every_unknown_key_is_refused_with_what_to_do(tmp_path: Path) -> None:
+    """A key DeepSpeed does not read: the nearest key of its own section where one is near, else delete it; never a
+    setting of ours that only sounds alike (bf16.loss_scale is fp16's key: bf16 needs none)."""
+    config = {
+        "zero_optimization": {"stage": 2, "reduce_bucket_sise": 5e8, "totally_new_knob": 1},
+        "bf16": {"enabled": True, "loss_scale": 0},
+        "a_newer_deepspeeds_key": {},
+    }
+    message = _refusal(config)
+    assert (
+        "zero_optimization.reduce_bucket_sise=500000000.0 (not a DeepSpeed key; did you mean 'reduce_bucket_size'?)"
+        in message
+    )
+    assert "zero_optimization.totally_new_knob=1 (not a key DeepSpeed 0.19 reads: delete it, or correct it;" in message
+    assert "bf16.loss_scale=0 (bf16 trains without a loss scale, under DeepSpeed too: delete the key)" in message
+    assert "a_newer_deepspeeds_key={} (not a key DeepSpeed 0.19 reads: delete it" in message
+    assert "nearest setting here" not in message and "no setting here does this" not in message

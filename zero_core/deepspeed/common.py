@@ -10,7 +10,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import user_settings
 from .batch_size import GlobalBatch, resolve_global_batch
 
 # DeepSpeed's "auto" (filled in by Hugging Face's integration): the value the framework would have.
@@ -147,9 +146,24 @@ def _prefetch_cap(elements: float, result: DeepSpeedSettings) -> None:
     result.settings["prefetch_cap_mb"] = float(elements) * _FP32_MB
 
 
+# fp16's loss-scaling keys, which a bf16 section does not take (bf16 trains without a loss scale, in DeepSpeed too).
+_LOSS_SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "consecutive_hysteresis")
+_KEY_TABLE = "docs/deepspeed-keys.md lists every key DeepSpeed 0.19 reads and what each does here"
+
+
 def _refusal(name: str, value: Any) -> str:
-    """A key with no row: the nearest setting of ours, if any is near."""
-    leaf = name.rsplit(".", 1)[-1]
-    nearest = difflib.get_close_matches(leaf, [s.name for s in user_settings()], n=1, cutoff=0.4)
-    hint = f"the nearest setting here is {nearest[0]!r}" if nearest else "no setting here does this"
-    return f"{name}={value!r} ({hint})"
+    """A key with no row (a typo, a newer DeepSpeed's key): the nearest key DeepSpeed reads in the same section, if
+    one is near, and in every case what to do."""
+    from .key_table import all_rows, top_level_keys  # the table gathers every section's rows, this one's too
+
+    section, _, leaf = name.rpartition(".")
+    if section in ("bf16", "bfloat16") and (leaf in _LOSS_SCALING_KEYS or leaf == "min_loss_scale"):
+        return f"{name}={value!r} (bf16 trains without a loss scale, under DeepSpeed too: delete the key)"
+    if section:
+        known = [row.key.rpartition(".")[2] for row in all_rows() if row.key.rpartition(".")[0] == section]
+    else:
+        known = top_level_keys()
+    nearest = difflib.get_close_matches(leaf, known, n=1, cutoff=0.75)
+    if nearest:
+        return f"{name}={value!r} (not a DeepSpeed key; did you mean {nearest[0]!r}?)"
+    return f"{name}={value!r} (not a key DeepSpeed 0.19 reads: delete it, or correct it; {_KEY_TABLE})"

@@ -6,7 +6,6 @@ with what to do. A key with no row (a typo, a newer DeepSpeed's key) is refused 
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -14,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from .common import DeepSpeedSettings, _refusal
-from .key_table import top_level_keys
 from .optimizer_sections import read_optimizer_section
 from .precision import _precision_section
 from .top_level import read_top_level
@@ -63,7 +61,7 @@ def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettin
         elif key in ("bf16", "fp16", "bfloat16"):
             _precision_section(key, value, result, refused)
         elif not read_top_level(key, value, result, refused):
-            refused.append(_unknown(key, value))
+            refused.append(_refusal(key, value))
     zero_section = config.get("zero_optimization")
     if not stage_given and (not isinstance(zero_section, Mapping) or "stage" not in zero_section):
         # DeepSpeed's default is stage 0 (no ZeRO at all): running any stage of ours would differ silently.
@@ -78,11 +76,3 @@ def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettin
             + "."
         )
     return result
-
-
-def _unknown(key: str, value: Any) -> str:
-    """A top-level key DeepSpeed does not read either: most often a typo of one it does."""
-    nearest = difflib.get_close_matches(key, top_level_keys(), n=1, cutoff=0.75)
-    if nearest:
-        return f"{key}={value!r} (not a DeepSpeed key; did you mean {nearest[0]!r}?)"
-    return _refusal(key, value)

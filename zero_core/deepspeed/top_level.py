@@ -17,6 +17,10 @@ from .common import AUTO, DeepSpeedSettings, Treatment, _number, _refusal, apply
 RESOLVED, MAPPED = Treatment.RESOLVED, Treatment.MAPPED
 WITHOUT_EFFECT, REFUSED = Treatment.WITHOUT_EFFECT, Treatment.REFUSED
 _REPORTING = "reporting: the framework's logger, profiler and progress bar report here"
+_MONITOR = (
+    "DeepSpeed's monitor: not written here; log with the framework's logger (Trainer(logger=...), "
+    "Accelerator(log_with=...), TrainingArguments(report_to=...))"
+)
 _OFF = (disabled, 'accepted when off ("enabled": false)')
 _NO_AUTO_TP = (lambda v: isinstance(v, Mapping) and v.get("autotp_size", 1) in (0, 1), "accepted without autotp_size")
 
@@ -79,10 +83,19 @@ _OTHERS = (
     ("timers", WITHOUT_EFFECT, _REPORTING),
     ("comms_logger", WITHOUT_EFFECT, _REPORTING),
     ("flops_profiler", WITHOUT_EFFECT, _REPORTING),
-    ("tensorboard", WITHOUT_EFFECT, _REPORTING),
-    ("wandb", WITHOUT_EFFECT, _REPORTING),
-    ("csv_monitor", WITHOUT_EFFECT, _REPORTING),
-    ("comet", WITHOUT_EFFECT, _REPORTING),
+    ("tensorboard", WITHOUT_EFFECT, _MONITOR),
+    ("wandb", WITHOUT_EFFECT, _MONITOR),
+    ("csv_monitor", WITHOUT_EFFECT, _MONITOR),
+    ("comet", WITHOUT_EFFECT, _MONITOR),
+    # Not keys DeepSpeed reads: the names of its config objects, written into configs (LLaMA-Factory's) by dumping
+    # one. DeepSpeed ignores them; so does this, saying so.
+    ("comms_config", WITHOUT_EFFECT, "DeepSpeed 0.19 reads no such key either (its comms logger is comms_logger)"),
+    (
+        "monitor_config",
+        WITHOUT_EFFECT,
+        "DeepSpeed 0.19 reads no such key either (its monitors are tensorboard, wandb, csv_monitor and comet); "
+        + "nothing is written",
+    ),
     ("dump_state", WITHOUT_EFFECT, _REPORTING),
     ("log_level", WITHOUT_EFFECT, _REPORTING),
     ("prescale_gradients", WITHOUT_EFFECT, "gradients are averaged in fp32; dividing first changes only rounding"),
