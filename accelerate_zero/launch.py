@@ -17,8 +17,10 @@ override the file. An Accelerate config written for DeepSpeed (``--config_file a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from zero_core import Setting, user_settings
@@ -91,7 +93,7 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
             raise ValueError(f"--zero_config_file {config_file} and --{CONFIG_FILE} {deepspeed_file}: give one file.")
         config_file = deepspeed_file
         setattr(args, CONFIG_FILE, None)  # ours now; Accelerate's launcher must not act on it
-    if config_file and (config_file.endswith(".json") or config_file == deepspeed_file):  # a DeepSpeed config
+    if config_file and (config_file == deepspeed_file or _is_deepspeed_config(config_file)):
         stage_flag = next(_dest(s) for s in user_settings() if s.name == "stage")
         stage_given = args.zero_stage is not None or getattr(args, stage_flag) is not None  # DeepSpeed's or ours
         values = settings_from_deepspeed_file(config_file, args, stage_given)
@@ -109,6 +111,19 @@ def plugin_from_arguments(argv: list[str]) -> tuple[ZeroPlugin, argparse.Namespa
     if hasattr(args, FROM_YAML):
         delattr(args, FROM_YAML)  # ours, for the messages; Accelerate's launcher gets its own arguments only
     return ZeroPlugin.from_mapping(values, config_file or "the ZeRO settings"), args
+
+
+def _is_deepspeed_config(path: str) -> bool:
+    """A DeepSpeed config is one JSON object, whatever the file is called (open-instruct's are ``.conf``); a ZeRO
+    settings file is YAML (``.yaml``/``.yml``), whose reader then names any key it does not know."""
+    if path.endswith((".yaml", ".yml")):
+        return False
+    if path.endswith(".json"):
+        return True
+    try:
+        return isinstance(json.loads(Path(path).read_text()), dict)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
 
 
 def run_through_the_check(launch_args: argparse.Namespace) -> None:

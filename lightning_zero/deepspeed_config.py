@@ -66,9 +66,16 @@ def settings_with_config(config: Config, explicit: dict[str, Any]) -> tuple[dict
 def check_precision(translated: DeepSpeedSettings | None, flag: str, owner: str) -> None:
     if translated is None or translated.precision is None or flag in _FLAGS[translated.precision]:
         return
+    on_cpu = ""
+    if translated.precision == "fp16" and flag.startswith("bf16"):
+        # Lightning itself turns 16-mixed into bf16-mixed on a CPU (with a warning): the flag given may be 16-mixed.
+        on_cpu = (
+            '; on a CPU Lightning runs 16-mixed as bf16-mixed, so there set "fp16": {"enabled": false} (or "auto") '
+            "in the config to train in the Trainer's precision"
+        )
     raise ValueError(
         f"{translated.source} asks for {translated.precision}, {owner}(precision={flag!r}) for another: "
-        f"pass {owner}(precision={_FLAGS[translated.precision][0]!r}) (the framework's flag decides here)."
+        f"pass {owner}(precision={_FLAGS[translated.precision][0]!r}) (the framework's flag decides here){on_cpu}."
     )
 
 

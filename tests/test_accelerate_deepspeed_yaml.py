@@ -95,3 +95,26 @@ def test_a_clipping_given_twice_and_a_bad_one_are_refused_naming_the_file(tmp_pa
         plugin_from_arguments(["--config_file", path, "train.py"])
     plugin_from_arguments(["--gradient_clipping", "0.25", "--zero_stage", "2", "train.py"])  # the flag, typed
     assert ZeroPlugin().deepspeed_loop.loop["gradient_clipping"] == 0.25
+
+
+def test_a_deepspeed_config_is_read_as_one_whatever_its_file_is_called(tmp_path: Path) -> None:
+    """open-instruct's DeepSpeed configs are ``.conf`` files: one JSON object is a DeepSpeed config, and a
+    ``.yaml`` file stays a ZeRO settings file."""
+    conf = tmp_path / "stage3_no_offloading.conf"
+    conf.write_text(json.dumps({"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 2}))
+    plugin, _ = plugin_from_arguments(["--zero_config_file", str(conf), "train.py"])
+    assert plugin.stage == 3 and os.environ["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] == "2"
+    settings = tmp_path / "zero.yaml"
+    settings.write_text("stage: 1\n")
+    assert plugin_from_arguments(["--zero_config_file", str(settings), "train.py"])[0].stage == 1
+
+
+def test_an_fp16_config_under_lightning_on_a_cpu_is_told_how_to_run() -> None:
+    """Lightning runs ``16-mixed`` as ``bf16-mixed`` on a CPU: the refusal says what makes the file run there."""
+    from lightning_zero.deepspeed_config import check_precision
+    from zero_core.deepspeed import from_deepspeed
+
+    translated = from_deepspeed({"fp16": {"enabled": True}, "zero_optimization": {"stage": 2}})
+    with pytest.raises(ValueError, match=r'on a CPU Lightning runs 16-mixed as bf16-mixed, so there set "fp16"'):
+        check_precision(translated, "bf16-mixed", "Trainer")
+    check_precision(translated, "16-mixed", "Trainer")
