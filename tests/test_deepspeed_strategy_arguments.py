@@ -26,9 +26,11 @@ from .distributed import run_distributed
 
 STRATEGIES = [ZeroStrategy, ZeroFabricStrategy]
 CORPUS = Path(__file__).parent / "deepspeed_configs"
-# What every call with DeepSpeedStrategy's keywords has unless told otherwise: its default stage, and for fp16
-# DeepSpeed's loss scaling (its fp16 section's defaults; loss_scale 0 and the first scale 2**16 are ours too).
+# What every call with DeepSpeedStrategy's keywords has unless told otherwise: its default stage, for fp16
+# DeepSpeed's loss scaling (its fp16 section's defaults; loss_scale 0 and the first scale 2**16 are ours too), and
+# its ZeRO's skip of a step whose gradients hold inf or NaN.
 AS_DEEPSPEED = {"stage": 2, "loss_scale_window": 1000, "loss_scale_hysteresis": 2, "min_loss_scale": 1.0}
+AS_DEEPSPEED["skip_nonfinite_steps"] = True
 
 # Each keyword (DeepSpeedStrategy's own and those it shares with ours by name): a call that gives it, and our own
 # spelling of the same settings (beyond AS_DEEPSPEED). An empty spelling: accepted without effect.
@@ -272,9 +274,11 @@ def test_jsonargparse_parses_the_keywords_as_lightning_cli_does(strategy: type) 
     parsed = parser.parse_object({"strategy": {"class_path": class_path, "init_args": init_args}})
     instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes  # renamed in 4.49
     built = instantiate(parsed).strategy
+    # skip_nonfinite_steps: DeepSpeed's ZeRO itself skips a step whose gradients hold inf or NaN.
     expected = ZeroConfig(
-        stage=3, offload_params="cpu", loss_scale_hysteresis=3, offload_activations=True, offload_optimizer="cpu"
-    )
+        stage=3, offload_params="cpu", loss_scale_hysteresis=3, offload_activations=True, offload_optimizer="cpu",
+        skip_nonfinite_steps=True,
+    )  # fmt: skip
     assert built.zero_config == expected
     # Ours at a value of its own is no default: it must agree.
     init_args = {"stage": 3, "offload_parameters": True, "offload_params": "nvme", "offload_dir": "/scratch"}

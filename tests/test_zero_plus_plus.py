@@ -253,15 +253,20 @@ def test_a_deepspeed_config_turns_them_on() -> None:
         "quantize_weights": True,
         "quantize_gradients": True,
         "secondary_shard_group_size": 16,
+        "skip_nonfinite_steps": True,  # as DeepSpeed's ZeRO skips a step whose gradients hold inf or NaN
     }
     assert set(tutorial.without_effect) == {
         f"zero_optimization.{key}"
         for key in ("reduce_bucket_size", "reduce_scatter", "contiguous_gradients", "overlap_comm")
     }
     zero = {"stage": 2, "zero_quantized_gradients": True}
-    assert from_deepspeed({"zero_optimization": zero}).settings == {"stage": 2, "quantize_gradients": True}
+    skips = {"skip_nonfinite_steps": True}
+    assert from_deepspeed({"zero_optimization": zero}).settings == {"stage": 2, "quantize_gradients": True, **skips}
     # DeepSpeed's default, 1, is no secondary shard.
-    assert from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).settings == {"stage": 3}
+    assert from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).settings == {
+        "stage": 3,
+        **skips,
+    }
     with pytest.raises(ValueError, match="zero_hpz_partition_size=0"):
         from_deepspeed({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 0}})
 

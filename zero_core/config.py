@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields
 from functools import cache
 
 from .offload_plan import OFFLOAD_MODES, OffloadPlan, check_offload
-from .precision import MixedPrecision, check_loss_scaling
+from .precision import SKIPS_DOC, MixedPrecision, check_loss_scaling
 from .settings import (
     SETTING_KEY,
     KeywordForm,
@@ -38,10 +38,9 @@ __all__ = ["OFFLOAD_MODES", "ZeroConfig", "user_settings"]  # OFFLOAD_MODES: off
 class ZeroConfig:
     """The handful of knobs of the ZeRO core.
 
-    Each user-facing field is declared once, with :func:`zero_core.settings.setting`
-    (its one-line doc, its text form, an example); :func:`user_settings` lists them,
-    and the Lightning, Fabric and Accelerate adapters are generated from that list.
-    ``mixed_precision`` is not among them: each framework's own precision flag sets it.
+    Each user-facing field is declared once, with :func:`zero_core.settings.setting` (its one-line doc, its text
+    form, an example); :func:`user_settings` lists them, and the Lightning, Fabric and Accelerate adapters are
+    generated from that list. ``mixed_precision`` is not among them: each framework's own precision flag sets it.
     """
 
     stage: int = setting(
@@ -123,6 +122,7 @@ class ZeroConfig:
         parse=float,
         example=1.0,
     )
+    skip_nonfinite_steps: bool = setting(False, doc=SKIPS_DOC, values="true or false", parse=parse_bool, example=True)
     # Without classes, units are chosen by size (bucket_size_mb); what no unit claims is the root unit's.
     wrap_policy: WrapPolicy = setting(
         default_factory=WrapPolicy,
@@ -336,7 +336,7 @@ class ZeroConfig:
         check_loss_scaling(self)
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
-        check_flags(self, ("overlap_param_refresh", "broadcast_buffers"))
+        check_flags(self, ("overlap_param_refresh", "broadcast_buffers", "skip_nonfinite_steps"))
         if not is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
                 f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "

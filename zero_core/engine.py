@@ -282,7 +282,8 @@ class ZeroEngine(EngineCheckpoints):
 
     @property
     def last_step_skipped(self) -> bool:
-        """The last step was skipped on an fp16 overflow (every rank agrees), as ``GradScaler`` skips one."""
+        """The last step was skipped on an fp16 overflow, as ``GradScaler`` skips one, or with
+        ``skip_nonfinite_steps`` on an inf or NaN gradient (every rank agrees)."""
         return self._optimizer_step.last_step_skipped
 
     @property

@@ -190,5 +190,11 @@ def check_offload(config: Any) -> None:
             "ZeroConfig.offload_step_in_backward=True cannot run with fp16 loss scaling: a step may be skipped "
             "for an overflow found only after backward. Use bf16, or turn offload_step_in_backward off."
         )
+    if config.steps_in_backward and config.skip_nonfinite_steps:
+        raise ValueError(
+            "ZeroConfig.offload_step_in_backward=True cannot run with skip_nonfinite_steps=True: a step may be "
+            "skipped for an inf or NaN gradient found only after backward (a DeepSpeed config asks for that "
+            "skip unless bf16.check_grad_overflow is false at stage 1 or 2). Turn one of the two off."
+        )
     if config.offload_dir is not None and not isinstance(config.offload_dir, str):
         raise ValueError("ZeroConfig.offload_dir must be a path (a string) or None.")

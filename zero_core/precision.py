@@ -1,5 +1,6 @@
-"""The precision policy (``MixedPrecision``: the dtypes, which each framework's precision flag sets) and the
-checks of the fp16 loss-scaling settings ``ZeroConfig`` declares (the user's, like every other setting).
+"""The precision policy (``MixedPrecision``: the dtypes, which each framework's precision flag sets), the
+checks of the fp16 loss-scaling settings ``ZeroConfig`` declares (the user's, like every other setting), and
+what ``skip_nonfinite_steps`` does.
 
 The loss-scaling settings are DeepSpeed's ``fp16`` keys with DeepSpeed's meaning (its
 ``deepspeed/runtime/fp16/loss_scaler.py``); their defaults are torch's ``GradScaler``'s values, which
@@ -18,6 +19,14 @@ import torch
 from .settings import is_count
 
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Beside fp16's overflows (always skipped): DeepSpeed's ZeRO skips these steps in fp32 and bf16 too (bf16: unless
+# bf16.check_grad_overflow is false, at stages 1 and 2 only); torch and DDP take them. The decision rides on the
+# step's one agreement (agreement/step.py), which runs every step anyway: no collective of its own.
+SKIPS_DOC = (
+    "skip an optimizer step whose gradients hold inf or NaN on any rank, on every rank alike, as DeepSpeed's ZeRO "
+    "does (fp16 skips them always)"
+)
 
 
 @dataclass(frozen=True)

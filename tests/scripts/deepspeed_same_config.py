@@ -5,12 +5,14 @@ rank 0 writes OUT/<case>.json with both runs' per-micro-batch losses and final f
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tests/scripts/deepspeed_same_config.py OUT CASE [CASE ...]
 
 CASE: a stage (1, 2, 3), with bf16 after it for a bf16 config (3bf16), or tbs after it for a config that gives
-the global batch (train_batch_size) in place of the accumulation, which DeepSpeed then derives (2tbs).
+the global batch (train_batch_size) in place of the accumulation, which DeepSpeed then derives (2tbs). A case in
+INF_CASES has an inf loss on rank 1 in one micro-batch, and its report says which steps each engine applied.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -24,6 +26,14 @@ from tests.lightning_module import TokenDataset  # noqa: E402
 from tests.models import TinyTransformer, lm_loss  # noqa: E402
 
 MICRO_BATCH, ACCUMULATE, STEPS, LR = 2, 2, 4, 1e-2
+# Case -> its bf16 section's check_grad_overflow (None: left out, DeepSpeed's default true); rank 1's loss is inf
+# in micro-batch POISONED (the first of step 1), so the gradients of step 1 hold inf or NaN there.
+INF_CASES = {"1bf16inf": True, "2bf16inf": None, "3bf16inf": False, "2inf": None}
+POISONED = 2
+
+
+def _poison(index: int, poison: int | None) -> float:
+    return math.inf if index == poison and torch.distributed.get_rank() == 1 else 1.0
 
 
 def config(stage: int, bf16: bool) -> dict:
@@ -54,8 +64,11 @@ def data(rank: int, world_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=MICRO_BATCH, sampler=sampler)
 
 
-def deepspeed_run(config_file: Path | dict) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """DeepSpeed's own engine on the config (a file, or a dict), the same model, data and AdamW."""
+def deepspeed_run(
+    config_file: Path | dict, poison: int | None = None, applied: list[bool] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """DeepSpeed's own engine on the config (a file, or a dict), the same model, data and AdamW; ``poison``: the
+    micro-batch whose loss is inf on rank 1; ``applied`` gets whether each step was applied."""
     import deepspeed
 
     net = model()
@@ -64,21 +77,29 @@ def deepspeed_run(config_file: Path | dict) -> tuple[list[float], dict[str, torc
         model=net, optimizer=optimizer, config=config_file if isinstance(config_file, dict) else str(config_file)
     )
     losses = []
-    for ids in data(torch.distributed.get_rank(), torch.distributed.get_world_size()):
+    for index, ids in enumerate(data(torch.distributed.get_rank(), torch.distributed.get_world_size())):
         loss = lm_loss(ds_model(ids), ids)
-        ds_model.backward(loss)
+        ds_model.backward(loss * _poison(index, poison))
         ds_model.step()
         losses.append(loss.item())
+        if applied is not None and (index + 1) % ds_model.gradient_accumulation_steps() == 0:
+            applied.append(ds_model.was_step_applied())
     with deepspeed.zero.GatheredParameters(list(ds_model.module.parameters())):
         weights = {name: p.detach().clone() for name, p in ds_model.module.named_parameters()}
     return losses, weights
 
 
 def ours(
-    config_file: Path | None, precision: str, accumulate: int = ACCUMULATE, **settings: object
+    config_file: Path | None,
+    precision: str,
+    accumulate: int = ACCUMULATE,
+    poison: int | None = None,
+    applied: list[bool] | None = None,
+    **settings: object,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Our Lightning run on the config file, or (``config_file`` None) on the same settings as keywords; one
-    pass over the data, ``accumulate`` micro-batches a step (the config's own accumulation)."""
+    pass over the data, ``accumulate`` micro-batches a step (the config's own accumulation); ``poison`` and
+    ``applied`` as for ``deepspeed_run``."""
     import lightning.pytorch as pl
 
     from lightning_zero import ZeroStrategy
@@ -92,7 +113,11 @@ def ours(
         def training_step(self, ids: torch.Tensor, index: int) -> torch.Tensor:
             loss = lm_loss(self.net(ids), ids)
             self.losses.append(loss.item())
-            return loss
+            return loss * _poison(index, poison)
+
+        def on_train_batch_end(self, outputs: object, ids: torch.Tensor, index: int) -> None:
+            if applied is not None and (index + 1) % accumulate == 0:  # after the step
+                applied.append(not self.trainer.strategy.engine.last_step_skipped)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW([p for p in self.net.parameters() if p.requires_grad], lr=LR)
@@ -119,21 +144,27 @@ def main() -> None:
 
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
-    for case in sys.argv[2:]:  # "3", "3bf16" or "2tbs"
-        stage, bf16 = int(case[0]), case.endswith("bf16")
+    for case in sys.argv[2:]:  # "3", "3bf16", "2tbs" or one of INF_CASES
+        stage, bf16 = int(case[0]), "bf16" in case
         config_file = out / f"ds_config_{case}.json"
         written = config(stage, bf16)
+        poison = POISONED if case in INF_CASES else None
+        applied: dict[str, list[bool]] = {"deepspeed": [], "ours": []}
+        if bf16 and INF_CASES.get(case) is not None:
+            written["bf16"]["check_grad_overflow"] = INF_CASES[case]
         if case.endswith("tbs"):  # micro-batch x accumulation x ranks, the accumulation left out
             del written["gradient_accumulation_steps"]
             written["train_batch_size"] = MICRO_BATCH * ACCUMULATE * torch.distributed.get_world_size()
         if rank == 0:
             config_file.write_text(json.dumps(written))
         torch.distributed.barrier()
-        ds_losses, ds_weights = deepspeed_run(config_file)
-        our_losses, our_weights = ours(config_file, "bf16-mixed" if bf16 else "32-true")
+        ds_losses, ds_weights = deepspeed_run(config_file, poison, applied["deepspeed"])
+        our_losses, our_weights = ours(
+            config_file, "bf16-mixed" if bf16 else "32-true", poison=poison, applied=applied["ours"]
+        )
         if rank == 0:
             weights = {k: (v.flatten().tolist(), our_weights[k].flatten().tolist()) for k, v in ds_weights.items()}
-            report = {"deepspeed": ds_losses, "ours": our_losses, "weights": weights}
+            report = {"deepspeed": ds_losses, "ours": our_losses, "weights": weights, "applied": applied}
             (out / f"{case}.json").write_text(json.dumps(report))
 
 

@@ -5,6 +5,10 @@ An fp16 section that is on (``"enabled": true``, or ``"auto"``, which the framew
 loss-scaling settings: its keys, and DeepSpeed's defaults for the keys it leaves out (hysteresis 2, window
 1000, floor 1), so the run scales as DeepSpeed's would. An fp16 section that is off sets nothing (DeepSpeed
 reads nothing else from it either).
+
+A bf16 section that is on sets ``skip_nonfinite_steps`` from ``check_grad_overflow`` (DeepSpeed's default: true),
+as DeepSpeed's ZeRO stages 1 and 2 read it; stage 3 skips such a step whatever the key says, and so do fp32 and
+fp16 at every stage, which the stage's reader sets (``zero_section.py``), in whichever order the sections come.
 """
 
 from __future__ import annotations
@@ -109,10 +113,9 @@ _BF16_ROWS = {
     ),
     "check_grad_overflow": KeyRow(
         "bf16.check_grad_overflow",
-        REFUSED,
-        "a bf16 step is not skipped for inf/NaN gradients here (torch's rule, as under DDP): set it to false, or "
-        "train in fp16, whose overflows skip the step",
-        *_FALSE,
+        MAPPED,
+        "skip_nonfinite_steps (stages 1 and 2; DeepSpeed's default when left out: true; stage 3 skips a step whose "
+        "gradients hold inf or NaN whatever it says, as DeepSpeed's does)",
     ),
     "bf16_master_weights_and_grads": KeyRow(
         "bf16.bf16_master_weights_and_grads", REFUSED, "master weights and their gradients are fp32 here", *_FALSE
@@ -145,11 +148,16 @@ def _precision_section(key: str, section: Any, result: DeepSpeedSettings, refuse
     for option, value in section.items():
         name = f"{key}.{option}"
         if option not in rows:
-            refused.append(_refusal(name, value))
+            refused.append(_refusal(name, value, rows))
         elif key == "fp16" and option in _SCALER_KEYS:
             _scaler_key(name, _SCALER_KEYS[option], value, refused)
+        elif option == "check_grad_overflow":
+            if not isinstance(value, bool):
+                refused.append(f"{name}={value!r} (true or false)")
         elif option != "enabled":
             apply_row(rows[option], name, value, result, refused)
+    if key != "fp16" and not disabled(section):
+        _overflow_check(section.get("check_grad_overflow", True), result)
     if key == "fp16" and not disabled(section):  # on now, or by the flag later: DeepSpeed's scaler either way
         for option, scaler in _SCALER_KEYS.items():
             value = section.get(option, scaler.default)
@@ -161,3 +169,10 @@ def _scaler_key(name: str, scaler: _ScalerKey, value: Any, refused: list[str]) -
     if not scaler.accepts(value):
         auto = '; "auto" is for fp16.enabled only' if value == AUTO else ""
         refused.append(f"{name}={value!r} ({scaler.expected}{auto})")
+
+
+def _overflow_check(check: Any, result: DeepSpeedSettings) -> None:
+    """bf16.check_grad_overflow, read by DeepSpeed's ZeRO stages 1 and 2 only: at stage 3 (set by the stage's
+    reader, before or after this section) a step whose gradients are not finite is skipped whatever it says."""
+    if isinstance(check, bool) and result.settings.get("stage") != 3:
+        result.settings["skip_nonfinite_steps"] = check

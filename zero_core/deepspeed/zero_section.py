@@ -59,7 +59,13 @@ _ALIASES = {
 }
 
 _ZERO = (
-    ("stage", MAPPED, "stage (1, 2 or 3; DeepSpeed's 0 is plain data parallelism: use DDP)"),
+    (
+        "stage",
+        MAPPED,
+        "stage (1, 2 or 3; DeepSpeed's 0 is plain data parallelism: use DDP); with it skip_nonfinite_steps, as "
+        "DeepSpeed's ZeRO skips a step whose gradients hold inf or NaN (bf16 at stages 1 and 2: unless "
+        "bf16.check_grad_overflow is false)",
+    ),
     ("offload_optimizer", MAPPED, "its keys below"),
     ("offload_param", MAPPED, "its keys below (null: no parameter offload)"),
     ("stage3_param_persistence_threshold", MAPPED, 'persistence_threshold ("auto": ours, 0)'),
@@ -187,7 +193,7 @@ def _zero_section(section: Any, result: DeepSpeedSettings, refused: list[str]) -
         elif key in ZERO_ROWS:
             apply_row(ZERO_ROWS[key], name, value, result, refused)
         else:
-            refused.append(_refusal(name, value))
+            refused.append(_refusal(name, value, ZERO_ROWS))
 
 
 def _stage(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
@@ -195,6 +201,10 @@ def _stage(name: str, value: Any, result: DeepSpeedSettings, refused: list[str])
         refused.append(f"{name}={value!r} (the integer 1, 2 or 3; for stage 0 use plain DDP)")
     else:
         result.settings["stage"] = value
+        # DeepSpeed's ZeRO skips a step whose gradients hold inf or NaN: at stage 3 always, at stages 1 and 2 in
+        # fp32 and fp16, and in bf16 unless bf16.check_grad_overflow is false (which precision.py reads).
+        if value == 3 or "skip_nonfinite_steps" not in result.settings:
+            result.settings["skip_nonfinite_steps"] = True
 
 
 def _persistence(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:
@@ -253,7 +263,7 @@ def _offload(name: str, section: Any, result: DeepSpeedSettings, refused: list[s
         elif key in rows:
             apply_row(rows[key], f"{name}.{key}", value, result, refused)
         else:
-            refused.append(_refusal(f"{name}.{key}", value))
+            refused.append(_refusal(f"{name}.{key}", value, rows))
 
 
 def _nvme_path(name: str, value: Any, result: DeepSpeedSettings, refused: list[str]) -> None:

@@ -7,7 +7,8 @@ whatever calls it: Lightning, Accelerate, a scheduler-driven loop) runs them.
 Before: the runtime's entry barrier (a forward never back-propagated is a
 skipped batch), one agreement across ranks (which parameters have a gradient,
 an overflow anywhere, the same work done and the same param groups
-everywhere), fp16 unscaling and the loss scaler's update, the prefetch depth
+everywhere), fp16 unscaling and the loss scaler's update (or, with ``skip_nonfinite_steps``, the step
+skipped when a gradient holds inf or NaN on some rank), the prefetch depth
 ``prefetch="auto"`` chose, and the reduced gradients attached to the master
 pieces the optimizer then updates. After: the updated shards all-gathered back
 into the compute parameters (stages 1/2; with ``overlap_param_refresh`` left
@@ -18,6 +19,7 @@ and the step's traffic recorded.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
@@ -36,6 +38,8 @@ from ..unit import FlatUnit
 from .prefetch_tuning import AutoPrefetch
 from .runtime import StepRuntime
 from .step_in_backward import EarlySteps, StepInBackward
+
+logger = logging.getLogger("zero_core")
 
 
 def _refuse_closure(args: tuple, kwargs: dict | None) -> None:
@@ -78,9 +82,12 @@ class OptimizerStep:
         self.grads_unscaled = False  # fp16: the accumulated gradients were divided by the loss scale
         self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
-        # The last step was skipped (an fp16 overflow on some rank): the parameters did not change. Reset when
-        # each step starts; read by the step's post-hook and by the adapters (schedulers skip that step too).
+        # The last step was skipped (an fp16 overflow, or with skip_nonfinite_steps an inf or NaN gradient, on some
+        # rank): the parameters did not change. Reset when each step starts; read by the step's post-hook and by
+        # the adapters (schedulers skip that step too).
         self.last_step_skipped = False
+        # skip_nonfinite_steps (without fp16, whose loss scaler decides): steps skipped so far, for the log line.
+        self.nonfinite_skips = 0
         self._traffic_at_last_step = comm.stats.snapshot()
         self.last_step_traffic = CommStats.difference(self._traffic_at_last_step, self._traffic_at_last_step)
         self._span_traffic_at_last_step = comm.stats.span_snapshot()
@@ -208,18 +215,26 @@ class OptimizerStep:
         }
         # Hyperparameters only report a difference; the comparison after the agreement then names it.
         settings = {"optimizer hyperparameters": groups.settings_fingerprint}
-        return agreement.agree_on_step(
-            self.units, self.comm, counters, check_finite=self.loss_scaler is not None, checks=settings
-        )
+        # The finite check rides on this all-reduce, which runs every step: turning it on adds no collective.
+        check_finite = self.loss_scaler is not None or self.config.skip_nonfinite_steps
+        return agreement.agree_on_step(self.units, self.comm, counters, check_finite=check_finite, checks=settings)
 
     def _attach_master_grads(self, agreed: agreement.StepAgreement, stepped: frozenset[int]) -> None:
         if self.loss_scaler is not None:
             self.loss_scaler.update(agreed.found_inf)
-            if agreed.found_inf:
-                # With no .grad anywhere the optimizer leaves every parameter alone.
-                for unit in self.units:
-                    unit.attach_master_grads([False] * len(unit.slot_has_grad))
-                self.last_step_skipped = True
+        elif agreed.found_inf:  # skip_nonfinite_steps: every rank found the same flag
+            self.nonfinite_skips += 1
+            if self.comm.rank == 0:
+                logger.info(
+                    "ZeRO: a gradient holds inf or NaN on some rank, optimizer step skipped on every rank "
+                    "(skip_nonfinite_steps; %d so far)",
+                    self.nonfinite_skips,
+                )
+        if agreed.found_inf:
+            # With no .grad anywhere the optimizer leaves every parameter alone.
+            for unit in self.units:
+                unit.attach_master_grads([False] * len(unit.slot_has_grad))
+            self.last_step_skipped = True
         if not self.last_step_skipped:
             for unit, flags in zip(self.units, agreed.slot_flags):
                 if unit.index not in stepped:
