@@ -56,7 +56,6 @@ REFUSED = {
     "deepspeed_hostfile": _MULTINODE,
     "deepspeed_exclusion_filter": _MULTINODE,
     "deepspeed_inclusion_filter": _MULTINODE,
-    "deepspeed_multinode_launcher": _MULTINODE,
     "deepspeed_moe_layer_cls_names": "name the layer classes to shard as units with --zero_wrap_classes",
 }
 OTHER_FRAMEWORKS = {"use_deepspeed": "DeepSpeed", "use_fsdp": "FSDP", "use_megatron_lm": "Megatron-LM"}

@@ -20,27 +20,35 @@ import functools
 import inspect
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 import zero_core.deepspeed as deepspeed_reader  # its optimizer and scheduler builders
-from zero_core import ZeroEngine
+from zero_core import ZeroEngine, user_settings
 
 from .accelerator import ZeroAccelerator
-from .plugin import ZeroPlugin
+from .deepspeed_flags import ACCUMULATION_VARIABLE
+from .plugin import DEEPSPEED_CLIPPING_ENV, DEEPSPEED_CONFIG_ENV, ZeroPlugin
 from .trainer_deepspeed import (
     auto_values,
     check_scheduler_step_counts,
+    config_name,
     refuse_partitioned_model,
     resolve_for_trainer,
     scheduler_step_counts,
 )
 from .training_arguments import ZeroTrainingArguments
 
-TRAINER_LOOP_KEYS = ("gradient_clipping", "gradient_accumulation_steps")
+# The loop's own keys (transformers checked them against the arguments): the Trainer does what they say.
+TRAINER_LOOP_KEYS = (
+    "gradient_clipping",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+)
 OPTIMIZER_DIR = "optimizer_zero"  # beside Trainer's model, scheduler, RNG and trainer_state.json files
 
 
@@ -53,11 +61,13 @@ class ZeroTrainer(Trainer):
     directory (``optimizer_zero/``) instead of ``optimizer.pt``, and ``resume_from_checkpoint`` reads it
     at any number of processes and stage.
 
-    ``TrainingArguments(deepspeed="ds_config.json")`` (a path or a dict) runs on the ZeRO engine: its "auto"s
-    filled in and its numbers checked against the arguments as transformers does, its optimizer and scheduler
-    sections built. Build the arguments with ``ZeroTrainingArguments`` (the same arguments; needed where
-    DeepSpeed is not installed, and for a stage-3 config loaded by ``from_pretrained`` after them); plain
-    ``TrainingArguments(deepspeed=...)`` is rebuilt as one.
+    A DeepSpeed config runs on the ZeRO engine as transformers runs ``TrainingArguments(deepspeed=...)``: its
+    "auto"s filled in and its numbers checked against the arguments as transformers does, its optimizer and
+    scheduler sections built. It may come as ``ZeroTrainingArguments(deepspeed="ds_config.json")`` (a path or a
+    dict: the same arguments; needed where DeepSpeed is not installed, and for a stage-3 config loaded by
+    ``from_pretrained`` after them; plain ``TrainingArguments(deepspeed=...)`` is rebuilt as one), as
+    ``zero_plugin=ZeroPlugin.from_deepspeed(...)``, or from ``accelerate-zero launch`` (``--zero_config_file
+    ds.json``, ``--deepspeed_config_file``, an Accelerate YAML's ``deepspeed_config_file``).
     """
 
     def __init__(self, *args: Any, zero_plugin: ZeroPlugin | None = None, **kwargs: Any) -> None:
@@ -65,36 +75,48 @@ class ZeroTrainer(Trainer):
         # arguments replaced) whichever way they were passed.
         given = {**dict(zip(list(inspect.signature(Trainer.__init__).parameters)[1:], args)), **kwargs}
         given["args"] = _arguments_for_zero(given.get("args"), given.get("model"))
-        config = getattr(given["args"], "zero_deepspeed_config", None)
-        self._deepspeed = None  # the DeepSpeed config's reading, when TrainingArguments(deepspeed=...) gave one
+        self._deepspeed = None  # the DeepSpeed config's reading, however it arrived
+        self._deepspeed_where = "the DeepSpeed config"  # how refusals name it: its path, where it has one
+        plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()  # as ZeroAccelerator would build it
+        config = _deepspeed_config(given["args"], zero_plugin, plugin)
+        _check_launched_clipping(given["args"])
+        _check_launched_accumulation(given["args"])
         if config is not None:
-            zero_plugin = self._plugin_from_deepspeed(config, given, zero_plugin)
-        self.zero_plugin = zero_plugin  # read by create_accelerator_and_postprocess, inside Trainer.__init__
+            plugin = self._plugin_from_deepspeed(config, given, plugin)
+        self.zero_plugin = plugin  # read by create_accelerator_and_postprocess, inside Trainer.__init__
         self._accelerator_arguments: dict[str, Any] | None = None
         super().__init__(**given)
 
-    def _plugin_from_deepspeed(self, config: Any, given: dict[str, Any], zero_plugin: ZeroPlugin | None) -> ZeroPlugin:
-        """``TrainingArguments(deepspeed=...)``: the config, its "auto"s filled in as transformers fills them, as
-        the ZeRO settings; its optimizer and scheduler sections kept for ``create_optimizer``/``create_scheduler``."""
-        if zero_plugin is not None:
-            raise ValueError(
-                "ZeroTrainer was given both zero_plugin= and TrainingArguments(deepspeed=...): give the ZeRO "
-                "settings once."
-            )
-        resolved = resolve_for_trainer(config, given["args"], given.get("model"))
+    def _plugin_from_deepspeed(self, config: _GivenConfig, given: dict[str, Any], plugin: ZeroPlugin) -> ZeroPlugin:
+        """The DeepSpeed config as transformers reads ``TrainingArguments(deepspeed=...)`` (also under
+        ``accelerate launch --deepspeed_config_file``): its "auto"s filled from the arguments and the model, a
+        number that contradicts them refused; its optimizer and scheduler sections kept for
+        ``create_optimizer``/``create_scheduler``."""
+        where = config.where
+        # The file as given, first: its refusals name it (the filled-in copy below is a dict). The launcher read
+        # it already, and its stage may come from a flag.
+        file_reading = deepspeed_reader.from_deepspeed(config.source, stage_given=config.launched)
+        resolved = resolve_for_trainer(config.source, given["args"], given.get("model"), where)
         # The loop keys are the Trainer's, which they now equal (checked above, as transformers checks them):
         # Trainer clips at max_grad_norm and accumulates gradient_accumulation_steps itself (its Accelerator
         # accumulates none), so the plugin is not told them.
-        plugin = ZeroPlugin.from_deepspeed(
-            {k: v for k, v in resolved.items() if k not in TRAINER_LOOP_KEYS}, engine_clips=False
-        )
-        self._deepspeed = plugin.deepspeed_loop
+        trainer_view = {k: v for k, v in resolved.items() if k not in TRAINER_LOOP_KEYS}
+        if config.launched:
+            reading = deepspeed_reader.from_deepspeed(trainer_view, stage_given=True)
+            plugin = _with_filled_settings(plugin, file_reading, reading)
+            object.__setattr__(plugin, "deepspeed_loop", reading)  # read by ZeroAccelerator
+        else:
+            plugin = ZeroPlugin.from_deepspeed(trainer_view, engine_clips=False)
+            reading = plugin.deepspeed_loop
+        self._deepspeed = reading
+        self._deepspeed_where = where
         optimizer, scheduler = given.get("optimizers") or (None, None)
         for section, passed in (("optimizer", optimizer), ("scheduler", scheduler)):
-            if passed is not None and getattr(self._deepspeed, section) is not None:
+            if passed is not None and getattr(reading, section) is not None:
                 raise ValueError(
-                    f"ZeroTrainer was given optimizers=(...) with a {section}, and the DeepSpeed config has a "
-                    f'"{section}" section: drop one of them (transformers refuses both under DeepSpeed too).'
+                    f"ZeroTrainer was given optimizers=(...) with a {section}, and {where} has a "
+                    f'"{section}" section: drop one of them, the {section} from optimizers=(...) or the section from '
+                    f"{where} (transformers refuses both under DeepSpeed too)."
                 )
         return plugin
 
@@ -154,7 +176,7 @@ class ZeroTrainer(Trainer):
         if section is None or self.lr_scheduler is not None:
             return super().create_scheduler(num_training_steps, optimizer)
         counts = scheduler_step_counts(self.args, num_training_steps)
-        check_scheduler_step_counts(section, counts)
+        check_scheduler_step_counts(section, counts, self._deepspeed_where)
         auto = auto_values(self.args, counts)
         self.lr_scheduler = deepspeed_reader.build_scheduler(section, optimizer or self.optimizer, auto)
         self._created_lr_scheduler = True  # as Trainer's own create_scheduler marks it
@@ -204,6 +226,86 @@ class ZeroTrainer(Trainer):
         scheduler_file = folder / SCHEDULER_NAME
         if scheduler_file.is_file():
             self.lr_scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+
+
+class _GivenConfig(NamedTuple):
+    """A DeepSpeed config ZeroTrainer was given, and how."""
+
+    source: dict[str, Any] | str  # as given: a path or a dict
+    where: str  # how refusals name it
+    launched: bool  # accelerate-zero launch's (--zero_config_file, --deepspeed_config_file, a YAML's)
+
+
+def _deepspeed_config(args: Any, given_plugin: ZeroPlugin | None, plugin: ZeroPlugin) -> _GivenConfig | None:
+    """The DeepSpeed config, whichever way it arrived: ``ZeroTrainingArguments(deepspeed=...)``,
+    ``zero_plugin=ZeroPlugin.from_deepspeed(...)``, or the launcher's (a ZeroPlugin built in a process it started
+    carries the file's path). Given twice, the two must be the same config."""
+    from_arguments = getattr(args, "zero_deepspeed_config", None)
+    from_plugin = getattr(plugin, "deepspeed_source", None)
+    launched = from_plugin is not None and from_plugin == os.environ.get(DEEPSPEED_CONFIG_ENV)
+    if from_arguments is not None and given_plugin is not None and not launched:
+        raise ValueError(
+            "ZeroTrainer was given both zero_plugin= and TrainingArguments(deepspeed=...): give the ZeRO settings once."
+        )
+    if from_arguments is not None and launched:
+        if deepspeed_reader.read_deepspeed_config(from_arguments) != deepspeed_reader.read_deepspeed_config(
+            from_plugin
+        ):
+            raise ValueError(
+                f"TrainingArguments(deepspeed={config_name(from_arguments)}) and accelerate-zero launch's DeepSpeed "
+                f"config {from_plugin} differ: give the DeepSpeed config once (drop deepspeed= from the "
+                "arguments, or launch without --zero_config_file/--deepspeed_config_file)."
+            )
+        from_arguments = None  # the same config: the launcher's reading, where its flags won over the file
+    if from_arguments is not None:
+        return _GivenConfig(from_arguments, config_name(from_arguments), launched=False)
+    if from_plugin is not None:
+        return _GivenConfig(from_plugin, config_name(from_plugin), launched=launched)
+    return None
+
+
+def _check_launched_clipping(args: Any) -> None:
+    """Accelerate's DeepSpeed ``gradient_clipping`` given to the launcher (its flag, or an Accelerate YAML's
+    ``deepspeed_config`` block): transformers writes it into the DeepSpeed config, whose number must then equal
+    ``max_grad_norm``. Trainer clips at ``max_grad_norm``; a different launched norm is refused, not dropped."""
+    launched = os.environ.get(DEEPSPEED_CLIPPING_ENV)
+    if launched is not None and args is not None and float(launched) != args.max_grad_norm:
+        raise ValueError(
+            f"accelerate-zero launch was given gradient_clipping {float(launched)} (--gradient_clipping, or the "
+            f"deepspeed_config block of its Accelerate YAML), and TrainingArguments(max_grad_norm="
+            f"{args.max_grad_norm}) clips at another norm: give the Trainer's norm once, as "
+            "TrainingArguments(max_grad_norm=...), and drop gradient_clipping from the launch (transformers refuses "
+            "the two differing under DeepSpeed too)."
+        )
+
+
+def _check_launched_accumulation(args: Any) -> None:
+    """Likewise Accelerate's DeepSpeed ``gradient_accumulation_steps`` (its flag, an Accelerate YAML's block, or a
+    DeepSpeed JSON config), which the launcher makes the Accelerator's default: Trainer accumulates
+    ``TrainingArguments(gradient_accumulation_steps=)`` itself, and transformers refuses the two differing."""
+    launched = os.environ.get(ACCUMULATION_VARIABLE)
+    if launched is not None and args is not None and int(launched) != args.gradient_accumulation_steps:
+        raise ValueError(
+            f"accelerate-zero launch was given gradient_accumulation_steps {launched} (--gradient_accumulation_steps, "
+            "the deepspeed_config block of its Accelerate YAML, or its DeepSpeed config), and TrainingArguments("
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps}) accumulates another number: give it "
+            "once, as TrainingArguments(gradient_accumulation_steps=...), and drop it from the launch (transformers "
+            "refuses the two differing under DeepSpeed too)."
+        )
+
+
+def _with_filled_settings(plugin: ZeroPlugin, file_reading: Any, reading: Any) -> ZeroPlugin:
+    """The settings that only transformers' filling decides (the hidden-size "auto"s: prefetch bucket and
+    persistence threshold), taken into the launcher's settings, except where a flag gave another value."""
+    settings = {setting.text.name: setting for setting in user_settings()}
+
+    def from_the_file(name: str) -> Any:  # what the launcher exported for it, no flag given
+        value = file_reading.settings.get(name)
+        return settings[name].text.default if value is None else settings[name].text.normalize(value)
+
+    filled = {k: v for k, v in reading.settings.items() if file_reading.settings.get(k) != v}
+    unchanged = {k: v for k, v in filled.items() if getattr(plugin, k) == from_the_file(k)}
+    return dataclasses.replace(plugin, **unchanged) if unchanged else plugin
 
 
 def _arguments_for_zero(args: Any, model: Any) -> Any:

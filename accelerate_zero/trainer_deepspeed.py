@@ -11,7 +11,8 @@ keys, whose numbers stand. A key the config leaves out stays out.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from zero_core.deepspeed import AUTO, read_deepspeed_config
@@ -47,6 +48,8 @@ _FROM_ARGUMENTS = (
     _Fill("bf16.enabled", "bf16|bf16_full_eval", lambda a: a.bf16 or a.bf16_full_eval),
 )
 _BATCH_SIZES = ("train_micro_batch_size_per_gpu", "train_batch_size")
+# trainer_config_finalize: the scheduler's step counts, once the run's length is known (the argument each matches).
+_STEP_COUNTS = {"total_num_steps": "num_training_steps (calculated)", "warmup_num_steps": "warmup_steps"}
 _HIDDEN_SIZE_KEYS = (
     "zero_optimization.reduce_bucket_size",
     "zero_optimization.stage3_prefetch_bucket_size",
@@ -84,15 +87,16 @@ def _hidden_size(model: Any) -> int | None:
     return None
 
 
-def _fill_hidden_size_keys(config: dict[str, Any], model: Any) -> None:
+def _fill_hidden_size_keys(config: dict[str, Any], model: Any, where: str) -> None:
     autos = [key for key in _HIDDEN_SIZE_KEYS if _node(config, key)[0] is not None and _value(config, key) == AUTO]
     if not autos:
         return
     hidden = _hidden_size(model)
     if hidden is None:
         raise ValueError(
-            f"The DeepSpeed config sets {autos} to 'auto', which transformers fills from the model's config "
-            "hidden_size, and this model's config has no hidden_size or hidden_sizes: give those keys numbers."
+            f"{where} sets {', '.join(autos)} to 'auto', which transformers fills from the model's config "
+            f"hidden_size, and this model's config has no hidden_size or hidden_sizes: give those keys numbers in "
+            f"{where}."
         )
     unused: list[str] = []
     _fill(config, "zero_optimization.reduce_bucket_size", hidden * hidden, "", False, unused)
@@ -106,26 +110,60 @@ def _value(config: dict[str, Any], dotted: str) -> Any:
     return None if node is None else node.get(key)
 
 
-def refuse_mismatches(mismatches: list[str]) -> None:
+def config_name(source: Any) -> str:
+    """How a refusal names the config: the path the user gave, or what a dict was given to."""
+    if isinstance(source, (str, os.PathLike)):
+        return str(source)
+    return "the DeepSpeed config (a dict)" if isinstance(source, Mapping) else "the DeepSpeed config"
+
+
+def refuse_mismatches(mismatches: list[str], where: str = "the DeepSpeed config") -> None:
+    """transformers' refusal (its lines, ``- ds KEY=value vs hf ARGUMENT=value``), naming the file."""
     if mismatches:
         raise ValueError(
-            "Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+            f"Please correct the following DeepSpeed config values in {where} that mismatch TrainingArguments "
+            "values:\n"
             + "\n".join(mismatches)
-            + "\nThe easiest method is to set these DeepSpeed config values to 'auto'."
+            + f"\nThe easiest method is to set these DeepSpeed config values to 'auto' in {where} (each then takes "
+            "the TrainingArguments value), or to change the arguments to the config's values."
         )
 
 
-def resolve_for_trainer(source: dict[str, Any] | str, args: TrainingArguments, model: Any) -> dict[str, Any]:
+def _refuse_autos_left(config: dict[str, Any], where: str) -> None:
+    """An optimizer or scheduler param still "auto" once the arguments filled theirs (only the scheduler's step
+    counts wait for the run's length): nothing fills it, so it is refused now, naming it, rather than when the
+    optimizer is built at the start of training (under DeepSpeed it fails there too)."""
+    waiting = {"optimizer": (), "scheduler": tuple(_STEP_COUNTS)}
+    left = [
+        f"{section}.params.{name}"
+        for section, later in waiting.items()
+        for name, value in ((config.get(section) or {}).get("params") or {}).items()
+        if value == AUTO and name not in later
+    ]
+    if left:
+        filled = [fill.key for fill in _FROM_ARGUMENTS if fill.key.split(".")[0] in waiting]
+        raise ValueError(
+            f"{where} sets {', '.join(left)} to 'auto', which transformers fills only for "
+            f"{', '.join(filled + [f'scheduler.params.{name}' for name in _STEP_COUNTS])}: write the value in "
+            f"{where}."
+        )
+
+
+def resolve_for_trainer(
+    source: dict[str, Any] | str, args: TrainingArguments, model: Any, where: str | None = None
+) -> dict[str, Any]:
     """The config with every "auto" the arguments and the model decide filled in (the scheduler's step counts
     wait for ``scheduler_step_counts``), or the mismatches refused: before any work, as transformers refuses
-    them when training starts."""
+    them when training starts. ``where`` names the config in the refusals (by default its path)."""
+    where = where or config_name(source)
     config = copy.deepcopy(read_deepspeed_config(source))
     mismatches: list[str] = []
     for fill in _FROM_ARGUMENTS:
         must_match = fill.must_match and not (args.auto_find_batch_size and fill.key in _BATCH_SIZES)
         _fill(config, fill.key, fill.value(args), fill.argument, must_match, mismatches)
-    _fill_hidden_size_keys(config, model)
-    refuse_mismatches(mismatches)
+    _fill_hidden_size_keys(config, model, where)
+    refuse_mismatches(mismatches, where)
+    _refuse_autos_left(config, where)
     return config
 
 
@@ -136,18 +174,20 @@ def scheduler_step_counts(args: TrainingArguments, num_training_steps: int) -> d
     return {"total_num_steps": num_training_steps, "warmup_num_steps": warmup}
 
 
-def check_scheduler_step_counts(section: dict[str, Any] | None, counts: dict[str, int]) -> None:
+def check_scheduler_step_counts(
+    section: dict[str, Any] | None, counts: dict[str, int], where: str = "the DeepSpeed config"
+) -> None:
     """A number the config gives for a step count must equal the run's, as transformers checks."""
     if section is None:
         return
     params = section.get("params") or {}
-    names = {"total_num_steps": "num_training_steps (calculated)", "warmup_num_steps": "warmup_steps"}
     refuse_mismatches(
         [
-            f"- ds scheduler.params.{key}={params[key]} vs hf {names[key]}={value}"
+            f"- ds scheduler.params.{key}={params[key]} vs hf {_STEP_COUNTS[key]}={value}"
             for key, value in counts.items()
             if params.get(key) not in (None, AUTO) and params[key] != value
-        ]
+        ],
+        where,
     )
 
 

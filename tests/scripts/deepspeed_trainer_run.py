@@ -7,8 +7,11 @@ native ZeroTrainer run of the same settings; rank 0 writes OUT/CASE.json (the lo
 ``--without-deepspeed`` makes ``import deepspeed`` fail in this process before transformers is imported, as
 on a machine without DeepSpeed. Cases: ``native`` (ZeroPlugin and the optimizer and scheduler written out),
 ``config`` (``ZeroTrainingArguments(deepspeed=FILE)``), ``plain`` (``TrainingArguments(deepspeed=FILE)``, which
-needs DeepSpeed importable); each of FILE ds_config_zero3.json, or another of transformers' stock files as
-``CASE:STEM`` (``config:transformers_ds_config_zero2``, written to OUT/CASE-STEM.json).
+needs DeepSpeed importable), ``plugin`` (``zero_plugin=ZeroPlugin.from_deepspeed(FILE)``, the arguments without
+deepspeed=), ``launched`` (the arguments without deepspeed=, no plugin: the DeepSpeed config the launcher was
+given); each of FILE ds_config_zero3.json, or another of transformers' stock files as ``CASE:STEM``
+(``config:transformers_ds_config_zero2``, written to OUT/CASE-STEM.json). ``from_pretrained:STEM=DIR``: loads
+the model saved in DIR after plain ``TrainingArguments(deepspeed=STEM)`` and records what happened, per rank.
 """
 
 from __future__ import annotations
@@ -93,8 +96,32 @@ def trainer(case: str, out: Path, file: Path = CONFIG) -> ZeroTrainer:
         optimizer = torch.optim.AdamW(parameters, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_lr)
         return ZeroTrainer(args=args, zero_plugin=plugin, optimizers=(optimizer, scheduler), **data)
+    if case == "plugin":  # the file through the plugin, the arguments without deepspeed=
+        plugin = ZeroPlugin.from_deepspeed(str(file))
+        return ZeroTrainer(args=arguments(TrainingArguments, out / case), zero_plugin=plugin, **data)
+    if case == "launched":  # the launcher's file (--zero_config_file, --deepspeed_config_file or a YAML's)
+        return ZeroTrainer(args=arguments(TrainingArguments, out / case), **data)
     kind = ZeroTrainingArguments if case == "config" else TrainingArguments
     return ZeroTrainer(args=arguments(kind, out / case, deepspeed=stock_config(file)), **data)
+
+
+def from_pretrained_after_plain_arguments(out: Path, file: Path, saved_model: str) -> None:
+    """``from_pretrained`` after plain ``TrainingArguments(deepspeed=FILE)``, as Hugging Face scripts order them;
+    every rank writes OUT/from_pretrained-RANK.json: what it raised (None: the model loaded, and was not
+    partitioned by DeepSpeed). Run first in its process: anything that imported DeepSpeed before hides it."""
+    from transformers import GPT2LMHeadModel
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    args = arguments(TrainingArguments, out / "from_pretrained", deepspeed=str(file))
+    try:
+        loaded = GPT2LMHeadModel.from_pretrained(saved_model)
+        outcome = {"error": None, "partitioned": any(hasattr(p, "ds_id") for p in loaded.parameters())}
+    except Exception as error:  # noqa: BLE001 - whatever it is, the test reads it
+        outcome = {"error": type(error).__name__, "message": str(error)}
+    del args
+    unset_hf_deepspeed_config()  # the later cases in this process start without transformers' DeepSpeed state
+    rank = PartialState().process_index
+    (out / f"from_pretrained-{rank}.json").write_text(json.dumps(outcome))
 
 
 def main() -> None:
@@ -102,7 +129,12 @@ def main() -> None:
     torch.set_num_threads(1)
     for written in cases:
         case, _, stem = written.partition(":")
-        run = trainer(case, out, CONFIGS / f"{stem}.json" if stem else CONFIG)
+        file = CONFIGS / f"{stem}.json" if stem else CONFIG
+        if case == "from_pretrained":  # from_pretrained:STEM=SAVED_MODEL_DIR
+            stem, _, saved_model = stem.partition("=")
+            from_pretrained_after_plain_arguments(out, CONFIGS / f"{stem}.json", saved_model)
+            continue
+        run = trainer(case, out, file)
         run.train()
         losses = [e["loss"] for e in run.state.log_history if "loss" in e]
         state = run.accelerator.get_state_dict(run.model)  # every process: gathers under stage 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,19 +151,13 @@ _LOSS_SCALING_KEYS = ("loss_scale", "initial_scale_power", "loss_scale_window", 
 _KEY_TABLE = "docs/deepspeed-keys.md lists every key DeepSpeed 0.19 reads and what each does here"
 
 
-def _refusal(name: str, value: Any) -> str:
-    """A key with no row (a typo, a newer DeepSpeed's key): the nearest key DeepSpeed reads in the same section, if
-    one is near, and in every case what to do."""
-    from .key_table import all_rows, top_level_keys  # the table gathers every section's rows, this one's too
-
+def _refusal(name: str, value: Any, known: Iterable[str]) -> str:
+    """A key with no row (a typo, a newer DeepSpeed's key): the nearest of ``known`` (the keys DeepSpeed reads in the
+    same section) if one is near, and in every case what to do."""
     section, _, leaf = name.rpartition(".")
     if section in ("bf16", "bfloat16") and (leaf in _LOSS_SCALING_KEYS or leaf == "min_loss_scale"):
         return f"{name}={value!r} (bf16 trains without a loss scale, under DeepSpeed too: delete the key)"
-    if section:
-        known = [row.key.rpartition(".")[2] for row in all_rows() if row.key.rpartition(".")[0] == section]
-    else:
-        known = top_level_keys()
-    nearest = difflib.get_close_matches(leaf, known, n=1, cutoff=0.75)
+    nearest = difflib.get_close_matches(leaf, list(known), n=1, cutoff=0.75)
     if nearest:
         return f"{name}={value!r} (not a DeepSpeed key; did you mean {nearest[0]!r}?)"
     return f"{name}={value!r} (not a key DeepSpeed 0.19 reads: delete it, or correct it; {_KEY_TABLE})"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import DeepSpeedSettings, _refusal
+from .key_table import top_level_keys
 from .optimizer_sections import read_optimizer_section
 from .precision import _precision_section
 from .top_level import read_top_level
@@ -61,7 +62,7 @@ def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettin
         elif key in ("bf16", "fp16", "bfloat16"):
             _precision_section(key, value, result, refused)
         elif not read_top_level(key, value, result, refused):
-            refused.append(_refusal(key, value))
+            refused.append(_refusal(key, value, top_level_keys()))
     zero_section = config.get("zero_optimization")
     if not stage_given and (not isinstance(zero_section, Mapping) or "stage" not in zero_section):
         # DeepSpeed's default is stage 0 (no ZeRO at all): running any stage of ours would differ silently.

@@ -180,7 +180,7 @@ def _activation_checkpointing(section: Any, result: DeepSpeedSettings, refused: 
     for key, value in section.items():
         name = f"activation_checkpointing.{key}"
         if key not in _ACTIVATION:
-            refused.append(_refusal(name, value))
+            refused.append(_refusal(name, value, _ACTIVATION))
         elif key in ("partition_activations", "cpu_checkpointing"):
             if not isinstance(value, bool):
                 refused.append(f"{name}={value!r} (true or false)")
