@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.process
+import os
 import subprocess
 from collections.abc import Generator, Iterator
 from typing import Any
@@ -61,3 +62,15 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, Any]:
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
     return (yield from _unmarked_starts(item))
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored() -> Iterator[None]:
+    """The launcher's code, tested in this process (``plugin_from_arguments``), exports its variables into this
+    process's environment, as it does for the processes it starts: each test's are undone after it, so that none
+    reaches a later test, or a process a later test starts (a launched accumulation a Trainer then refuses)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
