@@ -121,19 +121,19 @@ def deepspeed_run(config: dict, case: dict) -> dict:
 
     net = model()
     optimizer = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=LR)
-    engine, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
+    ds_model, *_ = deepspeed.initialize(model=net, optimizer=optimizer, config=config)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     dataset = TokenDataset(case["micro_batch"] * case["accumulate"] * STEPS * world)
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
     losses = []
     for ids in DataLoader(dataset, batch_size=case["micro_batch"], sampler=sampler):
-        loss = lm_loss(engine(ids), ids)
-        engine.backward(loss)
-        engine.step()
+        loss = lm_loss(ds_model(ids), ids)
+        ds_model.backward(loss)
+        ds_model.step()
         losses.append(loss.item())
-    state = engine.module.state_dict()  # stage 1: every rank holds the full weights
+    state = ds_model.module.state_dict()  # stage 1: every rank holds the full weights
     weights = {name: p.detach().float().flatten().tolist() for name, p in state.items()}
-    return {"losses": losses, "weights": weights, "accumulate": engine.gradient_accumulation_steps()}
+    return {"losses": losses, "weights": weights, "accumulate": ds_model.gradient_accumulation_steps()}
 
 
 def main() -> None:
