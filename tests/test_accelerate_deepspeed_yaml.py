@@ -13,30 +13,8 @@ import pytest
 from accelerate_zero.launch import plugin_from_arguments
 from accelerate_zero.plugin import DEEPSPEED_CLIPPING_ENV, DEEPSPEED_CONFIG_ENV, ZeroPlugin
 
-# huggingface/trl examples/accelerate_configs/deepspeed_zero3.yaml, as TRL ships it.
-TRL_ZERO3 = """compute_environment: LOCAL_MACHINE
-debug: false
-deepspeed_config:
-  deepspeed_multinode_launcher: standard
-  offload_optimizer_device: none
-  offload_param_device: none
-  zero3_init_flag: true
-  zero3_save_16bit_model: true
-  zero_stage: 3
-distributed_type: DEEPSPEED
-downcast_bf16: 'no'
-machine_rank: 0
-main_training_function: main
-mixed_precision: bf16
-num_machines: 1
-num_processes: 8
-rdzv_backend: static
-same_network: true
-tpu_env: []
-tpu_use_cluster: false
-tpu_use_sudo: false
-use_cpu: false
-"""
+# huggingface/trl's examples/accelerate_configs/deepspeed_zero3.yaml, as TRL ships it (the wild corpus' copy).
+TRL_ZERO3 = (Path(__file__).parent / "deepspeed_configs" / "wild" / "trl_deepspeed_zero3.yaml").read_text()
 
 
 def _yaml(tmp_path: Path, text: str) -> str:
