@@ -79,8 +79,7 @@ class ZeroTrainer(Trainer):
         self._deepspeed_where = "the DeepSpeed config"  # how refusals name it: its path, where it has one
         plugin = zero_plugin if zero_plugin is not None else ZeroPlugin()  # as ZeroAccelerator would build it
         config = _deepspeed_config(given["args"], zero_plugin, plugin)
-        _check_launched_clipping(given["args"])
-        _check_launched_accumulation(given["args"])
+        _check_launched_loop_values(given["args"])
         if config is not None:
             plugin = self._plugin_from_deepspeed(config, given, plugin)
         self.zero_plugin = plugin  # read by create_accelerator_and_postprocess, inside Trainer.__init__
@@ -264,34 +263,46 @@ def _deepspeed_config(args: Any, given_plugin: ZeroPlugin | None, plugin: ZeroPl
     return None
 
 
-def _check_launched_clipping(args: Any) -> None:
-    """Accelerate's DeepSpeed ``gradient_clipping`` given to the launcher (its flag, or an Accelerate YAML's
-    ``deepspeed_config`` block): transformers writes it into the DeepSpeed config, whose number must then equal
-    ``max_grad_norm``. Trainer clips at ``max_grad_norm``; a different launched norm is refused, not dropped."""
-    launched = os.environ.get(DEEPSPEED_CLIPPING_ENV)
-    if launched is not None and args is not None and float(launched) != args.max_grad_norm:
-        raise ValueError(
-            f"accelerate-zero launch was given gradient_clipping {float(launched)} (--gradient_clipping, or the "
-            f"deepspeed_config block of its Accelerate YAML), and TrainingArguments(max_grad_norm="
-            f"{args.max_grad_norm}) clips at another norm: give the Trainer's norm once, as "
-            "TrainingArguments(max_grad_norm=...), and drop gradient_clipping from the launch (transformers refuses "
-            "the two differing under DeepSpeed too)."
-        )
+class _LaunchedLoopValue(NamedTuple):
+    """A loop value Accelerate's DeepSpeed launch options give (its flag, an Accelerate YAML's ``deepspeed_config``
+    block, or a DeepSpeed JSON config), which the launcher exports to each process."""
+
+    variable: str
+    key: str  # DeepSpeed's name, and its flag's
+    argument: str  # the TrainingArguments field that must equal it
+    parse: Any
+    differs: str  # how the arguments' value differs, in the refusal
 
 
-def _check_launched_accumulation(args: Any) -> None:
-    """Likewise Accelerate's DeepSpeed ``gradient_accumulation_steps`` (its flag, an Accelerate YAML's block, or a
-    DeepSpeed JSON config), which the launcher makes the Accelerator's default: Trainer accumulates
-    ``TrainingArguments(gradient_accumulation_steps=)`` itself, and transformers refuses the two differing."""
-    launched = os.environ.get(ACCUMULATION_VARIABLE)
-    if launched is not None and args is not None and int(launched) != args.gradient_accumulation_steps:
-        raise ValueError(
-            f"accelerate-zero launch was given gradient_accumulation_steps {launched} (--gradient_accumulation_steps, "
-            "the deepspeed_config block of its Accelerate YAML, or its DeepSpeed config), and TrainingArguments("
-            f"gradient_accumulation_steps={args.gradient_accumulation_steps}) accumulates another number: give it "
-            "once, as TrainingArguments(gradient_accumulation_steps=...), and drop it from the launch (transformers "
-            "refuses the two differing under DeepSpeed too)."
-        )
+# transformers writes them into the DeepSpeed config, whose numbers must then equal the arguments; Trainer clips at
+# max_grad_norm and accumulates gradient_accumulation_steps itself, so a different launched value is refused, not
+# dropped, as transformers refuses it under DeepSpeed.
+_LAUNCHED_LOOP_VALUES = (
+    _LaunchedLoopValue(DEEPSPEED_CLIPPING_ENV, "gradient_clipping", "max_grad_norm", float, "clips at another norm"),
+    _LaunchedLoopValue(
+        ACCUMULATION_VARIABLE,
+        "gradient_accumulation_steps",
+        "gradient_accumulation_steps",
+        int,
+        "accumulates another number",
+    ),
+)
+
+
+def _check_launched_loop_values(args: Any) -> None:
+    for value in _LAUNCHED_LOOP_VALUES:
+        launched = os.environ.get(value.variable)
+        if launched is None or args is None:
+            continue
+        given = getattr(args, value.argument)
+        if value.parse(launched) != given:
+            raise ValueError(
+                f"accelerate-zero launch was given {value.key} {value.parse(launched)} (--{value.key}, the "
+                "deepspeed_config block of its Accelerate YAML, or its DeepSpeed config), and TrainingArguments("
+                f"{value.argument}={given}) {value.differs}: give it once, as TrainingArguments({value.argument}="
+                f"...), and drop {value.key} from the launch (transformers refuses the two differing under "
+                "DeepSpeed too)."
+            )
 
 
 def _with_filled_settings(plugin: ZeroPlugin, file_reading: Any, reading: Any) -> ZeroPlugin:
