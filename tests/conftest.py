@@ -1,4 +1,4 @@
-"""The two tiers: tests marked ``distributed`` start processes; the rest run in this process.
+"""The two tiers: tests marked ``distributed`` start processes or use kept ranks; the rest run in this process.
 
 ``python -m pytest -m "not distributed"`` is the fast tier. So that the marker
 stays true, a test without it that starts a process (a process group,
@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from tests.rank_pool import RankWorld
+
 
 @contextlib.contextmanager
 def _starts_recorded() -> Iterator[list[str]]:
@@ -25,6 +27,7 @@ def _starts_recorded() -> Iterator[list[str]]:
     started: list[str] = []
     execute_child = subprocess.Popen._execute_child
     start = multiprocessing.process.BaseProcess.start
+    run_body = RankWorld.run
 
     def recording_execute_child(popen: subprocess.Popen, args: Any, *rest: Any, **kwargs: Any) -> Any:
         started.append(f"the subprocess {str(args)[:120]}")
@@ -34,9 +37,15 @@ def _starts_recorded() -> Iterator[list[str]]:
         started.append(f"the process {process.name}")
         start(process)
 
+    def recording_run_body(world: RankWorld, fn: Any, *rest: Any, **kwargs: Any) -> Any:
+        # A kept world's ranks were started by an earlier test; this one uses them all the same.
+        started.append(f"{fn.__name__} on a world of {world.world_size} ranks")
+        return run_body(world, fn, *rest, **kwargs)
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "_execute_child", recording_execute_child)
         patch.setattr(multiprocessing.process.BaseProcess, "start", recording_start)
+        patch.setattr(RankWorld, "run", recording_run_body)
         yield started
 
 

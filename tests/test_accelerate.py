@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from accelerate_zero import ZeroPlugin
 
-from .distributed import _free_port
+from .rank_pool import free_port
 from .workers import relative_difference
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "accelerate_train.py")
@@ -56,7 +56,7 @@ def _launch(
         launcher = [*ACCELERATE_ZERO, "launch", "--zero_config_file", str(config)]
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     # A free port per launch: back-to-back launches can find Accelerate's default 29500 still held.
-    distribution += ["--mixed_precision", mixed_precision, "--main_process_port", str(_free_port())]
+    distribution += ["--mixed_precision", mixed_precision, "--main_process_port", str(free_port())]
     return subprocess.run(
         [*launcher, *distribution, SCRIPT, str(out), name, *script_args],
         env=env,
@@ -385,7 +385,7 @@ def test_a_plain_accelerator_or_trainer_under_the_zero_launcher_fails_before_any
     def launch(case: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [*ACCELERATE_ZERO, "launch", "--zero_stage", "3", "--multi_gpu", "--num_processes", "2"]
-            + ["--main_process_port", str(_free_port()), script, str(tmp_path), case],
+            + ["--main_process_port", str(free_port()), script, str(tmp_path), case],
             env=env,
             capture_output=True,
             text=True,

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from zero_core import ZeroEngine
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference
 
 pytestmark = pytest.mark.distributed
@@ -84,10 +85,41 @@ def _scheduler_and_views(rank: int, world_size: int, stage: int) -> dict[str, ob
     }
 
 
+class _AdamWWithItsOwnStep(torch.optim.AdamW):
+    """A user's optimizer: its own ``step`` around AdamW's (torch then runs the step hooks at both levels)."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        return super().step(closure)
+
+
+SUBCLASS_CASES = [(1, "none"), (2, "cpu"), (3, "none")]
+
+
+def _subclass_steps_once(rank: int, world_size: int, stage: int, offload: str) -> dict[str, object]:
+    """Three steps with the subclass after a plain AdamW was built (which gives AdamW.step torch's hooks too),
+    against the same steps with AdamW itself."""
+    torch.optim.AdamW([torch.nn.Parameter(torch.ones(1))])
+    runs = {}
+    for optimizer_class in (_AdamWWithItsOwnStep, torch.optim.AdamW):
+        torch.manual_seed(0)
+        model = TinyTransformer(batchnorm=False)
+        config = dataclasses.replace(config_for(stage), offload_optimizer=offload)
+        engine = ZeroEngine(model, optimizer_class(model.parameters(), lr=1e-2), config)
+        for step in range(3):
+            ids = batch(step, rank)
+            engine.backward(lm_loss(model(ids), ids))
+            engine.step()
+            engine.zero_grad()
+        weights = torch.cat([tensor.flatten() for tensor in engine.full_state_dict().values()])
+        runs[optimizer_class.__name__] = {"steps": engine.steps_taken, "weights": weights}
+    return runs
+
+
 def _grid(rank: int, world_size: int) -> dict[str, list]:
     return {
         "accumulation": [_accumulate_vs_big_batch(rank, world_size, s) for s in (1, 2, 3)],
         "api": [_scheduler_and_views(rank, world_size, s) for s in (1, 2, 3)],
+        "subclass": [_subclass_steps_once(rank, world_size, *case) for case in SUBCLASS_CASES],
     }
 
 
@@ -113,3 +145,13 @@ def test_optimizer_scheduler_and_full_parameters(results: list, stage: int) -> N
         assert api["edit_written_back"]
         assert api["tied"]  # tied names share one tensor, as in model.state_dict()
         assert api["loss_after_edit"] == pytest.approx(api["fresh_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", SUBCLASS_CASES, ids=lambda case: f"stage{case[0]}-offload_{case[1]}")
+def test_an_optimizer_subclass_calling_super_step_steps_once_per_call(results: list, case: tuple) -> None:
+    """Our step hooks run once per step the user takes, not once per level of ``super().step()`` (counted
+    twice before; with offload_optimizer it recursed without end)."""
+    for per_rank in results:
+        runs = per_rank["subclass"][SUBCLASS_CASES.index(case)]
+        assert runs["_AdamWWithItsOwnStep"]["steps"] == runs["AdamW"]["steps"] == 3
+        assert torch.equal(runs["_AdamWWithItsOwnStep"]["weights"], runs["AdamW"]["weights"])

@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from zero_core import CollectiveKind, MixedPrecision, WrapPolicy, ZeroConfig
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import Block, batch, lm_loss
+from .rank_pool import by_rank, run_distributed, run_each
 from .runtime_workers import (
     ReduceProbe,
     make_pair,

@@ -13,8 +13,8 @@ import torch
 import zero_core.step.activation_offload as activation_offload
 from zero_core import ZeroConfig, ZeroEngine
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .test_activation_checkpointing import _apply as apply_checkpoints
 from .workers import config_for
 

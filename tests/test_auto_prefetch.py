@@ -18,8 +18,8 @@ from zero_core import ZeroConfig
 from zero_core.collectives import CommContext
 from zero_core.step.prefetch_tuning import MEASURED_STEPS, UNTUNED_DEPTH, AutoPrefetch, PrefetchTuning
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import config_for
 
 STEPS = 6

@@ -24,8 +24,8 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 
 from zero_core import ZeroEngine
 
-from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference
 
 pytestmark = pytest.mark.distributed

@@ -11,8 +11,8 @@ from torch import nn
 
 from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import config_for
 
 

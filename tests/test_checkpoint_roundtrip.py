@@ -19,8 +19,8 @@ import torch
 from zero_core import ZeroEngine
 
 from .checkpoint_files import assert_same_checkpoint
-from .distributed import run_distributed
 from .models import SEQ, VOCAB, TinyTransformer, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference
 
 pytestmark = pytest.mark.distributed

@@ -32,8 +32,8 @@ from zero_core import CheckpointError, ZeroEngine
 from zero_core.checkpoint import directory, saving
 
 from . import checkpoint_files as files
-from .distributed import by_rank, run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed
 from .workers import config_for
 
 

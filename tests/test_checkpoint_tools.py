@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from zero_core import ZeroEngine
 from zero_core.checkpoint import CheckpointError, consolidate_checkpoint
 
-from .distributed import run_distributed
 from .in_process import run_module
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference
 
 pytestmark = pytest.mark.distributed

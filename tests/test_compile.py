@@ -20,8 +20,8 @@ from torch._dynamo.utils import counters
 
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine
 
-from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 
 pytestmark = pytest.mark.distributed
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference, train_clipped
 
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

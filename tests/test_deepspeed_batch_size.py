@@ -16,7 +16,7 @@ import pytest
 
 from zero_core.deepspeed import from_deepspeed
 
-from .distributed import _free_port, run_distributed
+from .rank_pool import free_port, run_distributed
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -157,7 +157,7 @@ def test_under_accelerate_the_accumulation_is_derived_and_trains_as_the_native_s
     numbers = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
     config.write_text(json.dumps({**numbers, "zero_optimization": {"stage": 2}}))
     command = [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(config)]
-    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
     command += [str(SCRIPTS / "accelerate_global_batch.py"), str(tmp_path)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
     result = subprocess.run(

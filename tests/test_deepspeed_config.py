@@ -18,7 +18,7 @@ import torch
 from accelerate_zero.launch import plugin_from_arguments
 from zero_core.deepspeed import from_deepspeed
 
-from .distributed import _free_port, run_distributed
+from .rank_pool import free_port, run_distributed
 
 # What DeepSpeed's docs and Hugging Face's examples give ZeRO-3 users (values chosen to differ from ours).
 ZERO3 = {
@@ -203,7 +203,7 @@ def same_config_launch(
     out = tmp_path_factory.mktemp("same-config")
     script = Path(__file__).parent / "scripts" / "deepspeed_same_config.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_port", str(_free_port()), str(script), str(out), "1", "2", "3", "3bf16", "2tbs", *INF_CASES]
+    command += ["--master_port", str(free_port()), str(script), str(out), "1", "2", "3", "3bf16", "2tbs", *INF_CASES]
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     with ThreadPoolExecutor(max_workers=1) as background:
         run = background.submit(subprocess.run, command, env=env, capture_output=True, text=True, timeout=600)

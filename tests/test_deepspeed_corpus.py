@@ -18,7 +18,7 @@ import torch
 
 from zero_core.deepspeed import from_deepspeed
 
-from .distributed import _free_port
+from .rank_pool import free_port
 
 CORPUS = Path(__file__).parent / "deepspeed_configs"
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -45,7 +45,7 @@ def test_every_config_of_the_corpus_is_read_and_has_its_source() -> None:
 
 def _run_lightning_group(out: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
         + [str(SCRIPTS / "deepspeed_corpus_lightning.py"), str(out)]
         + [str(CORPUS / f"{name}.json") for name in LIGHTNING],
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
@@ -80,7 +80,7 @@ def templates_launch(
     configs = [CORPUS / f"{name}.json" for name in ACCELERATE]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
     command = [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(configs[0])]
-    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
     command += [str(SCRIPTS / "deepspeed_corpus_accelerate.py"), str(out), *map(str, configs)]
     env = {**env, "ACCELERATE_USE_CPU": "1"}
     with ThreadPoolExecutor(max_workers=1) as background:

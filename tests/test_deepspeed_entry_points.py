@@ -22,7 +22,7 @@ from accelerate_zero.trainer_deepspeed import (
     resolve_for_trainer,
 )
 
-from .distributed import _free_port
+from .rank_pool import free_port
 
 CONFIGS = Path(__file__).parent / "deepspeed_configs"
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -282,7 +282,7 @@ def _run_trainer(out: Path, launch: bool, *cases: str, launcher: tuple[str, ...]
     script = [str(SCRIPTS / "deepspeed_trainer_run.py"), str(out), *cases]
     if launch:
         command = [sys.executable, "-m", "accelerate_zero.launch", "launch", *launcher]
-        command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+        command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
         command += ["--mixed_precision", "no", *script]
     else:
         command = [sys.executable, *script]

@@ -17,7 +17,7 @@ import torch
 
 from zero_core.deepspeed import build_optimizer, build_scheduler, from_deepspeed
 
-from .distributed import _free_port
+from .rank_pool import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 STAGE = {"zero_optimization": {"stage": 2}}
@@ -184,7 +184,7 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("deepspeed_schedules")
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
         + [str(SCRIPTS / "deepspeed_schedules.py"), str(out)],
         env={**os.environ, "DS_ACCELERATOR": "cpu"},
         capture_output=True,
@@ -240,7 +240,7 @@ def test_accelerates_dummy_optimizer_and_scheduler_become_the_configs(tmp_path: 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
     result = subprocess.run(
         [sys.executable, "-m", "accelerate_zero.launch", "launch", "--zero_config_file", str(config), "--multi_gpu"]
-        + ["--num_processes", "2", "--main_process_port", str(_free_port())]
+        + ["--num_processes", "2", "--main_process_port", str(free_port())]
         + [str(SCRIPTS / "accelerate_deepspeed_sections.py"), str(tmp_path)],
         env={**env, "ACCELERATE_USE_CPU": "1"},
         capture_output=True,

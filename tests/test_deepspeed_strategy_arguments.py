@@ -22,7 +22,7 @@ from lightning_zero.deepspeed_arguments import KEYWORDS, LIGHTNING_DEFAULTS, SHA
 from lightning_zero.fabric import ZeroFabricStrategy
 from zero_core import ZeroConfig, user_settings
 
-from .distributed import run_distributed
+from .rank_pool import run_distributed
 
 STRATEGIES = [ZeroStrategy, ZeroFabricStrategy]
 CORPUS = Path(__file__).parent / "deepspeed_configs"

@@ -18,7 +18,7 @@ import torch
 
 from zero_core.deepspeed import from_deepspeed
 
-from .distributed import _free_port
+from .rank_pool import free_port
 
 WILD = Path(__file__).parent / "deepspeed_configs" / "wild"
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -108,7 +108,7 @@ def test_the_stage_0_file_is_refused_naming_the_file_the_key_and_the_fix() -> No
 
 def _accelerate_command(script: str, launch: list[str], out: Path, cases: list[str]) -> list[str]:
     command = [sys.executable, "-m", "accelerate_zero.launch", "launch", *launch]
-    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(_free_port())]
+    command += ["--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port())]
     return [*command, str(SCRIPTS / script), str(out), *cases]
 
 
@@ -116,7 +116,7 @@ def _commands(out: Path) -> dict[str, tuple[list[str], dict[str, str]]]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}
     configs = [str(WILD / f"{name}.json") for name in LIGHTNING]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    lightning = [*torchrun, "--master_port", str(_free_port()), str(SCRIPTS / "wild_corpus_lightning.py")]
+    lightning = [*torchrun, "--master_port", str(free_port()), str(SCRIPTS / "wild_corpus_lightning.py")]
     return {
         "lightning": ([*lightning, str(out / "lightning"), *configs], {**env, "DS_ACCELERATOR": "cpu"}),
         "accelerate": (

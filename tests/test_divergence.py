@@ -12,8 +12,8 @@ import torch
 
 from zero_core import CollectiveFailed, ZeroEngine
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for
 
 PG_TIMEOUT = 4.0  # seconds; the process group's own timeout

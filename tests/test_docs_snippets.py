@@ -1,15 +1,18 @@
 """Every Python block in the docs and the README runs as the page says, or the page says why not.
 
 The blocks run each in a fresh directory, as the command its first line names (see
-``tests/docs_snippets.py``); a block passes when its command exits 0, so a block that
-shows a result asserts it. Two blocks run side by side (a run keeps about one core busy:
-imports, then a launcher waiting on its processes): the launched ones (``# run:``, whose
+``tests/docs_snippets.py``); a block passes when its command exits 0 on every process, so a
+block that shows a result asserts it. A ``torchrun`` block runs on the kept ranks of
+``tests/rank_pool.py`` with torchrun's variables set (the script is the subject, not the
+launcher), except ``LAUNCHED_BY_TORCHRUN`` and blocks that make a process group of their own
+beside the default one. The rest start their command: the launched ones (``# run:``, whose
 launchers take a fixed default port) one after another, beside the plain scripts.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,9 +20,21 @@ from pathlib import Path
 import pytest
 
 from tests.docs_snippets import NOT_RUN, RUN, Snippet, all_snippets, environment
+from tests.rank_pool import ScriptRun, run_script
 
 SNIPPETS = all_snippets()
 RUNNABLE = [snippet for snippet in SNIPPETS if snippet.not_run_reason is None]
+# The torchrun guide's first block shows what torchrun itself gives a script: it is launched for real.
+LAUNCHED_BY_TORCHRUN = {"docs/guides/torchrun.md:8"}
+_TORCHRUN = re.compile(r"# run: torchrun --nproc_per_node (\d+) \S+\.py\s*$")
+
+
+def _ranks_in_pool(snippet: Snippet) -> int | None:
+    """The world size of a block that runs on kept ranks, or None for one whose command is started."""
+    match = _TORCHRUN.fullmatch(snippet.first_line)
+    if match is None or snippet.id in LAUNCHED_BY_TORCHRUN or snippet.code.count("init_process_group(") > 1:
+        return None
+    return int(match[1])
 
 
 def test_the_docs_have_python_blocks() -> None:
@@ -36,11 +51,20 @@ def test_block_is_python_and_says_how_it_runs(snippet: Snippet) -> None:
         snippet.command(Path("snippet.py"))  # raises on a command it cannot start
 
 
-def _run(snippet: Snippet, directory: Path) -> subprocess.CompletedProcess | subprocess.TimeoutExpired:
+Outcome = subprocess.CompletedProcess | ScriptRun | BaseException
+
+
+def _run(snippet: Snippet, directory: Path) -> Outcome:
+    """The block saved in ``directory`` and run: on kept ranks (the first rank that failed, or rank 0) or as
+    its command; what went wrong running it is the outcome too, raised by its own test."""
     script = directory / "snippet.py"
     script.write_text(snippet.code)
     command, env = snippet.command(script)
     try:
+        world_size = _ranks_in_pool(snippet)
+        if world_size is not None:
+            ranks = run_script(script, world_size=world_size, env=env, cwd=directory)
+            return next((rank for rank in ranks if rank.returncode != 0), ranks[0])
         return subprocess.run(
             command,
             cwd=directory,
@@ -50,18 +74,19 @@ def _run(snippet: Snippet, directory: Path) -> subprocess.CompletedProcess | sub
             timeout=300,
             stdin=subprocess.DEVNULL,
         )
-    except subprocess.TimeoutExpired as expired:
-        return expired
+    except Exception as error:  # noqa: BLE001 - a timeout or a failed world, raised by the block's test
+        return error
 
 
-def _run_in_sequence(snippets: list[Snippet], tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def _run_in_sequence(snippets: list[Snippet], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     return {snippet.id: _run(snippet, tmp_path_factory.mktemp("snippet")) for snippet in snippets}
 
 
 @pytest.fixture(scope="module")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     """The selected blocks' runs (each in a fresh directory), in two lanes side by side: the launched blocks
-    (torchrun's and Accelerate's default port is fixed: never two at once), and the plain scripts."""
+    (torchrun's and Accelerate's default port is fixed: never two at once) and those on kept ranks, and the
+    plain scripts."""
     selected = {
         item.callspec.params["snippet"].id
         for item in request.session.items
@@ -77,9 +102,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda snippet: snippet.id)
-def test_block_runs(snippet: Snippet, runs: dict[str, object]) -> None:
+def test_block_runs(snippet: Snippet, runs: dict[str, Outcome]) -> None:
     result = runs[snippet.id]
-    if isinstance(result, subprocess.TimeoutExpired):
+    if isinstance(result, BaseException):
         raise result
-    assert isinstance(result, subprocess.CompletedProcess)
     assert result.returncode == 0, f"{snippet.id} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"

@@ -11,8 +11,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_core import ZeroEngine
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, rank0_state_dict, relative_difference
 
 pytestmark = pytest.mark.distributed

@@ -17,8 +17,8 @@ import torch
 
 import zero_core
 
-from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, train_accumulated
 
 

@@ -36,8 +36,8 @@ from zero_core.memory.estimate import (
     shared_settings,
 )
 
-from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for
 
 WORLD = 2

@@ -92,8 +92,8 @@ def test_runs_exit_cleanly_every_time_under_load(trained: subprocess.CompletedPr
     """A finished job must not abort at exit (torchrun would report it failed): the training launch
     above, then, beside a busy loop per core, shorter launches of the quick start and a Lightning run at
     stage 2 that validates between steps (where an abort was seen). Each exits 0 with nothing from
-    std::terminate. (Every process the other tests spawn has its exit code checked too, in
-    tests/distributed.py: hundreds of teardowns per run.)"""
+    std::terminate. (A world started for one body has its exit codes checked too, in
+    tests/rank_pool.py.)"""
     lightning = [sys.executable, str(EXAMPLES / "lightning_gpt.py"), "--strategy", "zero2", "--max-steps", "10"]
     with busy_machine():
         results = [trained] + [_quick_start(steps=1) for _ in range(LAUNCHES - 1)]

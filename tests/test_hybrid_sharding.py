@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine, expected_model_state_bytes
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import (
     GptRun,
     SentCollectives,

@@ -11,8 +11,8 @@ import torch
 
 from zero_core import MixedPrecision, ZeroEngine, expected_model_state_bytes, setup_summary
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for
 
 pytestmark = pytest.mark.distributed

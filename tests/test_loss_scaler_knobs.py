@@ -15,7 +15,7 @@ from zero_core.checkpoint.records import EngineRecord, parse_engine_record
 from zero_core.deepspeed import from_deepspeed
 from zero_core.optim.loss_scaling import LossScaler, LossScalerState, state_from_checkpoint
 
-from .distributed import run_distributed
+from .rank_pool import run_distributed
 
 # 40 steps: O an overflow, . a clean step. Consecutive overflows, clean runs longer than the windows below
 # (so the scale grows, more than once), lone overflows between growths.

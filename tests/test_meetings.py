@@ -12,8 +12,8 @@ import torch
 from zero_core import RanksDivergedError, ZeroEngine
 from zero_core.collectives.meetings import meetings_waited
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for
 
 pytestmark = pytest.mark.distributed

@@ -8,7 +8,7 @@ import torch
 
 from zero_core import MixedPrecision, expected_model_state_bytes
 
-from .distributed import by_rank, run_distributed, run_each
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import accounting_grid
 
 pytestmark = pytest.mark.distributed

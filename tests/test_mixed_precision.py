@@ -8,8 +8,8 @@ import torch
 
 from zero_core import MixedPrecision, ZeroEngine
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import config_for, precision_grid
 
 pytestmark = pytest.mark.distributed

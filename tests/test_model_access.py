@@ -15,8 +15,8 @@ from torch import nn
 
 from zero_core import ParameterAtRestError, WrapPolicy, ZeroConfig, ZeroEngine
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import refusal, relative_difference
 
 pytestmark = pytest.mark.distributed

@@ -23,8 +23,8 @@ from zero_core import (
     ZeroEngine,
 )
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import Block, TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import refusal, relative_difference
 
 pytestmark = pytest.mark.distributed

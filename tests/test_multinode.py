@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from .distributed import _free_port
+from .rank_pool import free_port
 from .workers import relative_difference
 
 pytestmark = pytest.mark.distributed
@@ -73,7 +73,7 @@ def lightning_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
     ]
     spec = out / "runs.json"
     spec.write_text(json.dumps(runs))
-    port = str(_free_port())
+    port = str(free_port())
     command = [sys.executable, str(SCRIPTS / "lightning_runs.py"), str(spec), str(out), str(PER_NODE)]
     envs = [{"NODE_RANK": str(node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} for node in range(NODES)]
     with ThreadPoolExecutor(max_workers=1) as background:
@@ -82,7 +82,7 @@ def lightning_nodes(request: pytest.FixtureRequest, tmp_path_factory: pytest.Tem
 
 @pytest.mark.usefixtures("lightning_nodes")  # starts the next test's nodes, to run beside these
 def test_torchrun_two_nodes_one_shard_group_per_node(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -131,7 +131,7 @@ def test_accelerate_num_machines_two_matches_one_process(tmp_path: Path) -> None
     env = {"ACCELERATE_USE_CPU": "1"}
     config = tmp_path / "zero.yaml"
     config.write_text(f"stage: 3\nwrap_classes: [Block]\nshard_group_size: {PER_NODE}\n")
-    port = str(_free_port())
+    port = str(free_port())
     commands = [
         [
             sys.executable,

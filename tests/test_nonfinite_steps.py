@@ -14,8 +14,8 @@ import torch
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 from zero_core.deepspeed import from_deepspeed
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 
 STEPS = 4
 POISONED_STEP = 1  # its second micro-batch's loss is inf on rank 1 only

@@ -30,8 +30,8 @@ from zero_core import MixedPrecision, OffloadError, ZeroEngine
 from zero_core.checkpoint import CheckpointError
 from zero_core.memory.measured import StorageCounter
 
-from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference, train_accumulated
 
 pytestmark = pytest.mark.distributed

@@ -21,8 +21,8 @@ from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 from zero_core.offload_plan import OffloadPlan, OffloadTier, Rest, units_to_offload
 from zero_core.unit import FlatUnit
 
-from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for
 
 TIERS = list(OffloadTier)

@@ -19,8 +19,8 @@ from zero_core import ZeroEngine, setup_summary
 from zero_core.checkpoint import CheckpointError
 from zero_core.sizes import human_bytes
 
-from .distributed import run_distributed
 from .models import TinyTransformer, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference, train_accumulated
 
 pytestmark = pytest.mark.distributed

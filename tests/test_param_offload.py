@@ -25,8 +25,8 @@ from zero_core.stage_plan import StagePlan
 from zero_core.step.gathering import GatherPolicy
 from zero_core.unit import StorageState
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference, train_accumulated
 
 PRECISIONS = {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .distributed import run_distributed
+from .rank_pool import run_distributed
 from .workers import parity_grid
 
 pytestmark = pytest.mark.distributed

@@ -16,7 +16,7 @@ import torch
 
 from zero_core import MixedPrecision
 
-from .distributed import by_rank, run_distributed, run_each
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import GptRun, relative_difference, train_against_ddp
 
 pytestmark = pytest.mark.distributed

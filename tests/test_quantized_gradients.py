@@ -12,8 +12,8 @@ import torch
 
 from zero_core.quantization import levels, packed_bytes
 
-from .distributed import run_distributed
 from .quantized_gradient_workers import BLOCK, PIECE, reductions
+from .rank_pool import run_distributed
 
 LAYOUTS = {"flat": (4, 1), "two_hops": (4, 2), "hybrid": (2, 1)}  # shard group size, hops
 

@@ -14,8 +14,8 @@ from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from lightning_zero import grad_norm
 from zero_core import ZeroConfig, ZeroEngine
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 
 pytestmark = pytest.mark.distributed
 

@@ -15,8 +15,8 @@ from torch import nn
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine, engine_of
 from zero_core.agreement.setup import ADVICE
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer, param_groups
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import config_for, refusal
 
 pytestmark = pytest.mark.distributed

@@ -16,8 +16,8 @@ from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
 from zero_core.step import step_in_backward
 from zero_core.step.step_in_backward import StepInBackward
 
-from .distributed import run_distributed
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import run_distributed
 from .workers import config_for, relative_difference
 
 CASES = [

@@ -20,8 +20,8 @@ from torch import nn
 
 from zero_core import CollectiveKind, ModelChangedError
 
-from .distributed import run_distributed
 from .models import Block, TinyTransformer, batch, lm_loss
+from .rank_pool import run_distributed
 from .runtime_workers import make_pair, padded_numel, parameter_error, reference_step, traffic_of, train_step
 from .workers import config_for, refusal, relative_difference
 

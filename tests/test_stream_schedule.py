@@ -26,8 +26,8 @@ import torch
 from zero_core import ZeroEngine, collectives
 from zero_core.collectives import ops as collective_ops
 
-from .distributed import by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, run_distributed, run_each
 from .workers import config_for
 
 pytestmark = pytest.mark.distributed

@@ -37,7 +37,7 @@ from zero_core.checkpoint import load_full_checkpoint
 from zero_core.sharding import OPTIMIZER_BEFORE_SPLIT
 
 from . import partitioned_activation_workers as partitioned
-from .distributed import _free_port, by_rank, run_distributed
+from .rank_pool import by_rank, free_port, run_distributed
 from .tensor_parallel_model import Layer, TinyLlama, loss_of, parallelize, tokens
 from .workers import SentByDimension, refusal
 
@@ -717,7 +717,7 @@ def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, A
     """Accelerate's launcher, on CPU processes as Accelerate runs them (``ACCELERATE_USE_CPU``)."""
     out = tmp_path_factory.mktemp("accelerate-tensor-parallel")
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
-    launch += ["--num_processes", str(WORLD), "--main_process_port", str(_free_port())]
+    launch += ["--num_processes", str(WORLD), "--main_process_port", str(free_port())]
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     result = subprocess.run(
         [*launch, str(SCRIPTS / "accelerate_tensor_parallel.py"), str(out)],

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from .distributed import _free_port  # noqa: E402
+from .rank_pool import free_port  # noqa: E402
 from .workers import relative_difference  # noqa: E402
 
 pytestmark = pytest.mark.distributed
@@ -34,7 +34,7 @@ def _launch(launcher: list[str], processes: int, *script_args: str) -> None:
         del env[key]
     distribution = ["--multi_gpu", "--num_processes", str(processes)] if processes > 1 else ["--num_processes", "1"]
     # A port of its own per launch: back-to-back launches on Accelerate's default 29500 can find it still held.
-    distribution += ["--main_process_port", str(_free_port())]
+    distribution += ["--main_process_port", str(free_port())]
     result = subprocess.run(
         [*launcher, *distribution, "--mixed_precision", "no", SCRIPT, *script_args],
         env=env,

@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from zero_core import ZeroConfig, ZeroEngine, engine_of
 
-from .distributed import _free_port, by_rank, run_distributed, run_each
 from .models import TinyTransformer, batch, lm_loss, make_optimizer
+from .rank_pool import by_rank, free_port, run_distributed, run_each
 
 pytestmark = pytest.mark.distributed
 
@@ -150,7 +150,7 @@ def test_accelerates_skip_on_nan_loop_trains_on_as_accelerates_ddp(tmp_path: Pat
     the NaN gradients and the skipped step's, at every stage, with DDP's norms and weights at every step."""
     script = Path(__file__).parent / "scripts" / "accelerate_skip_on_nan.py"
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
-    launch += ["--num_processes", "2", "--main_process_port", str(_free_port())]
+    launch += ["--num_processes", "2", "--main_process_port", str(free_port())]
     env = {key: value for key, value in os.environ.items() if not key.startswith("ACCELERATE_ZERO")}
     result = subprocess.run(
         [*launch, str(script), str(tmp_path)],

@@ -24,7 +24,7 @@ import torch
 from zero_core.quantization import packed_bytes
 
 from .checkpoint_files import assert_same_checkpoint
-from .distributed import by_rank, run_distributed, run_each
+from .rank_pool import by_rank, run_distributed, run_each
 from .zero_plus_plus_workers import (
     EVERY,
     QUANTIZED,

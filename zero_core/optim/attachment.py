@@ -3,6 +3,7 @@ what stays behind when the engine gives the model back."""
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,28 @@ _RETIRED_OPTIMIZERS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]
 
 # (groups, step's args, step's kwargs) before the optimizer's own step; (groups) after it.
 StepHooks = tuple[Callable[[OptimizerGroups, tuple, dict], None], Callable[[OptimizerGroups], None]]
+
+
+# torch wraps each optimizer class's ``step`` in its hook runner the first time the class is built. A subclass
+# whose ``step`` calls ``super().step()`` of a class that was built too (any AdamW earlier in the process) runs
+# the instance's step hooks once per level: ours must run once per step the user takes (a second pre-hook
+# counted the step twice; with offload it stepped again from inside the step, without end).
+_HOOK_RUNNER = torch.optim.Optimizer.profile_hook_step(lambda *args, **kwargs: None).__code__
+
+
+def _inside_a_step_of(optimizer: torch.optim.Optimizer) -> bool:
+    """True when the hook runner of a step of ``optimizer`` is on the stack more than once: the hooks being
+    run now are those of a ``super().step()`` inside the step the user called. Read from the stack, so a step
+    that raised leaves nothing behind that could make the next one look nested."""
+    levels = 0
+    frame = inspect.currentframe()
+    while frame is not None:
+        if frame.f_code is _HOOK_RUNNER and frame.f_locals.get("self") is optimizer:
+            levels += 1
+            if levels > 1:
+                return True
+        frame = frame.f_back
+    return False
 
 
 def compare_param_groups(comm: CommContext, groups: OptimizerGroups) -> None:
@@ -83,8 +106,12 @@ class OptimizerAttachment:
         self.groups, self.optimizer = groups, optimizer
         before, after = self.step_hooks
         self.hooks = [
-            optimizer.register_step_pre_hook(lambda _, args, kwargs: before(groups, args, kwargs)),
-            optimizer.register_step_post_hook(lambda *_: after(groups)),
+            optimizer.register_step_pre_hook(
+                lambda stepped, args, kwargs: None if _inside_a_step_of(stepped) else before(groups, args, kwargs)
+            ),
+            optimizer.register_step_post_hook(
+                lambda stepped, *_: None if _inside_a_step_of(stepped) else after(groups)
+            ),
             # Readers of optimizer.state_dict() see the whole state; a loaded one is the state from then on.
             optimizer.register_state_dict_pre_hook(lambda _: self.make_state_resident()),
             optimizer.register_load_state_dict_pre_hook(lambda *_: self.refuse_while_stepped("load_state_dict()")),
