@@ -173,7 +173,7 @@ class ZeroAccelerator(Accelerator):
     ) -> nn.Module:
         # Sharded in prepare(): no DDP wrapper, no device move. Accelerate has no public way to
         # register a model it does not wrap; its private _models list is what save_state/load_state
-        # hand their pre-hooks (pinned in tests/test_accelerate.py).
+        # hand their pre-hooks (pinned in tests/adapters/accelerate/test_accelerate.py).
         if all(model is not known for known in self._models):
             self._models.append(model)
             if self.native_amp:
@@ -310,7 +310,7 @@ class ZeroAccelerator(Accelerator):
         for a rebuilt optimizer is rank 0's share only, and ``load_state`` would load that share
         on every rank. So the list is emptied around the call; the optimizer stays registered
         for everything else (schedulers, ``optimizer_step_was_skipped``).
-        ``tests/test_accelerate.py`` pins this assumption (and the others ``save_state`` makes)."""
+        ``tests/adapters/accelerate/test_accelerate.py`` pins this assumption (and the others ``save_state`` makes)."""
         optimizers, self._optimizers = self._optimizers, []
         try:
             yield

@@ -28,8 +28,8 @@ status=0
     echo "cpus $(nproc)"
 } 2>&1 | tee "$OUT/machine.txt"
 if wants tests; then
-    timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/test_cuda.py tests/test_stream_schedule.py \
-        tests/test_zero_plus_plus.py -k "cuda or stream" 2>&1 |
+    timeout 330 python3 -m pytest -q -p no:cacheprovider -rs tests/distributed/runtime/test_cuda.py tests/distributed/runtime/test_stream_schedule.py \
+        tests/distributed/zero_plus_plus/test_zero_plus_plus.py -k "cuda or stream" 2>&1 |
         tee "$OUT/tests.log" || status=1
 fi
 if wants bench; then

@@ -1,7 +1,7 @@
 """The configuration reference, generated from the one settings schema.
 
 ``python -m docs_tools.configuration > docs/generated/configuration.md`` writes it;
-``tests/test_configuration_reference.py`` holds the committed file equal to this output, so a
+``tests/docs/test_configuration_reference.py`` holds the committed file equal to this output, so a
 setting added to ``ZeroConfig`` without regenerating fails the suite. Every spelling comes from
 the record the adapters themselves are generated from (``zero_core.config.user_settings()``),
 and the DeepSpeed keys from the rows the DeepSpeed reader maps with.

@@ -1,6 +1,6 @@
 """The error reference of the troubleshooting page, generated from the exception classes themselves.
 
-``python -m docs_tools.errors > docs/generated/errors.md`` writes it; ``tests/test_troubleshooting.py``
+``python -m docs_tools.errors > docs/generated/errors.md`` writes it; ``tests/docs/test_troubleshooting.py``
 holds the committed file equal to this output, so an exception class added, moved or reworded
 without regenerating fails the suite. Every module of the three packages is imported and every
 exception class defined there gets a section: its docstring (a first line saying what happened, then

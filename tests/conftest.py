@@ -1,5 +1,8 @@
-"""The two tiers: tests marked ``distributed`` start processes or use kept ranks; the rest run in this process.
+"""Markers from the directory, and the two tiers they make.
 
+A test's first folder under ``tests/`` is its marker (``unit``, ``distributed``, ``adapters``, ``docs``);
+``distributed/`` and ``adapters/`` are marked ``distributed`` too: they start processes or use kept ranks
+(``tests/rank_pool.py``), and a test elsewhere that does is marked so in its file.
 ``python -m pytest -m "not distributed"`` is the fast tier. So that the marker
 stays true, a test without it that starts a process (a process group,
 torchrun, a launcher, a script) fails, naming what it started. The process is
@@ -18,7 +21,20 @@ from typing import Any
 
 import pytest
 
+from tests.paths import TESTS
 from tests.rank_pool import RankWorld
+
+# The folders under tests/ whose tests all start processes (or use kept ranks).
+_DISTRIBUTED_TIERS = ("distributed", "adapters")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        if tier in ("unit", "docs", *_DISTRIBUTED_TIERS):
+            item.add_marker(tier)
+        if tier in _DISTRIBUTED_TIERS:
+            item.add_marker("distributed")
 
 
 @contextlib.contextmanager

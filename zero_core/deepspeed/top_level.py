@@ -3,7 +3,7 @@ settings the framework owns, reporting DeepSpeed does itself, and DeepSpeed's fe
 trained, refused unless they are off.
 
 Every top-level key DeepSpeed 0.19's ``DeepSpeedConfig`` reads has a row here or in a section's module
-(``tests/test_deepspeed_keys.py`` holds the list to the installed DeepSpeed).
+(``tests/adapters/deepspeed/test_deepspeed_keys.py`` holds the list to the installed DeepSpeed).
 """
 
 from __future__ import annotations
