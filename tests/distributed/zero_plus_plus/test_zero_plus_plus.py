@@ -2,9 +2,9 @@
 (``secondary_shard_group_size``, hpZ) and quantized gradients (``quantize_gradients``, qgZ): convergence kept,
 bytes on the wire as the formulas say, the fp32 masters and checkpoints exact.
 
-Quantization changes the numbers, so the contract is measured convergence: a small GPT trained 300 steps in
+Quantization changes the numbers, so the contract is measured convergence: a small GPT trained 150 steps in
 bf16 on a corpus whose loss floor is ln 4 ends within 1% of the same run exact, its curve within 2% at every
-50 steps; for each quantized piece and all three together, at 2 ranks and at 4 (2 groups of 2: hybrid
+25 steps; for each quantized piece and all three together, at 2 ranks and at 4 (2 groups of 2: hybrid
 sharding, or hpZ's two "nodes"). A loss here is one batch's: the final loss is the mean of the last 10
 steps, and the curve's point at a step the mean of the 10 steps around it, in both runs alike. The bytes are
 counted from the calls really handed to ``torch.distributed``. The quantizer itself is tested in
