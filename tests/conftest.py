@@ -17,6 +17,7 @@ import multiprocessing.process
 import os
 import subprocess
 from collections.abc import Generator, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,13 +29,44 @@ from tests.rank_pool import RankWorld
 _DISTRIBUTED_TIERS = ("distributed", "adapters")
 
 
+# ``-m smoke``: one case per feature, on 2 ranks where the feature runs on 2, for a check of everything in
+# minutes (tests/README.md). By node id, in one place; a whole run fails if one is no longer collected.
+SMOKE = (
+    "distributed/parity/test_parity.py::test_losses_and_parameters_match_ddp[world2-stage=3-optimizer_name=adamw]",
+    "distributed/checkpoint/test_checkpoint_roundtrip.py::test_save_lists_every_file_whatever_dcp_returns",
+    "distributed/offload/test_offload.py::test_host_offload_trains_like_memory_with_the_state_on_the_host",
+    "distributed/zero_plus_plus/test_zero_plus_plus.py::test_each_parameter_gather_sends_int8_blocks_and_their_scales",
+    "distributed/tensor_parallel/test_tensor_parallel.py::test_tensor_parallel_ranks_start_from_the_same_replicated_values",
+    "distributed/hybrid/test_hybrid_sharding.py::test_hybrid_sharding_trains_like_ddp[stage=3-optimizer_name=adamw]",
+    "distributed/runtime/test_meetings.py::test_a_read_on_one_rank_fails_at_once_on_every_rank_and_slow_ranks_are_waited_for",
+    "distributed/memory/test_memory_and_traffic.py::test_model_state_bytes_match_formula[world2-stage3-torch.float32]",
+    "distributed/agreement/test_divergence.py::test_extra_forward_on_one_rank_fails_on_every_rank_within_the_timeout",
+    "distributed/rank_pool/test_rank_pool.py::test_a_raising_body_fails_its_call_only_and_the_next_gets_a_new_world",
+    "adapters/lightning/test_lightning.py::test_each_stage_matches_ddp_with_clipping_and_accumulation[3]",
+    "adapters/accelerate/test_accelerate.py::test_each_stage_matches_plain_accelerate[3]",
+    "adapters/trainer/test_trainer.py::test_train_evaluate_predict_equal_trainer_under_ddp[3]",
+    "adapters/deepspeed/test_deepspeed_config.py::test_the_trainer_strategy_takes_a_deepspeed_config_and_trains_as_the_native_settings",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    smoke_found = set()
     for item in items:
-        tier = item.path.resolve().relative_to(TESTS).parts[0]
+        relative = item.path.resolve().relative_to(TESTS)
+        tier = relative.parts[0]
         if tier in ("unit", "docs", *_DISTRIBUTED_TIERS):
             item.add_marker(tier)
         if tier in _DISTRIBUTED_TIERS:
             item.add_marker("distributed")
+        node = "/".join(relative.parts) + item.nodeid.partition(".py")[2]
+        if node in SMOKE:
+            item.add_marker("smoke")
+            smoke_found.add(node)
+    whole_suite = all(Path(arg).resolve() == TESTS for arg in config.args) or not config.args
+    if whole_suite and set(SMOKE) - smoke_found:
+        raise pytest.UsageError(
+            f"tests/conftest.py's SMOKE names tests that are not collected: {sorted(set(SMOKE) - smoke_found)}"
+        )
 
 
 @contextlib.contextmanager

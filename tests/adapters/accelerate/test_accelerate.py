@@ -42,6 +42,8 @@ def _launch(
     processes: int = 2,
     mixed_precision: str = "no",
 ) -> subprocess.CompletedProcess:
+    """Why a process of its own: the launchers are the subject (`accelerate launch`, and `accelerate-zero launch`
+    reading a ZeRO or DeepSpeed config into each process's settings)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
         del env[key]
@@ -209,6 +211,7 @@ def test_load_state_continues_exactly_with_same_and_other_process_count(runs: tu
 
 
 def test_merge_weights_and_save_model_equal_get_state_dict(runs: tuple, tmp_path: Path) -> None:
+    """Why a process of its own: Accelerate's own `accelerate merge-weights` command is the subject."""
     out, results = runs
     expected = results["resumed-2"]["loaded"]  # get_state_dict right after load_state
     subprocess.run(
@@ -262,6 +265,7 @@ def test_plugin_reads_the_environment_and_explicit_arguments_win(monkeypatch: py
 
 
 def test_accelerate_adapter_does_not_import_lightning() -> None:
+    """Why a process of its own: what an import brings in is seen only in an interpreter that imported nothing else."""
     code = "import sys, accelerate_zero; print(any(m.startswith('lightning') for m in sys.modules))"
     assert (
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
@@ -296,7 +300,9 @@ def test_launcher_settings_ignore_stale_variables_and_the_scripts_own_arguments(
 
 
 def _one_process_report(script: str, work: Path) -> dict:
-    """Run ``tests/scripts/<script> <work>`` in one CPU process; its last line of output is a JSON report."""
+    """Run ``tests/scripts/<script> <work>`` in one CPU process; its last line of output is a JSON report.
+    Why a process of its own: the script builds Accelerate's process-wide state from `ACCELERATE_USE_CPU` as a
+    user's script does, and saves and loads under it."""
     result = subprocess.run(
         [sys.executable, str(TESTS / "scripts" / script), str(work)],
         env={**os.environ, "ACCELERATE_USE_CPU": "1"},
@@ -344,7 +350,9 @@ def test_a_read_on_the_main_process_only_fails_at_once_with_the_fix(tmp_path: Pa
     """`if is_main_process: torch.save(unwrap_model(model).state_dict(), f)` then `wait_for_everyone()`
     at stage 3 waited out the process group's timeout (30 minutes) before a bare gloo error. Now both
     processes fail within seconds with one message naming get_state_dict, which then works; a process
-    that leaves while the main one reads is named at once too, and both exit normally."""
+    that leaves while the main one reads is named at once too, and both exit normally.
+    Why a process of its own: the subject is how the launched processes end (both exit normally) after a read only
+    one of them makes."""
     result = subprocess.run(
         [*ACCELERATE, "launch", "--multi_gpu", "--num_processes", "2", str(Path(SCRIPT).parent / "rank0_reads.py")]
         + [str(tmp_path)],
@@ -367,7 +375,9 @@ def test_a_plain_accelerator_or_trainer_under_the_zero_launcher_fails_before_any
     """A plain Accelerator or Trainer ignores the ZeRO settings and would train with DDP: every process fails
     at its first optimizer step, before any update, with what to change; ZeroAccelerator passes, and so do an
     evaluation forward and a training-mode forward and backward on the model before prepare. Without the check
-    the plain cases train (a step file per process)."""
+    the plain cases train (a step file per process).
+    Why a process of its own: `accelerate-zero launch` is the subject: its settings reach a script that does not use
+    them."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     script = str(Path(SCRIPT).parent / "plain_training.py")
 
@@ -436,7 +446,9 @@ print(json.dumps({"seen": seen, "steps taken": accelerator.engine.steps_taken}))
 def test_an_fp16_step_skipped_on_overflow_leaves_the_scheduler_as_accelerates_own_fp16_does() -> None:
     """Accelerate's GradScaler path reports a skipped step (``optimizer_step_was_skipped``) and its scheduler
     wrapper (and Hugging Face's Trainer) then do not step the schedule; the engine's loss scaler skips the
-    steps here, so the accelerator reports the engine's decision (before, the schedule ran ahead)."""
+    steps here, so the accelerator reports the engine's decision (before, the schedule ran ahead).
+    Why a process of its own: Accelerate's fp16 path builds process-wide state (its GradScaler, AcceleratorState)
+    that a clean interpreter shows as a user gets it."""
     result = subprocess.run([sys.executable, "-c", FP16_SKIPS], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
@@ -465,7 +477,9 @@ for sync_each_batch in (False, True):
 
 @pytest.mark.distributed  # a process of its own for Accelerate's once-per-process state
 def test_the_step_during_backward_with_sync_each_batch_is_refused_before_any_work() -> None:
-    """Every micro-batch's backward would synchronise, and the second would be refused mid-step."""
+    """Every micro-batch's backward would synchronise, and the second would be refused mid-step.
+    Why a process of its own: Accelerate's process-wide state, built from the script's own arguments, as a user's
+    script builds it."""
     result = subprocess.run(
         [sys.executable, "-c", SYNC_EACH_BATCH],
         capture_output=True,

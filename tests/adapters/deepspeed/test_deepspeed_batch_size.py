@@ -150,7 +150,8 @@ def test_fabric_refuses_a_global_batch_it_cannot_hold_the_loop_to() -> None:
 
 
 def test_under_accelerate_the_accumulation_is_derived_and_trains_as_the_native_settings(tmp_path: Path) -> None:
-    """One launch (the launcher is under test: its config reaches each process), cases on both ranks."""
+    """One launch (the launcher is under test: its config reaches each process), cases on both ranks.
+    Why a process of its own: the launcher carries the config to each process."""
     config = tmp_path / "ds.json"
     numbers = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}
     config.write_text(json.dumps({**numbers, "zero_optimization": {"stage": 2}}))

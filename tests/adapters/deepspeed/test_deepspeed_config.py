@@ -233,6 +233,8 @@ def test_fabric_refuses_the_configs_loop_keys_and_a_contradicting_setting() -> N
 
 @pytest.mark.distributed  # a process of its own for Accelerate's once-per-process state
 def test_zero_plugin_from_deepspeed_and_the_accelerator_agree_or_refuse() -> None:
+    """Why a process of its own (one case): Accelerate makes its state once per process, and the accumulation is
+    checked against that state."""
     from accelerate_zero import ZeroAccelerator, ZeroPlugin
 
     plugin = ZeroPlugin.from_deepspeed(ZERO3)

@@ -44,6 +44,8 @@ def test_every_config_of_the_corpus_is_read_and_has_its_source() -> None:
 
 
 def _run_lightning_group(out: Path) -> subprocess.CompletedProcess:
+    """Why a process of its own: DeepSpeed itself is the reference, and it runs only under a launcher (torchrun)
+    with its own process-wide state."""
     return subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
         + [str(SCRIPTS / "deepspeed_corpus_lightning.py"), str(out)]

@@ -277,6 +277,7 @@ def test_a_launched_process_refuses_deepspeed_only_when_transformers_hands_it_th
 
 
 def _run_trainer(out: Path, launch: bool, *cases: str, launcher: tuple[str, ...] = ()) -> None:
+    """Why a process of its own: `accelerate-zero launch` with a DeepSpeed config is the entry point under test."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_ZERO") and k != "ACCELERATE_USE_ZERO"}
     env["ACCELERATE_USE_CPU"] = "1"
     script = [str(SCRIPTS / "deepspeed_trainer_run.py"), str(out), *cases]

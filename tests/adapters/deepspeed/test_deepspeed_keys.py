@@ -119,6 +119,7 @@ def test_bad_input_names_the_file_the_key_and_the_fix(tmp_path: Path) -> None:
 
 @pytest.mark.distributed  # runs the launcher
 def test_a_bad_config_stops_the_launch_before_any_process_starts(tmp_path: Path) -> None:
+    """Why a process of its own: the launcher is the subject: it must refuse before starting the script."""
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}}))
     script = tmp_path / "train.py"

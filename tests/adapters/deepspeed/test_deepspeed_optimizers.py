@@ -180,7 +180,9 @@ def test_lightning_refuses_autos_when_built_and_fabric_the_sections_with_the_bui
 @pytest.fixture(scope="module")
 def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One launch for every case: DeepSpeed building the config's optimizer and schedule itself, our Trainer
-    with ZeroStrategy(config=...), and our Trainer with the same built by hand in configure_optimizers."""
+    with ZeroStrategy(config=...), and our Trainer with the same built by hand in configure_optimizers.
+    Why a process of its own: DeepSpeed itself is the reference, and it runs only under a launcher (torchrun) with
+    its own process-wide state."""
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("deepspeed_schedules")
     result = subprocess.run(
@@ -232,7 +234,8 @@ def test_accelerates_dummy_optimizer_and_scheduler_become_the_configs(tmp_path: 
     """``accelerate-zero launch --zero_config_file ds.json`` carries the sections to the script's processes; the
     DummyOptim/DummyScheduler it prepares come back as the config's AdamW and WarmupDecayLR, their "auto"s from
     the dummies' arguments as Accelerate fills them (the total divided among the processes), stepped once per
-    optimizer step: bit for bit the same optimizer and schedule built by hand."""
+    optimizer step: bit for bit the same optimizer and schedule built by hand.
+    Why a process of its own: the launcher carrying the config's sections to each process is the subject."""
     config = tmp_path / "ds_config.json"
     config.write_text(json.dumps(ACCELERATE_CONFIG))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_ZERO", "ACCELERATE_USE_ZERO"))}

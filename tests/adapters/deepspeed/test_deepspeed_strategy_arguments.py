@@ -243,7 +243,9 @@ def test_the_config_is_the_one_lightning_builds_for_its_presets(preset: str, key
 def test_each_keyword_builds_the_config_lightnings_deepspeed_strategy_builds(tmp_path: Path) -> None:
     """Lightning's own DeepSpeedStrategy (the Trainer's and Fabric's), given each case's keywords, builds the
     config lightning_config builds from them with every other keyword at its default; and under 16-mixed its
-    setup adds the fp16 section fp16_section makes ("enabled": "auto" here: the flag decides)."""
+    setup adds the fp16 section fp16_section makes ("enabled": "auto" here: the flag decides).
+    Why a process of its own: Lightning's DeepSpeedStrategy imports DeepSpeed, whose import changes process-wide
+    state (its accelerator, its patches of torch)."""
     pytest.importorskip("deepspeed")
     cases = [theirs for theirs, _ in CASES.values()]
     (tmp_path / "cases.json").write_text(json.dumps(cases))

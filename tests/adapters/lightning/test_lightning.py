@@ -140,6 +140,8 @@ ONE_DEVICE_RUNS = [
 
 
 def _launch(runs: list[dict], out: Path, devices: int) -> None:
+    """Why a process of its own: Lightning's own launcher is the subject: it starts the processes for `devices`, as
+    a user's `python train.py` does."""
     spec = out / f"runs-{devices}.json"
     spec.write_text(json.dumps(runs))
     result = subprocess.run(

@@ -28,6 +28,8 @@ STAGES = (1, 2, 3)
 
 
 def _launch(launcher: list[str], processes: int, *script_args: str) -> None:
+    """Why a process of its own: the launchers are the subject (`accelerate launch` for the DDP reference,
+    `accelerate-zero launch` for ours)."""
     env = {**os.environ, "ACCELERATE_USE_CPU": "1"}
     for key in [k for k in env if k.startswith("ACCELERATE_ZERO") or k == "ACCELERATE_USE_ZERO"]:
         del env[key]
@@ -167,6 +169,7 @@ def test_a_checkpoint_of_plain_trainer_is_refused_with_what_to_do(runs: tuple) -
 
 
 def test_importing_accelerate_zero_does_not_import_transformers() -> None:
+    """Why a process of its own: what an import brings in is seen only in an interpreter that imported nothing else."""
     code = "import sys, accelerate_zero; print('transformers' in sys.modules, accelerate_zero.ZeroTrainer.__name__)"
     output = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert output.split() == ["False", "ZeroTrainer"]

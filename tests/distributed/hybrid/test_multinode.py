@@ -28,7 +28,9 @@ NODES, PER_NODE = 2, 2
 
 
 def _run_nodes(commands: list[list[str]], envs: list[dict[str, str]], out: Path, timeout: float = 300) -> None:
-    """Start every node's launch side by side and wait for all; a node that fails or hangs fails the test."""
+    """Start every node's launch side by side and wait for all; a node that fails or hangs fails the test.
+    Why a process of its own: the launchers' multi-node settings (`--nnodes`, `--node_rank`, `--num_machines`) are
+    the subject."""
     processes = []
     for node, (command, env) in enumerate(zip(commands, envs)):
         log = open(out / f"node{node}.log", "w")

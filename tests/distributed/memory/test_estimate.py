@@ -207,7 +207,8 @@ def test_bad_input_names_what_to_use(argv: list[str], named: str, capsys: pytest
 
 
 def test_the_installed_entry_point_runs() -> None:
-    """``python -m zero_core.estimate_cli`` is what the ``zero-estimate`` script calls."""
+    """``python -m zero_core.estimate_cli`` is what the ``zero-estimate`` script calls.
+    Why a process of its own: the command a user types is the subject."""
     root = ROOT
     done = subprocess.run(
         [sys.executable, "-m", "zero_core.estimate_cli", "--params", "350M", "--world-size", "4"],

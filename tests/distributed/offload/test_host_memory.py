@@ -38,7 +38,8 @@ def test_large_fresh_buffers_are_advised_and_small_ones_are_not() -> None:
 
 
 def test_no_advice_where_large_blocks_may_come_from_the_heap() -> None:
-    """With glibc told to put large blocks in the heap, advice would outlive the buffer there."""
+    """With glibc told to put large blocks in the heap, advice would outlive the buffer there.
+    Why a process of its own: glibc's malloc settings (`MALLOC_MMAP_THRESHOLD_`) are read once, at process start."""
     probe = (
         "import torch\n"
         "from zero_core.host_memory import advise_huge_pages\n"

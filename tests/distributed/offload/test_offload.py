@@ -558,6 +558,8 @@ def test_bad_offload_dirs_and_disk_errors_fail_alike_on_every_rank(tmp_path: Pat
 
 
 def _torchrun(directory: Path, out: Path, *flags: str) -> subprocess.CompletedProcess:
+    """Why a process of its own: the subject is what a process leaves behind when it is killed or exits (scratch
+    files, exit codes)."""
     script = TESTS / "scripts" / "offload_run.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
     return subprocess.run(

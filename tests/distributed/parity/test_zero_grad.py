@@ -145,7 +145,8 @@ def test_a_submodules_zero_grad_drops_its_own_gradients_only(grid: list) -> None
 
 def test_accelerates_skip_on_nan_loop_trains_on_as_accelerates_ddp(tmp_path: Path) -> None:
     """The loop from Accelerate users' scripts: ``optimizer.zero_grad()`` on Accelerate's wrapper drops
-    the NaN gradients and the skipped step's, at every stage, with DDP's norms and weights at every step."""
+    the NaN gradients and the skipped step's, at every stage, with DDP's norms and weights at every step.
+    Why a process of its own: plain Accelerate's DDP is the reference, and it runs under its own launcher."""
     script = TESTS / "scripts" / "accelerate_skip_on_nan.py"
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     launch += ["--num_processes", "2", "--main_process_port", str(free_port())]

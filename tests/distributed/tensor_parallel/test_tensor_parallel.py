@@ -670,7 +670,8 @@ SCRIPTS = TESTS / "scripts"
 
 
 def _launch(script: str, out: Path, *args: str) -> list[dict[str, Any]]:
-    """The framework's own launcher starts the 4 processes; each writes what it saw."""
+    """The framework's own launcher starts the 4 processes; each writes what it saw.
+    Why a process of its own: Lightning's own launcher starting the 4 processes is part of what is tested."""
     result = subprocess.run(
         [sys.executable, str(SCRIPTS / script), str(out), *args], capture_output=True, text=True, timeout=600
     )
@@ -711,7 +712,8 @@ def lightning_run(lightning_and_fabric_runs: tuple[list, list]) -> list[dict[str
 
 @pytest.fixture(scope="module")
 def accelerate_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """Accelerate's launcher, on CPU processes as Accelerate runs them (``ACCELERATE_USE_CPU``)."""
+    """Accelerate's launcher, on CPU processes as Accelerate runs them (``ACCELERATE_USE_CPU``).
+    Why a process of its own: Accelerate's launcher is part of what is tested."""
     out = tmp_path_factory.mktemp("accelerate-tensor-parallel")
     launch = [sys.executable, "-m", "accelerate.commands.accelerate_cli", "launch", "--multi_gpu"]
     launch += ["--num_processes", str(WORLD), "--main_process_port", str(free_port())]
