@@ -63,10 +63,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker("smoke")
             smoke_found.add(node)
     whole_suite = all(Path(arg).resolve() == TESTS for arg in config.args) or not config.args
-    if whole_suite and set(SMOKE) - smoke_found:
-        raise pytest.UsageError(
-            f"tests/conftest.py's SMOKE names tests that are not collected: {sorted(set(SMOKE) - smoke_found)}"
-        )
+    missing = sorted(set(SMOKE) - smoke_found)
+    if whole_suite and missing:
+        raise pytest.UsageError(f"tests/conftest.py's SMOKE names tests that are not collected: {missing}")
 
 
 @contextlib.contextmanager

@@ -175,6 +175,9 @@ class _ProcessBaseline:
         gc.collect()
 
 
+_MISSING = object()
+
+
 def _rebind(owner: Any, names: dict[str, Any]) -> None:
     """Names of ``owner`` bound to another object since the baseline are bound back (added names stay: a
     submodule imported since is an attribute of its package)."""
@@ -185,9 +188,6 @@ def _rebind(owner: Any, names: dict[str, Any]) -> None:
         if current.get(name, _MISSING) is not value:
             with contextlib.suppress(AttributeError, TypeError):
                 setattr(owner, name, value)
-
-
-_MISSING = object()
 
 
 def _reset_singletons() -> None:
@@ -351,10 +351,11 @@ class RankWorld:
         failures: dict[int, str] = {}
         pending = {conn: rank for rank, conn in enumerate(self.connections)}
         deadline = time.monotonic() + timeout
+        first_failure_at = deadline  # read only once a failure has set it
         while pending:
             remaining = deadline - time.monotonic()
             if failures:
-                remaining = min(remaining, self._first_failure_at + _FAILURE_GRACE_S - time.monotonic())
+                remaining = min(remaining, first_failure_at + _FAILURE_GRACE_S - time.monotonic())
             if remaining <= 0:
                 break
             for conn in wait(list(pending), timeout=remaining):
@@ -369,7 +370,7 @@ class RankWorld:
                     results[rank] = pickle.loads(payload)
                 else:
                     if not failures:
-                        self._first_failure_at = time.monotonic()
+                        first_failure_at = time.monotonic()
                     failures[rank] = payload
         return results, failures
 
