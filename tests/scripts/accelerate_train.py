@@ -103,7 +103,7 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
         loaded = {k: v.detach().cpu().clone() for k, v in accelerator.get_state_dict(model).items()}
         first_step = args.save_at
         loader = accelerator.skip_first_batches(loader, first_step * args.accumulate)
-    losses, rank_losses, step = [], [], first_step
+    losses, rank_losses, clip_norms, step = [], [], [], first_step
     output_dtypes, autocast_enabled = set(), []
     for ids in loader:
         with accelerator.accumulate(model):
@@ -115,7 +115,9 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
             loss = lm_loss(logits, ids)
             accelerator.backward(loss)
             if args.clip and accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), args.clip)
+                # The norm it returns is compared with DDP's: clipped AdamW steps hide a gradient off by a
+                # constant factor (a loss not divided by the accumulation steps), the norm does not.
+                clip_norms.append(float(accelerator.clip_grad_norm_(model.parameters(), args.clip)))
             optimizer.step()
             if args.scheduler:
                 scheduler.step()
@@ -139,6 +141,7 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
             {
                 "losses": losses,
                 "rank_losses": rank_losses,  # [micro-batch][rank]
+                "clip_norms": clip_norms,  # what clip_grad_norm_ returned, per optimizer step
                 "weights": weights,
                 "loaded": loaded,
                 "accelerator": type(accelerator).__name__,

@@ -142,6 +142,9 @@ def test_a_deepspeed_config_file_trains_like_plain_accelerate(runs: tuple) -> No
     assert [line for line in ours["logged"] if "ZeRO stage 2: " in line]  # the file's stage, not the default 3
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+    # Clipped AdamW is blind to a gradient scaled by a constant (a loss not divided by the accumulation
+    # steps); the norm clip_grad_norm_ returns is not.
+    assert len(ours["clip_norms"]) == 6 and ours["clip_norms"] == pytest.approx(reference["clip_norms"], rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -156,6 +159,9 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     assert len(ours["losses"]) == 12  # 6 steps of 2 micro-batches
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+    # Clipped AdamW is blind to a gradient scaled by a constant (a loss not divided by the accumulation
+    # steps); the norm clip_grad_norm_ returns is not.
+    assert len(ours["clip_norms"]) == 6 and ours["clip_norms"] == pytest.approx(reference["clip_norms"], rel=1e-5)
 
 
 def _rank_losses(result: dict) -> torch.Tensor:
