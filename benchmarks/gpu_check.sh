@@ -9,6 +9,12 @@
 #     OUT=/some/dir bash benchmarks/gpu_check.sh            # tests bench offload
 #     bash benchmarks/gpu_check.sh tests bench              # about 8 minutes
 #     bash benchmarks/gpu_check.sh offload                  # about 9 minutes
+#     bash benchmarks/gpu_check.sh quick                    # at most 8 minutes: what a 15-minute loan fits
+#
+# quick: the CUDA tests (130 s at most), stages 1-3 beside DDP and FSDP2 on the 168M model (world size 1,
+# 140 s), the quantizer's throughput (30 s), and the largest model the CPU-offload mode trains (a 2-minute
+# search, zero3_cpu beside zero3). Every step has its own timeout, so the whole stays under 8 minutes even
+# where one hangs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/out/gpu}
@@ -17,7 +23,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(tests bench offload)
 for part in "${parts[@]}"; do
-    case $part in tests | bench | offload) ;; *) echo "unknown part '$part': name tests, bench or offload" >&2; exit 2 ;; esac
+    case $part in tests | bench | offload | quick) ;; *) echo "unknown part '$part': name tests, bench, offload or quick" >&2; exit 2 ;; esac
 done
 wants() { [[ " ${parts[*]} " == *" $1 "* ]]; }
 status=0
@@ -44,5 +50,17 @@ fi
 if wants offload; then
     timeout 570 python3 benchmarks/gpu_offload.py --minutes 8 --out "$OUT/offload" 2>&1 |
         tee "$OUT/offload.log" || status=1
+fi
+if wants quick; then
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -rs tests/distributed/runtime/test_cuda.py \
+        tests/distributed/runtime/test_stream_schedule.py 2>&1 | tee "$OUT/tests.log" || status=1
+    timeout 140 python3 benchmarks/run_all.py --device cuda --sizes large \
+        --contestants ddp fsdp2 zero1 zero2 zero3 --no-plots --out /tmp/gpu-bench 2>&1 |
+        tee "$OUT/bench.log" || status=1
+    cp /tmp/gpu-bench/all-cuda.json "$OUT/" 2>/dev/null || status=1
+    timeout 30 python3 benchmarks/quantization_cost.py --device cuda --numel 4e8 --repeats 5 2>&1 |
+        tee "$OUT/quantization_cost.log" || status=1
+    timeout 150 python3 benchmarks/gpu_offload.py --minutes 2 --contestants zero3 zero3_cpu \
+        --out "$OUT/offload" 2>&1 | tee "$OUT/offload.log" || status=1
 fi
 exit $status

@@ -1,0 +1,455 @@
+"""The guard: this tree's training step against another revision's (or one contestant against another), with
+an interval narrow enough to tell a 5% slip from noise.
+
+    python benchmarks/compare.py --baseline REV [--contestants zero2 zero3] [--pairs 12] [--publish]
+    python benchmarks/compare.py --reference ddp --contestants zero1 zero2 zero3
+
+Why steps, not runs: this machine drifts by 10-30% over minutes (DDP went 6.7 -> 8.4 s in 40 minutes), so two
+runs minutes apart differ by more than the changes we want to see. Here both sides are alive at once, each a
+world of ranks built once (``benchmarks/stepping_rank.py``), and they take turns a step at a time in the order
+A B B A A B ..., on the same batch at the same step: each pair of adjacent steps shares the machine's state
+of that moment, and its ratio is the measurement. The estimate is the geometric mean of the pairs' ratios with
+a 95% bootstrap interval; the processes' own CPU time is measured beside the wall time (a ratio in CPU time
+that moves with the wall ratio is work; one that does not is waiting), and so is the CPU the rest of the
+machine used meanwhile. Before the first step it waits for a quiet machine.
+
+``--baseline REV`` checks REV out in a temporary ``git worktree`` and puts it first on the baseline ranks'
+PYTHONPATH: the packages under test are REV's, while the model, the data, the contestants and this driver are
+this tree's, the same for both sides. The losses of both sides are compared step by step too: a change meant
+to keep the numbers must show 0.
+
+Both sides' worlds are alive at once: at the default size (the 168M model) that is about 10 GB of memory.
+Results print as a table; ``--publish`` adds the record to benchmarks/results/compare/ and regenerates
+benchmarks/COMPARE.md from every record there, newest first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import queue
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from contestants import CONTESTANTS, OFFLOAD_CONTESTANTS, STAGE_OF  # noqa: E402
+
+RECORDS = HERE / "results" / "compare"
+TABLE = HERE / "COMPARE.md"
+STEP_TIMEOUT_S = 900  # one step of the largest model takes seconds; a rank silent this long has hung
+START_TIMEOUT_S = 600  # building the 168M model and its engine
+
+
+# ------------------------------------------------------------------ statistics
+def abba_order(pairs: int) -> list[tuple[int, int]]:
+    """The sides' order for each pair: (0, 1), (1, 0), (0, 1), ... A B B A A B: a drift within a pair
+    favours each side equally often."""
+    return [(0, 1) if index % 2 == 0 else (1, 0) for index in range(pairs)]
+
+
+@dataclass(frozen=True)
+class RatioEstimate:
+    """The geometric mean of per-pair ratios, with a 95% bootstrap interval and the pairs' extremes."""
+
+    ratio: float
+    low: float
+    high: float
+    smallest: float
+    largest: float
+    pairs: int
+
+    def __str__(self) -> str:
+        return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def ratio_estimate(ratios: list[float], resamples: int = 4000, seed: int = 0) -> RatioEstimate:
+    """Ratios multiply, so their logs are averaged; the interval is the 2.5th and 97.5th percentiles of the
+    geometric means of ``resamples`` resamples (no assumption of a distribution; the same seed, the same
+    interval for the same figures)."""
+    if not ratios or any(not (r > 0 and math.isfinite(r)) for r in ratios):
+        raise ValueError(f"ratios must be positive and finite, got {ratios}")
+    logs = [math.log(r) for r in ratios]
+    draw = random.Random(seed)
+    means = sorted(statistics.fmean(draw.choices(logs, k=len(logs))) for _ in range(resamples))
+    low, high = means[int(0.025 * (resamples - 1))], means[int(0.975 * (resamples - 1))]
+    return RatioEstimate(
+        math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high), min(ratios), max(ratios), len(ratios)
+    )
+
+
+# ------------------------------------------------------------------ the machine
+def busy_cpu_seconds() -> float:
+    """CPU seconds every process on the machine has used since boot (all cores; /proc/stat)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, idle, iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for_quiet(max_busy_cores: float, max_wait_s: float, sample_s: float = 5.0) -> float:
+    """Waits until the machine, before anything of ours runs, keeps fewer than ``max_busy_cores`` cores busy
+    over ``sample_s``; gives up after ``max_wait_s`` (then says so) and returns the last busy figure."""
+    deadline = time.monotonic() + max_wait_s
+    while True:
+        before = busy_cpu_seconds()
+        time.sleep(sample_s)
+        busy = (busy_cpu_seconds() - before) / sample_s
+        if busy < max_busy_cores:
+            print(f"the machine is quiet: {busy:.2f} cores busy", flush=True)
+            return busy
+        if time.monotonic() >= deadline:
+            print(
+                f"warning: the machine stayed busy ({busy:.2f} cores for {max_wait_s:.0f} s); measuring anyway, "
+                "and the table says so",
+                flush=True,
+            )
+            return busy
+        print(f"waiting for a quiet machine: {busy:.2f} cores busy (limit {max_busy_cores})", flush=True)
+
+
+# ------------------------------------------------------------------ trees and worlds
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def describe_checkout() -> str:
+    """This checkout's commit, marked where its files differ from it."""
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+
+
+@contextlib.contextmanager
+def worktree_of(revision: str) -> Iterator[tuple[Path, str]]:
+    """REV checked out in a temporary worktree (removed on the way out, whatever happens)."""
+    try:
+        commit = git("rev-parse", "--short", f"{revision}^{{commit}}")
+    except subprocess.CalledProcessError as error:
+        raise SystemExit(f"compare.py: {revision!r} is not a revision of this repository ({error.stderr.strip()})")
+    folder = Path(tempfile.mkdtemp(prefix=f"compare-{commit}-"))
+    git("worktree", "add", "--detach", str(folder), commit)
+    try:
+        yield folder, commit
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=ROOT, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Side:
+    """What one side runs: a contestant, with the packages of a tree."""
+
+    label: str  # "baseline", "this tree", or the contestant's name
+    tree: Path
+    revision: str
+    contestant: str
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class SteppingWorld:
+    """The ranks of one side, started once; ``step(n)`` trains step n on every rank and returns their answers.
+
+    A rank that exits, writes what is not an answer, or stays silent past the timeout ends the comparison
+    with its standard error's tail (the ranks' standard error goes to a log file, so a talkative rank never
+    blocks on a full pipe); ``close`` stops every rank, by signal if it must."""
+
+    def __init__(self, side: Side, size: str, world_size: int, device: str, logs: Path) -> None:
+        self.side = side
+        self.log_paths = [
+            logs / f"{side.label.replace(' ', '-')}-{side.contestant}-rank{r}.log" for r in range(world_size)
+        ]
+        port = free_port()
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(side.tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "DS_ACCELERATOR": "cuda" if device == "cuda" else "cpu",
+            "PYTHONWARNINGS": "ignore",
+        }
+        self.ranks: list[subprocess.Popen] = []
+        self.answers: list[queue.Queue] = []
+        for rank in range(world_size):
+            log = self.log_paths[rank].open("w")
+            process = subprocess.Popen(
+                [sys.executable, str(HERE / "stepping_rank.py"), "--contestant", side.contestant, "--size", size]
+                + ["--device", device],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                text=True,
+                start_new_session=True,  # close() signals the rank and whatever it started
+            )
+            log.close()
+            lines: queue.Queue = queue.Queue()
+            threading.Thread(target=self._read, args=(process, lines), daemon=True).start()
+            self.ranks.append(process)
+            self.answers.append(lines)
+        hello = self._collect(START_TIMEOUT_S, "starting")
+        imported = {Path(h["zero_core"]) for h in hello}
+        expected = (side.tree / "zero_core").resolve()
+        if imported != {expected}:
+            raise RuntimeError(
+                f"{side.label}: the ranks imported zero_core from {sorted(map(str, imported))}, not {expected}: "
+                "something ahead of PYTHONPATH on sys.path (a .pth file?) shadows the tree under test"
+            )
+
+    @staticmethod
+    def _read(process: subprocess.Popen, lines: queue.Queue) -> None:
+        for line in process.stdout:
+            lines.put(line)
+        lines.put(None)  # the rank's output ended: it exited
+
+    def _collect(self, timeout_s: float, doing: str) -> list[dict]:
+        deadline = time.monotonic() + timeout_s
+        answers = []
+        for rank, lines in enumerate(self.answers):
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(self._failure(rank, f"was silent for {timeout_s:.0f} s while {doing}")) from None
+            if line is None:
+                code = self.ranks[rank].wait()
+                raise RuntimeError(self._failure(rank, f"exited with code {code} while {doing}"))
+            try:
+                answers.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise RuntimeError(self._failure(rank, f"answered {line!r} while {doing}")) from None
+        return answers
+
+    def _failure(self, rank: int, what: str) -> str:
+        tail = self.log_paths[rank].read_text(errors="replace")[-3000:]
+        return f"{self.side.label} ({self.side.contestant}), rank {rank} {what}; its standard error ends:\n{tail}"
+
+    def step(self, index: int) -> list[dict]:
+        for process in self.ranks:
+            process.stdin.write(f"step {index}\n")
+            process.stdin.flush()
+        return self._collect(STEP_TIMEOUT_S, f"training step {index}")
+
+    def close(self) -> None:
+        for process in self.ranks:
+            with contextlib.suppress(OSError, ValueError):
+                process.stdin.write("stop\n")
+                process.stdin.close()
+        deadline = time.monotonic() + 30
+        for process in self.ranks:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+# ------------------------------------------------------------------ one comparison
+@dataclass
+class StepRecord:
+    wall_s: list[float] = field(default_factory=list)  # the slowest rank's, per step
+    cpu_s: list[float] = field(default_factory=list)  # every rank's together, per step
+    losses: list[list[float]] = field(default_factory=list)  # [step][rank]
+
+
+def compare_sides(
+    sides: tuple[Side, Side], size: str, world_size: int, device: str, pairs: int, warmup: int, logs: Path
+) -> dict:
+    """Both sides alive, ``warmup`` steps each, then ``pairs`` pairs in A B B A order; the second side over
+    the first, per pair."""
+    worlds: list[SteppingWorld] = []
+    try:
+        for side in sides:
+            worlds.append(SteppingWorld(side, size, world_size, device, logs))
+        for index in range(warmup):
+            for world in worlds:
+                world.step(index)
+        steps = (StepRecord(), StepRecord())
+        others_cores = []  # the cores the rest of the machine kept busy during each step
+        for pair, order in enumerate(abba_order(pairs)):
+            index = warmup + pair  # the same batch for both sides of a pair
+            for which in order:
+                busy_before = busy_cpu_seconds()
+                answers = worlds[which].step(index)
+                busy = busy_cpu_seconds() - busy_before
+                wall, cpu = max(a["wall_s"] for a in answers), sum(a["cpu_s"] for a in answers)
+                steps[which].wall_s.append(wall)
+                steps[which].cpu_s.append(cpu)
+                steps[which].losses.append([a["loss"] for a in answers])
+                others_cores.append(max(0.0, busy - cpu) / wall)
+            print(
+                f"  pair {pair + 1}/{pairs}: {sides[0].label} {steps[0].wall_s[-1]:.3f} s, "
+                f"{sides[1].label} {steps[1].wall_s[-1]:.3f} s",
+                flush=True,
+            )
+    finally:
+        for world in worlds:
+            world.close()
+    base, other = steps
+    wall = ratio_estimate([o / b for o, b in zip(other.wall_s, base.wall_s)])
+    cpu = ratio_estimate([o / b for o, b in zip(other.cpu_s, base.cpu_s)])
+    loss_gap = max(abs(o - b) for os_, bs in zip(other.losses, base.losses) for o, b in zip(os_, bs))
+    return {
+        "sides": [vars(side) | {"tree": str(side.tree)} for side in sides],
+        "wall": vars(wall),
+        "cpu": vars(cpu),
+        "median_wall_s": [statistics.median(base.wall_s), statistics.median(other.wall_s)],
+        "median_cpu_s": [statistics.median(base.cpu_s), statistics.median(other.cpu_s)],
+        "largest_loss_difference": loss_gap,
+        "others_cores_mean": statistics.fmean(others_cores),
+    }
+
+
+# ------------------------------------------------------------------ the table
+def table_lines(record: dict) -> list[str]:
+    """One record's table: a row per comparison."""
+    head = record["heading"]
+    lines = [
+        f"### {head}",
+        "",
+        f"{record['date']}, {record['machine']}; model `{record['size']}`, world size {record['world_size']}, "
+        f"{record['pairs']} pairs after {record['warmup']} warm-up steps; the machine before: "
+        f"{record['busy_before']:.2f} cores busy.",
+        "",
+        "| contestant | second / first (wall) | pairs' range | CPU ratio | median step s (first, second) "
+        "| largest loss difference | others' cores |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in record["comparisons"]:
+        if "failed" in row:
+            lines.append(f"| {row['name']} | failed: {row['failed'].splitlines()[0]} | | | | | |")
+            continue
+        wall, cpu = RatioEstimate(**row["wall"]), RatioEstimate(**row["cpu"])
+        first, second = row["median_wall_s"]
+        lines.append(
+            f"| {row['name']} | {wall} | {wall.smallest:.3f}-{wall.largest:.3f} | {cpu} | {first:.3f}, {second:.3f} "
+            f"| {row['largest_loss_difference']:.3g} | {row['others_cores_mean']:.2f} |"
+        )
+    return lines + [""]
+
+
+def write_table(records: list[dict], path: Path) -> None:
+    body = [
+        "# Side-by-side step comparisons",
+        "",
+        "Generated by `python benchmarks/compare.py ... --publish` from benchmarks/results/compare/ (do not edit).",
+        "Each row: the second side's step over the first's, the geometric mean of pairs of adjacent steps",
+        "(A B B A order, the same batch), with its 95% bootstrap interval; the CPU ratio is the processes' own",
+        'CPU time; "others\' cores" is what the rest of the machine kept busy meanwhile.',
+        "",
+    ]
+    for record in sorted(records, key=lambda r: r["date"], reverse=True):
+        body += table_lines(record)
+    path.write_text("\n".join(body))
+
+
+def machine_line() -> str:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if "model name" in line
+        ),
+        "unknown CPU",
+    )
+    return f"{os.cpu_count()} cores ({model})"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    against = parser.add_mutually_exclusive_group(required=True)
+    against.add_argument("--baseline", help="a revision: each contestant with its packages against with this tree's")
+    against.add_argument(
+        "--reference", choices=CONTESTANTS + OFFLOAD_CONTESTANTS, help="a contestant: each one against it, this tree"
+    )
+    parser.add_argument("--contestants", nargs="+", choices=list(STAGE_OF), default=["zero1", "zero2", "zero3"])
+    parser.add_argument("--size", choices=("small", "medium", "large"), default="large")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--pairs", type=int, default=12, help="pairs of steps per contestant (at least 3)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
+    parser.add_argument("--quiet-cores", type=float, default=0.3, help="a quiet machine keeps fewer cores busy")
+    parser.add_argument("--wait", type=float, default=600, help="seconds to wait for a quiet machine")
+    parser.add_argument("--publish", action="store_true", help="add the record to benchmarks/COMPARE.md")
+    parser.add_argument("--out", default=None, help="the folder for the record and the ranks' logs (default: new)")
+    args = parser.parse_args()
+    if args.pairs < 3:
+        parser.error("--pairs: at least 3 pairs (an interval from fewer says nothing)")
+    if args.world_size < 1:
+        parser.error("--world-size: at least 1")
+
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else HERE / "out" / f"compare-{stamp}"
+    out.mkdir(parents=True, exist_ok=True)
+    this_tree = describe_checkout()
+    with contextlib.ExitStack() as stack:
+        if args.baseline:
+            baseline_tree, baseline = stack.enter_context(worktree_of(args.baseline))
+            heading = f"this tree ({this_tree}) over {baseline}"
+        else:
+            heading = f"each contestant over {args.reference}, this tree ({this_tree})"
+        busy_before = wait_for_quiet(args.quiet_cores, args.wait)
+        comparisons = []
+        for name in args.contestants:
+            if args.baseline:
+                sides = (Side("baseline", baseline_tree, baseline, name), Side("this tree", ROOT, this_tree, name))
+            else:
+                sides = (Side(args.reference, ROOT, this_tree, args.reference), Side(name, ROOT, this_tree, name))
+            print(f"{name}: {sides[1].label} over {sides[0].label}, {args.pairs} pairs", flush=True)
+            try:
+                row = compare_sides(sides, args.size, args.world_size, args.device, args.pairs, args.warmup, out)
+            except RuntimeError as error:  # one side cannot run this contestant: say so, go on with the next
+                print(f"{name}: failed: {error}", flush=True)
+                comparisons.append({"name": name, "failed": str(error)})
+                continue
+            row["name"] = name
+            comparisons.append(row)
+            print(
+                f"{name}: wall {RatioEstimate(**row['wall'])}, CPU {RatioEstimate(**row['cpu'])}, largest loss "
+                f"difference {row['largest_loss_difference']:.3g}, others' cores {row['others_cores_mean']:.2f}",
+                flush=True,
+            )
+    record = {
+        "heading": heading,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine_line(),
+        "size": args.size,
+        "world_size": args.world_size,
+        "device": args.device,
+        "pairs": args.pairs,
+        "warmup": args.warmup,
+        "busy_before": busy_before,
+        "comparisons": comparisons,
+    }
+    (out / "record.json").write_text(json.dumps(record, indent=1))
+    print("\n".join(table_lines(record)))
+    if args.publish:
+        RECORDS.mkdir(parents=True, exist_ok=True)
+        (RECORDS / f"{stamp}.json").write_text(json.dumps(record, indent=1))
+        write_table([json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))], TABLE)
+        print(f"wrote {TABLE}")
+    if any("failed" in row for row in comparisons):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

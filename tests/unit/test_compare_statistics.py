@@ -1,0 +1,47 @@
+"""The guard's arithmetic (benchmarks/compare.py): the pairs' order and the ratio's interval."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+
+import pytest
+
+from tests.paths import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from compare import abba_order, ratio_estimate  # noqa: E402
+
+
+def test_the_sides_alternate_which_goes_first_pair_by_pair() -> None:
+    order = abba_order(6)
+    assert order == [(0, 1), (1, 0), (0, 1), (1, 0), (0, 1), (1, 0)]
+    # Flattened: A B B A A B B A ... so a steady drift favours neither side.
+    assert [side for pair in order for side in pair] == [0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 0]
+
+
+def test_the_ratio_is_the_geometric_mean_and_its_interval_holds_it() -> None:
+    estimate = ratio_estimate([0.5, 2.0, 1.0])
+    assert estimate.ratio == pytest.approx(1.0)  # 0.5 and 2 cancel: ratios multiply
+    assert estimate.low <= estimate.ratio <= estimate.high
+    assert (estimate.smallest, estimate.largest, estimate.pairs) == (0.5, 2.0, 3)
+    assert ratio_estimate([1.1] * 5).low == pytest.approx(1.1) and ratio_estimate([1.1] * 5).high == pytest.approx(1.1)
+
+
+def test_the_interval_narrows_with_pairs_and_tells_a_five_percent_slip_from_noise() -> None:
+    """Pairs whose ratios scatter by 5% around a 5% slip: 6 pairs cannot exclude 1.0, 40 pairs can, and the
+    interval covers the true 1.05 either way."""
+    noise = random.Random(1)
+    ratios = [1.05 * math.exp(noise.gauss(0, 0.05)) for _ in range(40)]
+    few, many = ratio_estimate(ratios[:6]), ratio_estimate(ratios)
+    assert few.low < 1.05 < few.high and many.low < 1.05 < many.high
+    assert many.high - many.low < few.high - few.low
+    assert many.low > 1.0  # the slip is told from noise
+    assert ratio_estimate(ratios, seed=0) == ratio_estimate(ratios, seed=0)  # the same figures, the same interval
+
+
+@pytest.mark.parametrize("bad", [[], [1.0, 0.0], [1.0, float("nan")], [-1.0]])
+def test_a_ratio_that_is_not_positive_and_finite_is_refused(bad: list[float]) -> None:
+    with pytest.raises(ValueError, match="positive and finite"):
+        ratio_estimate(bad)
