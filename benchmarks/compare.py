@@ -1,15 +1,17 @@
 """The guard: this tree's training step against another revision's (or one contestant against another), with
 an interval narrow enough to tell a 5% slip from noise.
 
-    python benchmarks/compare.py --baseline REV [--contestants zero2 zero3] [--pairs 12] [--publish]
+    python benchmarks/compare.py --baseline REV [--contestants zero2 zero3] [--rounds 2 --pairs 8] [--publish]
     python benchmarks/compare.py --reference ddp --contestants zero1 zero2 zero3
 
 Why steps, not runs: this machine drifts by 10-30% over minutes (DDP went 6.7 -> 8.4 s in 40 minutes), so two
 runs minutes apart differ by more than the changes we want to see. Here both sides are alive at once, each a
 world of ranks built once (``benchmarks/stepping_rank.py``), and they take turns a step at a time in the order
 A B B A A B ..., on the same batch at the same step: each pair of adjacent steps shares the machine's state
-of that moment, and its ratio is the measurement. The estimate is the geometric mean of the pairs' ratios with
-a 95% bootstrap interval; the processes' own CPU time is measured beside the wall time (a ratio in CPU time
+of that moment, and its ratio is the measurement. Both sides are started afresh for each of ``--rounds``
+rounds: a process can be slow or fast for its whole life (its memory's placement), and only new processes
+show it. The estimate is the geometric mean of the pairs' ratios with a 95% bootstrap interval that draws
+rounds, then pairs; the processes' own CPU time is measured beside the wall time (a ratio in CPU time
 that moves with the wall ratio is work; one that does not is waiting), and so is the CPU the rest of the
 machine used meanwhile. Before the first step it waits for a quiet machine.
 
@@ -78,19 +80,25 @@ class RatioEstimate:
         return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]"
 
 
-def ratio_estimate(ratios: list[float], resamples: int = 4000, seed: int = 0) -> RatioEstimate:
-    """Ratios multiply, so their logs are averaged; the interval is the 2.5th and 97.5th percentiles of the
-    geometric means of ``resamples`` resamples (no assumption of a distribution; the same seed, the same
-    interval for the same figures)."""
-    if not ratios or any(not (r > 0 and math.isfinite(r)) for r in ratios):
-        raise ValueError(f"ratios must be positive and finite, got {ratios}")
-    logs = [math.log(r) for r in ratios]
+def ratio_estimate(rounds: list[list[float]], resamples: int = 4000, seed: int = 0) -> RatioEstimate:
+    """Ratios multiply, so their logs are averaged. ``rounds``: the pairs' ratios of each round (each round
+    a fresh start of both sides' processes). The interval is the 2.5th and 97.5th percentiles of the
+    geometric means of ``resamples`` two-stage resamples (rounds, then pairs within each drawn round): a
+    process that was slow or fast for the whole of its life widens it, as it should, instead of passing for
+    a difference between the sides. No distribution is assumed; the same seed gives the same interval."""
+    ratios = [r for pairs in rounds for r in pairs]
+    if not ratios or any(not pairs for pairs in rounds) or any(not (r > 0 and math.isfinite(r)) for r in ratios):
+        raise ValueError(f"ratios must be positive and finite, in rounds of at least one pair, got {rounds}")
+    logs = [[math.log(r) for r in pairs] for pairs in rounds]
     draw = random.Random(seed)
-    means = sorted(statistics.fmean(draw.choices(logs, k=len(logs))) for _ in range(resamples))
+    means = []
+    for _ in range(resamples):
+        drawn = [draw.choices(pairs, k=len(pairs)) for pairs in draw.choices(logs, k=len(logs))]
+        means.append(statistics.fmean(value for pairs in drawn for value in pairs))
+    means.sort()
     low, high = means[int(0.025 * (resamples - 1))], means[int(0.975 * (resamples - 1))]
-    return RatioEstimate(
-        math.exp(statistics.fmean(logs)), math.exp(low), math.exp(high), min(ratios), max(ratios), len(ratios)
-    )
+    pooled = statistics.fmean(value for pairs in logs for value in pairs)
+    return RatioEstimate(math.exp(pooled), math.exp(low), math.exp(high), min(ratios), max(ratios), len(ratios))
 
 
 # ------------------------------------------------------------------ the machine
@@ -271,20 +279,20 @@ class StepRecord:
     losses: list[list[float]] = field(default_factory=list)  # [step][rank]
 
 
-def compare_sides(
-    sides: tuple[Side, Side], size: str, world_size: int, device: str, pairs: int, warmup: int, logs: Path
-) -> dict:
-    """Both sides alive, ``warmup`` steps each, then ``pairs`` pairs in A B B A order; the second side over
-    the first, per pair."""
-    worlds: list[SteppingWorld] = []
+def _one_round(
+    sides: tuple[Side, Side], size: str, world_size: int, device: str, pairs: int, warmup: int, logs: Path, first: int
+) -> tuple[tuple[StepRecord, StepRecord], list[float]]:
+    """Both sides started (side ``first`` first), ``warmup`` steps each, then ``pairs`` pairs in A B B A order;
+    every rank stopped at the end, whatever happens."""
+    worlds: dict[int, SteppingWorld] = {}
+    steps = (StepRecord(), StepRecord())
+    others_cores = []  # the cores the rest of the machine kept busy during each step
     try:
-        for side in sides:
-            worlds.append(SteppingWorld(side, size, world_size, device, logs))
+        for which in (first, 1 - first):
+            worlds[which] = SteppingWorld(sides[which], size, world_size, device, logs)
         for index in range(warmup):
-            for world in worlds:
-                world.step(index)
-        steps = (StepRecord(), StepRecord())
-        others_cores = []  # the cores the rest of the machine kept busy during each step
+            for which in (0, 1):
+                worlds[which].step(index)
         for pair, order in enumerate(abba_order(pairs)):
             index = warmup + pair  # the same batch for both sides of a pair
             for which in order:
@@ -302,16 +310,43 @@ def compare_sides(
                 flush=True,
             )
     finally:
-        for world in worlds:
+        for world in worlds.values():
             world.close()
-    base, other = steps
-    wall = ratio_estimate([o / b for o, b in zip(other.wall_s, base.wall_s)])
-    cpu = ratio_estimate([o / b for o, b in zip(other.cpu_s, base.cpu_s)])
+    return steps, others_cores
+
+
+def compare_sides(
+    sides: tuple[Side, Side],
+    size: str,
+    world_size: int,
+    device: str,
+    rounds: int,
+    pairs: int,
+    warmup: int,
+    logs: Path,
+) -> dict:
+    """``rounds`` rounds of :func:`_one_round` (which side starts first alternates); the second side over the
+    first, per pair, pooled with the rounds kept apart for the interval."""
+    wall_rounds, cpu_rounds, round_ratios, others_cores = [], [], [], []
+    base, other = StepRecord(), StepRecord()
+    for number in range(rounds):
+        print(f"  round {number + 1}/{rounds}", flush=True)
+        (b, o), others = _one_round(sides, size, world_size, device, pairs, warmup, logs, first=number % 2)
+        wall_rounds.append([x / y for x, y in zip(o.wall_s, b.wall_s)])
+        cpu_rounds.append([x / y for x, y in zip(o.cpu_s, b.cpu_s)])
+        round_ratios.append(math.exp(statistics.fmean(math.log(r) for r in wall_rounds[-1])))
+        for record, part in ((base, b), (other, o)):
+            record.wall_s += part.wall_s
+            record.cpu_s += part.cpu_s
+            record.losses += part.losses
+        others_cores += others
+    wall, cpu = ratio_estimate(wall_rounds), ratio_estimate(cpu_rounds)
     loss_gap = max(abs(o - b) for os_, bs in zip(other.losses, base.losses) for o, b in zip(os_, bs))
     return {
         "sides": [vars(side) | {"tree": str(side.tree)} for side in sides],
         "wall": vars(wall),
         "cpu": vars(cpu),
+        "round_ratios": round_ratios,
         "median_wall_s": [statistics.median(base.wall_s), statistics.median(other.wall_s)],
         "median_cpu_s": [statistics.median(base.cpu_s), statistics.median(other.cpu_s)],
         "largest_loss_difference": loss_gap,
@@ -327,21 +362,24 @@ def table_lines(record: dict) -> list[str]:
         f"### {head}",
         "",
         f"{record['date']}, {record['machine']}; model `{record['size']}`, world size {record['world_size']}, "
-        f"{record['pairs']} pairs after {record['warmup']} warm-up steps; the machine before: "
+        f"{record.get('rounds', 1)} round(s) of {record['pairs']} pairs, each after {record['warmup']} warm-up "
+        f"steps; the machine before: "
         f"{record['busy_before']:.2f} cores busy.",
         "",
-        "| contestant | second / first (wall) | pairs' range | CPU ratio | median step s (first, second) "
+        "| contestant | second / first (wall) | rounds | pairs' range | CPU ratio | median step s (first, second) "
         "| largest loss difference | others' cores |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in record["comparisons"]:
         if "failed" in row:
-            lines.append(f"| {row['name']} | failed: {row['failed'].splitlines()[0]} | | | | | |")
+            lines.append(f"| {row['name']} | failed: {row['failed'].splitlines()[0]} | | | | | | |")
             continue
         wall, cpu = RatioEstimate(**row["wall"]), RatioEstimate(**row["cpu"])
         first, second = row["median_wall_s"]
+        rounds = ", ".join(f"{r:.3f}" for r in row.get("round_ratios", [wall.ratio]))
         lines.append(
-            f"| {row['name']} | {wall} | {wall.smallest:.3f}-{wall.largest:.3f} | {cpu} | {first:.3f}, {second:.3f} "
+            f"| {row['name']} | {wall} | {rounds} | {wall.smallest:.3f}-{wall.largest:.3f} | {cpu} "
+            f"| {first:.3f}, {second:.3f} "
             f"| {row['largest_loss_difference']:.3g} | {row['others_cores_mean']:.2f} |"
         )
     return lines + [""]
@@ -385,7 +423,8 @@ def main() -> None:
     parser.add_argument("--size", choices=("small", "medium", "large"), default="large")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--pairs", type=int, default=12, help="pairs of steps per contestant (at least 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh starts of both sides per contestant")
+    parser.add_argument("--pairs", type=int, default=8, help="pairs of steps per round (at least 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
     parser.add_argument("--quiet-cores", type=float, default=0.3, help="a quiet machine keeps fewer cores busy")
     parser.add_argument("--wait", type=float, default=600, help="seconds to wait for a quiet machine")
@@ -394,6 +433,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.pairs < 3:
         parser.error("--pairs: at least 3 pairs (an interval from fewer says nothing)")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     if args.world_size < 1:
         parser.error("--world-size: at least 1")
 
@@ -414,17 +455,21 @@ def main() -> None:
                 sides = (Side("baseline", baseline_tree, baseline, name), Side("this tree", ROOT, this_tree, name))
             else:
                 sides = (Side(args.reference, ROOT, this_tree, args.reference), Side(name, ROOT, this_tree, name))
-            print(f"{name}: {sides[1].label} over {sides[0].label}, {args.pairs} pairs", flush=True)
+            print(f"{name}: {sides[1].label} over {sides[0].label}, {args.rounds} x {args.pairs} pairs", flush=True)
             try:
-                row = compare_sides(sides, args.size, args.world_size, args.device, args.pairs, args.warmup, out)
+                row = compare_sides(
+                    sides, args.size, args.world_size, args.device, args.rounds, args.pairs, args.warmup, out
+                )
             except RuntimeError as error:  # one side cannot run this contestant: say so, go on with the next
                 print(f"{name}: failed: {error}", flush=True)
                 comparisons.append({"name": name, "failed": str(error)})
                 continue
             row["name"] = name
             comparisons.append(row)
+            by_round = ", ".join(f"{r:.3f}" for r in row["round_ratios"])
             print(
-                f"{name}: wall {RatioEstimate(**row['wall'])}, CPU {RatioEstimate(**row['cpu'])}, largest loss "
+                f"{name}: wall {RatioEstimate(**row['wall'])} (rounds {by_round}), CPU {RatioEstimate(**row['cpu'])}, "
+                "largest loss "
                 f"difference {row['largest_loss_difference']:.3g}, others' cores {row['others_cores_mean']:.2f}",
                 flush=True,
             )
@@ -435,6 +480,7 @@ def main() -> None:
         "size": args.size,
         "world_size": args.world_size,
         "device": args.device,
+        "rounds": args.rounds,
         "pairs": args.pairs,
         "warmup": args.warmup,
         "busy_before": busy_before,

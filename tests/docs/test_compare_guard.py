@@ -24,7 +24,7 @@ def test_the_guard_steps_this_tree_against_a_revision_and_the_same_code_gives_th
     """Why a process of its own: the guard is a command that starts two worlds of ranks and a git worktree."""
     before = _worktrees()
     result = subprocess.run(
-        [*COMPARE, "--baseline", "HEAD", "--contestants", "zero3", "--size", "small", "--pairs", "3"]
+        [*COMPARE, "--baseline", "HEAD", "--contestants", "zero3", "--size", "small", "--rounds", "2", "--pairs", "3"]
         + ["--wait", "0", "--quiet-cores", "1000", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
@@ -34,7 +34,7 @@ def test_the_guard_steps_this_tree_against_a_revision_and_the_same_code_gives_th
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     record = json.loads((tmp_path / "record.json").read_text())
     (row,) = record["comparisons"]
-    assert row["name"] == "zero3" and row["wall"]["pairs"] == 3
+    assert row["name"] == "zero3" and row["wall"]["pairs"] == 6 and len(row["round_ratios"]) == 2
     # Both sides ran REV's and this tree's packages on the same batches: with the same code, the same losses.
     assert row["largest_loss_difference"] == 0
     assert row["sides"][0]["tree"] != row["sides"][1]["tree"]

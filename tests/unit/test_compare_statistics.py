@@ -22,11 +22,12 @@ def test_the_sides_alternate_which_goes_first_pair_by_pair() -> None:
 
 
 def test_the_ratio_is_the_geometric_mean_and_its_interval_holds_it() -> None:
-    estimate = ratio_estimate([0.5, 2.0, 1.0])
+    estimate = ratio_estimate([[0.5, 2.0], [1.0]])
     assert estimate.ratio == pytest.approx(1.0)  # 0.5 and 2 cancel: ratios multiply
     assert estimate.low <= estimate.ratio <= estimate.high
     assert (estimate.smallest, estimate.largest, estimate.pairs) == (0.5, 2.0, 3)
-    assert ratio_estimate([1.1] * 5).low == pytest.approx(1.1) and ratio_estimate([1.1] * 5).high == pytest.approx(1.1)
+    steady = ratio_estimate([[1.1] * 5, [1.1] * 3])
+    assert steady.low == pytest.approx(1.1) and steady.high == pytest.approx(1.1)
 
 
 def test_the_interval_narrows_with_pairs_and_tells_a_five_percent_slip_from_noise() -> None:
@@ -34,14 +35,25 @@ def test_the_interval_narrows_with_pairs_and_tells_a_five_percent_slip_from_nois
     interval covers the true 1.05 either way."""
     noise = random.Random(1)
     ratios = [1.05 * math.exp(noise.gauss(0, 0.05)) for _ in range(40)]
-    few, many = ratio_estimate(ratios[:6]), ratio_estimate(ratios)
+    few, many = ratio_estimate([ratios[:3], ratios[3:6]]), ratio_estimate([ratios[:20], ratios[20:]])
     assert few.low < 1.05 < few.high and many.low < 1.05 < many.high
     assert many.high - many.low < few.high - few.low
     assert many.low > 1.0  # the slip is told from noise
-    assert ratio_estimate(ratios, seed=0) == ratio_estimate(ratios, seed=0)  # the same figures, the same interval
+    assert ratio_estimate([ratios], seed=0) == ratio_estimate([ratios], seed=0)  # the same figures, the same interval
 
 
-@pytest.mark.parametrize("bad", [[], [1.0, 0.0], [1.0, float("nan")], [-1.0]])
-def test_a_ratio_that_is_not_positive_and_finite_is_refused(bad: list[float]) -> None:
+def test_a_round_whose_processes_were_slow_throughout_widens_the_interval() -> None:
+    """Two rounds that agree within each but not with each other (one side's processes slow for their whole
+    life in one round): the interval spans both rounds' ratios, where pooling the pairs would have hidden it."""
+    steady, shifted = [1.0, 1.01, 0.99, 1.0], [1.1, 1.11, 1.09, 1.1]
+    apart = ratio_estimate([steady, shifted])
+    pooled = ratio_estimate([steady + shifted])
+    assert apart.ratio == pytest.approx(pooled.ratio)
+    assert apart.low < 1.01 and apart.high > 1.09
+    assert apart.high - apart.low > pooled.high - pooled.low
+
+
+@pytest.mark.parametrize("bad", [[], [[]], [[1.0], []], [[1.0, 0.0]], [[1.0, float("nan")]], [[-1.0]]])
+def test_a_ratio_that_is_not_positive_and_finite_is_refused(bad: list[list[float]]) -> None:
     with pytest.raises(ValueError, match="positive and finite"):
         ratio_estimate(bad)

@@ -25,8 +25,9 @@ from .ops import all_gather
 from .stats import Span
 
 
-class _DequantizeOnWait(Handle):
-    """The gather's handle, with the dequantization run once after it completed."""
+class DequantizeOnWait(Handle):
+    """A quantized collective's handle (a gather's, or a reduce's all-to-all), with the dequantization of what
+    arrived run once after it completed; its packed buffers are ``wire_buffers`` while in flight."""
 
     def __init__(self, gather: Handle, dequantize: Callable[[], None], wire_buffers: tuple[torch.Tensor, ...]):
         super().__init__(after_wait=dequantize)
@@ -74,7 +75,7 @@ def all_gather_quantized(
             out_rows[where].copy_(values)
 
     gather = all_gather(comm, received, send.view(-1), label, span)
-    return _DequantizeOnWait(gather, dequantize, (send, received))
+    return DequantizeOnWait(gather, dequantize, (send, received))
 
 
 def gather_working_bytes(numel: int, size: int, block_size: int, bits: int = 8) -> int:

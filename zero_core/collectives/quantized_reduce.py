@@ -11,9 +11,14 @@ Under hybrid sharding the shard group's reduce-scatter is one hop (the shard gro
 across-groups all-reduce is a quantized all-to-all of its pieces, summed in fp32, then a quantized
 all-gather of the sums that every replica dequantizes alike, its own piece too: replicas keep equal shards.
 
-Each call runs its hops to completion before it returns (on a GPU, queued on the reduce-scatter stream), so
-the collectives of every rank are issued in the same order; the returned handle orders the caller after
-them. Byte counts are the packed ``uint8`` buffers: what really travels.
+On the CPU a one-hop reduce-scatter (no secondary groups) is asynchronous as the exact one is: the call
+quantizes and issues the all-to-all, and ``wait()`` dequantizes what arrived and sums it, so the transfer
+runs while the next unit's backward goes on; the packed buffers are the handle's ``wire_buffers`` until
+then. Two hops, and the all-reduce across groups, run to completion before the call returns (the second hop
+needs the first's sum; issuing it at the wait would let another collective in between on some ranks). On a
+GPU every hop is queued on the reduce-scatter stream and the handle orders the caller after them. Either
+way the collectives of every rank are issued in the same order. Byte counts are the packed ``uint8``
+buffers: what really travels.
 """
 
 from __future__ import annotations
@@ -27,20 +32,20 @@ from torch.autograd.profiler import record_function
 from ..quantization import dequantize_working_bytes, dequantized_rows, packed_bytes, pass_elements, quantize_rows_into
 from .context import CommContext
 from .handle import Handle, _handle, _on_side_stream
-from .quantized_gather import all_gather_quantized, gather_working_bytes
+from .quantized_gather import DequantizeOnWait, all_gather_quantized, gather_working_bytes
 from .stats import CollectiveKind, Span
 
 
-def _all_to_all(comm: CommContext, send: torch.Tensor, span: Span, label: str) -> torch.Tensor:
-    """Row ``i`` of ``send`` to the ``i``-th rank of ``span``; row ``i`` of the result from it."""
+def _start_all_to_all(comm: CommContext, send: torch.Tensor, span: Span, label: str) -> tuple[torch.Tensor, Handle]:
+    """Row ``i`` of ``send`` to the ``i``-th rank of ``span``; row ``i`` of the result from it, once the handle
+    is waited for (its wait raises CollectiveFailed, naming the collective)."""
     comm.stats.record(CollectiveKind.REDUCE_SCATTER, send, span)
     group, size = comm.span(span)
     if size == 1:
-        return send
+        return send, Handle()
     received = torch.empty_like(send)
     work = dist.all_to_all_single(received, send, group=group, async_op=True)
-    _handle(comm, work, CollectiveKind.REDUCE_SCATTER, label).wait()  # raises CollectiveFailed, naming it
-    return received
+    return received, _handle(comm, work, CollectiveKind.REDUCE_SCATTER, label)
 
 
 def _quantized_rows(rows: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
@@ -55,17 +60,37 @@ def _quantized_rows(rows: torch.Tensor, block_size: int, bits: int) -> torch.Ten
     return send
 
 
+def _start_sum_rows(
+    rows: torch.Tensor,
+    comm: CommContext,
+    span: Span,
+    label: str,
+    block_size: int,
+    bits: int,
+    into: Callable[[torch.Tensor], object],
+) -> Handle:
+    """``rows`` (one per rank of ``span``, in its order; each 1-D, or 2-D read flat) quantized and sent now;
+    the handle's wait gives ``into`` this rank's row summed over ``span``, in fp32."""
+    count, numel = rows.shape[0], rows[0].numel()
+    send = _quantized_rows(rows, block_size, bits)
+    received, sent = _start_all_to_all(comm, send, span, label)
+
+    def summed() -> None:
+        total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
+        for (_, elements), values in dequantized_rows(received, numel, count, bits, block_size):
+            total[elements] += values.sum(dim=0)  # in rank order on every rank
+        into(total)
+
+    return DequantizeOnWait(sent, summed, (send, received))
+
+
 def _sum_rows(
     rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int
 ) -> torch.Tensor:
-    """``rows`` (one per rank of ``span``, in its order; each 1-D, or 2-D read flat): this rank's row summed over
-    ``span``, in fp32."""
-    count, numel = rows.shape[0], rows[0].numel()
-    received = _all_to_all(comm, _quantized_rows(rows, block_size, bits), span, label)
-    total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
-    for (_, elements), values in dequantized_rows(received, numel, count, bits, block_size):
-        total[elements] += values.sum(dim=0)  # in rank order on every rank
-    return total
+    """:func:`_start_sum_rows`, waited for: the sum itself."""
+    total: list[torch.Tensor] = []
+    _start_sum_rows(rows, comm, span, label, block_size, bits, into=total.append).wait()
+    return total[0]
 
 
 def _run(
@@ -98,6 +123,11 @@ def reduce_scatter_quantized(
         comm.stats.record(CollectiveKind.REDUCE_SCATTER, full_in, Span.SHARD_GROUP)
         return Handle()
     size, piece = comm.shard_size, full_in.numel() // comm.shard_size
+    if comm.reduce_scatter_stream is None and comm.across_secondary_group is None:
+        with record_function("zero::reduce_scatter_quantized"):  # the quantization and the issue; wait() sums
+            return _start_sum_rows(
+                full_in.view(size, piece), comm, Span.SHARD_GROUP, label, block_size, bits, into=shard_out.copy_
+            )
 
     def hops() -> None:
         with record_function("zero::reduce_scatter_quantized"):
