@@ -22,7 +22,7 @@ to keep the numbers must show 0.
 
 Both sides' worlds are alive at once: at the default size (the 168M model) that is about 10 GB of memory.
 Results print as a table; ``--publish`` adds the record to benchmarks/results/compare/ and regenerates
-benchmarks/COMPARE.md from every record there, newest first.
+benchmarks/COMPARE.md from every record there, newest first (``--table`` only regenerates it).
 """
 
 from __future__ import annotations
@@ -166,6 +166,20 @@ class Side:
     contestant: str
 
 
+@dataclass(frozen=True)
+class StepSettings:
+    """How every world of one comparison is run and measured."""
+
+    size: str  # benchmarks/harness.py's model sizes
+    world_size: int
+    device: str
+    rounds: int  # fresh starts of both sides
+    pairs: int  # per round
+    warmup: int  # untimed steps per side, each round
+    pin: bool  # rank r of each side on the same cores
+    logs: Path  # the ranks' standard error
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -179,11 +193,11 @@ class SteppingWorld:
     with its standard error's tail (the ranks' standard error goes to a log file, so a talkative rank never
     blocks on a full pipe); ``close`` stops every rank, by signal if it must."""
 
-    def __init__(self, side: Side, size: str, world_size: int, device: str, logs: Path) -> None:
+    def __init__(self, side: Side, settings: StepSettings) -> None:
         self.side = side
-        self.log_paths = [
-            logs / f"{side.label.replace(' ', '-')}-{side.contestant}-rank{r}.log" for r in range(world_size)
-        ]
+        world_size, device = settings.world_size, settings.device
+        name = f"{side.label.replace(' ', '-')}-{side.contestant}"
+        self.log_paths = [settings.logs / f"{name}-rank{r}.log" for r in range(world_size)]
         port = free_port()
         env = {
             **os.environ,
@@ -197,11 +211,19 @@ class SteppingWorld:
         }
         self.ranks: list[subprocess.Popen] = []
         self.answers: list[queue.Queue] = []
-        for rank in range(world_size):
+        try:
+            self._start(settings, env)
+        except BaseException:  # a rank that failed to start (or Ctrl-C) must not leave its peers waiting
+            self.close()
+            raise
+
+    def _start(self, settings: StepSettings, env: dict[str, str]) -> None:
+        side, device = self.side, settings.device
+        for rank in range(settings.world_size):
             log = self.log_paths[rank].open("w")
             process = subprocess.Popen(
-                [sys.executable, str(HERE / "stepping_rank.py"), "--contestant", side.contestant, "--size", size]
-                + ["--device", device],
+                [sys.executable, str(HERE / "stepping_rank.py"), "--contestant", side.contestant]
+                + ["--size", settings.size, "--device", device, "--pin", str(int(settings.pin))],
                 env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -277,19 +299,21 @@ class StepRecord:
     wall_s: list[float] = field(default_factory=list)  # the slowest rank's, per step
     cpu_s: list[float] = field(default_factory=list)  # every rank's together, per step
     losses: list[list[float]] = field(default_factory=list)  # [step][rank]
+    huge_page_bytes: list[int] = field(default_factory=list)  # every rank's together, per step
 
 
 def _one_round(
-    sides: tuple[Side, Side], size: str, world_size: int, device: str, pairs: int, warmup: int, logs: Path, first: int
+    sides: tuple[Side, Side], settings: StepSettings, first: int
 ) -> tuple[tuple[StepRecord, StepRecord], list[float]]:
-    """Both sides started (side ``first`` first), ``warmup`` steps each, then ``pairs`` pairs in A B B A order;
-    every rank stopped at the end, whatever happens."""
+    """Both sides started (side ``first`` first), the warm-up steps, then the pairs in A B B A order; every rank
+    stopped at the end, whatever happens."""
+    pairs, warmup = settings.pairs, settings.warmup
     worlds: dict[int, SteppingWorld] = {}
     steps = (StepRecord(), StepRecord())
     others_cores = []  # the cores the rest of the machine kept busy during each step
     try:
         for which in (first, 1 - first):
-            worlds[which] = SteppingWorld(sides[which], size, world_size, device, logs)
+            worlds[which] = SteppingWorld(sides[which], settings)
         for index in range(warmup):
             for which in (0, 1):
                 worlds[which].step(index)
@@ -303,6 +327,7 @@ def _one_round(
                 steps[which].wall_s.append(wall)
                 steps[which].cpu_s.append(cpu)
                 steps[which].losses.append([a["loss"] for a in answers])
+                steps[which].huge_page_bytes.append(sum(a["huge_page_bytes"] for a in answers))
                 others_cores.append(max(0.0, busy - cpu) / wall)
             print(
                 f"  pair {pair + 1}/{pairs}: {sides[0].label} {steps[0].wall_s[-1]:.3f} s, "
@@ -315,26 +340,25 @@ def _one_round(
     return steps, others_cores
 
 
-def compare_sides(
-    sides: tuple[Side, Side],
-    size: str,
-    world_size: int,
-    device: str,
-    rounds: int,
-    pairs: int,
-    warmup: int,
-    logs: Path,
-) -> dict:
-    """``rounds`` rounds of :func:`_one_round` (which side starts first alternates); the second side over the
-    first, per pair, pooled with the rounds kept apart for the interval."""
+def compare_sides(sides: tuple[Side, Side], settings: StepSettings) -> dict:
+    """The rounds of :func:`_one_round` (which side starts first alternates); the second side over the first,
+    per pair, pooled with the rounds kept apart for the interval."""
+    rounds = settings.rounds
     wall_rounds, cpu_rounds, round_ratios, others_cores = [], [], [], []
+    round_huge_pages_mib: list[list[float]] = []  # [round][side]: the ranks' memory in huge pages
     base, other = StepRecord(), StepRecord()
     for number in range(rounds):
         print(f"  round {number + 1}/{rounds}", flush=True)
-        (b, o), others = _one_round(sides, size, world_size, device, pairs, warmup, logs, first=number % 2)
+        (b, o), others = _one_round(sides, settings, first=number % 2)
         wall_rounds.append([x / y for x, y in zip(o.wall_s, b.wall_s)])
         cpu_rounds.append([x / y for x, y in zip(o.cpu_s, b.cpu_s)])
         round_ratios.append(math.exp(statistics.fmean(math.log(r) for r in wall_rounds[-1])))
+        huge = [statistics.median(part.huge_page_bytes) / 2**20 for part in (b, o)]
+        round_huge_pages_mib.append(huge)
+        print(
+            f"  round {number + 1}: ratio {round_ratios[-1]:.3f}, huge pages {huge[0]:.0f} / {huge[1]:.0f} MiB",
+            flush=True,
+        )
         for record, part in ((base, b), (other, o)):
             record.wall_s += part.wall_s
             record.cpu_s += part.cpu_s
@@ -347,6 +371,9 @@ def compare_sides(
         "wall": vars(wall),
         "cpu": vars(cpu),
         "round_ratios": round_ratios,
+        "wall_rounds": wall_rounds,  # every pair's ratio, by round: records of one question can be pooled later
+        "cpu_rounds": cpu_rounds,
+        "round_huge_pages_mib": round_huge_pages_mib,
         "median_wall_s": [statistics.median(base.wall_s), statistics.median(other.wall_s)],
         "median_cpu_s": [statistics.median(base.cpu_s), statistics.median(other.cpu_s)],
         "largest_loss_difference": loss_gap,
@@ -365,6 +392,15 @@ def table_lines(record: dict) -> list[str]:
         f"{record.get('rounds', 1)} round(s) of {record['pairs']} pairs, each after {record['warmup']} warm-up "
         f"steps; the machine before: "
         f"{record['busy_before']:.2f} cores busy.",
+        *(
+            [
+                "",
+                "One round (one process per rank and side): the interval leaves out how fast each process happened "
+                "to be for its whole life, about ±7% here; read it as a lower bound of the uncertainty.",
+            ]
+            if record.get("rounds", 1) == 1
+            else []
+        ),
         "",
         "| contestant | second / first (wall) | rounds | pairs' range | CPU ratio | median step s (first, second) "
         "| largest loss difference | others' cores |",
@@ -392,7 +428,8 @@ def write_table(records: list[dict], path: Path) -> None:
         "Generated by `python benchmarks/compare.py ... --publish` from benchmarks/results/compare/ (do not edit).",
         "Each row: the second side's step over the first's, the geometric mean of pairs of adjacent steps",
         "(A B B A order, the same batch), with its 95% bootstrap interval; the CPU ratio is the processes' own",
-        'CPU time; "others\' cores" is what the rest of the machine kept busy meanwhile.',
+        'CPU time; "others\' cores" is what the rest of the machine kept busy meanwhile. "rounds": each',
+        "round's own ratio, both sides started afresh; the interval draws rounds, then pairs.",
         "",
     ]
     for record in sorted(records, key=lambda r: r["date"], reverse=True):
@@ -415,6 +452,9 @@ def machine_line() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     against = parser.add_mutually_exclusive_group(required=True)
+    against.add_argument(
+        "--table", action="store_true", help="only rewrite benchmarks/COMPARE.md from the published records"
+    )
     against.add_argument("--baseline", help="a revision: each contestant with its packages against with this tree's")
     against.add_argument(
         "--reference", choices=CONTESTANTS + OFFLOAD_CONTESTANTS, help="a contestant: each one against it, this tree"
@@ -426,11 +466,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="fresh starts of both sides per contestant")
     parser.add_argument("--pairs", type=int, default=8, help="pairs of steps per round (at least 3)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per side first")
+    parser.add_argument("--no-pin", action="store_true", help="let the scheduler place the ranks")
     parser.add_argument("--quiet-cores", type=float, default=0.3, help="a quiet machine keeps fewer cores busy")
     parser.add_argument("--wait", type=float, default=600, help="seconds to wait for a quiet machine")
     parser.add_argument("--publish", action="store_true", help="add the record to benchmarks/COMPARE.md")
     parser.add_argument("--out", default=None, help="the folder for the record and the ranks' logs (default: new)")
     args = parser.parse_args()
+    if args.table:
+        write_table([json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))], TABLE)
+        print(f"wrote {TABLE}")
+        return
     if args.pairs < 3:
         parser.error("--pairs: at least 3 pairs (an interval from fewer says nothing)")
     if args.rounds < 1:
@@ -448,6 +493,9 @@ def main() -> None:
             heading = f"this tree ({this_tree}) over {baseline}"
         else:
             heading = f"each contestant over {args.reference}, this tree ({this_tree})"
+        settings = StepSettings(
+            args.size, args.world_size, args.device, args.rounds, args.pairs, args.warmup, not args.no_pin, out
+        )
         busy_before = wait_for_quiet(args.quiet_cores, args.wait)
         comparisons = []
         for name in args.contestants:
@@ -457,9 +505,7 @@ def main() -> None:
                 sides = (Side(args.reference, ROOT, this_tree, args.reference), Side(name, ROOT, this_tree, name))
             print(f"{name}: {sides[1].label} over {sides[0].label}, {args.rounds} x {args.pairs} pairs", flush=True)
             try:
-                row = compare_sides(
-                    sides, args.size, args.world_size, args.device, args.rounds, args.pairs, args.warmup, out
-                )
+                row = compare_sides(sides, settings)
             except RuntimeError as error:  # one side cannot run this contestant: say so, go on with the next
                 print(f"{name}: failed: {error}", flush=True)
                 comparisons.append({"name": name, "failed": str(error)})
@@ -483,6 +529,7 @@ def main() -> None:
         "rounds": args.rounds,
         "pairs": args.pairs,
         "warmup": args.warmup,
+        "pinned": not args.no_pin,
         "busy_before": busy_before,
         "comparisons": comparisons,
     }

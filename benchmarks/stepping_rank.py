@@ -6,8 +6,9 @@ this driver are the same for every tree. The rank builds its contestant once, th
 its standard input:
 
     step N   trains step N (its batch depends on N and the rank only) and answers one JSON line:
-             {"wall_s": ..., "cpu_s": ..., "loss": ...}: seconds from a barrier to the step's end, this
-             process's own CPU seconds over the same span (every thread), and the step's loss
+             {"wall_s": ..., "cpu_s": ..., "loss": ..., "huge_page_bytes": ...}: seconds from a barrier to
+             the step's end, this process's own CPU seconds over the same span (every thread), the step's
+             loss, and its memory in transparent huge pages after the step
     stop     ends the process (so does the end of its input: a controller that died stops its ranks)
 
 Its first line says which ``zero_core`` it imported, so a tree that was not the one imported is caught.
@@ -35,12 +36,32 @@ from gpt import GPT, GPTBlock, next_token_loss, synthetic_batch  # noqa: E402
 from harness import SIZES  # noqa: E402
 
 
+def huge_page_bytes() -> int:
+    """This process's memory in transparent huge pages now (Linux; 0 elsewhere): a process that got fewer of
+    them for its long-lived buffers steps slower for its whole life, whatever the code."""
+    try:
+        text = Path("/proc/self/smaps_rollup").read_text()
+    except OSError:
+        return 0
+    line = next((line for line in text.splitlines() if line.startswith("AnonHugePages:")), "AnonHugePages: 0 kB")
+    return int(line.split()[1]) * 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contestant", required=True)
     parser.add_argument("--size", choices=SIZES, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--pin", type=int, default=1, help="1: this rank's own cores, the same in every world")
     args = parser.parse_args()
+    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // world_size)
+    if args.pin:
+        # Rank r of either side on the same cores: where the scheduler put a process (and moved it) is then
+        # no difference between the sides' worlds.
+        first = (rank * per_rank) % len(cores)
+        os.sched_setaffinity(0, cores[first : first + per_rank])
     # The answers get a descriptor of their own; everything else written to standard output (a library's
     # print, a warning routed there) lands on standard error instead of in the protocol.
     answers = os.fdopen(os.dup(1), "w", buffering=1)
@@ -52,11 +73,10 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # A peer that died mid-step ends the others' collectives in minutes, not gloo's default half hour.
     dist.init_process_group("nccl" if on_gpu else "gloo", timeout=datetime.timedelta(minutes=10))
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     # As benchmarks/harness.py: the machine's cores split between the ranks (both trees' worlds are alive,
     # but only one steps at a time).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(per_rank)
     config, batch_size = SIZES[args.size]
     torch.manual_seed(0)
     contestant = build(args.contestant, GPT(config).to(device), GPTBlock, next_token_loss)
@@ -77,7 +97,8 @@ def main() -> None:
         if on_gpu:
             torch.cuda.synchronize()
         wall, cpu = time.perf_counter() - started, time.process_time() - started_cpu
-        answers.write(json.dumps({"wall_s": wall, "cpu_s": cpu, "loss": loss}) + "\n")
+        answer = {"wall_s": wall, "cpu_s": cpu, "loss": loss, "huge_page_bytes": huge_page_bytes()}
+        answers.write(json.dumps(answer) + "\n")
     dist.destroy_process_group()
 
 

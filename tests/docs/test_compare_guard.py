@@ -54,3 +54,25 @@ def test_a_revision_that_is_not_one_is_refused_before_anything_starts(tmp_path: 
     )
     assert result.returncode != 0
     assert "'no-such-revision' is not a revision of this repository" in result.stderr
+
+
+def test_a_side_whose_tree_was_not_imported_stops_with_its_ranks_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Why a process of its own: the guard's ranks are the subject. A tree without the packages (so the ranks
+    import the installed ones instead) is named, and none of the ranks started for it is left running."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import compare
+
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recording(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(compare.subprocess, "Popen", recording)
+    settings = compare.StepSettings("small", 2, "cpu", rounds=1, pairs=3, warmup=0, pin=True, logs=tmp_path)
+    with pytest.raises(RuntimeError, match="shadows the tree under test"):
+        compare.SteppingWorld(compare.Side("baseline", tmp_path, "none", "zero1"), settings)
+    assert len(started) == 2 and all(process.poll() is not None for process in started)

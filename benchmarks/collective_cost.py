@@ -1,0 +1,65 @@
+"""What one collective over a model's worth of bytes costs on this machine, alone: the floor under a stage's
+communication when nothing else runs.
+
+    torchrun --nproc_per_node 2 benchmarks/collective_cost.py [--numel 168e6] [--repeats 5]
+
+On one machine with gloo every byte "sent" is copied by the CPUs through the loopback, on the same cores
+that compute the step. So a collective here is work, not waiting, and overlapping it with the backward
+hides little: stage 3, which moves 3Ψ per step where DDP moves 2Ψ (an all-gather in the forward, one in
+the backward, a reduce-scatter; against DDP's all-reduce, a reduce-scatter and an all-gather), pays for its
+extra all-gather in full. This prints the median seconds of an all-reduce, a reduce-scatter and an
+all-gather of ``--numel`` fp32 elements (in units of the size the benchmarks' wrapped blocks have), so that
+cost can be set beside the step times the guard measures (benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--numel", type=float, default=168e6, help="fp32 elements in all (the 168M model)")
+    parser.add_argument("--units", type=int, default=14, help="collectives per pass, as the model's units")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    per_unit = int(args.numel) // args.units // size * size
+    full = [torch.ones(per_unit) for _ in range(args.units)]
+    shards = [torch.ones(per_unit // size) for _ in range(args.units)]
+
+    def all_reduce() -> None:
+        for tensor in full:
+            dist.all_reduce(tensor)
+
+    def reduce_scatter() -> None:  # the list form: native on gloo
+        for tensor, shard in zip(full, shards):
+            dist.reduce_scatter(shard, list(tensor.chunk(size)))
+
+    def all_gather() -> None:
+        for tensor, shard in zip(full, shards):
+            dist.all_gather(list(tensor.chunk(size)), shard)
+
+    for name, run in (("all_reduce", all_reduce), ("reduce_scatter", reduce_scatter), ("all_gather", all_gather)):
+        times = []
+        for _ in range(args.repeats + 1):
+            dist.barrier()
+            started = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - started)
+        if rank == 0:
+            median = statistics.median(times[1:])  # the first pass faults the buffers in
+            print(f"{name}: {median:.3f} s for {per_unit * args.units:,} fp32 elements over {size} ranks", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
