@@ -62,6 +62,10 @@ _FIT_CHECK_S = 60.0
 # A rank past these after a body ends; its world is remade (a leak must not grow across the whole suite).
 _MAX_OPEN_FDS = 600
 _MAX_RSS_BYTES = 3 * 2**30
+# Every process group a body makes and does not destroy (an engine's hybrid, TP or secondary groups) keeps its
+# gloo threads for the life of the process: a kept 4-rank world reached 318 threads (200 gloo run loops, 100
+# socket loops) by the end of the distributed tier. Past this many the world is remade.
+_MAX_THREADS = 96
 
 # Ranks fork from one server process that imported these once per test session (forkserver), instead of each
 # importing them anew (spawn: about 2.5 s per process on 2 cores). The server runs nothing else.
@@ -224,6 +228,9 @@ def _fit_for_another_body(task_id: int) -> str:
     open_fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
     if open_fds > _MAX_OPEN_FDS:
         return f"{open_fds} open file descriptors"
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+    if threads > _MAX_THREADS:
+        return f"{threads} threads (process groups left behind keep theirs)"
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     if rss > _MAX_RSS_BYTES:
