@@ -51,6 +51,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from contestants import CONTESTANTS, OFFLOAD_CONTESTANTS, STAGE_OF  # noqa: E402
+from run_all import machine  # noqa: E402
 
 RECORDS = HERE / "results" / "compare"
 TABLE = HERE / "COMPARE.md"
@@ -438,15 +439,8 @@ def write_table(records: list[dict], path: Path) -> None:
 
 
 def machine_line() -> str:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if "model name" in line
-        ),
-        "unknown CPU",
-    )
-    return f"{os.cpu_count()} cores ({model})"
+    described = machine()  # run_all.py's description of the machine, the one every report uses
+    return f"{described['cores']} cores ({described['cpu']})"
 
 
 def main() -> None:
