@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..collectives import CommContext, Handle, Span, all_gather
+from ..host_memory import advise_huge_pages
 
 
 class SecondaryShard:
@@ -28,7 +29,9 @@ class SecondaryShard:
         _, size = self.comm.span(Span.SECONDARY)
         length = gathered.numel() // size
         start = self.comm.rank_in(Span.SECONDARY) * length
-        self.piece = gathered[start : start + length].clone()
+        # Faulted in as huge pages like the gathered buffer (a clone's fresh pages fault 4 KiB at a time).
+        self.piece = advise_huge_pages(torch.empty_like(gathered[start : start + length]))
+        self.piece.copy_(gathered[start : start + length])
 
     def gather_into(self, gathered: torch.Tensor) -> Handle | None:
         """The backward's gather from the kept pieces, the piece let go (the collective holds what it reads);
