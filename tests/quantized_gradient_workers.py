@@ -109,7 +109,7 @@ def _working_memory(comm: CommContext, layout: str) -> dict[str, tuple[int, int]
                     measured[f"gather-{piece}-{bits}"] = (peak_allocated_bytes(call, trace), formula)
                     into = torch.empty(piece)
                     call = lambda: reduce_scatter_quantized(comm, into, full, block_size=BLOCK, bits=bits).wait()  # noqa: E731
-                    formula = reduce_working_bytes(piece, comm.shard_size, secondary, BLOCK, bits)
+                    formula = reduce_working_bytes(piece, comm.shard_size, secondary, BLOCK, bits, into.element_size())
                     measured[f"reduce-{piece}-{bits}"] = (peak_allocated_bytes(call, trace), formula)
                     if layout == "hybrid":
                         call = lambda: all_reduce_quantized(comm, into, "gradients", block_size=BLOCK, bits=bits).wait()  # noqa: E731

@@ -61,25 +61,27 @@ def _quantized_rows(rows: torch.Tensor, block_size: int, bits: int) -> torch.Ten
 
 
 def _start_sum_rows(
-    rows: torch.Tensor,
-    comm: CommContext,
-    span: Span,
-    label: str,
-    block_size: int,
-    bits: int,
-    into: Callable[[torch.Tensor], object],
+    rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int, out: torch.Tensor
 ) -> Handle:
     """``rows`` (one per rank of ``span``, in its order; each 1-D, or 2-D read flat) quantized and sent now;
-    the handle's wait gives ``into`` this rank's row summed over ``span``, in fp32."""
+    the handle's wait writes this rank's row summed over ``span`` into ``out``. Summed in fp32 in rank order:
+    ``out`` itself when it is a float32 block (no zeroed total to fault in and copy), else a total copied in."""
     count, numel = rows.shape[0], rows[0].numel()
     send = _quantized_rows(rows, block_size, bits)
     received, sent = _start_all_to_all(comm, send, span, label)
 
     def summed() -> None:
-        total = torch.zeros(numel, dtype=torch.float32, device=rows.device)
-        for (_, elements), values in dequantized_rows(received, numel, count, bits, block_size):
-            total[elements] += values.sum(dim=0)  # in rank order on every rank
-        into(total)
+        in_place = out.dtype == torch.float32 and out.is_contiguous()
+        total = out.view(-1) if in_place else torch.empty(numel, dtype=torch.float32, device=rows.device)
+        for (which, elements), values in dequantized_rows(received, numel, count, bits, block_size):
+            # The first rows of these elements are written, the later ones added, in rank order on every rank:
+            # bitwise what adding all to zeros gives (0 + x is x, but for -0, which + 0.0 makes +0 as it did).
+            if which.start == 0:
+                torch.sum(values, dim=0, out=total[elements]).add_(0.0)
+            else:
+                total[elements] += values.sum(dim=0)
+        if not in_place:
+            out.copy_(total.view(out.shape))
 
     return DequantizeOnWait(sent, summed, (send, received))
 
@@ -88,9 +90,9 @@ def _sum_rows(
     rows: torch.Tensor, comm: CommContext, span: Span, label: str, block_size: int, bits: int
 ) -> torch.Tensor:
     """:func:`_start_sum_rows`, waited for: the sum itself."""
-    total: list[torch.Tensor] = []
-    _start_sum_rows(rows, comm, span, label, block_size, bits, into=total.append).wait()
-    return total[0]
+    total = torch.empty(rows[0].numel(), dtype=torch.float32, device=rows.device)
+    _start_sum_rows(rows, comm, span, label, block_size, bits, out=total).wait()
+    return total
 
 
 def _run(
@@ -126,20 +128,22 @@ def reduce_scatter_quantized(
     if comm.reduce_scatter_stream is None and comm.across_secondary_group is None:
         with record_function("zero::reduce_scatter_quantized"):  # the quantization and the issue; wait() sums
             return _start_sum_rows(
-                full_in.view(size, piece), comm, Span.SHARD_GROUP, label, block_size, bits, into=shard_out.copy_
+                full_in.view(size, piece), comm, Span.SHARD_GROUP, label, block_size, bits, out=shard_out
             )
 
     def hops() -> None:
         with record_function("zero::reduce_scatter_quantized"):
             if comm.across_secondary_group is None:
-                summed = _sum_rows(full_in.view(size, piece), comm, Span.SHARD_GROUP, label, block_size, bits)
-            else:
-                inner, outer = comm.secondary_size, size // comm.secondary_size
-                # Shard rank g * inner + l: row l holds what this rank has for the ranks at place l of every group.
-                by_place = full_in.view(outer, inner, piece).transpose(0, 1)
-                partial = _sum_rows(by_place, comm, Span.SECONDARY, label, block_size, bits)
-                summed = _sum_rows(partial.view(outer, piece), comm, Span.ACROSS_SECONDARY, label, block_size, bits)
-            shard_out.copy_(summed)
+                rows = full_in.view(size, piece)
+                _start_sum_rows(rows, comm, Span.SHARD_GROUP, label, block_size, bits, out=shard_out).wait()
+                return
+            inner, outer = comm.secondary_size, size // comm.secondary_size
+            # Shard rank g * inner + l: row l holds what this rank has for the ranks at place l of every group.
+            by_place = full_in.view(outer, inner, piece).transpose(0, 1)
+            partial = _sum_rows(by_place, comm, Span.SECONDARY, label, block_size, bits)
+            # The second hop sums apart and is copied: its peak stays the dequantization reduce_working_bytes
+            # counts (summed in shard_out, the peak would move to its quantization, beside the partial sums).
+            shard_out.copy_(_sum_rows(partial.view(outer, piece), comm, Span.ACROSS_SECONDARY, label, block_size, bits))
 
     return _run(comm, comm.reduce_scatter_stream, (shard_out, full_in), hops, label)
 
@@ -167,22 +171,26 @@ def all_reduce_quantized(
     return _run(comm, None, (tensor,), hops, label)
 
 
-def _hop_working_bytes(count: int, numel: int, block_size: int, bits: int) -> int:
-    """:func:`_sum_rows` of ``count`` rows of ``numel`` at its peak, the dequantization: the packed bytes sent
-    (a backend may let them go only when the call returns) and arrived, the float32 total, a pass and its sum
-    over the pass's rows."""
+def _hop_working_bytes(count: int, numel: int, block_size: int, bits: int, total: bool = True) -> int:
+    """:func:`_start_sum_rows` of ``count`` rows of ``numel`` at its peak, the dequantization: the packed bytes
+    sent (a backend may let them go only when the call returns) and arrived, the float32 ``total`` unless it
+    sums in its output, a pass and its sum over the pass's rows."""
     summed = 4 * min(numel, pass_elements(count, numel, block_size))
     packed = 2 * count * packed_bytes(numel, block_size, bits)
-    return packed + 4 * numel + dequantize_working_bytes(count, numel, block_size, bits, per_pass_bytes=summed)
+    totals = 4 * numel if total else 0
+    return packed + totals + dequantize_working_bytes(count, numel, block_size, bits, per_pass_bytes=summed)
 
 
-def reduce_working_bytes(piece: int, size: int, secondary: int | None, block_size: int, bits: int) -> int:
+def reduce_working_bytes(
+    piece: int, size: int, secondary: int | None, block_size: int, bits: int, out_element_bytes: int = 4
+) -> int:
     """What :func:`reduce_scatter_quantized` over ``size`` ranks into a shard of ``piece`` elements allocates at
-    its peak besides its input and output; ``secondary``: the secondary group's size when it runs in two hops."""
+    its peak besides its input and output; ``secondary``: the secondary group's size when it runs in two hops;
+    ``out_element_bytes``: the output's (4, float32: one hop sums in it; else into a total first)."""
     if secondary is None:
-        return _hop_working_bytes(size, piece, block_size, bits)
+        return _hop_working_bytes(size, piece, block_size, bits, total=out_element_bytes != 4)
     outer = size // secondary
-    first = _hop_working_bytes(secondary, outer * piece, block_size, bits)
+    first = _hop_working_bytes(secondary, outer * piece, block_size, bits)  # its total: the partial sums
     # The first hop's packed buffers, sent and arrived, which a backend may still hold through the second.
     first_packed = 2 * secondary * packed_bytes(outer * piece, block_size, bits)
     return max(first, first_packed + 4 * outer * piece + _hop_working_bytes(outer, piece, block_size, bits))

@@ -207,7 +207,7 @@ def _quantized_working_bytes(units: list[UnitCount], settings: EstimateSettings)
     element_bytes, replicas = config.mixed_precision.reduce_dtype.itemsize, settings.world_size // shards
     # Two hops with secondary groups in one shard group; under hybrid sharding one, then the all-reduce across.
     secondary = config.secondary_shard_group_size if replicas == 1 else None
-    reduce = reduce_working_bytes(shard, shards, secondary, block, bits)
+    reduce = reduce_working_bytes(shard, shards, secondary, block, bits, element_bytes)
     if replicas > 1:
         reduce = max(reduce, all_reduce_working_bytes(shard, replicas, block, bits, element_bytes))
     return gather, reduce

@@ -285,15 +285,18 @@ def test_zero_plus_plus_buffers_are_lines_of_their_own() -> None:
     assert both.by_stage == plain.by_stage
     shard = 7_000_000 // 8
     assert both.quantized_gather_bytes == gather_working_bytes(shard, 8, 128)
-    assert both.quantized_reduce_bytes == reduce_working_bytes(shard, 8, None, 128, 4)
+    assert both.quantized_reduce_bytes == reduce_working_bytes(shard, 8, None, 128, 4, 2)
     assert both.quantized_reduce_bytes > 8 * 2 * shard // 4  # at least the int4 gradient, sent and arrived
     two_hops = estimate(7_000_000, 8, precision=bf16, quantize_gradients=True, secondary_shard_group_size=4)
     assert two_hops.quantized_gather_bytes == 0
-    assert two_hops.quantized_reduce_bytes == reduce_working_bytes(shard, 8, 4, 128, 4)
+    assert two_hops.quantized_reduce_bytes == reduce_working_bytes(shard, 8, 4, 128, 4, 2)
     hybrid = estimate(
         7_000_000, 8, precision=bf16, quantize_gradients=True, shard_group_size=4, quantization_block_size=64
     )
-    inside, across = reduce_working_bytes(2 * shard, 4, None, 64, 4), all_reduce_working_bytes(2 * shard, 2, 64, 4, 2)
+    inside, across = (
+        reduce_working_bytes(2 * shard, 4, None, 64, 4, 2),
+        all_reduce_working_bytes(2 * shard, 2, 64, 4, 2),
+    )
     assert hybrid.quantized_reduce_bytes == max(inside, across)
     with torch.device("meta"):  # a model: its largest unit decides
         model = TinyTransformer(blocks=2, vocab=4096)
