@@ -1,6 +1,6 @@
 """What the Trainer and Fabric strategies share: their arguments turned into the
-core's config, the precision plugin they coerce to, building the engine,
-teardown, and registration."""
+core's config (DeepSpeed's keywords and config too), the precision plugin they
+coerce to, building the engine, teardown, and registration."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from zero_core import ZeroConfig, ZeroEngine, setup_summary, tensor_parallel_mesh, user_settings
+from zero_core.deepspeed import DeepSpeedSettings
 from zero_core.sharding import shard_module
 
+from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords
+from .deepspeed_config import Config
 from .precision import ZeroPrecisionSettings
 
 PrecisionT = TypeVar("PrecisionT", bound=ZeroPrecisionSettings)
@@ -33,6 +36,28 @@ def zero_settings(settings: Mapping[str, Any]) -> ZeroConfig:
     Lightning launches any process."""
     by_name = {s.name: s for s in user_settings()}
     return ZeroConfig(**{name: by_name[name].keyword.to_config(value) for name, value in settings.items()})
+
+
+def strategy_settings(
+    owner: type, config: Config, args: tuple[Any, ...], settings: dict[str, Any]
+) -> tuple[ZeroConfig, DeepSpeedSettings | None]:
+    """A strategy's ZeRO config from its arguments (``stage`` by position, the schema's keywords, Lightning's
+    ``DeepSpeedStrategy`` keywords, a DeepSpeed ``config``), and what the DeepSpeed config says besides (None
+    without one): validated when the strategy is built, before Lightning launches any process."""
+    deepspeed_keywords = take_deepspeed_keywords(settings)  # DeepSpeedStrategy's own (deepspeed_arguments.py)
+    explicit, deepspeed = settings_with_deepspeed(
+        owner.__name__, config, deepspeed_keywords, bind_settings(owner, args, settings)
+    )
+    return zero_settings(explicit), deepspeed
+
+
+def zero_precision(plugin: Any, precision_class: type[PrecisionT]) -> PrecisionT:
+    """The strategy's precision plugin read as ``precision_class`` (the default one when none was given)."""
+    return (
+        plugin
+        if isinstance(plugin, precision_class)
+        else as_zero_precision(plugin, precision_class) or precision_class()
+    )
 
 
 def settings_parameters(positional: tuple[str, ...] = ("stage",)) -> list[inspect.Parameter]:

@@ -30,15 +30,15 @@ from zero_core.sharding import refuse_optimizer_before_split, single_optimizer
 from ._sharding import (
     TensorParallelMesh,
     as_zero_precision,
-    bind_settings,
     build_engine,
     register_zero_strategies,
+    strategy_settings,
     teardown_keeping_module,
     with_settings_doc,
     with_settings_signature,
-    zero_settings,
+    zero_precision,
 )
-from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords, with_deepspeed_keywords
+from .deepspeed_arguments import with_deepspeed_keywords
 from .deepspeed_config import Config, check_precision, refuse_loop_keys_under_fabric
 from .precision import ZeroPrecisionSettings
 
@@ -91,12 +91,8 @@ class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
         # ``config``: a DeepSpeed config (dict or JSON file); its loop keys are the loop's business here.
         # ``parallelize_fn(module, mesh)``: with tensor_parallel_size, splits the module over
         # mesh["tensor_parallel"] in fabric.setup, as Fabric's ModelParallelStrategy takes it.
-        deepspeed_keywords = take_deepspeed_keywords(settings)  # DeepSpeedStrategy's own (deepspeed_arguments.py)
-        explicit, self._deepspeed = settings_with_deepspeed(
-            type(self).__name__, config, deepspeed_keywords, bind_settings(type(self), args, settings)
-        )
+        self.zero_config, self._deepspeed = strategy_settings(type(self), config, args, settings)
         refuse_loop_keys_under_fabric(self._deepspeed)
-        self.zero_config = zero_settings(explicit)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -117,8 +113,7 @@ class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
 
     @property
     def precision(self) -> ZeroFabricPrecision:
-        if not isinstance(self._precision, ZeroFabricPrecision):
-            self._precision = as_zero_precision(self._precision, ZeroFabricPrecision) or ZeroFabricPrecision()
+        self._precision = zero_precision(self._precision, ZeroFabricPrecision)
         return self._precision
 
     @precision.setter

@@ -31,17 +31,17 @@ from zero_core.sharding import move_real_tensors, single_optimizer
 from ._sharding import (
     TensorParallelMesh,
     as_zero_precision,
-    bind_settings,
     build_engine,
     check_sync_batchnorm_device,
     refuse_late_sync_batchnorm,
     register_zero_strategies,
+    strategy_settings,
     teardown_keeping_module,
     with_settings_doc,
     with_settings_signature,
-    zero_settings,
+    zero_precision,
 )
-from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords, with_deepspeed_keywords
+from .deepspeed_arguments import with_deepspeed_keywords
 from .deepspeed_config import (
     Config,
     apply_to_trainer,
@@ -94,11 +94,7 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
     ) -> None:
         # Validate now, before Lightning launches any process. ``config``: a DeepSpeed config (dict or JSON
         # file), as strategy="deepspeed_stage_3" takes it.
-        deepspeed_keywords = take_deepspeed_keywords(settings)  # DeepSpeedStrategy's own (deepspeed_arguments.py)
-        explicit, self._deepspeed = settings_with_deepspeed(
-            type(self).__name__, config, deepspeed_keywords, bind_settings(type(self), args, settings)
-        )
-        self.zero_config = zero_settings(explicit)
+        self.zero_config, self._deepspeed = strategy_settings(type(self), config, args, settings)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -130,8 +126,7 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
     # ------------------------------------------------------------ precision
     @property
     def precision_plugin(self) -> ZeroPrecision:
-        if not isinstance(self._precision_plugin, ZeroPrecision):
-            self._precision_plugin = as_zero_precision(self._precision_plugin, ZeroPrecision) or ZeroPrecision()
+        self._precision_plugin = zero_precision(self._precision_plugin, ZeroPrecision)
         return self._precision_plugin
 
     @precision_plugin.setter
