@@ -30,12 +30,12 @@ from .model.meta_init import (
 from .model.state_dict_hooks import StateDictHooks
 from .offload.opening import OffloadFiles, open_offload_files
 from .offload.shard_files import ShardFiles
-from .offload.state_files import StateFiles
 from .offload_plan import UnitOffload
 from .optim.attachment import OptimizerAttachment
 from .optim.loss_scaling import LossScaler
 from .optim.rebuild import canonical_names
 from .optim.zero_grad_routes import ZeroGradRoute
+from .pass_listeners import PassListener, PassListeners
 from .step.activation_offload import ActivationOffload
 from .step.gradient_reads import GradientReads
 from .step.optimizer_step import OptimizerStep
@@ -169,41 +169,17 @@ def _activation_hooks(model: nn.Module, units: list[FlatUnit], comm: CommContext
     return hooks
 
 
-def _step_in_backward(
-    units: list[FlatUnit],
-    config: ZeroConfig,
-    comm: CommContext,
-    runtime: StepRuntime,
-    optimizer_step: OptimizerStep,
-    attachment: OptimizerAttachment,
-    nvme: StateFiles | None,
-) -> StepInBackward | None:
-    """offload_step_in_backward: the worker that steps offloaded units during backward, told by the runtime
-    of each reduce, asked by the optimizer step for what it did, and refusing what may not run in between."""
-    if not config.steps_in_backward:
-        return None
-    in_backward = StepInBackward(units, lambda: attachment.groups, nvme, hybrid=comm.replicas > 1)
-    runtime.step_in_backward = optimizer_step.in_backward = attachment.in_backward = in_backward
-    runtime.reduces.on_reduced, runtime.reduces.on_issued = in_backward.unit_reduced, in_backward.unit_issued
-    runtime.before_outermost_forward.append(in_backward.refuse_forward)
-    return in_backward
+class _ShardFilesAgreedAfterForward(PassListener):
+    """offload_params="nvme" with some unit sharded: a failed read or write of a shard's file is raised alike
+    on every rank at the end of each forward, before its output is used. Not after a forward inside
+    gathered_parameters(): it reads no file, and may run on one rank only; the next agreement raises."""
 
+    def __init__(self, param_files: ShardFiles, runtime: StepRuntime, comm: CommContext):
+        self.param_files, self.runtime, self.comm = param_files, runtime, comm
 
-def _agreed_after_each_forward(
-    param_files: ShardFiles | None, runtime: StepRuntime, comm: CommContext
-) -> ShardFiles | None:
-    """offload_params="nvme" with some unit sharded (else None): a failed read or write of a shard's file is
-    raised alike on every rank at the end of each forward, before its output is used. Not after a forward
-    inside gathered_parameters(): it reads no file, and may run on one rank only; the next agreement raises."""
-    if param_files is None or not param_files.files:
-        return None
-
-    def agree() -> None:
-        if not runtime.suspended:
-            param_files.agree(comm, "at the end of a forward")
-
-    runtime.after_root_forward.append(agree)
-    return param_files
+    def after_root_forward(self) -> None:
+        if not self.runtime.suspended:
+            self.param_files.agree(self.comm, "at the end of a forward")
 
 
 def _quiesce_for_load(runtime: StepRuntime, model_and_optimizer: bool) -> None:
@@ -216,11 +192,17 @@ def _quiesce_for_load(runtime: StepRuntime, model_and_optimizer: bool) -> None:
 
 
 def _step_runtime(
-    units: list[FlatUnit], config: ZeroConfig, comm: CommContext, loss_scaler: LossScaler | None
+    units: list[FlatUnit],
+    config: ZeroConfig,
+    comm: CommContext,
+    loss_scaler: LossScaler | None,
+    listeners: PassListeners,
+    in_backward: StepInBackward | None,
+    owner: object | None,
 ) -> tuple[StepRuntime, AutoPrefetch | None]:
     """The runtime that drives each forward and backward over the units: its prefetch depth (measured and
-    tuned with prefetch="auto"), the inputs' cast to the compute dtype, and whether a backward must start from
-    a scaled loss (fp16)."""
+    tuned with prefetch="auto"), the inputs' cast to the compute dtype, whether a backward must start from
+    a scaled loss (fp16), who is told at the edges of each forward, and offload_step_in_backward's worker."""
     auto_prefetch = None
     if config.prefetch == "auto":
         auto_prefetch = AutoPrefetch.for_units(units, config.prefetch_cap_mb, comm.device)
@@ -230,28 +212,36 @@ def _step_runtime(
         units,
         config.plan,
         UNTUNED_DEPTH if auto_prefetch else config.prefetch,
+        listeners=listeners,
+        step_in_backward=in_backward,
         auto_prefetch=auto_prefetch,
         requires_scaled_backward=loss_scaler is not None,
         input_cast=input_cast,
+        owner=owner,
     )
     return runtime, auto_prefetch
 
 
 def _model_hooks(
-    model: nn.Module, units: list[FlatUnit], config: ZeroConfig, comm: CommContext, runtime: StepRuntime
+    model: nn.Module,
+    units: list[FlatUnit],
+    config: ZeroConfig,
+    comm: CommContext,
+    runtime: StepRuntime,
+    listeners: PassListeners,
 ) -> tuple[BufferSync, list[Any]]:
     """The model's hooks around each pass, in their order: its parameters checked against the units
-    (``model/changes.py``), rank 0's buffers broadcast as DDP does, the runtime's and the activations' hooks,
-    then ``model.state_dict()`` and ``load_state_dict()`` over the shards."""
-    runtime.before_outermost_forward.append(RegisteredParameters(model, units, runtime).check)
+    (``model/changes.py``), the runtime's and the activations' hooks, rank 0's buffers broadcast as DDP does,
+    then ``model.state_dict()`` and ``load_state_dict()`` over the shards (an export that raised midway is
+    dropped at the next forward)."""
+    listeners.subscribe(RegisteredParameters(model, units, runtime))
     hooks = runtime.install() + _activation_hooks(model, units, comm, config)
-    buffer_sync = BufferSync(model, comm, config.broadcast_buffers, lambda: runtime.require_grad_sync)
-    runtime.after_root_forward.append(buffer_sync.after_root_forward)
+    buffer_sync = BufferSync(model, comm, config.broadcast_buffers, runtime)
+    listeners.subscribe(buffer_sync)
     sharded_at_rest = config.plan.params_sharded_at_rest
     state_dict_hooks = StateDictHooks(model, units, runtime, sharded_at_rest, buffer_sync.for_export)
     hooks += state_dict_hooks.install()
-    # An export that raised midway must not outlive the next forward.
-    runtime.before_outermost_forward.append(state_dict_hooks.clear_exports)
+    listeners.subscribe(state_dict_hooks)
     return buffer_sync, hooks
 
 
@@ -261,7 +251,10 @@ def build_parts(
     optimizer: torch.optim.Optimizer | None,
     comm: CommContext,
     param_init_fn: ParamInitFn | None,
+    owner: object | None = None,
 ) -> EngineParts:
+    """Every part of an engine, each made from what it needs; ``owner``: the engine over them, kept alive by
+    the runtime (whose hooks the model holds)."""
     # Asked by every unit's guard for exact torch.equal at rest; told the units once they exist.
     digests = ParameterDigests()
     check_partition_activations(model, config, comm.tensor_parallel_size)  # before the setup's collectives
@@ -269,21 +262,30 @@ def build_parts(
     loss_scaler = LossScaler(config, announce=comm.rank == 0) if config.mixed_precision.uses_loss_scaling else None
     cast_buffers(model, config.mixed_precision)
     broadcast_buffers(model, comm)
-    runtime, auto_prefetch = _step_runtime(units, config, comm, loss_scaler)
     nvme = files.optimizer
+    # offload_step_in_backward: the worker that steps offloaded units during backward, told by the runtime of
+    # each reduce and by the attachment of each optimizer, asked by the optimizer step for what it did, and
+    # refusing what may not run in between.
+    in_backward = StepInBackward(units, nvme, hybrid=comm.replicas > 1) if config.steps_in_backward else None
+    # Told at the edges of each forward, in the order subscribed below: the shard files' agreement, then
+    # (before) the parameters' check and the exports' reset, (before the root) the optimizer's groups and
+    # the buffers' broadcast, (after the root) the buffers' rule.
+    listeners = PassListeners()
+    runtime, auto_prefetch = _step_runtime(units, config, comm, loss_scaler, listeners, in_backward, owner)
+    # offload_params="nvme" with some unit sharded: its files' reads agreed after each forward.
+    param_files = files.params if files.params is not None and files.params.files else None
+    if param_files is not None:
+        listeners.subscribe(_ShardFilesAgreedAfterForward(param_files, runtime, comm))
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
-    param_files = _agreed_after_each_forward(files.params, runtime, comm)
     optimizer_step = OptimizerStep(units, comm, runtime, config, loss_scaler, auto_prefetch, nvme, param_files)
     comm.position = lambda: Position(runtime.state.name.lower().replace("_", "-"), optimizer_step.steps_taken)
-    buffer_sync, hooks = _model_hooks(model, units, config, comm, runtime)
     names = canonical_names(units)
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     step_hooks = (optimizer_step.before, optimizer_step.after)
-    attachment = OptimizerAttachment(units, comm, names, step_hooks, optimizer, gradients.discard, nvme)
-    # An optimizer.step() that raised midway left the groups showing the pieces.
-    runtime.before_root_forward += [attachment.show_model_parameters, buffer_sync.before_root_forward]
+    attachment = OptimizerAttachment(units, comm, names, step_hooks, optimizer, gradients.discard, nvme, in_backward)
+    listeners.subscribe(attachment)  # an optimizer.step() that raised midway left the groups showing the pieces
+    buffer_sync, hooks = _model_hooks(model, units, config, comm, runtime, listeners)
     hooks.append(ZeroGradRoute(gradients.discard).route_model(model))  # model.zero_grad(), as under DDP
-    in_backward = _step_in_backward(units, config, comm, runtime, optimizer_step, attachment, nvme)
     checkpoints = CheckpointTarget(
         model,
         units,

@@ -2,41 +2,80 @@
 
 The model is sharded in place and keeps being called as before; the optimizer object is rebuilt in place over
 this rank's fp32 shard, so ``optimizer.step()`` and schedulers keep working. The parts (``build.py``) do the
-work; the engine only forwards to them (its checkpoint methods from ``engine_checkpoints.py``). What each
-stage communicates: ``config.StagePlan``.
+work; the engine only forwards to them (its checkpoint methods to ``checkpoint/save_and_load.py``, with the
+``CheckpointTarget`` the builder made). What each stage communicates: ``config.StagePlan``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import os
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from .build import build_parts, model_device
+from .checkpoint import save_and_load
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
-from .engine_checkpoints import EngineCheckpoints
 from .memory.measured import measure_model_state, unit_reports
 from .memory.records import MemoryReport, UnitReport
 from .mesh import DeviceMesh, engine_comm
 from .model import full_params
 from .model.meta_init import ParamInitFn
-from .model.owners import ModelOwners
 from .optim.rebuild import check_optimizer_supported
 from .step.gradient_reads import Parameters
 from .step.prefetch_tuning import PrefetchReport
 from .step.state import TrainingState
+
+Owner = TypeVar("Owner")
+
+
+class ModelOwners(Generic[Owner]):
+    """Which engine has sharded which model, so a model is never sharded twice.
+
+    Both held weakly: a model dropped by the user takes its entry with it, and the entry never keeps an engine
+    (which holds its model) alive by itself. What keeps an engine alive is the user's reference, or its model's
+    hooks while they are installed (the runtime's ``owner``)."""
+
+    def __init__(self) -> None:
+        self._owners: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Owner]] = weakref.WeakKeyDictionary()
+
+    def register(self, model: nn.Module, owner: Owner) -> None:
+        self._owners[model] = weakref.ref(owner)
+
+    def forget(self, model: nn.Module) -> None:
+        """``model`` has no owner any more (its engine gave it back): another may shard it."""
+        self._owners.pop(model, None)
+
+    def owner_of(self, model: nn.Module) -> Owner | None:
+        """The owner of ``model`` itself, if any (and still alive)."""
+        owner = self._owners.get(model)
+        return owner() if owner is not None else None
+
+    def owner_containing(self, module: nn.Module) -> tuple[Owner, str] | None:
+        """The owner whose model contains ``module``, and the module's name in that model."""
+        for model, owner_ref in list(self._owners.items()):
+            owner = owner_ref()
+            if owner is None:
+                continue
+            for name, candidate in model.named_modules():
+                if candidate is module:
+                    return owner, name
+        return None
+
 
 _ENGINES: ModelOwners[ZeroEngine] = ModelOwners()
 engine_of = _ENGINES.owner_of  # the engine that sharded this model, if any
 engine_owning = _ENGINES.owner_containing  # the engine whose model contains this module, and its name there
 
 
-class ZeroEngine(EngineCheckpoints):
+class ZeroEngine:
     """Shard ``model`` and ``optimizer`` in place and drive them.
 
     Typical loop (launched with torchrun, process group initialised)::
@@ -75,12 +114,12 @@ class ZeroEngine(EngineCheckpoints):
             check_optimizer_supported(optimizer)
         self.model = model
         comm = engine_comm(model, config, process_group, device_mesh, model_device(model, device))
-        self._parts = parts = build_parts(model, config, optimizer, comm, param_init_fn)
+        # The runtime holds the engine: alive while the model's hooks are (the registry holds it weakly).
+        self._parts = parts = build_parts(model, config, optimizer, comm, param_init_fn, owner=self)
         self._units, self._runtime, self._loss_scaler = parts.units, parts.runtime, parts.loss_scaler
         self._optimizer, self._optimizer_step = parts.optimizer, parts.optimizer_step
         if optimizer is not None:
             self.attach_optimizer(optimizer)
-        self._runtime.owner = self  # alive while the model's hooks are (the registry holds it weakly)
         _ENGINES.register(model, self)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -327,6 +366,70 @@ class ZeroEngine(EngineCheckpoints):
         full_params.unshard(self._units)
         _ENGINES.forget(self.model)
         self._optimizer.retire()
+
+    # --------------------------------------------------------- checkpoints
+    def sharded_model_state_dict(self) -> dict[str, Any]:
+        """``model.state_dict()``'s keys, parameters as DCP-checkpointable views of this rank's fp32 shard
+        (full logical shapes), buffers as they are: for ``torch.distributed.checkpoint.save``."""
+        return save_and_load.sharded_model_state_dict(self._parts.checkpoints)
+
+    def sharded_optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict in FSDP's layout (state by parameter name, over this rank's shard). Every
+        rank calls it: param groups added since the last step are compared across ranks first."""
+        return save_and_load.sharded_optimizer_state_dict(self._parts.checkpoints)
+
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        extra: dict[str, Any] | None = None,
+        *,
+        include_optimizer: bool = True,
+        include_model: bool = True,
+    ) -> Path:
+        """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically: every rank writes its own
+        pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
+        ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates."""
+        targets = {"include_optimizer": include_optimizer, "include_model": include_model}
+        return save_and_load.save(self._parts.checkpoints, path, extra, **targets)
+
+    def read_checkpoint_extra(self, path: str | os.PathLike) -> dict[str, Any]:
+        """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every rank, without
+        loading anything. Every rank calls it; a bad checkpoint raises the same ``CheckpointError`` everywhere."""
+        return save_and_load.read_extra(self._parts.checkpoints, path)
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        *,
+        load_optimizer: bool = True,
+        load_model: bool = True,
+        optimizer_path: str | os.PathLike | None = None,
+        check_extra: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Resume from ``save_checkpoint``'s directory, at any world size and stage; returns ``extra``.
+
+        All or nothing: every file is verified and read on every rank before anything changes; a failure
+        anywhere raises the same ``CheckpointError`` everywhere and leaves the training state as it was.
+        ``optimizer_path``: the optimizer from another directory of the same save (``include_model=False``).
+        ``check_extra(extra)`` runs before anything is applied; what it raises changes nothing.
+        """
+        sources = {"load_optimizer": load_optimizer, "load_model": load_model, "optimizer_path": optimizer_path}
+        resumed = save_and_load.load(self._parts.checkpoints, path, **sources, check_extra=check_extra)
+        self._optimizer_step.steps_taken = resumed.steps
+        return resumed.extra
+
+    def load_full_state_dict(
+        self,
+        source: Mapping[str, torch.Tensor] | str | os.PathLike,
+        strict: bool = True,
+        *,
+        optimizer_state_dict: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Full weights (a state dict, .safetensors or torch file) into the shards, each rank reading its parts;
+        with ``optimizer_state_dict`` (``optimizer.state_dict()`` of a DDP or one-process run, or
+        ``zero-consolidate``'s) the optimizer's state too, as ``optimizer.load_state_dict`` matches it. All or
+        nothing on every rank, at any stage and world size."""
+        save_and_load.load_full_state(self._parts.checkpoints, source, strict, optimizer_state_dict)
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:

@@ -1,7 +1,8 @@
 """The core's structure, read from its code: the import contracts pyproject.toml declares (layers whose
 imports point one way, inside ``checkpoint/`` and ``step/`` too; nothing inside the core imports the
-root package; no import circle), no import circle in the module graph as it is, small files and
-functions.
+root package; no import circle), no import circle in the module graph as it is, and files and functions
+under the caps (the core's and the adapters'). The caps are guard rails, not where to cut: a file holds
+one concept whole, and is split only where the concept is.
 
 The contracts are pyproject.toml's ``[tool.importlinter]`` section, the one statement of the layers:
 ``lint-imports`` checks them in .ci/run, and this test checks them in-process, so a plain pytest run
@@ -21,9 +22,10 @@ from importlinter.application import use_cases
 from tests.paths import ROOT
 
 CORE = ROOT / "zero_core"
+ADAPTERS = (ROOT / "lightning_zero", ROOT / "accelerate_zero")
 PYPROJECT = ROOT / "pyproject.toml"
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 60
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 80
 # The contracts the layering rests on; each is in pyproject.toml, none may be dropped.
 CONTRACTS = {"core-layers", "core-root", "core-settings", "core-estimate-cli", "core-no-circles"}
 CONTRACTS |= {"checkpoint-layers", "step-layers", "offload-layers", "memory-layers"}
@@ -84,8 +86,12 @@ def test_no_import_circle_in_the_core() -> None:
     assert _cycles(edges) == []
 
 
-@pytest.mark.parametrize("path", sorted(CORE.rglob("*.py")), ids=lambda p: str(p.relative_to(CORE)))
-def test_core_files_and_functions_are_small(path: Path) -> None:
+@pytest.mark.parametrize(
+    "path",
+    sorted(path for package in (CORE, *ADAPTERS) for path in package.rglob("*.py")),
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_files_and_functions_are_under_the_caps(path: Path) -> None:
     source = path.read_text()
     assert len(source.splitlines()) <= MAX_FILE_LINES
     long = [

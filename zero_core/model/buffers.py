@@ -11,6 +11,8 @@ from torch import nn
 from .. import collectives
 from ..collectives import CommContext
 from ..config import MixedPrecision
+from ..pass_listeners import PassListener
+from .pass_control import PassControl
 
 
 def cast_buffers(model: nn.Module, precision: MixedPrecision) -> None:
@@ -51,16 +53,16 @@ def broadcast_buffers(model: nn.Module, comm: CommContext) -> None:
             buffer.detach().copy_(value.view_as(buffer))
 
 
-class BufferSync:
+class BufferSync(PassListener):
     """DDP's ``broadcast_buffers`` rule: rank 0's buffers before a training forward, and in exports.
 
     The next forward broadcasts only if the last one was a synchronising training forward (grad
     enabled, not inside ``no_sync``), as DDP does; the first forward always does.
     """
 
-    def __init__(self, model: nn.Module, comm: CommContext, enabled: bool, syncing_grads: Callable[[], bool]):
+    def __init__(self, model: nn.Module, comm: CommContext, enabled: bool, runtime: PassControl):
         self.model, self.comm, self.enabled = model, comm, enabled
-        self._syncing_grads = syncing_grads
+        self.runtime = runtime  # whether this forward's backward synchronises the gradients
         self._sync_next_forward = True
 
     def before_root_forward(self) -> None:
@@ -68,7 +70,7 @@ class BufferSync:
             broadcast_buffers(self.model, self.comm)
 
     def after_root_forward(self) -> None:
-        self._sync_next_forward = torch.is_grad_enabled() and self._syncing_grads()
+        self._sync_next_forward = torch.is_grad_enabled() and self.runtime.require_grad_sync
 
     def for_export(self) -> None:
         """Exports hold rank 0's buffers, which the next forward would broadcast anyway."""

@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from ..pass_listeners import PassListener
 from ..unit import FlatUnit, StorageState
 from ..unit.tensor_parallel import is_dtensor, local_values
 from .pass_control import PassControl
@@ -65,7 +66,7 @@ def _moved(entry: Registration, expected_address: int) -> bool:
     return data.data_ptr() != expected_address and bool(data.numel())
 
 
-class RegisteredParameters:
+class RegisteredParameters(PassListener):
     """Checked at every outermost forward, so the loop is kept tight: the modules'
     own ``_parameters``/``_modules`` dicts (stable objects) instead of ``getattr``,
     and attribute reads with the guard's ``__torch_function__`` switched off
@@ -92,7 +93,8 @@ class RegisteredParameters:
             for unit in units
         ]
 
-    def check(self) -> None:
+    def before_outermost_forward(self) -> None:
+        """Every forward starts by checking the model's parameters against the units."""
         if self.runtime.suspended:
             return  # inside gathered_parameters(): parameters are full fp32 views on purpose
         for modules, name, path, child in self.children:

@@ -9,6 +9,11 @@ from typing import Protocol
 
 class PassControl(Protocol):
     @property
+    def require_grad_sync(self) -> bool:
+        """The next backward reduces the gradients (False inside ``no_sync``)."""
+        ...
+
+    @property
     def suspended(self) -> bool:
         """Inside ``suspend()``: full parameters were swapped in by the caller."""
         ...

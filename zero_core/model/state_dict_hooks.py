@@ -27,13 +27,14 @@ from torch.utils.hooks import RemovableHandle
 
 from ..collectives import meeting
 from ..hook_copies import InertWhenCopied
+from ..pass_listeners import PassListener
 from ..unit import FlatUnit
 from ..unit.tensor_parallel import as_dtensor_like, exported_copy, is_dtensor, local_piece_of
 from .full_params import of_units
 from .pass_control import PassControl
 
 
-class StateDictHooks:
+class StateDictHooks(PassListener):
     """``sync_buffers``: called before an export, so it holds rank 0's buffers (DDP's rule)."""
 
     def __init__(
@@ -70,7 +71,7 @@ class StateDictHooks:
         if keep_vars:
             return
         if not prefix:
-            self.clear_exports()  # a new outermost call: nothing of an earlier, failed one survives
+            self.before_outermost_forward()  # a new outermost call: nothing of an earlier, failed one survives
         wanted = {id(p) for p in module.parameters()}
         units = [u for u in self.units if u.guard.exported is None and any(id(p) in wanted for p in u.params)]
         if not units:
@@ -102,7 +103,8 @@ class StateDictHooks:
         for unit in units:
             unit.guard.exported = None
 
-    def clear_exports(self) -> None:
+    def before_outermost_forward(self) -> None:
+        """An export that raised midway must not outlive the next forward (nor the next export)."""
         self._exports.clear()
         for unit in self.units:
             unit.guard.exported = None

@@ -15,6 +15,7 @@ from ..collectives import CommContext
 from ..offload.nvme_load import NvmeLoad
 from ..offload.nvme_save import NvmeSaveReads
 from ..offload.state_files import StateFiles
+from ..pass_listeners import PassListener
 from ..unit import FlatUnit
 from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
@@ -65,7 +66,7 @@ def _refuse_step_after_unshard(*_: Any) -> None:
     )
 
 
-class OptimizerAttachment:
+class OptimizerAttachment(PassListener):
     """At most one optimizer at a time, rebuilt over this rank's shards (``attach``)."""
 
     def __init__(
@@ -77,6 +78,7 @@ class OptimizerAttachment:
         agreed_at_setup: torch.optim.Optimizer | None,
         discard: Discard,
         nvme: StateFiles | None = None,
+        in_backward: Any = None,
     ):
         self.units, self.comm, self.canonical_names = units, comm, canonical_names
         self.discard = discard  # optimizer.zero_grad()'s, as under DDP (zero_grad_routes.py)
@@ -86,7 +88,9 @@ class OptimizerAttachment:
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
         self.hooks: list[Any] = []
-        self.in_backward: Any = None  # offload_step_in_backward's worker: refuses reading a half-stepped state
+        # offload_step_in_backward's worker (step/step_in_backward.py, a layer above): told of each optimizer
+        # attached, it refuses reading a half-stepped state.
+        self.in_backward = in_backward
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer_supported(optimizer)
@@ -104,6 +108,8 @@ class OptimizerAttachment:
         self.state_replaced()
         groups.show_model_parameters()
         self.groups, self.optimizer = groups, optimizer
+        if self.in_backward is not None:
+            self.in_backward.optimizer_attached(groups)
         before, after = self.step_hooks
         self.hooks = [
             optimizer.register_step_pre_hook(
@@ -162,7 +168,7 @@ class OptimizerAttachment:
         assert self.groups is not None
         compare_param_groups(self.comm, self.groups)
 
-    def show_model_parameters(self) -> None:
+    def before_root_forward(self) -> None:
         """The groups list the model's parameters (an optimizer.step() that raised midway left the pieces in)."""
         if self.groups is not None:
             self.groups.show_model_parameters()

@@ -78,7 +78,8 @@ class OptimizerStep:
         self.config = config
         self.loss_scaler = loss_scaler
         self.auto_prefetch = auto_prefetch
-        self.in_backward: StepInBackward | None = None  # offload_step_in_backward: units stepped in backward
+        # offload_step_in_backward: the units stepped in backward (the runtime's worker, told of each reduce).
+        self.in_backward: StepInBackward | None = runtime.step_in_backward
         self.grads_unscaled = False  # fp16: the accumulated gradients were divided by the loss scale
         self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import Protocol
 
 from ..unit import FlatUnit, PendingReduce
 
@@ -23,16 +24,23 @@ from ..unit import FlatUnit, PendingReduce
 MAX_PENDING_REDUCES = 2
 
 
+class ReduceListener(Protocol):
+    """Told of each unit's reduce as it is issued and as it lands, in reduce order (offload_step_in_backward's
+    worker steps the unit then: ``step_in_backward.py``)."""
+
+    def unit_issued(self, unit: FlatUnit) -> None: ...
+
+    def unit_reduced(self, unit: FlatUnit) -> None: ...
+
+
 class ReduceSchedule:
-    def __init__(self, units: list[FlatUnit]):
+    def __init__(self, units: list[FlatUnit], told: ReduceListener | None = None):
         self.units = units
+        self.told = told
         self._pending: deque[tuple[FlatUnit, PendingReduce]] = deque()
         # Which units were reduced since creation, as a sum of (unit index + 1): compared
         # across ranks at each step, so ranks that froze different units are caught.
         self.issued_fingerprint = 0
-        # Told each unit whose reduce landed, in reduce order (offload_step_in_backward steps it then).
-        self.on_reduced: Callable[[FlatUnit], None] | None = None
-        self.on_issued: Callable[[FlatUnit], None] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -62,8 +70,8 @@ class ReduceSchedule:
             self._next += 1
             self._issued.add(unit.index)
             self.issued_fingerprint += unit.index + 1
-            if self.on_issued is not None:
-                self.on_issued(unit)
+            if self.told is not None:
+                self.told.unit_issued(unit)
             pending = unit.start_reduce()
             if pending is not None:
                 self._pending.append((unit, pending))
@@ -71,7 +79,7 @@ class ReduceSchedule:
                 self._finish_oldest()
         # Told of each reduce as soon as it landed (not when the cap forces a wait): the early step of
         # that unit starts while backward goes on.
-        while self.on_reduced is not None and self._pending and self._pending[0][1].handle.is_completed():
+        while self.told is not None and self._pending and self._pending[0][1].handle.is_completed():
             self._finish_oldest()
 
     def across_groups(self) -> None:
@@ -90,5 +98,5 @@ class ReduceSchedule:
     def _finish_oldest(self, tell: bool = True) -> None:
         unit, pending = self._pending.popleft()
         unit.finish_reduce(pending)
-        if tell and self.on_reduced is not None:
-            self.on_reduced(unit)
+        if tell and self.told is not None:
+            self.told.unit_reduced(unit)

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..pass_listeners import PassListeners
 from ..stage_plan import StagePlan
 from ..unit import FlatUnit
 from . import hooks
@@ -59,27 +60,30 @@ class StepRuntime:
         plan: StagePlan,
         prefetch: int,
         *,
+        listeners: PassListeners,
+        step_in_backward: StepInBackward | None = None,
         auto_prefetch: AutoPrefetch | None = None,
         requires_scaled_backward: bool = False,
         input_cast: InputTransform | None = None,
+        owner: object | None = None,
     ):
         self.units = units
         self.root = units[0]
         self.plan = plan
         self.gathering = GatherPolicy(units, plan, prefetch, auto_prefetch)
         self.passes = PassState()
-        self.reduces = ReduceSchedule(units)
+        # offload_step_in_backward: the worker told of the backward's progress and of each reduce.
+        self.step_in_backward = step_in_backward
+        self.reduces = ReduceSchedule(units, told=step_in_backward)
         self._hooks = hooks.StepHooks(units, self)
         self.require_grad_sync = True
         # fp16: every backward that reaches parameters must start from a scaled loss; the
         # engine announces one (announce_scaled_backward) right before it starts it.
         self.requires_scaled_backward = requires_scaled_backward
-        self.before_outermost_forward: list[Callable[[], None]] = []  # may refuse the forward (raise)
-        self.before_root_forward: list[Callable[[], None]] = []  # the model's own forward, not a unit's
+        # Told at the edges of each forward (pass_listeners.py); any may refuse the forward (raise).
+        self.listeners = listeners
         self.input_cast = input_cast  # applied to every unit call (mixed precision)
-        self.after_root_forward: list[Callable[[], None]] = []
-        self.owner: object | None = None  # the engine over these parts: a model in use keeps it alive (owners.py)
-        self.step_in_backward: StepInBackward | None = None  # offload_step_in_backward: told of backward's progress
+        self.owner = owner  # the engine over these parts: a model in use keeps it alive (engine.py's ModelOwners)
 
     # ----------------------------------------------------------- reports
     @property
@@ -213,14 +217,14 @@ class StepRuntime:
 
     def _begin_outermost_forward(self, unit: FlatUnit) -> None:
         self.settle()
-        for check in self.before_outermost_forward:
-            check()
+        self.listeners.before_outermost_forward()
+        if self.step_in_backward is not None:
+            self.step_in_backward.refuse_forward()  # after the listeners' refusals, before anything is recorded
         self.hook_trainable_params()
         self.passes.begin_forward()
         self.gathering.forward_started()
         if unit is self.root:
-            for callback in self.before_root_forward:
-                callback()
+            self.listeners.before_root_forward()
 
     def _pre_recompute(self, unit: FlatUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """A checkpointed unit's forward rerun inside backward: gather it for its backward."""
@@ -307,8 +311,7 @@ class StepRuntime:
         self.gathering.forward_ended()
         self.passes.end_forward()
         if outermost is self.root:
-            for callback in self.after_root_forward:
-                callback()
+            self.listeners.after_root_forward()
 
     def backward_roots(self, loss: torch.Tensor) -> tuple[list[Any], list[torch.Tensor | None]]:
         """What ``engine.backward(loss)`` starts autograd from (see forward_records.py).

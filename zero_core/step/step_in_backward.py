@@ -58,11 +58,11 @@ class StepInBackward:
     def __init__(
         self,
         units: list[FlatUnit],
-        groups: Callable[[], OptimizerGroups | None],
         nvme: StateFiles | None,
         hybrid: bool,
     ):
-        self.units, self._groups, self.nvme, self.hybrid = units, groups, nvme, hybrid
+        self.units, self.nvme, self.hybrid = units, nvme, hybrid
+        self._groups: OptimizerGroups | None = None  # the attached optimizer's (told by optimizer_attached)
         self.phase = Phase.IDLE
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-step")
         self._reset()
@@ -77,13 +77,17 @@ class StepInBackward:
         self._pieces_in_groups: list[list[torch.Tensor]] = []  # pieces (read once, when the backward begins)
         self.stepped: set[int] = set()  # units handed to the worker to step
 
+    def optimizer_attached(self, groups: OptimizerGroups) -> None:
+        """The optimizer the early steps step, with its groups by name (the attachment tells each one)."""
+        self._groups = groups
+
     # ------------------------------------------------------------- the backward
     def backward_begins(self, synchronising: bool, reduce_order: list[FlatUnit]) -> None:
         """A synchronising backward starts: the offloaded units may step as they are reduced. Every rank enters
         STEPPING alike (the phase decides refusals, which must agree); one whose own groups the step will
         refuse or compare first (a group added, changed or refused here) steps nothing early."""
         self._reset()
-        groups = self._groups()
+        groups = self._groups
         if not synchronising or groups is None:
             return  # no optimizer: none on any rank (attaching one is agreed)
         self.phase = Phase.STEPPING

@@ -52,7 +52,6 @@ from ..offload_plan import Rest, UnitOffload
 from ..wire_plan import WirePlan
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
-from .master_check import check_master_placement
 from .secondary_shard import SecondaryShard
 from .tensor_parallel import local_piece_of, local_values, point_at
 
@@ -66,6 +65,26 @@ class StorageState(Enum):
     # Stages 1/2 after a step: the all-gather of the updated shards is still writing the full
     # parameters; the unit's next forward (or any touch of a parameter, through the guard) waits.
     REFRESHING = auto()
+
+
+def check_master_placement(
+    master: torch.Tensor, parameters: list[torch.Tensor], offload: UnitOffload, label: str
+) -> None:
+    """With the optimizer state in files, the plan rests the master in them only if it is its own memory.
+    Where the plan and the tensors disagree (a case the plan's tests did not build), freeing the master would
+    free the parameters, or a master left in memory would be counted on disk: refused before any work, with
+    the same message on every rank (every rank builds the same units)."""
+    if not offload.state_in_file:
+        return
+    address = master.untyped_storage().data_ptr()
+    own_memory = address != 0 and all(address != t.untyped_storage().data_ptr() for t in parameters)
+    if offload.master_in_file != own_memory:
+        raise RuntimeError(
+            f"ZeRO: internal error: the offload plan puts {label}'s fp32 master "
+            f"{'in' if offload.master_in_file else 'outside'} the optimizer state's file, but it was built "
+            f"{'as the memory of the parameters' if offload.master_in_file else 'as a tensor of its own'}. "
+            "Please report it with your config; offload_optimizer='cpu' avoids it."
+        )
 
 
 class ParamStorage:
