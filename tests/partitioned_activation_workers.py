@@ -24,7 +24,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.distributed.tensor import DTensor
 
-import zero_core.step.activation_offload as activation_offload
+import zero_core.passes.activation_offload as activation_offload
 from zero_core import WrapPolicy, ZeroConfig, ZeroEngine, tensor_parallel_mesh
 
 from .tensor_parallel_model import VOCAB, Layer, LlamaSize, TinyLlama, loss_of, parallelize, tokens

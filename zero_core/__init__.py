@@ -20,10 +20,10 @@ from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .offload import OffloadError
 from .optim.grad_ops import total_norm
+from .passes.errors import LateGradientError, UnscaledBackwardError
+from .passes.state import TrainingState
 from .settings import Setting
 from .setup_summary import setup_summary
-from .step.errors import LateGradientError, UnscaledBackwardError
-from .step.state import TrainingState
 from .unit import ParameterAtRestError
 
 __all__ = [

@@ -36,13 +36,13 @@ from .optim.loss_scaling import LossScaler
 from .optim.rebuild import canonical_names
 from .optim.zero_grad_routes import ZeroGradRoute
 from .pass_listeners import PassListener, PassListeners
-from .step.activation_offload import ActivationOffload
-from .step.gradient_reads import GradientReads
-from .step.optimizer_step import OptimizerStep
-from .step.partitioned_activations import PartitionedActivations, check_partition_activations
-from .step.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
-from .step.runtime import StepRuntime
-from .step.step_in_backward import StepInBackward
+from .passes.activation_offload import ActivationOffload
+from .passes.gradient_reads import GradientReads
+from .passes.optimizer_step import OptimizerStep
+from .passes.partitioned_activations import PartitionedActivations, check_partition_activations
+from .passes.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
+from .passes.runtime import StepRuntime
+from .passes.step_in_backward import StepInBackward
 from .unit import FlatUnit, ParameterDigests, UnitPlan, check_wrap_classes_present, plan_units
 from .unit.tensor_parallel import local_shape
 

@@ -217,7 +217,7 @@ class ZeroConfig:
         parse=str,
         example="nvme",
     )
-    # The paper's P_a+cpu (step/activation_offload.py; with partition_activations only the slices are kept).
+    # The paper's P_a+cpu (passes/activation_offload.py; with partition_activations only the slices are kept).
     offload_activations: bool = setting(
         False,
         doc="keep what each unit's forward saves for backward in host memory until backward needs it "
@@ -227,7 +227,7 @@ class ZeroConfig:
         example=True,
     )
     # The paper's P_a: an activation-checkpointed block's inputs split across the tensor-parallel ranks
-    # (step/partitioned_activations.py).
+    # (passes/partitioned_activations.py).
     partition_activations: bool = setting(
         False,
         doc="with tensor parallelism: each checkpointed block (torch's checkpoint_wrapper) keeps 1/TP of its "
@@ -262,7 +262,7 @@ class ZeroConfig:
     )
 
     # ZeRO-Offload's overlap: each offloaded unit steps on the host as soon as its gradient shard is final
-    # (step/step_in_backward.py); nothing may touch the gradients or hyperparameters between backward and step.
+    # (passes/step_in_backward.py); nothing may touch the gradients or hyperparameters between backward and step.
     offload_step_in_backward: bool = setting(
         False,
         doc="with offload_optimizer: each offloaded unit steps on the host while backward goes on; clipping, "

@@ -29,9 +29,9 @@ from .mesh import DeviceMesh, engine_comm
 from .model import full_params
 from .model.meta_init import ParamInitFn
 from .optim.rebuild import check_optimizer_supported
-from .step.gradient_reads import Parameters
-from .step.prefetch_tuning import PrefetchReport
-from .step.state import TrainingState
+from .passes.gradient_reads import Parameters
+from .passes.prefetch_tuning import PrefetchReport
+from .passes.state import TrainingState
 
 Owner = TypeVar("Owner")
 

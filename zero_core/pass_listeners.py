@@ -1,6 +1,6 @@
 """Who is told when a forward begins and ends, besides the units: the one listener protocol of the engine.
 
-The step runtime (``step/runtime.py``) drives each pass over the units. A few parts built after it must act
+The step runtime (``passes/runtime.py``) drives each pass over the units. A few parts built after it must act
 at the edges of a forward: check the model's registered parameters, broadcast rank 0's buffers, drop an
 export that raised midway, show the optimizer the model's parameters again, agree on the shard files' reads.
 They subclass :class:`PassListener`, override the events they need, and the builder (``build.py``) subscribes
@@ -9,7 +9,7 @@ told in that order, on every rank at the same point of the same forward; any of 
 forward before a unit gathers.
 
 This module sits at the bottom of the core's layers, so the model, optimizer and offload parts above it can
-listen without importing the step layer.
+listen without importing the passes layer.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-from zero_core.step.execution_order import ExecutionOrder, PassOrder
+from zero_core.passes.execution_order import ExecutionOrder, PassOrder
 
 
 def _run(order: PassOrder, units: list[int], count: int = 2) -> list[list[int]]:

@@ -9,7 +9,7 @@ from collections import Counter
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from zero_core.step.forward_records import ForwardRecord, ForwardRecords, reached_outputs, records_reached, zero_roots
+from zero_core.passes.forward_records import ForwardRecord, ForwardRecords, reached_outputs, records_reached, zero_roots
 
 
 def _record(*outputs: torch.Tensor) -> ForwardRecord:

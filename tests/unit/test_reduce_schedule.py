@@ -7,8 +7,8 @@ from typing import NamedTuple
 
 import pytest
 
-from zero_core.step import reduce_schedule
-from zero_core.step.reduce_schedule import ReduceSchedule
+from zero_core.passes import reduce_schedule
+from zero_core.passes.reduce_schedule import ReduceSchedule
 
 
 class FakePending(NamedTuple):

@@ -1,5 +1,5 @@
 """The core's structure, read from its code: the import contracts pyproject.toml declares (layers whose
-imports point one way, inside ``checkpoint/`` and ``step/`` too; nothing inside the core imports the
+imports point one way, inside ``checkpoint/`` and ``passes/`` too; nothing inside the core imports the
 root package; no import circle), no import circle in the module graph as it is, and files and functions
 under the caps (the core's and the adapters'). The caps are guard rails, not where to cut: a file holds
 one concept whole, and is split only where the concept is.
@@ -28,7 +28,7 @@ MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 # The contracts the layering rests on; each is in pyproject.toml, none may be dropped.
 CONTRACTS = {"core-layers", "core-root", "core-settings", "core-estimate-cli", "core-no-circles"}
-CONTRACTS |= {"checkpoint-layers", "step-layers", "offload-layers", "memory-layers"}
+CONTRACTS |= {"checkpoint-layers", "passes-layers", "offload-layers", "memory-layers"}
 
 
 def test_the_import_contracts_hold() -> None:

@@ -1,5 +1,5 @@
 """What the model layer needs of the step runtime, as a Protocol: model code runs outside a pass
-and never imports the step layer (arrows point one way)."""
+and never imports the passes layer (arrows point one way)."""
 
 from __future__ import annotations
 

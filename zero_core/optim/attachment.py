@@ -88,7 +88,7 @@ class OptimizerAttachment(PassListener):
         self.optimizer: torch.optim.Optimizer | None = None
         self.groups: OptimizerGroups | None = None  # the optimizer's groups by name, and which view they show
         self.hooks: list[Any] = []
-        # offload_step_in_backward's worker (step/step_in_backward.py, a layer above): told of each optimizer
+        # offload_step_in_backward's worker (passes/step_in_backward.py, a layer above): told of each optimizer
         # attached, it refuses reading a half-stepped state.
         self.in_backward = in_backward
 

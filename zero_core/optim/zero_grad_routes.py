@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# (the parameters whose gradients go, set_to_none): the engine's discard (step/gradient_reads.py).
+# (the parameters whose gradients go, set_to_none): the engine's discard (passes/gradient_reads.py).
 Discard = Callable[[Iterable[torch.Tensor], bool], None]
 
 

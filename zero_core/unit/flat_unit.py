@@ -1,6 +1,6 @@
 """One unit: its parameter storage, its gradients and its guard, composed.
 
-A unit knows nothing of the step or the engine: the pass (``step/``) drives
+A unit knows nothing of the step or the engine: the pass (``passes/``) drives
 it through these methods, each a thin forward to the part that owns the
 state (``storage.py``, ``grads.py``, ``guard.py``).
 """

@@ -33,7 +33,7 @@ RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
 # Lightning's BackboneFinetuning unfreezes the first block (the shapes of the others)
 # at epoch 2 and adds it to the optimizer as a third param group.
 FINETUNING = dict(RESUMABLE, unfreeze_backbone_at=2)
-# Offloaded units step on the host while backward goes on (zero_core/step/step_in_backward.py).
+# Offloaded units step on the host while backward goes on (zero_core/passes/step_in_backward.py).
 IN_BACKWARD = {"offload_optimizer": "cpu", "offload_step_in_backward": True}
 # Manual optimization that skips a step on a NaN norm (and one more), zeroing the gradients every batch.
 SKIP_ON_NAN = dict(skip_on_nan=True, batchnorm=False, max_steps=4)

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-import zero_core.step.activation_offload as activation_offload
+import zero_core.passes.activation_offload as activation_offload
 from tests.distributed.runtime.test_activation_checkpointing import _apply as apply_checkpoints
 from tests.models import TinyTransformer, batch, lm_loss, make_optimizer
 from tests.rank_pool import run_distributed

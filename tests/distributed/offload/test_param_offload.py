@@ -24,8 +24,8 @@ from tests.rank_pool import run_distributed
 from tests.workers import config_for, relative_difference, train_accumulated
 from zero_core import MixedPrecision, OffloadError, UnitReport, ZeroConfig, ZeroEngine, estimate
 from zero_core.memory.estimate import EstimateSettings, UnitCount, estimate_units
+from zero_core.passes.gathering import GatherPolicy
 from zero_core.stage_plan import StagePlan
-from zero_core.step.gathering import GatherPolicy
 from zero_core.unit import StorageState
 
 PRECISIONS = {

@@ -19,7 +19,7 @@ from tests.rank_pool import by_rank, run_distributed, run_each
 from tests.workers import config_for
 from zero_core import ZeroConfig
 from zero_core.collectives import CommContext
-from zero_core.step.prefetch_tuning import MEASURED_STEPS, UNTUNED_DEPTH, AutoPrefetch, PrefetchTuning
+from zero_core.passes.prefetch_tuning import MEASURED_STEPS, UNTUNED_DEPTH, AutoPrefetch, PrefetchTuning
 
 STEPS = 6
 

@@ -16,8 +16,8 @@ from tests.models import TinyTransformer, batch, lm_loss, make_optimizer
 from tests.rank_pool import run_distributed
 from tests.workers import config_for, relative_difference
 from zero_core import MixedPrecision, ZeroConfig, ZeroEngine
-from zero_core.step import step_in_backward
-from zero_core.step.step_in_backward import StepInBackward
+from zero_core.passes import step_in_backward
+from zero_core.passes.step_in_backward import StepInBackward
 
 CASES = [
     {"stage": 1, "offload_optimizer": "cpu"},
