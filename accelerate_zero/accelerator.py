@@ -38,7 +38,7 @@ from .deepspeed_batch import ConfigBatch
 from .deepspeed_sections import ConfigScheduler, SectionBuilder
 from .plain_training import zero_model_prepared
 from .plugin import MIXED_PRECISION_OF_DEEPSPEED, MIXED_PRECISION_POLICIES, ZeroPlugin
-from .tensor_parallel import (
+from .tensor_parallel_mesh import (
     DataParallelRanks,
     DataParallelScheduler,
     accelerate_without_its_parallelism,
@@ -79,7 +79,7 @@ class ZeroAccelerator(Accelerator):
     def __init__(self, *, zero_plugin: ZeroPlugin | None = None, mixed_precision: str | None = None, **kwargs: Any):
         """With tensor parallelism (``ZeroPlugin(tensor_parallel_size=n)`` or Accelerate's
         ``ParallelismConfig(tp_size=n)``), ``self.device_mesh`` is the 2-D mesh to split the model over
-        before ``prepare`` (tensor_parallel.py)."""
+        before ``prepare`` (tensor_parallel_mesh.py)."""
         requested = (mixed_precision or os.environ.get("ACCELERATE_MIXED_PRECISION") or "no").lower()
         if requested not in MIXED_PRECISION_POLICIES:
             raise ValueError(

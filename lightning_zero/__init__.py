@@ -9,7 +9,7 @@ from zero_core import MixedPrecision, WrapPolicy, ZeroConfig
 from .checkpoints import consolidated
 from .fabric import ZeroFabricPrecision, ZeroFabricStrategy
 from .grad_norm import grad_norm
-from .precision import ZeroPrecision
+from .precision_plugins import ZeroPrecision
 from .strategy import ZeroStrategy
 
 ZeroStrategy.register_strategies(StrategyRegistry)

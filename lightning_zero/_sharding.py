@@ -23,7 +23,7 @@ from zero_core.sharding import shard_module
 
 from .deepspeed_arguments import settings_with_deepspeed, take_deepspeed_keywords
 from .deepspeed_config import Config
-from .precision import ZeroPrecisionSettings
+from .precision_plugins import ZeroPrecisionSettings
 
 PrecisionT = TypeVar("PrecisionT", bound=ZeroPrecisionSettings)
 InitT = TypeVar("InitT", bound=Callable[..., None])

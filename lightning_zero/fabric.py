@@ -40,7 +40,7 @@ from ._sharding import (
 )
 from .deepspeed_arguments import with_deepspeed_keywords
 from .deepspeed_config import Config, check_precision, refuse_loop_keys_under_fabric
-from .precision import ZeroPrecisionSettings
+from .precision_plugins import ZeroPrecisionSettings
 
 
 class ZeroFabricPrecision(ZeroPrecisionSettings, Precision):

@@ -50,7 +50,7 @@ from .deepspeed_config import (
     configured_optimizers,
 )
 from .finetuning import finetuning_callbacks, make_parameters_comparable, param_groups_restored, without_callback_states
-from .precision import ZeroPrecision
+from .precision_plugins import ZeroPrecision
 from .unsupported_callbacks import refuse_unsupported_callbacks
 
 

@@ -9,18 +9,18 @@ module once, for adapters asked to set it up again), ``zero_core.settings``
 is internal and may change shape.
 """
 
-from .checkpoint.errors import CheckpointError
+from .checkpoint.checkpoint_error import CheckpointError
 from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDivergedError, meeting
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .memory.estimate import ZeroEstimate, estimate
+from .memory.memory_reports import MemoryReport, UnitReport
 from .memory.predicted import expected_model_state_bytes
-from .memory.records import MemoryReport, UnitReport
 from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .offload import OffloadError
 from .optim.grad_ops import total_norm
-from .passes.errors import LateGradientError, UnscaledBackwardError
+from .passes.gradient_errors import LateGradientError, UnscaledBackwardError
 from .passes.state import TrainingState
 from .settings import Setting
 from .setup_summary import setup_summary

@@ -44,7 +44,7 @@ from .passes.prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .passes.runtime import StepRuntime
 from .passes.step_in_backward import StepInBackward
 from .unit import FlatUnit, ParameterDigests, UnitPlan, check_wrap_classes_present, plan_units
-from .unit.tensor_parallel import local_shape
+from .unit.dtensor_params import local_shape
 
 
 class EngineParts(NamedTuple):

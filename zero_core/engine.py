@@ -24,7 +24,7 @@ from .checkpoint import save_and_load
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
 from .memory.measured import measure_model_state, unit_reports
-from .memory.records import MemoryReport, UnitReport
+from .memory.memory_reports import MemoryReport, UnitReport
 from .mesh import DeviceMesh, engine_comm
 from .model import full_params
 from .model.meta_init import ParamInitFn

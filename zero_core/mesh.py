@@ -3,7 +3,7 @@
 A 2-D mesh names its dimensions as Lightning's ``ModelParallelStrategy`` does: ``"data_parallel"`` and
 ``"tensor_parallel"``. The model is parallelised over ``mesh["tensor_parallel"]`` first
 (``parallelize_module``), so its split layers hold DTensor parameters; the engine then shards each
-unit's local pieces across ``mesh["data_parallel"]`` only (unit/tensor_parallel.py). A 1-D mesh is
+unit's local pieces across ``mesh["data_parallel"]`` only (unit/dtensor_params.py). A 1-D mesh is
 plain data parallelism over its ranks.
 """
 
@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from .collectives import CommContext
 from .config import ZeroConfig
-from .unit.tensor_parallel import check_supported
+from .unit.dtensor_params import check_supported
 
 DATA_PARALLEL = "data_parallel"
 TENSOR_PARALLEL = "tensor_parallel"

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..collectives import CollectiveFailed, CommContext, all_gather_objects
 from ..collectives.context import world_timeout
+from .checkpoint_error import CheckpointError
 from .disk_space import SaveSpace, SpaceReport, disk_full_message
-from .errors import CheckpointError
 from .unpickling import refusal_reason
 
 T = TypeVar("T")

@@ -22,10 +22,10 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from .agreed_steps import RankAgreement
+from .checkpoint_error import CheckpointError
+from .checkpoint_records import MODEL_KEY
 from .directory import read_shards
-from .errors import CheckpointError
 from .loading import open_checkpoint
-from .records import MODEL_KEY
 
 
 def _set_nested(tree: dict, path: tuple, value: Any) -> None:

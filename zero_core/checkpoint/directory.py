@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem, SavePlan, SavePlanner
 
 from ..collectives import CommContext
+from .checkpoint_error import CheckpointError
 from .disk_space import planned_bytes
-from .errors import CheckpointError
 from .manifest import MANIFEST_FILENAME, Manifest, check_item, item_digests
 
 METADATA_FILENAME = ".metadata"

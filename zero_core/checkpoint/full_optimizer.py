@@ -20,10 +20,10 @@ import torch
 
 from ..unit import MasterPiece
 from .agreed_steps import RankAgreement
+from .checkpoint_error import CheckpointError, mismatch_error
+from .checkpoint_records import LoadedOptimizer, ShardedModel
 from .chunks import read_rectangles
-from .errors import CheckpointError, mismatch_error
 from .loading import group_settings
-from .records import LoadedOptimizer, ShardedModel
 from .state_dicts import slot_rectangles
 
 _NUMBERS = (bool, int, float)

@@ -18,10 +18,10 @@ from typing import Protocol
 import torch
 
 from .agreed_steps import RankAgreement
+from .checkpoint_error import CheckpointError, mismatch_error
+from .checkpoint_records import LoadedWeights, ShardedModel
 from .chunks import Rectangle, flat_range_to_rectangles, read_rectangles
-from .errors import CheckpointError, mismatch_error
 from .loading import expected_model_shapes
-from .records import LoadedWeights, ShardedModel
 from .state_dicts import slot_rectangles
 
 

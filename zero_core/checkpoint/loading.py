@@ -21,13 +21,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from ..offload.nvme_load import NvmeLoad
 from .agreed_steps import RankAgreement
-from .chunks import ShardedChunks
-from .directory import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
-from .errors import CheckpointError, mismatch_error
-from .manifest import Manifest, check_present, read_manifest, read_verified
-from .metadata_checks import check_metadata
-from .nvme_load_reads import check_staging_room, is_staged, read_staged_units
-from .records import (
+from .checkpoint_error import CheckpointError, mismatch_error
+from .checkpoint_records import (
     MODEL_KEY,
     OPTIMIZER_KEY,
     EngineRecord,
@@ -37,6 +32,11 @@ from .records import (
     ShardedModel,
     parse_engine_record,
 )
+from .chunks import ShardedChunks
+from .directory import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, read_shards
+from .manifest import Manifest, check_present, read_manifest, read_verified
+from .metadata_checks import check_metadata
+from .nvme_load_reads import check_staging_room, is_staged, read_staged_units
 from .state_dicts import optimizer_load_targets, sharded_model_state_dict
 from .unpickling import load_weights_only, unpickle_metadata
 

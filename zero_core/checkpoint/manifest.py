@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..settings import is_count
-from .errors import CheckpointError
+from .checkpoint_error import CheckpointError
 
 MANIFEST_FILENAME = "zero-manifest.json"
 MANIFEST_FORMAT = 1

@@ -18,7 +18,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from .errors import CheckpointError
+from .checkpoint_error import CheckpointError
 from .manifest import Manifest, is_plain_file_name
 
 _MAX_NESTING = 32

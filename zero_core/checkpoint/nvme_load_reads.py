@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from ..offload.nvme_load import NvmeLoad, StagingRoom, room_problem
 from ..unit import FlatUnit, MasterPiece
 from .agreed_steps import RankAgreement
+from .checkpoint_error import CheckpointError
+from .checkpoint_records import MODEL_KEY, OPTIMIZER_KEY, ShardedModel
 from .chunks import ShardedChunks
 from .directory import read_shards
-from .errors import CheckpointError
-from .records import MODEL_KEY, OPTIMIZER_KEY, ShardedModel
 from .state_dicts import is_per_element, optimizer_load_targets, saved_optimizer_state, sharded_model_state_dict
 
 Install = tuple[MasterPiece, str, torch.Tensor]

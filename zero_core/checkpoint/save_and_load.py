@@ -26,11 +26,11 @@ from ..optim.loss_scaling import LossScaler
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
 from .agreed_steps import RankAgreement
-from .errors import CheckpointError
+from .checkpoint_error import CheckpointError
+from .checkpoint_records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
 from .full_optimizer import read_full_optimizer_state
 from .full_weights import load_full_weights
 from .loading import LoadedCheckpoint, load_checkpoint, open_checkpoint
-from .records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
 from .saving import save_checkpoint, sharded_state
 
 

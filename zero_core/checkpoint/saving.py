@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from .agreed_steps import RankAgreement
+from .checkpoint_error import CheckpointError
+from .checkpoint_records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
 from .directory import (
     EXTRA_FILENAME,
     METADATA_FILENAME,
@@ -38,9 +40,7 @@ from .directory import (
     write_shards,
 )
 from .disk_space import SaveSpace
-from .errors import CheckpointError
 from .manifest import FileDigest, Manifest, digest_bytes, digest_data_file, write_manifest
-from .records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
 from .state_dicts import sharded_model_state_dict, sharded_optimizer_state_dict
 from .unpickling import refusal_reason, unpickle_metadata, weights_only_load
 

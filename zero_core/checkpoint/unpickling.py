@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
-from .errors import CheckpointError
+from .checkpoint_error import CheckpointError
 
 _MAX_TUPLE_DEPTH = 32
 

@@ -3,7 +3,7 @@ print (``python -m zero_core.deepspeed > docs/deepspeed-keys.md``), so the table
 
 from __future__ import annotations
 
-from . import optimizer_sections, precision, top_level, zero_section
+from . import optimizer_sections, precision_sections, top_level, zero_section
 from .common import KeyRow, Treatment
 
 # Sections whose reader is its own module (their keys' rows are dotted under them).
@@ -15,7 +15,7 @@ def all_rows() -> tuple[KeyRow, ...]:
     return (
         *top_level.ROWS,
         *zero_section.ROWS,
-        *precision.ROWS,
+        *precision_sections.ROWS,
         *optimizer_sections.ROWS,
     )
 

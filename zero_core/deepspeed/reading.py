@@ -15,7 +15,7 @@ from typing import Any
 from .common import DeepSpeedSettings, _refusal
 from .key_table import top_level_keys
 from .optimizer_sections import read_optimizer_section
-from .precision import _precision_section
+from .precision_sections import _precision_section
 from .top_level import read_top_level
 from .zero_section import _zero_section
 

@@ -27,9 +27,9 @@ from ..collectives import all_reduce_working_bytes, gather_working_bytes, reduce
 from ..config import ZeroConfig, user_settings
 from ..precision import MixedPrecision
 from ..settings import Setting
-from ..unit.plan import plan_units
+from ..unit.unit_selection import plan_units
+from .memory_reports import MemoryReport
 from .predicted import UnitElements, ddp_bytes, model_state_bytes
-from .records import MemoryReport
 
 STAGES = (0, 1, 2, 3)  # 0: DDP, the reference
 # The settings the estimate shares with the engine, by their ZeroConfig names: ZeroConfig declares and

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..stage_plan import StagePlan
 from ..unit import FlatUnit
-from .records import MemoryReport, UnitReport
+from .memory_reports import MemoryReport, UnitReport
 
 
 def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]:

@@ -17,7 +17,7 @@ from ..config import ZeroConfig
 from ..offload_plan import OffloadPlan, Rest, UnitOffload
 from ..precision import MixedPrecision
 from ..stage_plan import StagePlan
-from .records import MemoryReport
+from .memory_reports import MemoryReport
 
 MASTER_BYTES = 4  # the fp32 master, per element
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..pass_listeners import PassListener
 from ..unit import FlatUnit, StorageState
-from ..unit.tensor_parallel import is_dtensor, local_values
+from ..unit.dtensor_params import is_dtensor, local_values
 from .pass_control import PassControl
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from ..collectives import meeting
 from ..unit import FlatUnit, StorageState
-from ..unit.tensor_parallel import global_value, local_values, point_at
+from ..unit.dtensor_params import global_value, local_values, point_at
 from .pass_control import PassControl
 
 

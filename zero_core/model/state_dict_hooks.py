@@ -29,7 +29,7 @@ from ..collectives import meeting
 from ..hook_copies import InertWhenCopied
 from ..pass_listeners import PassListener
 from ..unit import FlatUnit
-from ..unit.tensor_parallel import as_dtensor_like, exported_copy, is_dtensor, local_piece_of
+from ..unit.dtensor_params import as_dtensor_like, exported_copy, is_dtensor, local_piece_of
 from .full_params import of_units
 from .pass_control import PassControl
 

@@ -11,6 +11,6 @@ tiers share: the engine's one I/O pool, the directory, the failure agreement); `
 and the one agreement of failures across ranks; tensors to and from files, without the page cache).
 """
 
-from .errors import OffloadError
+from .failure_agreement import OffloadError
 
 __all__ = ["OffloadError"]

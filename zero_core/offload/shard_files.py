@@ -33,7 +33,7 @@ import torch
 
 from ..collectives import CommContext
 from ..host_memory import release_freed_memory
-from .errors import succeeded
+from .failure_agreement import succeeded
 from .file_io import free, has_bytes, read_tensors, write_tensors
 from .tier import FileTier, IOPool
 

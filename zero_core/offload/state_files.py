@@ -36,7 +36,7 @@ import torch
 from ..collectives import CommContext
 from ..host_memory import release_freed_memory
 from ..offload_plan import UnitOffload
-from .errors import OffloadError, succeeded
+from .failure_agreement import OffloadError, succeeded
 from .tier import FileTier, IOPool
 from .unit_file import UnitFile, read_part
 

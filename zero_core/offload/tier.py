@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..collectives import CommContext
-from .errors import raise_if_any_rank_failed
+from .failure_agreement import raise_if_any_rank_failed
 from .scratch import ScratchDirectory
 
 WORKERS_PER_TIER = 2

@@ -38,10 +38,10 @@ from ..pass_listeners import PassListeners
 from ..stage_plan import StagePlan
 from ..unit import FlatUnit
 from . import hooks
-from .errors import LateGradientError, UnscaledBackwardError, warn_accumulation_dropped
 from .execution_order import ExecutionOrder
 from .forward_records import agreed_zero_roots
 from .gathering import GatherPolicy
+from .gradient_errors import LateGradientError, UnscaledBackwardError, warn_accumulation_dropped
 from .prefetch_tuning import AutoPrefetch
 from .reduce_schedule import ReduceSchedule
 from .state import PassState, TrainingState

@@ -6,8 +6,8 @@ from .flat_unit import FlatUnit, MasterPiece
 from .grads import PendingReduce
 from .guard import ParameterAtRestError
 from .layout import FlatLayout, ParamSlot, ShardPiece
-from .plan import UnitPlan, check_wrap_classes_present, plan_units
 from .storage import StorageState
+from .unit_selection import UnitPlan, check_wrap_classes_present, plan_units
 
 __all__ = [
     "FlatLayout",

@@ -20,12 +20,12 @@ from ..offload.state_files import StateFiles
 from ..offload_plan import UnitOffload
 from ..stage_plan import StagePlan
 from ..wire_plan import WirePlan
+from .dtensor_params import local_shape, place_in_whole
 from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
 from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
-from .plan import UnitPlan
 from .storage import ParamStorage, StorageState
-from .tensor_parallel import local_shape, place_in_whole
+from .unit_selection import UnitPlan
 
 
 class MasterPiece(NamedTuple):

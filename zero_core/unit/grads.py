@@ -40,8 +40,8 @@ from ..collectives import (
 from ..config import MixedPrecision
 from ..host_memory import advise_huge_pages
 from ..wire_plan import WirePlan
+from .dtensor_params import is_dtensor, local_grad
 from .layout import FlatLayout, shard_view, slot_view
-from .tensor_parallel import is_dtensor, local_grad
 
 AllReduce = Callable[..., Handle]  # (comm, tensor, label=, span=) -> Handle
 

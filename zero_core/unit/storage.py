@@ -50,10 +50,10 @@ from ..offload.shard_files import ShardFile, ShardFiles
 from ..offload.state_files import StateFiles
 from ..offload_plan import Rest, UnitOffload
 from ..wire_plan import WirePlan
+from .dtensor_params import local_piece_of, local_values, point_at
 from .guard import ParameterGuard
 from .layout import FlatLayout, shard_view, slot_view
 from .secondary_shard import SecondaryShard
-from .tensor_parallel import local_piece_of, local_values, point_at
 
 
 class StorageState(Enum):

@@ -12,7 +12,7 @@ import torch
 
 from tests.rank_pool import run_distributed
 from zero_core import ZeroConfig
-from zero_core.checkpoint.records import EngineRecord, parse_engine_record
+from zero_core.checkpoint.checkpoint_records import EngineRecord, parse_engine_record
 from zero_core.deepspeed import from_deepspeed
 from zero_core.optim.loss_scaling import LossScaler, LossScalerState, state_from_checkpoint
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ..collectives import CommContext
 from ..optim.loss_scaling import LossScalerState, state_from_checkpoint
-from .errors import CheckpointError
+from .checkpoint_error import CheckpointError
 
 if TYPE_CHECKING:
     from ..offload.nvme_save import NvmeSaveReads
