@@ -119,9 +119,12 @@ def traffic(rank: int, world_size: int) -> dict[str, Any]:
         shards = [report.padded_numel // world_size for report in run.engine.unit_reports()]
         if name == "quantize_weights":
             in_flight = _gathers_in_flight(run)
+        if name == "quantize_gradients":
+            reduces_in_flight = _reduces_in_flight(run)
     return {
         "sent": sent,
         "in_flight": in_flight,
+        "reduces_in_flight": reduces_in_flight,
         "block": block,
         "shards": shards,
         "packed": {s: packed_bytes(s, block) for s in shards},
@@ -141,6 +144,30 @@ def _gathers_in_flight(run: Run) -> dict[str, Any]:
     hook.remove()
     second = next(r for r in run.engine.unit_reports() if r.name == "blocks.1")
     return {"during": seen, "after": run.engine.memory_report().communication_bytes, "shard": second.shard_numel}
+
+
+def _reduces_in_flight(run: Run) -> dict[str, Any]:
+    """``memory_report()`` while the first block's gradients arrive: the second block's quantized reduce is in
+    flight (issued when its backward finished, waited for at the end of backward), and after the step."""
+    seen: list[tuple[int, int]] = []
+
+    def report(_: torch.Tensor) -> None:
+        if not seen:  # the first of the block's parameters: nothing of its own reduce issued yet
+            memory = run.engine.memory_report()
+            seen.append((memory.communication_bytes, memory.gradient_bytes))
+
+    first = next(run.model.blocks[0].parameters())
+    hook = first.register_post_accumulate_grad_hook(report)
+    run.step(2)
+    hook.remove()
+    units = {r.name: r for r in run.engine.unit_reports()}
+    memory = run.engine.memory_report()
+    return {
+        "during": seen,
+        "after": (memory.communication_bytes, memory.gradient_bytes),
+        "shard": units["blocks.1"].shard_numel,
+        "padded": {name: r.padded_numel for name, r in units.items()},
+    }
 
 
 def exact_reads(rank: int, world_size: int, directory: Path) -> dict[str, Any]:

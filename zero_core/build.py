@@ -1,7 +1,10 @@
 """Building an engine's parts, in dependency order, each from constructor arguments.
 
-Nothing is wired by setting attributes afterwards: each part gets what it needs when it is made,
-and the engine (a facade) holds the result.
+Each part gets what it needs when it is made, and the engine (a facade) holds the result. A part that must
+act at the edges of a forward is a ``PassListener``, subscribed right after it is made (``pass_listeners.py``).
+One thing is set afterwards: the comm's ``position``, the phase and step a failed collective's message names,
+read from the runtime and the optimizer step; the comm exists before them (the setup's agreement and the
+shard groups' split run on it).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ class MemoryReport:
     # and gradient copies (offload_optimizer) and their parameter shards at rest (offload_params). The rest
     # is on the device.
     host_bytes: int = 0
-    # ZeRO++'s quantized gathers in flight now (qwZ, prefetched or waiting): their packed buffers, on the device.
+    # ZeRO++'s quantized collectives in flight now: the packed buffers of gathers (qwZ, prefetched or waiting)
+    # and of reduces (qgZ, issued in backward, waited for by its end), on the device.
     # Transient communication memory, in none of the figures above; 0 between steps.
     communication_bytes: int = 0
 

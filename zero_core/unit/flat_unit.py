@@ -184,8 +184,8 @@ class FlatUnit:
 
     @property
     def wire_buffers(self) -> tuple[torch.Tensor, ...]:
-        """qwZ: the packed buffers of this unit's quantized gather while it is in flight."""
-        return self.storage.wire_buffers
+        """ZeRO++: the packed buffers of this unit's quantized gather (qwZ) and reduce (qgZ) while in flight."""
+        return self.storage.wire_buffers + self.grads.wire_buffers
 
     def start_refresh(self, guard: bool) -> None:
         self.storage.start_refresh(guard)

@@ -150,6 +150,8 @@ class UnitGrads:
             across = partial(all_reduce_quantized, block_size=block, bits=bits)
         self.shards: ShardSum = AcrossGroupsShardSum(across) if comm.replicas > 1 else ShardSum()
         self.full_grads: torch.Tensor | None = None
+        # The reduce issued and not yet waited for: its buffers are alive (the memory report counts them).
+        self._in_flight: PendingReduce | None = None
         self.slot_has_grad = [False] * len(layout.slots)
         self._filled_this_backward: set[int] = set()
 
@@ -158,17 +160,27 @@ class UnitGrads:
         return self.shards.sharded_grads
 
     def tensors(self) -> list[torch.Tensor | None]:
-        """Every gradient tensor this unit holds now (the memory report counts them)."""
-        return [self.full_grads, *self.shards.tensors()]
+        """Every gradient tensor this unit holds now (the memory report counts them), a reduce's in flight too."""
+        in_flight = [self._in_flight.full_in, self._in_flight.sharded_out] if self._in_flight is not None else []
+        return [self.full_grads, *self.shards.tensors(), *in_flight]
+
+    @property
+    def wire_buffers(self) -> tuple[torch.Tensor, ...]:
+        """qgZ: the packed rows of this unit's quantized reduce, sent and arriving, until it is waited for."""
+        return self._in_flight.handle.wire_buffers if self._in_flight is not None else ()
 
     def _start_reduce_scatter(self, sharded_out: torch.Tensor) -> PendingReduce:
         if self.precision.reduce_dtype != torch.float32:
             self.full_grads.div_(self.comm.world_size)  # low precision: average (over every rank) before summing
         handle = self._reduce_scatter(self.comm, sharded_out, self.full_grads, label=self.label)
-        return PendingReduce(sharded_out, self.full_grads, handle)
+        self._in_flight = PendingReduce(sharded_out, self.full_grads, handle)
+        return self._in_flight
 
     def _wait_averaged(self, pending: PendingReduce) -> torch.Tensor:
-        pending.handle.wait()
+        try:
+            pending.handle.wait()
+        finally:
+            self._in_flight = None  # landed, or raised (a failed collective is not waited for again)
         if self.precision.reduce_dtype == torch.float32:
             pending.sharded_out.div_(self.comm.world_size)
         return pending.sharded_out

@@ -143,6 +143,21 @@ def test_memory_report_counts_the_packed_buffers_of_gathers_in_flight(at_two: li
         assert in_flight["after"] == 0
 
 
+def test_memory_report_counts_the_buffers_of_reduces_in_flight(at_two: list[dict[str, Any]]) -> None:
+    """While the first block's gradients arrive, the second block's quantized reduce is in flight: its packed
+    rows sent and arriving (both ranks' slices as int4 blocks) are communication bytes, and the full gradient
+    it reads and the shard it fills are gradient bytes, beside the full gradients the root and the first
+    block are accumulating; after the step neither is there."""
+    for rank_result in by_rank(at_two, "traffic"):
+        in_flight, world_size = rank_result["reduces_in_flight"], 2
+        element, padded = rank_result["reduce_element_bytes"], in_flight["padded"]
+        ((communication, gradients),) = in_flight["during"]
+        assert communication == 2 * world_size * packed_bytes(in_flight["shard"], rank_result["block"], 4)
+        accumulating = padded[""] + padded["blocks.0"]
+        assert gradients == element * (accumulating + padded["blocks.1"] + in_flight["shard"])
+        assert in_flight["after"] == (0, 0)
+
+
 def test_each_gradient_reduce_sends_int4_blocks_and_their_scales(at_two: list[dict[str, Any]]) -> None:
     """Call by call: every unit's gradient reduce-scatter (one reduce per rank's slice on gloo) becomes one
     all-to-all of the two slices as int4 blocks, S / 2 + 4 ceil(S / block) bytes each; the parameter gathers
