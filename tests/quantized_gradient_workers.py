@@ -105,7 +105,7 @@ def _working_memory(comm: CommContext, layout: str) -> dict[str, tuple[int, int]
                     shard, full = torch.randn(piece).bfloat16(), torch.randn(piece * comm.shard_size)
                     out = torch.empty(piece * comm.shard_size, dtype=torch.bfloat16)
                     call = lambda: all_gather_quantized(comm, out, shard, block_size=BLOCK, bits=bits).wait()  # noqa: E731
-                    formula = gather_working_bytes(piece, comm.shard_size, BLOCK, bits)
+                    formula = gather_working_bytes(piece, comm.shard_size, BLOCK, bits, out.element_size())
                     measured[f"gather-{piece}-{bits}"] = (peak_allocated_bytes(call, trace), formula)
                     into = torch.empty(piece)
                     call = lambda: reduce_scatter_quantized(comm, into, full, block_size=BLOCK, bits=bits).wait()  # noqa: E731

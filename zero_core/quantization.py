@@ -118,9 +118,13 @@ def quantize(
     return Quantized(values, scales, bits) if tensor.dim() == 2 else Quantized(values[0], scales[0], bits)
 
 
-def _dequantized(quantized: Quantized, block_size: int, work: torch.Tensor | None = None) -> torch.Tensor:
-    """The values in float32, in the shape of ``quantized.values`` (in ``work``, a float32 buffer, if given)."""
-    values = _float_copy(quantized.values, work)  # worked on in place
+def _dequantized(
+    quantized: Quantized, block_size: int, work: torch.Tensor | None = None, into: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The values in float32, in the shape of ``quantized.values``: computed in ``into`` (a contiguous float32
+    tensor of that shape) if given, else in ``work`` (a float32 buffer), else in a new tensor."""
+    # Worked on in place; the same operations wherever they run, so the same bits.
+    values = into.copy_(quantized.values) if into is not None else _float_copy(quantized.values, work)
     rows, scales = values.view(-1, values.shape[-1]), quantized.scales.view(-1, quantized.scales.shape[-1])
     for blocks, which in _block_views(rows, block_size):
         # q / L first: exactly +-1 at a block's largest magnitude, which the scale then restores exactly.
@@ -207,14 +211,17 @@ def pass_elements(count: int, numel: int, block_size: int) -> int:
     return min(numel, _run_elements(block_size))
 
 
-def dequantize_working_bytes(count: int, numel: int, block_size: int, bits: int, per_pass_bytes: int = 0) -> int:
-    """What :func:`dequantized_rows` of ``count`` rows of ``numel`` allocates at its peak: the float32 pass, its
-    scales, and with int4 the values widened to int8 (with the nibbles they are widened from), or instead
-    ``per_pass_bytes``, what the caller allocates for each pass once its int8 values are freed."""
+def dequantize_working_bytes(
+    count: int, numel: int, block_size: int, bits: int, per_pass_bytes: int = 0, float_pass: bool = True
+) -> int:
+    """What :func:`dequantized_rows` of ``count`` rows of ``numel`` allocates at its peak: the float32 pass
+    (unless ``float_pass`` is False: it dequantizes into its ``out``), its scales, and with int4 the values
+    widened to int8 (with the nibbles they are widened from), or instead ``per_pass_bytes``, what the caller
+    allocates for each pass once its int8 values are freed."""
     elements = pass_elements(count, numel, block_size)
     widened = 5 * elements // 2 if bits == 4 else 0
     scales = SCALE_BYTES * (blocks_of(elements, block_size) + min(count, _rows_per_pass(numel)))
-    return 4 * elements + scales + max(widened, per_pass_bytes)
+    return (4 * elements if float_pass else 0) + scales + max(widened, per_pass_bytes)
 
 
 def _segments(count: int, numel: int, block_size: int, bits: int) -> Iterator[_Segment]:
@@ -255,16 +262,19 @@ def quantize_rows_into(out: torch.Tensor, rows: torch.Tensor, block_size: int, b
 
 
 def dequantized_rows(
-    buffer: torch.Tensor, numel: int, parts: int, bits: int, block_size: int
+    buffer: torch.Tensor, numel: int, parts: int, bits: int, block_size: int, out: torch.Tensor | None = None
 ) -> Iterator[tuple[tuple[slice, slice], torch.Tensor]]:
     """The ``parts`` packed rows of ``buffer`` (of ``numel`` elements each) dequantized, at most
     ``BATCH_ELEMENTS`` at a time: ``((rows, elements), values)``, ``values`` float32 of shape (rows, elements),
-    in one buffer every pass reuses: valid until the next pass."""
+    in one buffer every pass reuses: valid until the next pass. ``out``: a contiguous float32 (parts, numel)
+    tensor to dequantize straight into instead (each pass's ``values`` is then its slice of ``out``, whole
+    rows or a run of one row's elements: contiguous either way)."""
     packed_rows = buffer.view(parts, -1)
-    work = _work_buffer(parts, numel, block_size, buffer.device)
+    work = _work_buffer(parts, numel, block_size, buffer.device) if out is None else None
     for rows, start, stop, values, scales in _segments(parts, numel, block_size, bits):
+        into = out[rows, start:stop] if out is not None else None
         # One expression: the widened int8 values are freed once in ``work``, before the caller sees the pass.
         restored = _dequantized(
-            _unpack(packed_rows[rows, values], packed_rows[rows, scales], stop - start, bits), block_size, work
+            _unpack(packed_rows[rows, values], packed_rows[rows, scales], stop - start, bits), block_size, work, into
         )
         yield (rows, slice(start, stop)), restored

@@ -69,18 +69,22 @@ def all_gather_quantized(
     received = torch.empty(size * per_rank, dtype=torch.uint8, device=gathered_out.device)
 
     def dequantize() -> None:
-        # Every rank's part, this rank's own among them: every rank holds the same values.
+        # Every rank's part, this rank's own among them: every rank holds the same values. Into a float32
+        # output straight (no float32 pass to copy from); into another dtype through the pass, rounded once.
         out_rows = gathered_out.view(size, numel)
-        for where, values in dequantized_rows(received, numel, size, bits, block_size):
-            out_rows[where].copy_(values)
+        in_place = gathered_out.dtype == torch.float32 and gathered_out.is_contiguous()
+        for where, values in dequantized_rows(received, numel, size, bits, block_size, out_rows if in_place else None):
+            if not in_place:
+                out_rows[where].copy_(values)
 
     gather = all_gather(comm, received, send.view(-1), label, span)
     return DequantizeOnWait(gather, dequantize, (send, received))
 
 
-def gather_working_bytes(numel: int, size: int, block_size: int, bits: int = 8) -> int:
-    """What :func:`all_gather_quantized` of a shard of ``numel`` over ``size`` ranks allocates at its peak besides
-    its input and output: the packed bytes sent (a backend may let them go only when the call returns) and
-    arrived, and the dequantization's float32 pass (with int4, the widened values)."""
+def gather_working_bytes(numel: int, size: int, block_size: int, bits: int, out_element_bytes: int) -> int:
+    """What :func:`all_gather_quantized` of a shard of ``numel`` over ``size`` ranks into an output of
+    ``out_element_bytes`` allocates at its peak besides its input and output: the packed bytes sent (a backend
+    may let them go only when the call returns) and arrived, and the dequantization's float32 pass (none into
+    a float32 output, which it dequantizes into; with int4, the widened values)."""
     packed = packed_bytes(numel, block_size, bits) * (size + 1)
-    return packed + dequantize_working_bytes(size, numel, block_size, bits)
+    return packed + dequantize_working_bytes(size, numel, block_size, bits, float_pass=out_element_bytes != 4)

@@ -202,5 +202,6 @@ def all_reduce_working_bytes(numel: int, size: int, block_size: int, bits: int, 
     piece = -(-numel // size)
     summing = size * piece * element_bytes + _hop_working_bytes(size, piece, block_size, bits)
     sent = size * packed_bytes(piece, block_size, bits)
-    gathering = sent + 4 * piece + size * piece * element_bytes + gather_working_bytes(piece, size, block_size, bits)
+    gather = gather_working_bytes(piece, size, block_size, bits, element_bytes)
+    gathering = sent + 4 * piece + size * piece * element_bytes + gather
     return max(summing, gathering)

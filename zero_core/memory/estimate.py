@@ -201,7 +201,8 @@ def _quantized_working_bytes(units: list[UnitCount], settings: EstimateSettings)
         return 0, 0
     shard = max(_padded(unit.numel, shards) for unit in units) // shards
     block, bits = config.quantization_block_size, config.gradient_quantization_bits
-    gather = gather_working_bytes(shard, shards, block) if config.quantize_weights else 0
+    compute_bytes = config.mixed_precision.compute_dtype.itemsize  # the gathered buffer's
+    gather = gather_working_bytes(shard, shards, block, 8, compute_bytes) if config.quantize_weights else 0
     if not config.quantize_gradients:
         return gather, 0
     element_bytes, replicas = config.mixed_precision.reduce_dtype.itemsize, settings.world_size // shards

@@ -284,7 +284,7 @@ def test_zero_plus_plus_buffers_are_lines_of_their_own() -> None:
     assert (plain.quantized_gather_bytes, plain.quantized_reduce_bytes) == (0, 0)
     assert both.by_stage == plain.by_stage
     shard = 7_000_000 // 8
-    assert both.quantized_gather_bytes == gather_working_bytes(shard, 8, 128)
+    assert both.quantized_gather_bytes == gather_working_bytes(shard, 8, 128, 8, 2)
     assert both.quantized_reduce_bytes == reduce_working_bytes(shard, 8, None, 128, 4, 2)
     assert both.quantized_reduce_bytes > 8 * 2 * shard // 4  # at least the int4 gradient, sent and arrived
     two_hops = estimate(7_000_000, 8, precision=bf16, quantize_gradients=True, secondary_shard_group_size=4)
@@ -303,7 +303,7 @@ def test_zero_plus_plus_buffers_are_lines_of_their_own() -> None:
     units = count_units(model, shared_config(wrap_policy=Block))
     largest = max(-(-unit.numel // 8) for unit in units)
     by_model = estimate(model, 8, wrap_policy=Block, quantize_weights=True)
-    assert by_model.quantized_gather_bytes == gather_working_bytes(largest, 8, 128)
+    assert by_model.quantized_gather_bytes == gather_working_bytes(largest, 8, 128, 8, 4)
     out = StringIO()
     with redirect_stdout(out):
         main(["--params", "7e6", "--world-size", "8", "--quantize-weights", "true", "--quantize-gradients", "true"])
