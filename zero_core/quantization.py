@@ -77,6 +77,14 @@ def _float_copy(source: torch.Tensor, work: torch.Tensor | None) -> torch.Tensor
     return work[: source.numel()].view(source.shape).copy_(source)
 
 
+def _float_buffer(shape: torch.Size, work: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """A float32 tensor of ``shape`` to write into: the front of ``work`` (a flat float32 buffer at least as
+    long) if given, else a new one."""
+    if work is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    return work[: shape.numel()].view(shape)
+
+
 def _block_extremes(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each block's smallest and largest value (NaN for a block with a NaN: both reductions propagate it).
 
@@ -101,16 +109,20 @@ def quantize(
     in (else one is made). ``values_out``: an int8 tensor of the values' shape to write them into (a packed
     buffer's value bytes, so no int8 copy is made and copied again)."""
     rows = tensor.detach().reshape(tensor.shape if tensor.dim() == 2 else (1, -1))
-    work = _float_copy(rows, work)  # worked on in place
+    # The blocks are read where they are and multiplied into ``work``: the copy into float32 and the multiply
+    # are one pass. The same values as copying first (a float32 copy of any floating value is exact, and the
+    # product is taken in float32 either way); a tensor whose elements are not adjacent is copied first.
+    source = rows if rows.stride(-1) == 1 else _float_copy(rows, work)
+    work = source if source is not rows else _float_buffer(rows.shape, work, rows.device)
     scales = torch.empty(rows.shape[0], blocks_of(rows.shape[-1], block_size), device=rows.device)
-    for blocks, which in _block_views(work, block_size):
+    for (blocks, which), (out, _) in zip(_block_views(source, block_size), _block_views(work, block_size)):
         # amax is NaN for a block with a NaN, inf for one with an inf: dequantized, both give NaN throughout
-        # (inf * 0 is NaN).
-        lowest, highest = _block_extremes(blocks)
+        # (inf * 0 is NaN). In float32 whatever the input's dtype (exact: an extreme is one of the values).
+        lowest, highest = (extreme.float() for extreme in _block_extremes(blocks))
         amax = torch.maximum(-lowest, highest)
         # One multiplier per block (a pass over the elements fewer than dividing each): 0 for a zero block,
         # whose values are all 0 anyway, and for an inf or NaN one, whose values the scale's inf or NaN overrides.
-        blocks.mul_(torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax)))
+        torch.mul(blocks, torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax)), out=out)
         scales[:, which] = amax.squeeze(-1)
     rounded = work.round_().nan_to_num_(0.0, 0.0, 0.0)  # inf * 0 is NaN: to 0 as well
     # The same conversion either way (copy_ into int8 is what .to(torch.int8) runs).
