@@ -115,6 +115,7 @@ def quantize(
     source = rows if rows.stride(-1) == 1 else _float_copy(rows, work)
     work = source if source is not rows else _float_buffer(rows.shape, work, rows.device)
     scales = torch.empty(rows.shape[0], blocks_of(rows.shape[-1], block_size), device=rows.device)
+    multipliers = []
     for (blocks, which), (out, _) in zip(_block_views(source, block_size), _block_views(work, block_size)):
         # amax is NaN for a block with a NaN, inf for one with an inf: dequantized, both give NaN throughout
         # (inf * 0 is NaN). In float32 whatever the input's dtype (exact: an extreme is one of the values).
@@ -122,9 +123,16 @@ def quantize(
         amax = torch.maximum(-lowest, highest)
         # One multiplier per block (a pass over the elements fewer than dividing each): 0 for a zero block,
         # whose values are all 0 anyway, and for an inf or NaN one, whose values the scale's inf or NaN overrides.
-        torch.mul(blocks, torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax)), out=out)
+        multipliers.append(torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax)))
+        torch.mul(blocks, multipliers[-1], out=out)
         scales[:, which] = amax.squeeze(-1)
-    rounded = work.round_().nan_to_num_(0.0, 0.0, 0.0)  # inf * 0 is NaN: to 0 as well
+    rounded = work.round_()
+    # A NaN comes from a NaN or inf value, or from 0 times the inf multiplier of a block whose amax is below
+    # levels / float32's largest (subnormal); inf * 0 is NaN. Each is set to 0. Skipped, one pass fewer, on
+    # the CPU when every scale and multiplier is finite (there is then no NaN to set); on a GPU always run, as
+    # the check would wait for the device.
+    if rows.is_cuda or not (torch.isfinite(scales).all() and all(torch.isfinite(m).all() for m in multipliers)):
+        rounded.nan_to_num_(0.0, 0.0, 0.0)
     # The same conversion either way (copy_ into int8 is what .to(torch.int8) runs).
     values = rounded.to(torch.int8) if values_out is None else values_out.view(rounded.shape).copy_(rounded)
     return Quantized(values, scales, bits) if tensor.dim() == 2 else Quantized(values[0], scales[0], bits)

@@ -81,6 +81,21 @@ def test_a_non_finite_value_makes_its_block_nan_and_leaves_the_others(bad: float
     assert torch.allclose(restored[4:], values[4:], rtol=0, atol=8.0 / levels(bits) / 2)
 
 
+@each_width
+def test_a_block_of_subnormal_values_and_zeros_stays_finite(bits: int) -> None:
+    """A block whose largest magnitude is below levels / float32's largest has an inf multiplier: its zeros
+    (0 * inf is NaN) and its values (inf) are set to 0, so the block comes back as zeros, finite, off by at most
+    its largest magnitude; the next block is untouched."""
+    values = torch.zeros(32)
+    values[1], values[5], values[12] = 1e-44, -3e-45, 7e-45  # float32 subnormals
+    values[16:] = torch.linspace(-1, 1, 16)  # the next block ordinary
+    quantized = quantize(values, 16, bits)
+    assert torch.equal(quantized.values[:16], torch.zeros(16, dtype=torch.int8))
+    restored = round_trip(values, 16, bits=bits)
+    assert torch.isfinite(restored).all() and torch.equal(restored[:16], torch.zeros(16))
+    assert (restored[16:] - values[16:]).abs().max() <= 1 / levels(bits) / 2 + 1e-7
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_in_and_out(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
