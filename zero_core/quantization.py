@@ -109,29 +109,33 @@ def quantize(
     in (else one is made). ``values_out``: an int8 tensor of the values' shape to write them into (a packed
     buffer's value bytes, so no int8 copy is made and copied again)."""
     rows = tensor.detach().reshape(tensor.shape if tensor.dim() == 2 else (1, -1))
-    # The blocks are read where they are and multiplied into ``work``: the copy into float32 and the multiply
-    # are one pass. The same values as copying first (a float32 copy of any floating value is exact, and the
-    # product is taken in float32 either way); a tensor whose elements are not adjacent is copied first.
-    source = rows if rows.stride(-1) == 1 else _float_copy(rows, work)
+    # A float32 input's blocks are read where they are and multiplied into ``work``: the copy and the multiply
+    # are one pass, with the values of copying first. Another dtype is copied into ``work`` first (the CPU's
+    # mixed-dtype multiply would make a float32 copy of its own, beside ``work``), as is a tensor whose
+    # elements are not adjacent.
+    in_place = rows.dtype == torch.float32 and rows.stride(-1) == 1
+    source = rows if in_place else _float_copy(rows, work)
     work = source if source is not rows else _float_buffer(rows.shape, work, rows.device)
     scales = torch.empty(rows.shape[0], blocks_of(rows.shape[-1], block_size), device=rows.device)
-    multipliers = []
+    # On the CPU, whether every scale and multiplier is finite (then nothing can be NaN: see below).
+    all_finite = not rows.is_cuda
     for (blocks, which), (out, _) in zip(_block_views(source, block_size), _block_views(work, block_size)):
         # amax is NaN for a block with a NaN, inf for one with an inf: dequantized, both give NaN throughout
-        # (inf * 0 is NaN). In float32 whatever the input's dtype (exact: an extreme is one of the values).
-        lowest, highest = (extreme.float() for extreme in _block_extremes(blocks))
+        # (inf * 0 is NaN).
+        lowest, highest = _block_extremes(blocks)
         amax = torch.maximum(-lowest, highest)
         # One multiplier per block (a pass over the elements fewer than dividing each): 0 for a zero block,
         # whose values are all 0 anyway, and for an inf or NaN one, whose values the scale's inf or NaN overrides.
-        multipliers.append(torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax)))
-        torch.mul(blocks, multipliers[-1], out=out)
+        multiplier = torch.where(amax > 0, levels(bits) / amax, torch.zeros_like(amax))
+        torch.mul(blocks, multiplier, out=out)
         scales[:, which] = amax.squeeze(-1)
+        all_finite = all_finite and bool(torch.isfinite(amax).all() and torch.isfinite(multiplier).all())
     rounded = work.round_()
     # A NaN comes from a NaN or inf value, or from 0 times the inf multiplier of a block whose amax is below
     # levels / float32's largest (subnormal); inf * 0 is NaN. Each is set to 0. Skipped, one pass fewer, on
     # the CPU when every scale and multiplier is finite (there is then no NaN to set); on a GPU always run, as
     # the check would wait for the device.
-    if rows.is_cuda or not (torch.isfinite(scales).all() and all(torch.isfinite(m).all() for m in multipliers)):
+    if not all_finite:
         rounded.nan_to_num_(0.0, 0.0, 0.0)
     # The same conversion either way (copy_ into int8 is what .to(torch.int8) runs).
     values = rounded.to(torch.int8) if values_out is None else values_out.view(rounded.shape).copy_(rounded)
