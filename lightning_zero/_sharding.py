@@ -53,11 +53,7 @@ def strategy_settings(
 
 def zero_precision(plugin: Any, precision_class: type[PrecisionT]) -> PrecisionT:
     """The strategy's precision plugin read as ``precision_class`` (the default one when none was given)."""
-    return (
-        plugin
-        if isinstance(plugin, precision_class)
-        else as_zero_precision(plugin, precision_class) or precision_class()
-    )
+    return as_zero_precision(plugin, precision_class) or precision_class()
 
 
 def settings_parameters(positional: tuple[str, ...] = ("stage",)) -> list[inspect.Parameter]:

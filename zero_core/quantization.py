@@ -115,7 +115,7 @@ def quantize(
     # elements are not adjacent.
     in_place = rows.dtype == torch.float32 and rows.stride(-1) == 1
     source = rows if in_place else _float_copy(rows, work)
-    work = source if source is not rows else _float_buffer(rows.shape, work, rows.device)
+    work = _float_buffer(rows.shape, work, rows.device) if in_place else source
     scales = torch.empty(rows.shape[0], blocks_of(rows.shape[-1], block_size), device=rows.device)
     # On the CPU, whether every scale and multiplier is finite (then nothing can be NaN: see below).
     all_finite = not rows.is_cuda

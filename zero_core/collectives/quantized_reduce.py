@@ -182,7 +182,7 @@ def _hop_working_bytes(count: int, numel: int, block_size: int, bits: int, total
 
 
 def reduce_working_bytes(
-    piece: int, size: int, secondary: int | None, block_size: int, bits: int, out_element_bytes: int = 4
+    piece: int, size: int, secondary: int | None, block_size: int, bits: int, out_element_bytes: int
 ) -> int:
     """What :func:`reduce_scatter_quantized` over ``size`` ranks into a shard of ``piece`` elements allocates at
     its peak besides its input and output; ``secondary``: the secondary group's size when it runs in two hops;
