@@ -3,6 +3,7 @@ an interval narrow enough to tell a 5% slip from noise.
 
     python benchmarks/compare.py --baseline REV [--contestants zero2 zero3] [--rounds 2 --pairs 8] [--publish]
     python benchmarks/compare.py --reference ddp --contestants zero1 zero2 zero3
+    python benchmarks/compare.py --pool OUT1/record.json OUT2/record.json [--publish]
 
 Why steps, not runs: this machine drifts by 10-30% over minutes (DDP went 6.7 -> 8.4 s in 40 minutes), so two
 runs minutes apart differ by more than the changes we want to see. Here both sides are alive at once, each a
@@ -382,6 +383,51 @@ def compare_sides(sides: tuple[Side, Side], settings: StepSettings) -> dict:
     }
 
 
+def pooled_record(records: list[dict]) -> dict:
+    """Records of one question (the same heading: the same two trees, or the same reference in one tree; the
+    same model, world size, pairs and warm-up) as one record: every round of each contestant, the estimate
+    drawn again from all of them. Rounds are the noise's unit, so more of them narrow the interval however
+    many runs they came from; each round's pairs stay side by side in time, so pooling adds no drift."""
+    keys = ("heading", "size", "world_size", "device", "pairs", "warmup", "pinned")
+    question = {key: records[0][key] for key in keys}
+    for record in records[1:]:
+        differ = [key for key in keys if record[key] != question[key]]
+        if differ:
+            raise ValueError(f"records of different questions cannot be pooled: they differ in {differ}")
+    comparisons = []
+    for name in dict.fromkeys(row["name"] for record in records for row in record["comparisons"]):
+        rows = [row for record in records for row in record["comparisons"] if row["name"] == name]
+        if any("failed" in row for row in rows):
+            comparisons.append({"name": name, "failed": next(row["failed"] for row in rows if "failed" in row)})
+            continue
+        wall_rounds = [pairs for row in rows for pairs in row["wall_rounds"]]
+        cpu_rounds = [pairs for row in rows for pairs in row["cpu_rounds"]]
+        comparisons.append(
+            {
+                "name": name,
+                "wall": vars(ratio_estimate(wall_rounds)),
+                "cpu": vars(ratio_estimate(cpu_rounds)),
+                "round_ratios": [ratio for row in rows for ratio in row["round_ratios"]],
+                "wall_rounds": wall_rounds,
+                "cpu_rounds": cpu_rounds,
+                "median_wall_s": [statistics.median(row["median_wall_s"][side] for row in rows) for side in (0, 1)],
+                "median_cpu_s": [statistics.median(row["median_cpu_s"][side] for row in rows) for side in (0, 1)],
+                "largest_loss_difference": max(row["largest_loss_difference"] for row in rows),
+                "others_cores_mean": statistics.fmean(row["others_cores_mean"] for row in rows),
+            }
+        )
+    return {
+        **question,
+        "heading": f"{question['heading']}, {len(records)} runs pooled",
+        "date": max(record["date"] for record in records),
+        "machine": records[0]["machine"],
+        "rounds": sum(record["rounds"] for record in records),
+        "busy_before": max(record["busy_before"] for record in records),
+        "comparisons": comparisons,
+        "pooled_from": [record["date"] for record in records],
+    }
+
+
 # ------------------------------------------------------------------ the table
 def table_lines(record: dict) -> list[str]:
     """One record's table: a row per comparison."""
@@ -438,6 +484,13 @@ def write_table(records: list[dict], path: Path) -> None:
     path.write_text("\n".join(body))
 
 
+def _publish(record: dict, stamp: str) -> None:
+    RECORDS.mkdir(parents=True, exist_ok=True)
+    (RECORDS / f"{stamp}.json").write_text(json.dumps(record, indent=1))
+    write_table([json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))], TABLE)
+    print(f"wrote {TABLE}")
+
+
 def machine_line() -> str:
     described = machine()  # run_all.py's description of the machine, the one every report uses
     return f"{described['cores']} cores ({described['cpu']})"
@@ -452,6 +505,13 @@ def main() -> None:
     against.add_argument("--baseline", help="a revision: each contestant with its packages against with this tree's")
     against.add_argument(
         "--reference", choices=CONTESTANTS + OFFLOAD_CONTESTANTS, help="a contestant: each one against it, this tree"
+    )
+    against.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="RECORD",
+        help="records (record.json) of one question: their rounds as one estimate (with --publish, a new record)",
     )
     parser.add_argument("--contestants", nargs="+", choices=list(STAGE_OF), default=["zero1", "zero2", "zero3"])
     parser.add_argument("--size", choices=("small", "medium", "large"), default="large")
@@ -469,6 +529,12 @@ def main() -> None:
     if args.table:
         write_table([json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))], TABLE)
         print(f"wrote {TABLE}")
+        return
+    if args.pool:
+        record = pooled_record([json.loads(path.read_text()) for path in args.pool])
+        print("\n".join(table_lines(record)))
+        if args.publish:
+            _publish(record, datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
         return
     if args.pairs < 3:
         parser.error("--pairs: at least 3 pairs (an interval from fewer says nothing)")
@@ -530,10 +596,7 @@ def main() -> None:
     (out / "record.json").write_text(json.dumps(record, indent=1))
     print("\n".join(table_lines(record)))
     if args.publish:
-        RECORDS.mkdir(parents=True, exist_ok=True)
-        (RECORDS / f"{stamp}.json").write_text(json.dumps(record, indent=1))
-        write_table([json.loads(p.read_text()) for p in sorted(RECORDS.glob("*.json"))], TABLE)
-        print(f"wrote {TABLE}")
+        _publish(record, stamp)
     if any("failed" in row for row in comparisons):
         sys.exit(1)
 

@@ -5,8 +5,9 @@
 
 ``record`` runs from a checkout's root (its own ``zero_core`` and ``tests`` are imported) and trains every
 stage x precision (fp32, bf16) x offload_optimizer x offload_params (stage 3) x offload_fraction (1, 0.5) x
-offload_step_in_backward (bf16 with an offloaded optimizer), 3 steps of the tests' tiny transformer each (the
-stage-3 NVMe runs with 2 micro-batches), then resumes a checkpoint of each into another offload mode for one
+offload_step_in_backward (bf16 with an offloaded optimizer), and stage 3's ZeRO++ wires (hpZ alone, and all three
+pieces) in both precisions, 3 steps of the tests' tiny transformer each (the stage-3 NVMe runs with 2
+micro-batches), then resumes a checkpoint of each into another offload mode for one
 step. It saves rank 0's losses and every final full state. ``compare`` says which entries differ: run
 ``record`` in a checkout of the code before and one after (``git worktree add``), then compare.
 """
@@ -19,6 +20,14 @@ import sys
 
 import torch
 
+# The wire's settings by name: exact collectives, hpZ alone, hpZ with quantized weights and gradients. At 2
+# ranks a secondary group of 1 is the only one there is (each rank keeps the whole unit for its backward).
+WIRES = {
+    "exact": {},
+    "hpz": {"secondary_shard_group_size": 1},
+    "zeropp": {"secondary_shard_group_size": 1, "quantize_weights": True, "quantize_gradients": True},
+}
+
 
 def _grid() -> list[tuple]:
     cases = []
@@ -28,7 +37,9 @@ def _grid() -> list[tuple]:
                 for params in ("none", "cpu", "nvme") if stage == 3 else ("none",):
                     for fraction in (1.0, 0.5) if optimizer != "none" else (1.0,):
                         in_backward = (False, True) if optimizer != "none" and precision == "bf16" else (False,)
-                        cases += [(stage, precision, optimizer, params, fraction, b) for b in in_backward]
+                        cases += [(stage, precision, optimizer, params, fraction, b, "exact") for b in in_backward]
+    for precision in ("fp32", "bf16"):
+        cases += [(3, precision, "none", "none", 1.0, False, wire) for wire in ("hpz", "zeropp")]
     return cases
 
 
@@ -45,7 +56,7 @@ def record(out: str, scratch: str) -> None:
     torch.set_num_threads(1)
     os.makedirs(scratch, exist_ok=True)
 
-    def engine_for(stage, precision, optimizer, params, fraction, in_backward):  # type: ignore[no-untyped-def]
+    def engine_for(stage, precision, optimizer, params, fraction, in_backward, wire):  # type: ignore[no-untyped-def]
         torch.manual_seed(0)
         model = TinyTransformer(batchnorm=False)
         bf16 = MixedPrecision(compute_dtype=torch.bfloat16) if precision == "bf16" else None
@@ -56,6 +67,7 @@ def record(out: str, scratch: str) -> None:
             offload_fraction=fraction,
             offload_step_in_backward=in_backward,
             offload_dir=scratch,
+            **WIRES[wire],
         )
         return ZeroEngine(model, make_optimizer("adamw", model), config)
 
@@ -83,7 +95,7 @@ def record(out: str, scratch: str) -> None:
         if case[4] == 1.0 and not case[5]:  # its checkpoint resumed in another offload mode
             path = os.path.join(scratch, "checkpoint")
             engine.save_checkpoint(path)
-            other = engine_for(3, case[1], "cpu" if case[2] == "nvme" else "nvme", "none", 1.0, False)
+            other = engine_for(3, case[1], "cpu" if case[2] == "nvme" else "nvme", "none", 1.0, False, "exact")
             other.load_checkpoint(path)
             more = train(other, range(3, 4))
             results[f"{case} resumed"] = (more, {k: v.clone() for k, v in other.full_state_dict().items()})

@@ -33,9 +33,9 @@ PIECE, BLOCK = 1024, 64  # elements per rank's shard, elements per quantization 
 def _comm(layout: str) -> CommContext:
     comm = CommContext.create(None, torch.device("cpu"))
     if layout == "hybrid":
-        comm.split(2)
+        comm = comm.in_shard_groups(2)
     if layout == "two_hops":
-        comm.split_secondary(2)
+        comm = comm.with_secondary_groups(2)
     return comm
 
 

@@ -8,6 +8,7 @@ start at a floor that quantization cannot reach under by luck.
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ import torch.distributed as dist
 
 from zero_core import MixedPrecision, WrapPolicy, ZeroConfig, ZeroEngine, estimate
 from zero_core.quantization import packed_bytes
+
+from .allocations import peak_allocated_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import gpt  # noqa: E402
@@ -298,15 +301,19 @@ def secondary_shards(rank: int, world_size: int) -> dict[str, Any]:
             _accumulated(Run(mixed_precision=BF16, **base), micro_batches=2),
             _accumulated(Run(mixed_precision=BF16, **settings), micro_batches=2),
         )
-    for name, settings in {"without": {}, "with": {"secondary_shard_group_size": 2}}.items():
+    for name, settings in {
+        "without": {},
+        "with": {"secondary_shard_group_size": 2},
+        "with_k1": {"secondary_shard_group_size": 1},
+    }.items():
         run = Run(mixed_precision=BF16, **settings)
         run.step(0)
         ids = corpus_batch(1, rank)
         before = run.engine.memory_report().parameter_bytes
         loss = gpt.next_token_loss(run.model(ids), ids)
         between = run.engine.memory_report().parameter_bytes
-        with SentByNode(node_size=2) as sent:
-            run.engine.backward(loss)
+        with SentByNode(node_size=2) as sent, tempfile.TemporaryDirectory() as scratch:
+            peak = peak_allocated_bytes(lambda: run.engine.backward(loss), Path(scratch) / "trace.json")
         after = run.engine.memory_report().parameter_bytes
         run.engine.step()
         padded = [report.padded_numel for report in run.engine.unit_reports()]
@@ -319,5 +326,6 @@ def secondary_shards(rank: int, world_size: int) -> dict[str, Any]:
             "pieces": between - before,
             "left_after_backward": after - before,
             "padded": padded,
+            "backward_peak": peak,  # the most bytes the backward allocated at once (the profiler's count)
         }
     return results

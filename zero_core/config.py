@@ -377,13 +377,6 @@ class ZeroConfig:
     def plan(self) -> StagePlan:
         return StagePlan.for_stage(self.stage)
 
-    def unit_plan(self, numel: int) -> StagePlan:
-        """What the stage means for a unit of ``numel`` parameters: a stage-3 unit below
-        ``persistence_threshold`` keeps its full parameters, which is stage 2's plan."""
-        if self.stage == 3 and numel < self.persistence_threshold:
-            return StagePlan.for_stage(2)
-        return self.plan
-
     @property
     def bucket_numel(self) -> int:
         """The bucket size in fp32 elements, the unit of the size-based policy."""

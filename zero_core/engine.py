@@ -23,6 +23,7 @@ from .build import build_parts, model_device
 from .checkpoint import save_and_load
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
+from .engine_plans import EnginePlans
 from .memory.measured import measure_model_state, unit_reports
 from .memory.memory_reports import MemoryReport, UnitReport
 from .mesh import DeviceMesh, engine_comm
@@ -113,9 +114,11 @@ class ZeroEngine:
         if optimizer is not None:
             check_optimizer_supported(optimizer)
         self.model = model
-        comm = engine_comm(model, config, process_group, device_mesh, model_device(model, device))
+        plans = EnginePlans.of(config)
+        tensor_parallel_size = plans.groups.tensor_parallel_size
+        comm = engine_comm(model, tensor_parallel_size, process_group, device_mesh, model_device(model, device))
         # The runtime holds the engine: alive while the model's hooks are (the registry holds it weakly).
-        self._parts = parts = build_parts(model, config, optimizer, comm, param_init_fn, owner=self)
+        self._parts = parts = build_parts(model, plans, config, optimizer, comm, param_init_fn, owner=self)
         self._units, self._runtime, self._loss_scaler = parts.units, parts.runtime, parts.loss_scaler
         self._optimizer, self._optimizer_step = parts.optimizer, parts.optimizer_step
         if optimizer is not None:

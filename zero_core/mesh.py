@@ -9,6 +9,7 @@ plain data parallelism over its ranks.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 import torch
@@ -18,7 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from .collectives import CommContext
-from .config import ZeroConfig
 from .unit.dtensor_params import check_supported
 
 DATA_PARALLEL = "data_parallel"
@@ -57,7 +57,7 @@ def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str | None = No
 
 def engine_comm(
     model: nn.Module,
-    config: ZeroConfig,
+    tensor_parallel_size: int,
     process_group: dist.ProcessGroup | None,
     device_mesh: DeviceMesh | None,
     device: torch.device,
@@ -65,8 +65,8 @@ def engine_comm(
     """Where an engine's collectives run: the process group, or the mesh (data-parallel × tensor-parallel)."""
     if device_mesh is not None:
         check_mesh(device_mesh)
-    check_tensor_parallel_size(device_mesh, config)
-    check_model_on_mesh(model, device_mesh, config)
+    check_tensor_parallel_size(device_mesh, tensor_parallel_size)
+    check_model_on_mesh(model, device_mesh)
     if device_mesh is None:
         return CommContext.create(process_group, device)
     if process_group is not None:
@@ -90,10 +90,9 @@ def check_mesh(mesh: DeviceMesh) -> None:
         )
 
 
-def check_tensor_parallel_size(mesh: DeviceMesh | None, config: ZeroConfig) -> None:
+def check_tensor_parallel_size(mesh: DeviceMesh | None, size: int) -> None:
     """``tensor_parallel_size`` (1, the default: as the mesh says) must be the mesh's: the model was split
     before the engine saw it, so the engine cannot split it itself."""
-    size = config.tensor_parallel_size
     mesh_size = mesh[TENSOR_PARALLEL].size() if mesh is not None and mesh.ndim == 2 else 1
     if size > 1 and size != mesh_size:
         raise ValueError(
@@ -108,14 +107,16 @@ def comm_for_mesh(mesh: DeviceMesh, device: torch.device) -> CommContext:
     """Collectives over the mesh's data-parallel ranks; norms and agreements also span the tensor-parallel ones."""
     if mesh.ndim == 1:
         return CommContext.create(mesh.get_group(), device)
-    comm = CommContext.create(mesh[DATA_PARALLEL].get_group(), device)
     tp = mesh[TENSOR_PARALLEL]
-    comm.tensor_parallel_group = tp.get_group()
-    comm.tensor_parallel_rank, comm.tensor_parallel_size = tp.get_local_rank(), tp.size()
     # Hybrid sharding splits every data-parallel group alike (each is one column of the mesh).
     ranks = mesh.mesh if mesh.mesh_dim_names[0] == DATA_PARALLEL else mesh.mesh.T
-    comm.data_parallel_groups = tuple(tuple(column.tolist()) for column in ranks.T)
-    return comm
+    return dataclasses.replace(
+        CommContext.create(mesh[DATA_PARALLEL].get_group(), device),
+        tensor_parallel_group=tp.get_group(),
+        tensor_parallel_rank=tp.get_local_rank(),
+        tensor_parallel_size=tp.size(),
+        data_parallel_groups=tuple(tuple(column.tolist()) for column in ranks.T),
+    )
 
 
 def spanning_every_rank(comm: CommContext) -> CommContext:
@@ -124,12 +125,10 @@ def spanning_every_rank(comm: CommContext) -> CommContext:
     into one checkpoint); the units keep their data-parallel context."""
     if comm.tensor_parallel_size == 1:
         return comm
-    world = CommContext.create(None, comm.device)
-    world.position = comm.position
-    return world
+    return CommContext.create(None, comm.device, comm.progress)
 
 
-def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None, config: ZeroConfig) -> None:
+def check_model_on_mesh(model: nn.Module, mesh: DeviceMesh | None) -> None:
     """A model with DTensor parameters needs the mesh they live on, and what this mesh supports; refused
     before any collective, alike on every rank (every rank built the same model)."""
     dtensors = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]

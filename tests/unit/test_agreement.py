@@ -88,7 +88,7 @@ def test_values_that_must_agree_are_checked_in_the_same_call(monkeypatch: pytest
 
 # ------------------------------------------------------------------ agree_on_step
 def _unit(has_grad: list[bool], shard: torch.Tensor | None = None) -> SimpleNamespace:
-    return SimpleNamespace(slot_has_grad=has_grad, sharded_grads=shard)
+    return SimpleNamespace(grads=SimpleNamespace(slot_has_grad=has_grad, sharded_grads=shard))
 
 
 def test_step_agreement_ors_gradient_flags_and_finds_an_overflow_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,7 +11,7 @@ import pytest
 from tests.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from compare import abba_order, ratio_estimate  # noqa: E402
+from compare import abba_order, pooled_record, ratio_estimate  # noqa: E402
 
 
 def test_the_sides_alternate_which_goes_first_pair_by_pair() -> None:
@@ -51,6 +51,47 @@ def test_a_round_whose_processes_were_slow_throughout_widens_the_interval() -> N
     assert apart.ratio == pytest.approx(pooled.ratio)
     assert apart.low < 1.01 and apart.high > 1.09
     assert apart.high - apart.low > pooled.high - pooled.low
+
+
+def _record(heading: str, rounds: list[list[float]], pairs: int = 3) -> dict:
+    row = {
+        "name": "zero3",
+        "wall_rounds": rounds,
+        "cpu_rounds": rounds,
+        "round_ratios": [ratio_estimate([pairs_]).ratio for pairs_ in rounds],
+        "median_wall_s": [4.0, 4.1],
+        "median_cpu_s": [7.9, 8.0],
+        "largest_loss_difference": 0.0,
+        "others_cores_mean": 0.05,
+    }
+    question = {"size": "large", "world_size": 2, "device": "cpu", "pairs": pairs, "warmup": 2, "pinned": True}
+    return {
+        "heading": heading,
+        **question,
+        "date": "2026-12-03T08:00:00",
+        "machine": "2 cores",
+        "rounds": len(rounds),
+        "busy_before": 0.01,
+        "comparisons": [row],
+    }
+
+
+def test_records_of_one_question_pool_their_rounds_into_one_narrower_estimate() -> None:
+    """Two runs of the same two trees: the pooled estimate is the one drawn from all their rounds at once,
+    narrower than either run's; runs of another question are refused, not averaged in."""
+    noise = random.Random(2)
+    rounds = [[1.02 * math.exp(noise.gauss(0, 0.06))] * 3 for _ in range(40)]
+    first, second = _record("this tree (abc) over def", rounds[:20]), _record("this tree (abc) over def", rounds[20:])
+    pooled = pooled_record([first, second])
+    row = pooled["comparisons"][0]
+    assert row["wall"] == vars(ratio_estimate(rounds))
+    assert pooled["rounds"] == 40 and len(row["round_ratios"]) == 40
+    alone = ratio_estimate(rounds[:20])
+    assert row["wall"]["high"] - row["wall"]["low"] < alone.high - alone.low
+    with pytest.raises(ValueError, match="different questions"):
+        pooled_record([first, _record("this tree (abc) over ghi", rounds[:5])])
+    with pytest.raises(ValueError, match="pairs"):
+        pooled_record([first, _record("this tree (abc) over def", rounds[:5], pairs=4)])
 
 
 @pytest.mark.parametrize("bad", [[], [[]], [[1.0], []], [[1.0, 0.0]], [[1.0, float("nan")]], [[-1.0]]])

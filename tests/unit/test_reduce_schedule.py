@@ -20,6 +20,7 @@ class FakeUnit:
 
     def __init__(self, index: int, log: list[tuple[str, int]], trainable: bool = True, reduces: bool = True):
         self.index, self.log, self.trainable, self.reduces = index, log, trainable, reduces
+        self.grads = self  # the schedule waits through the unit's gradients part: here the unit itself
 
     def start_reduce(self) -> FakePending | None:
         self.log.append(("start", self.index))

@@ -38,12 +38,12 @@ def agree_on_step(
     whether they differ, for the caller to explain in detail.
     """
     checks = checks or {}
-    flags = [float(flag) for u in units for flag in u.slot_has_grad]
+    flags = [float(flag) for u in units for flag in u.grads.slot_has_grad]
     check_values = list(checks.values())
     flags += with_negations(check_values)
     values = list(counters.values())
     tensor = torch.tensor([0.0, *flags, *with_negations(values)], dtype=torch.float64, device=comm.device)
-    shards = [u.sharded_grads for u in units if u.sharded_grads is not None] if check_finite else []
+    shards = [u.grads.sharded_grads for u in units if u.grads.sharded_grads is not None] if check_finite else []
     if shards:
         # On the device, into the all-reduced tensor: no host synchronisation per shard.
         tensor[0] = torch.stack([~torch.isfinite(shard).all() for shard in shards]).any().to(tensor.dtype)
@@ -63,7 +63,7 @@ def agree_on_step(
         )
     agreed, offset = [], 1
     for unit in units:
-        n = len(unit.slot_has_grad)
+        n = len(unit.grads.slot_has_grad)
         agreed.append([bool(x) for x in reduced[offset : offset + n]])
         offset += n
     n = len(check_values)

@@ -110,7 +110,7 @@ def _read(view: ShardedModel, saved: Any, where: str) -> LoadedOptimizer:
     if misshaped:
         raise mismatch_error(f"{where}'s optimizer state does not fit this model", [], [], misshaped)
     installs = [
-        (master, key, _local_value(master, key, value, unit.resting_master.device))
+        (master, key, _local_value(master, key, value, unit.storage.resting_master.device))
         for unit in view.units
         for master in unit.master_pieces
         for key, value in state.get(master.piece.slot.fqns[0], {}).items()

@@ -111,7 +111,7 @@ def _read_weights(
 ) -> LoadedWeights:
     tensors = open_source(source)
     names = _resolve_names(view, tensors, strict)
-    shards = [unit.master_shard.clone() for unit in view.units]
+    shards = [unit.storage.master_shard.clone() for unit in view.units]
     for unit, shard in zip(view.units, shards):
         for piece in unit.layout.pieces(view.rank):
             name = names.get(piece.slot.fqns[0])

@@ -167,7 +167,7 @@ def _read(
     shards = None
     if load_model:
         # Padding keeps its values; a master the NVMe tier keeps in its file is loaded apart (None here).
-        shards = [None if is_staged(staging, unit) else unit.master_shard.clone() for unit in view.units]
+        shards = [None if is_staged(staging, unit) else unit.storage.master_shard.clone() for unit in view.units]
         state[MODEL_KEY] = sharded_model_state_dict(view.model, view.units, view.rank, shards, copy_buffers=True)
     installs: list = []
     if load_optimizer:

@@ -123,7 +123,7 @@ def _into_flat(
 ) -> Callable[[MasterPiece, str, torch.dtype], torch.Tensor]:
     """Where a piece's per-element state is loaded: its place in one flat buffer per key, laid out like the unit's
     master shard (as the tier keeps it)."""
-    numel = unit.resting_master.numel()
+    numel = unit.storage.resting_master.numel()
 
     def place(master: MasterPiece, key: str, dtype: torch.dtype) -> torch.Tensor:
         buffer = flat.setdefault(key, torch.zeros(numel, dtype=dtype))

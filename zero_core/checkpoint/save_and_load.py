@@ -251,7 +251,7 @@ def _install_weights(target: CheckpointTarget, weights: LoadedWeights) -> None:
     target.discard_grads()
     for unit, shard in zip(target.units, weights.master_shards):
         if shard is not None:  # None: the NVMe tier's file has it (NvmeLoad.install)
-            unit.load_master_shard(shard)
+            unit.storage.load_master_shard(shard)
     live = target.model.state_dict(keep_vars=True)
     for key, value in weights.buffers.items():
         live[key].detach().copy_(value)

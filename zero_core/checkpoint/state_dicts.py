@@ -42,7 +42,7 @@ def _local_chunks(shard: torch.Tensor, slot: ParamSlot, piece: ShardPiece | None
 
 def _resting_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None, resting: NvmeSaveReads) -> ShardedChunks:
     """A piece of a master that may rest in the NVMe tier's file: read (a unit at a time) when DCP asks."""
-    master = unit.resting_master
+    master = unit.storage.resting_master
     if piece is None:
         return slot_chunks(slot, master.new_empty(0), 0)
     span = slice(piece.shard_start, piece.shard_start + piece.numel)
@@ -76,7 +76,7 @@ def sharded_model_state_dict(
             if shard is None:
                 continue  # left out
         elif resting is None or not unit.master_rests_on_disk:
-            shard = unit.master_shard  # once per unit: it may read the tier back
+            shard = unit.storage.master_shard  # once per unit: it may read the tier back
         piece_of = {piece.slot.index: piece for piece in unit.layout.pieces(rank)}
         for slot, param in zip(unit.layout.slots, unit.params):
             piece = piece_of.get(slot.index)
@@ -177,7 +177,7 @@ def optimizer_load_targets(
                     if per_element is not None:
                         local = per_element(master, key, dtype)
                     else:
-                        local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.resting_master.device)
+                        local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.storage.resting_master.device)
                     target: torch.Tensor = slot_chunks(slot, local, master.piece.param_start)
                 else:
                     local = target = torch.zeros(entry.size, dtype=dtype)

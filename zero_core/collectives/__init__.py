@@ -20,7 +20,7 @@ groups (between the ranks holding the same shard), and agreements, buffer
 broadcasts and checkpoints span every rank.
 """
 
-from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommContext, Position
+from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommContext, Position, TrainingProgress
 from .handle import Handle
 from .meetings import RanksDivergedError, meeting
 from .ops import all_gather, all_gather_objects, all_reduce, broadcast, reduce_scatter
@@ -43,6 +43,7 @@ __all__ = [
     "CommStats",
     "Handle",
     "Position",
+    "TrainingProgress",
     "RanksDivergedError",
     "Span",
     "all_gather",

@@ -3,8 +3,8 @@ subgroups, and how a collective that did not complete is named."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -54,8 +54,18 @@ class Position(NamedTuple):
     optimizer_step: int
 
 
-def _nowhere() -> Position:
-    return Position("setup", 0)
+@dataclass
+class TrainingProgress:
+    """Where training is, for the message of a collective that fails: one per engine, made with its comm and
+    given to the parts that move it. The pass state (``passes/state.py``) writes ``phase`` at each of its
+    transitions; the optimizer step counts ``steps`` here (the one count: checkpoints save it, a resume sets
+    it). A comm outside an engine stays at the setup."""
+
+    phase: str = "setup"
+    steps: int = 0  # optimizer steps applied (overflow-skipped ones not counted)
+
+    def position(self) -> Position:
+        return Position(self.phase, self.steps)
 
 
 Subgroups = list[tuple[tuple[int, ...], dist.ProcessGroup]]  # (global ranks, their group)
@@ -108,7 +118,7 @@ class CommContext:
 
     ``group``/``rank``/``world_size`` are every rank training together;
     ``shard_*`` the ranks this rank shards model states with (all of them,
-    unless hybrid sharding split them into groups, see :meth:`split`).
+    unless hybrid sharding split them into groups, see :meth:`in_shard_groups`).
     """
 
     group: dist.ProcessGroup | None
@@ -120,8 +130,8 @@ class CommContext:
     # CUDA only: collectives run on their own streams, ordered with events.
     all_gather_stream: torch.cuda.Stream | None = None
     reduce_scatter_stream: torch.cuda.Stream | None = None
-    # Set by the engine: the phase and step that failure messages name.
-    position: Callable[[], Position] = _nowhere
+    # The phase and step that failure messages name, moved by the engine's pass state and optimizer step.
+    progress: TrainingProgress = field(default_factory=TrainingProgress)
     shard_group: dist.ProcessGroup | None = None
     shard_rank: int = 0
     shard_size: int = 1
@@ -136,7 +146,7 @@ class CommContext:
     # sharding splits alike; None: ``group`` is the whole world.
     data_parallel_groups: tuple[tuple[int, ...], ...] | None = None
     # hpZ (ZeRO++): the consecutive ranks of the shard group that keep a unit's pieces between its forward
-    # and its backward (``split_secondary``); size 1: every rank keeps the whole unit.
+    # and its backward (``with_secondary_groups``); size 1: every rank keeps the whole unit.
     secondary_group: dist.ProcessGroup | None = None
     secondary_size: int = 1
     # qgZ's second hop (ZeRO++): the ranks at this rank's place in each secondary group of the shard group.
@@ -144,8 +154,11 @@ class CommContext:
     across_secondary_group: dist.ProcessGroup | None = None
 
     @classmethod
-    def create(cls, group: dist.ProcessGroup | None, device: torch.device) -> "CommContext":
-        """Every rank of ``group`` (default: the world) in one shard group; :meth:`split` divides it."""
+    def create(
+        cls, group: dist.ProcessGroup | None, device: torch.device, progress: TrainingProgress | None = None
+    ) -> "CommContext":
+        """Every rank of ``group`` (default: the world) in one shard group; :meth:`in_shard_groups` divides it.
+        ``progress``: another comm's, when both serve one engine (its messages name the same step)."""
         backend = "gloo"
         if dist.is_available() and dist.is_initialized():
             rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -168,24 +181,33 @@ class CommContext:
             shard_group=group,
             shard_rank=rank,
             shard_size=world_size,
+            progress=progress if progress is not None else TrainingProgress(),
         )
 
-    def split(self, shard_group_size: int) -> None:
-        """Hybrid sharding: shard inside groups of ``shard_group_size`` consecutive ranks
-        (a node, as torchrun numbers ranks), replicate across them. Every rank calls it
-        with the same size (the setup agreement compared it). On a 2-D mesh each
-        data-parallel group is split alike."""
+    def in_shard_groups(self, shard_group_size: int) -> CommContext:
+        """Hybrid sharding: this context, sharding inside groups of ``shard_group_size`` consecutive ranks
+        (a node, as torchrun numbers ranks) and replicating across them. Every rank calls it with the same
+        size (the setup agreement compared it). On a 2-D mesh each data-parallel group is split alike. A new
+        context: the one it is made from stays as it was (the setup's agreement ran on it)."""
         size = shard_group_size
         if size == self.world_size:
-            return
+            return self
         if size > self.world_size or self.world_size % size:
             raise ValueError(
                 f"ZeroConfig.shard_group_size={size} must divide the number of ranks ({self.world_size}): "
                 "use the number of devices per node, or leave it unset to shard across every rank."
             )
-        groups = self._consecutive_groups(size, "shard_group_size", "hybrid sharding makes its own groups")
-        self.shard_group, self.replicate_group = groups
-        self.shard_rank, self.shard_size, self.replicas = self.rank % size, size, self.world_size // size
+        shard_group, replicate_group = self._consecutive_groups(
+            size, "shard_group_size", "hybrid sharding makes its own groups"
+        )
+        return dataclasses.replace(
+            self,
+            shard_group=shard_group,
+            replicate_group=replicate_group,
+            shard_rank=self.rank % size,
+            shard_size=size,
+            replicas=self.world_size // size,
+        )
 
     def _consecutive_groups(self, size: int, setting: str, whose: str) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
         """This rank's group of ``size`` consecutive ranks and the group of the ranks at its place in the
@@ -209,21 +231,20 @@ class CommContext:
         consecutive, replicate = (next(g for ranks, g in groups if me in ranks) for groups in _SUBGROUPS[key])
         return consecutive, replicate
 
-    def split_secondary(self, size: int) -> None:
-        """hpZ: groups of ``size`` consecutive ranks inside each shard group, made by every rank alike (after
-        :meth:`split`, with the agreed size)."""
+    def with_secondary_groups(self, size: int) -> CommContext:
+        """hpZ: this context with groups of ``size`` consecutive ranks inside each shard group, made by every
+        rank alike (after :meth:`in_shard_groups`, with the agreed size); a new context, as there."""
         if size >= self.shard_size or self.shard_size % size:
             raise ValueError(
                 f"ZeroConfig.secondary_shard_group_size={size} must divide the ranks of a shard group "
                 f"({self.shard_size}) and be smaller: use the devices per node (or fewer), or leave it unset."
             )
-        self.secondary_size = size
         if size == 1:
-            return  # each rank keeps the whole unit: no group
+            return dataclasses.replace(self, secondary_size=1)  # each rank keeps the whole unit: no group
         groups = self._consecutive_groups(size, "secondary_shard_group_size", "the secondary groups are made")
-        self.secondary_group = groups[0]
-        if self.replicas == 1:  # the ranks at one place in each group: inside the shard group only then
-            self.across_secondary_group = groups[1]
+        # The ranks at one place in each group (qgZ's second hop): inside the shard group only then.
+        across = groups[1] if self.replicas == 1 else None
+        return dataclasses.replace(self, secondary_size=size, secondary_group=groups[0], across_secondary_group=across)
 
     def span(self, span: "Span") -> tuple[dist.ProcessGroup | None, int]:
         """The process group and its size that ``span`` names, from this rank."""

@@ -94,7 +94,7 @@ class Handle:
 
 
 def _label(comm: CommContext, kind: CollectiveKind, what: str) -> CollectiveLabel:
-    return CollectiveLabel(kind, what, comm.position())
+    return CollectiveLabel(kind, what, comm.progress.position())
 
 
 def _handle(

@@ -23,10 +23,10 @@ def unit_reports(units: Sequence[FlatUnit], plan: StagePlan) -> list[UnitReport]
             trainable_numel=sum(s.numel for s, p in zip(unit.layout.slots, unit.params) if p.requires_grad),
             padded_numel=unit.layout.padded_numel,
             persistent=unit.stage_plan != plan,
-            refreshing=unit.refreshing,
+            refreshing=unit.storage.refreshing,
             offloaded=unit.offloaded,
-            params_offloaded=unit.params_offloaded,
-            shard_numel=unit.resting_master.numel(),
+            params_offloaded=unit.storage.params_offloaded,
+            shard_numel=unit.storage.resting_master.numel(),
             trainable_shard_numel=sum(
                 m.piece.numel for m in unit.master_pieces if unit.params[m.piece.slot.index].requires_grad
             ),
@@ -66,10 +66,10 @@ def measure_model_state(
     ``.grad`` and the optimizer's state really keep alive, not what the formulas expect."""
     counter = StorageCounter()
     params = counter.count(
-        [u.gathered_params for u in units]
-        + [u.compute_shard for u in units]
-        + [u.host_shard for u in units]
-        + [u.secondary_piece for u in units]  # hpZ: between a unit's forward and its backward
+        [u.storage.gathered_params for u in units]
+        + [u.storage.compute_shard for u in units]
+        + [u.storage.host_shard for u in units]
+        + [u.storage.secondary_piece for u in units]  # hpZ: between a unit's forward and its backward
     )
     grads = counter.count(
         [grad for u in units for grad in u.grads.tensors()]
@@ -84,21 +84,21 @@ def measure_model_state(
         return [value for key in keys for value in optimizer_state[key].values() if isinstance(value, torch.Tensor)]
 
     # The masters as they rest (nothing read back): with the NVMe optimizer tier their files may hold them.
-    optimizer_bytes = counter.count([u.resting_master for u in units] + state_of())
+    optimizer_bytes = counter.count([u.storage.resting_master for u in units] + state_of())
     offloaded = [u for u in units if u.offloaded]
     # The master shard by its own bytes (on a CPU device it can be a slice of the full parameters' storage),
     # while in memory. offload_params: the parameter shards at rest, unless one is an offloaded master itself
     # (counted already); with "nvme" only while in memory (read for a gather, or waiting for its write).
-    on_host = sum(_bytes_in_memory(u.resting_master) for u in offloaded)
-    masters_on_host = {u.resting_master.untyped_storage().data_ptr() for u in offloaded}
+    on_host = sum(_bytes_in_memory(u.storage.resting_master) for u in offloaded)
+    masters_on_host = {u.storage.resting_master.untyped_storage().data_ptr() for u in offloaded}
     on_host += sum(
-        _bytes_in_memory(u.host_shard)
+        _bytes_in_memory(u.storage.host_shard)
         for u in units
-        if u.host_shard is not None and u.host_shard.untyped_storage().data_ptr() not in masters_on_host
+        if u.storage.host_shard is not None and u.storage.host_shard.untyped_storage().data_ptr() not in masters_on_host
     )
     on_host += StorageCounter().count(
         [u.host_grads for u in offloaded] + state_of(m.param for u in offloaded for m in u.master_pieces)
     )
-    nvme_bytes += sum(u.param_bytes_on_disk for u in units)  # offload_params="nvme"
+    nvme_bytes += sum(u.storage.bytes_on_disk for u in units)  # offload_params="nvme"
     in_flight = counter.count(buffer for u in units for buffer in u.wire_buffers)
     return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host, communication_bytes=in_flight)

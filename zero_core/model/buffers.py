@@ -78,8 +78,11 @@ class BufferSync(PassListener):
             broadcast_buffers(self.model, self.comm)
 
 
-def floating_inputs_cast(dtype: torch.dtype) -> Callable[[tuple, dict], tuple[tuple, dict]]:
-    """Floating inputs of every unit arrive in the compute dtype (as FSDP2's cast_forward_inputs)."""
+def floating_inputs_cast(dtype: torch.dtype) -> Callable[[tuple, dict], tuple[tuple, dict]] | None:
+    """Floating inputs of every unit arrive in the compute dtype (as FSDP2's cast_forward_inputs); None in
+    fp32, which casts nothing."""
+    if dtype == torch.float32:
+        return None
 
     def cast_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         cast = lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x  # noqa: E731

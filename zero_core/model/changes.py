@@ -108,7 +108,9 @@ class RegisteredParameters(PassListener):
                 dtype = unit.precision.compute_dtype
                 # Where each parameter's data must start; at rest (stage 3) the guard keeps data from
                 # changing. The buffer exists while gathering too (a prefetch, a stages-1/2 refresh).
-                base = unit.gathered_params.data_ptr() if unit.state is not StorageState.SHARDED else None
+                base = (
+                    unit.storage.gathered_params.data_ptr() if unit.storage.state is not StorageState.SHARDED else None
+                )
                 for entry, offset in entries:
                     param = entry.param
                     if (

@@ -35,10 +35,10 @@ def gathered_parameters(units: list[FlatUnit], runtime: PassControl, writeback: 
     """Inside, the parameters of ``units`` are views of full fp32 master values (every rank enters)."""
     with meeting(of_units("gathered_parameters()", units)):
         runtime.quiesce()  # the parameters' data is swapped below: no all-gather may still write it
-        fulls = [unit.gather_full_master() for unit in units]
+        fulls = [unit.storage.gather_full_master() for unit in units]
     saved: list[tuple[nn.Parameter, torch.Tensor]] = []
     for unit, full in zip(units, fulls):
-        unit.set_guard(False)
+        unit.guard.guard(False)
         for param, view in zip(unit.params, unit.full_param_views(full)):
             saved.append((param, local_values(param)))
             point_at(param, view)
@@ -49,10 +49,10 @@ def gathered_parameters(units: list[FlatUnit], runtime: PassControl, writeback: 
         for param, data in saved:
             point_at(param, data)
         for unit in units:
-            unit.set_guard(unit.state is StorageState.SHARDED)
+            unit.guard.guard(unit.storage.state is StorageState.SHARDED)
         if writeback:
             for unit, full in zip(units, fulls):
-                unit.load_full_master(full)
+                unit.storage.load_full_master(full)
 
 
 def full_state_dict(
@@ -64,7 +64,7 @@ def full_state_dict(
     with meeting("full_state_dict()"):
         sync_buffers()
         for unit in units:
-            full = unit.gather_full_master()
+            full = unit.storage.gather_full_master()
             for param, view in zip(unit.params, unit.full_param_views(full)):
                 # Tensor parallelism: the whole parameter from every tensor-parallel rank's piece; each
                 # of them takes part in that gather, kept or not.
@@ -92,9 +92,9 @@ def unshard(units: list[FlatUnit]) -> None:
 
 def _unshard(units: list[FlatUnit]) -> None:
     for unit in units:
-        unit.stop_guarding()
-        full = unit.gather_full_master()
+        unit.guard.stop_guarding()
+        full = unit.storage.gather_full_master()
         for param, view in zip(unit.params, unit.full_param_views(full)):
             point_at(param, view.clone())
             param.grad = None
-        unit.reshard()
+        unit.storage.reshard()

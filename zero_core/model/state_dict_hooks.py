@@ -80,7 +80,7 @@ class StateDictHooks(PassListener):
             self.runtime.quiesce()
             self.sync_buffers()
             for unit in units:
-                full = unit.gather_full_master()
+                full = unit.storage.gather_full_master()
                 exported = {
                     # A tensor-parallel parameter exports as a DTensor, as the unsharded model's state_dict() does.
                     i: exported_copy(param, view)

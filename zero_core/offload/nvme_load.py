@@ -126,15 +126,15 @@ class NvmeLoad:
             dtypes = [buffer.dtype for buffer in state.buffers.values()]
         # The master: in the unit's staged file where it rests in the unit's file, else, if loaded, in its own.
         with_master = state.master is not None or load_model
-        return unit.resting_master.numel() * (
-            with_master * unit.resting_master.element_size() + sum(d.itemsize for d in dtypes)
+        return unit.storage.resting_master.numel() * (
+            with_master * unit.storage.resting_master.element_size() + sum(d.itemsize for d in dtypes)
         )
 
     def current_master(self, unit: UnitInFiles) -> torch.Tensor:
         """A copy of the unit's master as it is now (a load fills the pieces it holds; the padding keeps its values)."""
         resting = self.tier.states[unit.index].master
         if resting is None:  # in memory: the parameters' own
-            return unit.master_shard.clone()
+            return unit.storage.master_shard.clone()
         master = self._current(unit, "master")["master"]
         return master.clone() if master is resting else master  # one read from a file is a copy already
 
@@ -176,7 +176,7 @@ class NvmeLoad:
         staged = self.units.get(index)
         if staged is not None:
             with_master = tier.states[index].master is not None
-            return read_part(staged.path, unit.resting_master.numel(), with_master, staged.dtypes, part)
+            return read_part(staged.path, unit.storage.resting_master.numel(), with_master, staged.dtypes, part)
         read = tier.read_resting(index, part)
         if read is not None:
             return read
@@ -206,7 +206,7 @@ class NvmeLoad:
             os.replace(staged.path, state.path)
             if staged.loaded_state:
                 assert optimizer is not None
-                numel = unit.resting_master.numel()
+                numel = unit.storage.resting_master.numel()
                 # Untouched memory, freed below (views need a storage with bytes when they are made).
                 state.buffers = {key: torch.empty(numel, dtype=dtype) for key, dtype in staged.dtypes.items()}
                 for piece, key in staged.pieces:
@@ -215,7 +215,7 @@ class NvmeLoad:
             if staged.loaded_master:
                 self._take_loaded_master(staged, unit)
             else:  # the weights did not change: the compute copy holds the master's values (not read back)
-                unit.compute_copy_current = True
+                unit.storage.compute_copy_current = True
             for tensor in state.tensors:
                 if has_bytes(tensor):
                     free(tensor)  # the file holds the values now
@@ -226,11 +226,11 @@ class NvmeLoad:
     def _take_loaded_master(self, staged: _StagedUnit, unit: UnitInFiles) -> None:
         # Both files start with the master: the unit's (in place now) where it rests there, else its own.
         path = staged.master_path or self.tier.states[unit.index].path
-        master = read_part(path, unit.resting_master.numel(), True, {}, "master")["master"]
+        master = read_part(path, unit.storage.resting_master.numel(), True, {}, "master")["master"]
         if staged.master_path is None:  # it rests on disk: the compute copy takes it
-            unit.copy_master_to_compute(master)
+            unit.storage.copy_master_to_compute(master)
         else:
-            unit.load_master_shard(master)
+            unit.storage.load_master_shard(master)
 
     def discard(self) -> None:
         """The load failed (on some rank): the staged files go (a partly written one too), and nothing of the

@@ -26,7 +26,7 @@ class NvmeSaveReads:
     def master(self, unit: UnitInFiles) -> torch.Tensor:
         """The unit's fp32 master shard, as it is now (from its file when it rests there)."""
         read = self._read(unit.index, "master")
-        return unit.resting_master if read is None else read["master"]
+        return unit.storage.resting_master if read is None else read["master"]
 
     def state_key(self, unit: UnitInFiles, value: torch.Tensor) -> str | None:
         """The key of the tier's buffer that ``value`` (an optimizer-state tensor of the unit) is a view of;

@@ -97,7 +97,7 @@ class StateFiles(FileTier):
             self.offloaded.add(unit.index)
         if unit.offload.master_in_file:
             state = self.states[unit.index]
-            state.master = unit.resting_master
+            state.master = unit.storage.resting_master
             if succeeded(self.submit(state.write), self._setup_failures):
                 state.free()
                 release_freed_memory()
@@ -190,7 +190,7 @@ class StateFiles(FileTier):
         unit = self.units[index]
         if state.buffers and all(self._is_view_of(state, optimizer, m) for m in unit.master_pieces):
             return
-        numel = unit.resting_master.numel()
+        numel = unit.storage.resting_master.numel()
         buffers: dict[str, torch.Tensor] = {}
         for master in unit.master_pieces:
             piece = master.piece
@@ -236,7 +236,7 @@ class StateFiles(FileTier):
             return None
         state = self.states[index]
         return read_part(
-            state.path, self.units[index].resting_master.numel(), state.master is not None, state.dtypes, part
+            state.path, self.units[index].storage.resting_master.numel(), state.master is not None, state.dtypes, part
         )
 
     def forget(self) -> None:
@@ -296,13 +296,13 @@ class UnitWalk:
                 tier.states[index].free()
                 release_freed_memory()
             return
-        tier.units[index].compute_copy_current = False  # until the copy below, after this step
+        tier.units[index].storage.compute_copy_current = False  # until the copy below, after this step
         step()
         self.stepped.add(index)
         if index in tier.offloaded:
             tier.adopt(index, self.optimizer)
             if tier.states[index].master is not None:  # the new master goes to disk: the compute copy takes it now
-                tier.units[index].copy_master_to_compute()
+                tier.units[index].storage.copy_master_to_compute()
             self.writes[index] = tier.submit(tier.states[index].write)
 
     def drain(self, keep: int) -> None:

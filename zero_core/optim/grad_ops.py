@@ -24,11 +24,11 @@ Selection = frozenset[tuple[int, int]]
 def _shards(units: list[FlatUnit], selected: Selection | None = None) -> list[torch.Tensor]:
     """This rank's gradient shards, or (``selected``) the slices of them that hold the selected parameters."""
     if selected is None:
-        return [u.sharded_grads for u in units if u.sharded_grads is not None]
+        return [u.grads.sharded_grads for u in units if u.grads.sharded_grads is not None]
     return [
-        unit.sharded_grads[master.piece.shard_start : master.piece.shard_start + master.piece.numel]
+        unit.grads.sharded_grads[master.piece.shard_start : master.piece.shard_start + master.piece.numel]
         for unit in units
-        if unit.sharded_grads is not None
+        if unit.grads.sharded_grads is not None
         for master in unit.master_pieces
         if (unit.index, master.piece.slot.index) in selected
     ]
@@ -98,7 +98,7 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
     # (a maximum may take them twice).
     counts_replicated = comm.tensor_parallel_rank == 0 or norm_type == float("inf")
     for unit in units:
-        if unit.sharded_grads is None:
+        if unit.grads.sharded_grads is None:
             continue
         for master in unit.master_pieces:
             i = position.get((unit.index, master.piece.slot.index))
@@ -107,10 +107,12 @@ def grad_norms(units: list[FlatUnit], comm: CommContext, norm_type: float, facto
             if not (counts_replicated or master.piece.slot.spread_over_ranks):
                 continue  # the first tensor-parallel rank holds the same values: counted there
             piece = master.piece
-            values = unit.sharded_grads[piece.shard_start : piece.shard_start + piece.numel].detach().float().abs()
+            values = (
+                unit.grads.sharded_grads[piece.shard_start : piece.shard_start + piece.numel].detach().float().abs()
+            )
             partial[i] = values.max() if norm_type == float("inf") else values.pow(norm_type).sum()
         for slot in unit.layout.slots:
-            if (unit.index, slot.index) in position and unit.slot_has_grad[slot.index]:
+            if (unit.index, slot.index) in position and unit.grads.slot_has_grad[slot.index]:
                 partial[count + position[(unit.index, slot.index)]] = 1.0
     # Both halves combine under MAX for the inf-norm and under SUM otherwise (flags only test > 0).
     # The norms combine inside the shard group (other groups hold the same shards); whether a

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..config import ZeroConfig
+from ..engine_plans import LossScaling
 
 logger = logging.getLogger("zero_core")
 
@@ -68,13 +68,10 @@ class LossScaler:
     GROWTH_FACTOR = 2.0
     BACKOFF_FACTOR = 0.5
 
-    def __init__(self, config: ZeroConfig, announce: bool = False):
-        self.dynamic = config.loss_scale == 0
-        self.window = config.loss_scale_window
-        self.hysteresis = config.loss_scale_hysteresis
-        self.consecutive_hysteresis = config.consecutive_hysteresis
-        self.min_scale = config.min_loss_scale
-        self.state = LossScalerState(scale=float(config.initial_loss_scale if self.dynamic else config.loss_scale))
+    def __init__(self, scaling: LossScaling, announce: bool = False):
+        self.dynamic, self.window, self.hysteresis = scaling.dynamic, scaling.window, scaling.hysteresis
+        self.consecutive_hysteresis, self.min_scale = scaling.consecutive_hysteresis, scaling.min_scale
+        self.state = LossScalerState(scale=scaling.initial_scale)
         self.announce = announce  # log each skipped step (rank 0), as DeepSpeed prints them
 
     @property

@@ -99,7 +99,7 @@ class ActivationOffload:
         if type(tensor) not in (torch.Tensor, nn.Parameter):
             return False  # a wrapper without storage (an async collective's result): an activation
         storage = tensor.untyped_storage().data_ptr()
-        return any(storage == unit.gathered_params.untyped_storage().data_ptr() for unit in self.units)
+        return any(storage == unit.storage.gathered_params.untyped_storage().data_ptr() for unit in self.units)
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         if self._open is not None or inside_autograd():

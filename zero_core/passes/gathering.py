@@ -30,7 +30,7 @@ class GatherPolicy:
         self.auto_prefetch = auto_prefetch  # prefetch="auto": times gathers and forwards
         self.order = ExecutionOrder()
         # offload_params="nvme": the unit after the prefetched ones has its shard read from disk meanwhile.
-        self.reads_ahead = 1 if any(unit.params_on_disk for unit in units) else 0
+        self.reads_ahead = 1 if any(unit.storage.params_on_disk for unit in units) else 0
         self._read_ahead: set[int] = set()  # the units whose shards were last read ahead
         self.peak_live_units = 0
         self._suspended = False
@@ -67,32 +67,32 @@ class GatherPolicy:
         if self._suspended:
             return
         if not self.plan.params_sharded_at_rest:
-            unit.wait_gathered()  # stages 1/2: the post-step all-gather, if it is still running
+            unit.storage.wait_gathered()  # stages 1/2: the post-step all-gather, if it is still running
             return
         predicted, read_ahead = predicted[: self.prefetch], predicted[self.prefetch :]
         wanted = keep | {unit.index} | set(predicted)
         for other in self.units:
-            if other.index not in wanted and other.state is not StorageState.SHARDED:
-                other.reshard()  # prefetched for an order that did not happen
+            if other.index not in wanted and other.storage.state is not StorageState.SHARDED:
+                other.storage.reshard()  # prefetched for an order that did not happen
         if timed and self.auto_prefetch is not None:
-            self.auto_prefetch.wait_timed(unit.wait_gathered)
+            self.auto_prefetch.wait_timed(unit.storage.wait_gathered)
         else:
-            unit.wait_gathered(backward)
+            unit.storage.wait_gathered(backward)
         for index in predicted:
-            self.units[index].start_gather(backward)
+            self.units[index].storage.start_gather(backward)
         for index in self._read_ahead - set(read_ahead) - wanted:
-            self.units[index].reshard()  # read ahead for an order that did not happen: its memory is freed
+            self.units[index].storage.reshard()  # read ahead for an order that did not happen: its memory is freed
         self._read_ahead = set(read_ahead)
         for index in read_ahead:
-            self.units[index].read_ahead()
-        live = sum(u.state is not StorageState.SHARDED for u in self.units)
+            self.units[index].storage.read_ahead()
+        live = sum(u.storage.state is not StorageState.SHARDED for u in self.units)
         self.peak_live_units = max(self.peak_live_units, live)
 
     def reshard(self, unit: FlatUnit, after_forward: bool = False) -> None:
         """``unit`` to SHARDED, its full parameters freed (FSDP2's reshard), unless the caller holds them;
         ``after_forward`` with a backward to come: hpZ keeps this rank's piece for the backward's gather."""
         if not self._suspended:
-            unit.reshard(keep_secondary=after_forward)
+            unit.storage.reshard(keep_secondary=after_forward)
 
     def reshard_all(self, keep: Collection[int] = ()) -> None:
         """Every unit but those in ``keep``: the units still running when a backward inside their forward
@@ -115,7 +115,7 @@ class GatherPolicy:
     def backward_ended(self) -> None:
         self.order.backward.end()
         for unit in self.units:
-            unit.forget_secondary()  # hpZ: a piece the backward did not gather from goes with it
+            unit.storage.forget_secondary()  # hpZ: a piece the backward did not gather from goes with it
 
     def abandoned(self) -> None:
         """A forward or backward raised: reshard everything and forget the orders it recorded."""

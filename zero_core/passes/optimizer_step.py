@@ -25,7 +25,7 @@ import torch
 
 from .. import agreement
 from ..collectives import CommContext, CommStats
-from ..config import ZeroConfig
+from ..engine_plans import StepSettings
 from ..host_memory import wait_for_host_copies
 from ..offload.shard_files import ShardFiles
 from ..offload.state_files import StateFiles
@@ -62,9 +62,8 @@ class OptimizerStep:
         units: list[FlatUnit],
         comm: CommContext,
         runtime: StepRuntime,
-        config: ZeroConfig,
+        settings: StepSettings,
         loss_scaler: LossScaler | None,
-        auto_prefetch: AutoPrefetch | None,
         nvme: StateFiles | None = None,
         param_files: ShardFiles | None = None,
     ):
@@ -75,13 +74,12 @@ class OptimizerStep:
         self.steps_on_host = any(unit.offloaded for unit in units)
         self.comm = comm
         self.runtime = runtime
-        self.config = config
+        self.settings = settings
         self.loss_scaler = loss_scaler
-        self.auto_prefetch = auto_prefetch
+        self.auto_prefetch: AutoPrefetch | None = runtime.auto_prefetch  # prefetch="auto": told of each step
         # offload_step_in_backward: the units stepped in backward (the runtime's worker, told of each reduce).
         self.in_backward: StepInBackward | None = runtime.step_in_backward
         self.grads_unscaled = False  # fp16: the accumulated gradients were divided by the loss scale
-        self.steps_taken = 0  # optimizer steps applied (overflow-skipped ones not counted)
         self._step_calls = 0  # optimizer steps called (overflow-skipped ones too), compared across ranks
         # The last step was skipped (an fp16 overflow, or with skip_nonfinite_steps an inf or NaN gradient, on some
         # rank): the parameters did not change. Reset when each step starts; read by the step's post-hook and by
@@ -97,6 +95,15 @@ class OptimizerStep:
         )
 
     # -------------------------------------------------------------- gradients
+    @property
+    def steps_taken(self) -> int:
+        """Optimizer steps applied (overflow-skipped ones not counted): the comm's progress holds the count."""
+        return self.comm.progress.steps
+
+    @steps_taken.setter
+    def steps_taken(self, steps: int) -> None:  # a resume
+        self.comm.progress.steps = steps
+
     def unscale_grads_once(self) -> None:
         if self.loss_scaler is None or self.grads_unscaled:
             return
@@ -108,7 +115,7 @@ class OptimizerStep:
         if self.param_files is not None:
             self.param_files.rewrite_all()
         for unit in self.units:
-            unit.start_refresh(guard=False)
+            unit.storage.start_refresh(guard=False)
         self.runtime.wait_for_refresh()
 
     def discard_grads(self) -> None:
@@ -120,13 +127,13 @@ class OptimizerStep:
     @property
     def holds_grads(self) -> bool:
         """Some gradient arrived since the last step or ``zero_grad``."""
-        return any(unit.holds_grads for unit in self.units)
+        return any(unit.grads.holds_grads for unit in self.units)
 
     def zero_grads(self, slots_by_unit: dict[int, frozenset[int]] | None, set_to_none: bool) -> None:
         """``zero_grad``: drop the gradients of the slots named per unit (None: every slot of every unit)."""
         for unit in self.units:
             if slots_by_unit is None or unit.index in slots_by_unit:
-                unit.zero_grads(None if slots_by_unit is None else slots_by_unit[unit.index], set_to_none)
+                unit.grads.zero_grads(None if slots_by_unit is None else slots_by_unit[unit.index], set_to_none)
         if slots_by_unit is None:
             self.grads_unscaled = False  # nothing is left that was unscaled
 
@@ -217,7 +224,7 @@ class OptimizerStep:
         # Hyperparameters only report a difference; the comparison after the agreement then names it.
         settings = {"optimizer hyperparameters": groups.settings_fingerprint}
         # The finite check rides on this all-reduce, which runs every step: turning it on adds no collective.
-        check_finite = self.loss_scaler is not None or self.config.skip_nonfinite_steps
+        check_finite = self.loss_scaler is not None or self.settings.skip_nonfinite_steps
         return agreement.agree_on_step(self.units, self.comm, counters, check_finite=check_finite, checks=settings)
 
     def _attach_master_grads(self, agreed: agreement.StepAgreement, stepped: frozenset[int]) -> None:
@@ -234,7 +241,7 @@ class OptimizerStep:
         if agreed.found_inf:
             # With no .grad anywhere the optimizer leaves every parameter alone.
             for unit in self.units:
-                unit.attach_master_grads([False] * len(unit.slot_has_grad))
+                unit.attach_master_grads([False] * len(unit.grads.slot_has_grad))
             self.last_step_skipped = True
         if not self.last_step_skipped:
             for unit, flags in zip(self.units, agreed.slot_flags):
@@ -253,12 +260,12 @@ class OptimizerStep:
             # Not while a torch profiler records: a collective issued under it and waited for
             # after it stopped crashes the process (torch 2.13, gloo; a profiler schedule stops
             # at a step boundary, exactly where these would still be in flight).
-            overlap = self.config.overlap_param_refresh and not torch.autograd._profiler_enabled()
+            overlap = self.settings.overlap_param_refresh and not torch.autograd._profiler_enabled()
             for unit in self.units:
-                unit.start_refresh(guard=overlap)
+                unit.storage.start_refresh(guard=overlap)
             if not overlap:
                 self.runtime.wait_for_refresh()
-            self.steps_taken += 1
+            self.comm.progress.steps += 1
         self.discard_grads()
         self._record_traffic()
 

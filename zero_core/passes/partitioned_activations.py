@@ -36,7 +36,6 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ..collectives import CommContext, Handle, Span, all_gather, all_reduce
-from ..config import ZeroConfig
 from . import activation_offload
 
 
@@ -44,10 +43,10 @@ def checkpoint_wrappers(model: nn.Module) -> list[tuple[str, CheckpointWrapper]]
     return [(name, module) for name, module in model.named_modules() if isinstance(module, CheckpointWrapper)]
 
 
-def check_partition_activations(model: nn.Module, config: ZeroConfig, tensor_parallel_size: int) -> None:
+def check_partition_activations(model: nn.Module, enabled: bool, tensor_parallel_size: int) -> None:
     """Refused before any collective, alike on every rank: P_a needs tensor parallelism and checkpointed
     blocks whose checkpoint it can take over."""
-    if not config.partition_activations:
+    if not enabled:
         return
     if tensor_parallel_size == 1:
         raise ValueError(

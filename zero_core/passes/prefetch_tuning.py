@@ -86,7 +86,7 @@ class AutoPrefetch:
     def for_units(cls, units: list["FlatUnit"], cap_mb: float, device: torch.device) -> "AutoPrefetch":
         """Over the units sharded at rest (the only ones gathered), synchronizing CUDA while timing."""
         sharded = [u for u in units if u.stage_plan.params_sharded_at_rest]
-        unit_bytes = [u.layout.padded_numel * u.gathered_params.element_size() for u in sharded]
+        unit_bytes = [u.layout.padded_numel * u.storage.gathered_params.element_size() for u in sharded]
         synchronize = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
         return cls(unit_bytes, cap_mb * 2**20, synchronize)
 

@@ -85,10 +85,10 @@ class ReduceSchedule:
     def across_groups(self) -> None:
         """Hybrid sharding: each unit's gradients reduced only inside its shard group so far,
         all-reduced across groups (all issued, then all waited for); nothing otherwise."""
-        pending = [(unit, unit.start_reduce_across_groups()) for unit in self.units]
+        pending = [(unit, unit.grads.start_reduce_across_groups()) for unit in self.units]
         for unit, handle in pending:
             if handle is not None:
-                unit.finish_reduce_across_groups(handle)
+                unit.grads.finish_reduce_across_groups(handle)
 
     def wait_all(self, *, abandoned: bool = False) -> None:
         """Every reduce in flight landed (``abandoned``: of a backward that raised: nobody is told)."""
@@ -97,6 +97,6 @@ class ReduceSchedule:
 
     def _finish_oldest(self, tell: bool = True) -> None:
         unit, pending = self._pending.popleft()
-        unit.finish_reduce(pending)
+        unit.grads.finish_reduce(pending)
         if tell and self.told is not None:
             self.told.unit_reduced(unit)

@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..collectives import TrainingProgress
+from ..engine_plans import PassSettings
 from ..pass_listeners import PassListeners
 from ..stage_plan import StagePlan
 from ..unit import FlatUnit
@@ -42,7 +44,7 @@ from .execution_order import ExecutionOrder
 from .forward_records import agreed_zero_roots
 from .gathering import GatherPolicy
 from .gradient_errors import LateGradientError, UnscaledBackwardError, warn_accumulation_dropped
-from .prefetch_tuning import AutoPrefetch
+from .prefetch_tuning import UNTUNED_DEPTH, AutoPrefetch
 from .reduce_schedule import ReduceSchedule
 from .state import PassState, TrainingState
 from .step_in_backward import StepInBackward
@@ -58,20 +60,25 @@ class StepRuntime:
         self,
         units: list[FlatUnit],
         plan: StagePlan,
-        prefetch: int,
+        passes: PassSettings,
         *,
+        progress: TrainingProgress,
         listeners: PassListeners,
         step_in_backward: StepInBackward | None = None,
-        auto_prefetch: AutoPrefetch | None = None,
         requires_scaled_backward: bool = False,
         input_cast: InputTransform | None = None,
         owner: object | None = None,
     ):
+        """``passes``: the prefetch depth, or "auto" (measured and tuned: ``prefetch_tuning.py``)."""
         self.units = units
         self.root = units[0]
         self.plan = plan
-        self.gathering = GatherPolicy(units, plan, prefetch, auto_prefetch)
-        self.passes = PassState()
+        auto_prefetch = None
+        if passes.prefetch == "auto":
+            auto_prefetch = AutoPrefetch.for_units(units, passes.prefetch_cap_mb, units[0].comm.device)
+        depth = UNTUNED_DEPTH if auto_prefetch is not None else passes.prefetch
+        self.gathering = GatherPolicy(units, plan, depth, auto_prefetch)
+        self.passes = PassState(progress)
         # offload_step_in_backward: the worker told of the backward's progress and of each reduce.
         self.step_in_backward = step_in_backward
         self.reduces = ReduceSchedule(units, told=step_in_backward)
@@ -157,8 +164,8 @@ class StepRuntime:
         """Stages 1/2: wait for the post-step all-gathers still writing the parameters. A forward
         waits per unit instead, and any other touch of a parameter through its guard."""
         for unit in self.units:
-            if unit.refreshing:
-                unit.wait_gathered()
+            if unit.storage.refreshing:
+                unit.storage.wait_gathered()
 
     @property
     def suspended(self) -> bool:
@@ -188,7 +195,7 @@ class StepRuntime:
             if self.step_in_backward is not None:
                 self.step_in_backward.settle()  # its worker done before the gradients it reads go
             self.reduces.wait_all(abandoned=True)  # issued on every rank alike; their results are dropped below
-            dropped_earlier = any([unit.discard_backward() for unit in self.units])
+            dropped_earlier = any([unit.grads.discard_backward() for unit in self.units])
         self.gathering.abandoned()
         self.reduces.reset()
         self.passes.abandon(backward_too)
@@ -348,7 +355,7 @@ class StepRuntime:
         if self.reduces.was_issued(unit):
             param.grad = None
             raise LateGradientError.for_parameter(unit.layout.slots[slot_index].fqns[0], unit.label)
-        unit.accumulate_grad(slot_index, param)
+        unit.grads.accumulate(slot_index, param)
 
     @hooks.profiled("zero::post_backward")
     def post_backward(self, unit: FlatUnit) -> None:
@@ -382,7 +389,7 @@ class StepRuntime:
         if self.step_in_backward is not None:
             self.step_in_backward.backward_begins(self.require_grad_sync, self.reduces.sequence)
         for unit in self.units:
-            unit.prepare_backward()
+            unit.grads.prepare_backward()
         hooks.at_end_of_backward(self._end_of_backward)
 
     @hooks.profiled("zero::end_of_backward")
@@ -392,7 +399,7 @@ class StepRuntime:
             self.reduces.advance(lambda unit: True)
         self.reduces.wait_all()
         for unit in self.units:
-            unit.commit_backward()
+            unit.grads.commit_backward()
         self.gathering.reshard_all(keep=self.passes.running_indices())
         if self.require_grad_sync:
             self.reduce_across_groups()  # hybrid sharding: once per synchronising backward, not per micro-batch

@@ -24,6 +24,7 @@ from enum import Enum, auto
 import torch
 from torch import nn
 
+from ..collectives import TrainingProgress
 from ..unit import FlatUnit
 from .forward_records import ForwardRecord, ForwardRecords, Liveness
 
@@ -57,7 +58,17 @@ class BackwardPass:
 class PassState:
     """The pass bookkeeping and the :class:`TrainingState`, written only by the methods below."""
 
-    def __init__(self) -> None:
+    @property
+    def state(self) -> TrainingState:
+        return self._state
+
+    @state.setter
+    def state(self, state: TrainingState) -> None:
+        self._state = state
+        self._progress.phase = state.name.lower().replace("_", "-")
+
+    def __init__(self, progress: TrainingProgress) -> None:
+        self._progress = progress  # the comm's: a failed collective's message names the phase
         self.state = TrainingState.IDLE
         # Counted when complete; ranks compare them at each optimizer step.
         self.forwards = 0

@@ -127,9 +127,9 @@ class StepInBackward:
     def _hand_over(self, unit: FlatUnit) -> None:
         """The unit's step to the worker, if its gradients are all here; else it steps in optimizer.step()."""
         step, pieces = None, []
-        if unit.has_every_grad and self._optimizer is not None:
-            unit.commit_backward()
-            unit.attach_master_grads(unit.slot_has_grad)  # from a GPU: copied to the host asynchronously
+        if unit.grads.has_every_grad() and self._optimizer is not None:
+            unit.grads.commit_backward()
+            unit.attach_master_grads(unit.grads.slot_has_grad)  # from a GPU: copied to the host asynchronously
             own = {id(master.param) for master in unit.master_pieces}
             pieces = [[piece for piece in group if id(piece) in own] for group in self._pieces_in_groups]
             step = step_of_pieces(self._optimizer, pieces, self._pieces_in_groups)

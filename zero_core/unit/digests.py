@@ -73,7 +73,7 @@ class ParameterDigests:
         # Any write to the values (a step, a load, gathered_parameters' write-back) bumps a master
         # shard's version counter, which its views share: digests from before it are stale.
         # (Of the master as it rests: a version needs no values, and its file may hold them.)
-        versions = [unit.resting_master._version for unit in self.units]
+        versions = [unit.storage.resting_master._version for unit in self.units]
         if self._digests is None or versions != self._computed_at:
             self._digests, self._computed_at = self._compute(), versions
         digest_a, digest_b = self._digests[id(a)], self._digests[id(b)]
@@ -82,7 +82,7 @@ class ParameterDigests:
     def _compute(self) -> dict[int, bytes | None]:
         digests: dict[int, bytes | None] = {}
         for unit in self.units:
-            full = unit.gather_full_master()
+            full = unit.storage.gather_full_master()
             for param, view in zip(unit.params, unit.full_param_views(full)):
                 value = (view.to(param.dtype) + 0.0).reshape(-1).cpu()
                 if torch.isnan(value).any():

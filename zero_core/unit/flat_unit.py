@@ -1,8 +1,10 @@
 """One unit: its parameter storage, its gradients and its guard, composed.
 
 A unit knows nothing of the step or the engine: the pass (``passes/``) drives
-it through these methods, each a thin forward to the part that owns the
-state (``storage.py``, ``grads.py``, ``guard.py``).
+its parts directly (``unit.storage``, ``unit.grads``, ``unit.guard``: the
+state each owns, in ``storage.py``, ``grads.py``, ``guard.py``); the unit
+itself keeps only what spans them: its layout's slots, the master pieces the
+optimizer sees, and whether it trains this backward.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from ..collectives import CommContext, Handle
+from ..collectives import CommContext
 from ..config import MixedPrecision
 from ..host_memory import host_zeros
 from ..offload.shard_files import ShardFiles
@@ -24,7 +26,7 @@ from .dtensor_params import local_shape, place_in_whole
 from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
 from .guard import Comparisons, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
-from .storage import ParamStorage, StorageState
+from .storage import ParamStorage
 from .unit_selection import UnitPlan
 
 
@@ -85,131 +87,27 @@ class FlatUnit:
         self.slot_byte_offsets = [s.flat_offset * element_size for s in self.layout.slots]
         self.master_pieces = [
             # Every parameter, frozen ones too: unfreezing one later trains it from its shard.
-            MasterPiece(piece, nn.Parameter(shard_view(self.resting_master, piece)))
+            MasterPiece(piece, nn.Parameter(shard_view(self.storage.resting_master, piece)))
             for piece in self.layout.pieces(comm.shard_rank)
         ]
         grads_class = ShardedGrads if stage_plan.grads_sharded else LocalGrads
         self.grads: UnitGrads = grads_class(self.layout, self.params, precision, comm, self.label, wire)
         if stage_plan.params_sharded_at_rest:
-            self.reshard()
+            self.storage.reshard()
 
-    # ---------------------------------------------------------------- storage
-    @property
-    def gathered_params(self) -> torch.Tensor:
-        return self.storage.gathered_params
-
-    @property
-    def compute_shard(self) -> torch.Tensor:
-        return self.storage.compute_shard
-
-    @property
-    def master_shard(self) -> torch.Tensor:
-        """Its values in memory: with the NVMe optimizer tier, read back now if its file holds them."""
-        return self.storage.master_shard
-
+    # ------------------------------------------------------ across its parts
     @property
     def master_rests_on_disk(self) -> bool:
         """offload_optimizer="nvme": the master rests in the optimizer tier's file between steps."""
         return self.offload.master_in_file
 
     @property
-    def resting_master(self) -> torch.Tensor:
-        """As it is now, nothing read (its storage empty while the NVMe tier's file holds it)."""
-        return self.storage.resting_master
-
-    @property
-    def compute_copy_current(self) -> bool:
-        """The compute copy holds the master's values already (the NVMe optimizer tier copied them)."""
-        return self.storage.compute_copy_current
-
-    @compute_copy_current.setter
-    def compute_copy_current(self, current: bool) -> None:
-        self.storage.compute_copy_current = current
-
-    def copy_master_to_compute(self, values: torch.Tensor | None = None) -> None:
-        """The NVMe optimizer tier: the compute copy takes the master's values (or ``values``) now."""
-        self.storage.copy_master_to_compute(values)
-
-    @property
-    def params_offloaded(self) -> bool:
-        """offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers."""
-        return self.storage.host_shard is not None
-
-    @property
-    def params_on_disk(self) -> bool:
-        """offload_params="nvme": the parameter shard rests in a file between gathers."""
-        return self.storage.shard_file is not None
-
-    @property
-    def param_bytes_on_disk(self) -> int:
-        return self.storage.bytes_on_disk
-
-    def read_ahead(self) -> None:
-        """offload_params="nvme": start reading the parameter shard back, for a gather predicted soon."""
-        self.storage.read_ahead()
-
-    @property
-    def host_shard(self) -> torch.Tensor | None:
-        """offload_params: the parameter shard at rest in host memory (None: it rests in ``compute_shard``)."""
-        return self.storage.host_shard
-
-    @property
-    def state(self) -> StorageState:
-        return self.storage.state
-
-    @property
-    def refreshing(self) -> bool:
-        """Stages 1/2: the post-step all-gather may still be writing the parameters."""
-        return self.storage.refreshing
-
-    def start_gather(self, backward: bool = False) -> None:
-        """For a ``backward``: from the secondary pieces (hpZ) when they were kept."""
-        self.storage.start_gather(backward)
-
-    def wait_gathered(self, backward: bool = False) -> None:
-        self.storage.wait_gathered(backward)
-
-    def reshard(self, keep_secondary: bool = False) -> None:
-        """Stage 3: any state -> SHARDED, the full parameters freed (FSDP2's reshard); ``keep_secondary``:
-        after a forward with a backward to come, hpZ keeps this rank's piece (FSDP2's int reshard_after_forward)."""
-        self.storage.reshard(keep_secondary)
-
-    def forget_secondary(self) -> None:
-        self.storage.forget_secondary()
-
-    @property
-    def secondary_piece(self) -> torch.Tensor | None:
-        """hpZ: this rank's piece kept from the last forward for the backward (None: none kept)."""
-        return self.storage.secondary.piece if self.storage.secondary is not None else None
-
-    @property
     def wire_buffers(self) -> tuple[torch.Tensor, ...]:
         """ZeRO++: the packed buffers of this unit's quantized gather (qwZ) and reduce (qgZ) while in flight."""
         return self.storage.wire_buffers + self.grads.wire_buffers
 
-    def start_refresh(self, guard: bool) -> None:
-        self.storage.start_refresh(guard)
-
-    def gather_full_master(self) -> torch.Tensor:
-        return self.storage.gather_full_master()
-
-    def load_full_master(self, full: torch.Tensor) -> None:
-        self.storage.load_full_master(full)
-
-    def load_master_shard(self, shard: torch.Tensor) -> None:
-        self.storage.load_master_shard(shard)
-
     def full_param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         return [slot_view(full, slot) for slot in self.layout.slots]
-
-    # -------------------------------------------------------------- the guard
-    def set_guard(self, on: bool) -> None:
-        """Stage 3: parameters without storage refuse reads (on) or are ordinary again (off)."""
-        self.guard.guard(on)
-
-    def stop_guarding(self) -> None:
-        """The parameters are ordinary tensors of their own for good (``unshard``)."""
-        self.guard.stop_guarding()
 
     def slot_of(self, param: nn.Parameter) -> int:
         return self._slot_of_param[id(param)]
@@ -221,30 +119,12 @@ class FlatUnit:
         """Take this rank's part of a new full value of ``param`` into the shards (no communication)."""
         return self.storage.write_param(self.slot_of(param), full_value)
 
-    # -------------------------------------------------------------- gradients
     @property
     def trainable(self) -> bool:
         """Read when a backward starts: freezing and unfreezing are allowed between steps
         (every rank alike; the step's agreement compares which units each reduced)."""
         with torch._C.DisableTorchFunctionSubclass():
             return any(param.requires_grad for param in self.params)
-
-    @property
-    def slot_has_grad(self) -> list[bool]:
-        return self.grads.slot_has_grad
-
-    @property
-    def has_every_grad(self) -> bool:
-        """Every parameter of the unit that requires grad has a gradient on this rank."""
-        return self.grads.has_every_grad()
-
-    @property
-    def sharded_grads(self) -> torch.Tensor | None:
-        """This rank's reduced gradient shard (S, reduce dtype), or None before any reduce."""
-        return self.grads.sharded_grads
-
-    def accumulate_grad(self, slot_index: int, param: nn.Parameter) -> None:
-        self.grads.accumulate(slot_index, param)
 
     def start_reduce(self) -> PendingReduce | None:
         """Issue the reduce-scatter of this backward's gradients; zeros if no gradient arrived.
@@ -254,40 +134,11 @@ class FlatUnit:
         """
         return self.grads.start_reduce() if self.trainable else None
 
-    def finish_reduce(self, pending: PendingReduce) -> None:
-        """Wait for a reduce-scatter ``start_reduce`` issued and keep its averaged shard."""
-        self.grads.finish_reduce(pending)
-
-    def prepare_backward(self) -> None:
-        self.grads.prepare_backward()
-
-    def commit_backward(self) -> None:
-        self.grads.commit_backward()
-
-    def start_reduce_across_groups(self) -> Handle | None:
-        """Hybrid sharding: all-reduce what was reduced inside the shard group only."""
-        return self.grads.shards.start_across_groups(self.comm, self.label)
-
-    def finish_reduce_across_groups(self, handle: Handle) -> None:
-        self.grads.shards.finish_across_groups(handle)
-
-    def discard_backward(self) -> bool:
-        """The backward raised: drop what it produced. True if earlier gradients went too."""
-        return self.grads.discard_backward()
-
     def reset_grads(self) -> None:
         """After the optimizer step: gradients are consumed."""
         self.grads.reset()
         for piece in self.master_pieces:
             piece.param.grad = None
-
-    @property
-    def holds_grads(self) -> bool:
-        return self.grads.holds_grads
-
-    def zero_grads(self, slots: frozenset[int] | None, set_to_none: bool) -> None:
-        """``zero_grad``: drop the gradients of ``slots`` (None: all) accumulated since the last step."""
-        self.grads.zero_grads(slots, set_to_none)
 
     def attach_master_grads(self, slot_has_grad: list[bool]) -> None:
         """Point each master piece's ``.grad`` at its slice of the gradient shard.
@@ -295,7 +146,7 @@ class FlatUnit:
         Pieces of parameters no rank produced a gradient for get ``None``, so
         the optimizer skips them exactly as it would without sharding.
         """
-        sharded_grads = self.sharded_grads
+        sharded_grads = self.grads.sharded_grads
         if self.offloaded and sharded_grads is not None:
             sharded_grads = self._copy_grads_to_host(sharded_grads)
         for master in self.master_pieces:

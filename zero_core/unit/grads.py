@@ -185,6 +185,13 @@ class UnitGrads:
             pending.sharded_out.div_(self.comm.world_size)
         return pending.sharded_out
 
+    def start_reduce_across_groups(self) -> Handle | None:
+        """Hybrid sharding: all-reduce what was reduced inside the shard group only."""
+        return self.shards.start_across_groups(self.comm, self.label)
+
+    def finish_reduce_across_groups(self, handle: Handle) -> None:
+        self.shards.finish_across_groups(handle)
+
     def _shard_range(self) -> tuple[int, int]:
         return self.layout.shard_range(self.comm.shard_rank)
 

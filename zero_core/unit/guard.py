@@ -223,10 +223,10 @@ class ParameterGuard:
         kwargs = kwargs or {}
         if func in _METADATA:
             return self._plain(func, args, kwargs)
-        if self.unit.refreshing:
+        if self.unit.storage.refreshing:
             # Stages 1/2 between a step and the unit's next forward: wait for the values,
             # which gives the parameters their own class back, then run as usual.
-            self.unit.wait_gathered()
+            self.unit.storage.wait_gathered()
             return func(*args, **kwargs)
         param = next((a for a in args if self.owns(a)), None)
         if param is None:  # a resting parameter inside a container argument (torch.cat([...]), say)
@@ -312,8 +312,8 @@ def _dtensor_reads(param_class: type[nn.Parameter], guard: ParameterGuard) -> di
         own = getattr(param_class, name)
 
         def read(self: nn.Parameter, *args: Any, **kwargs: Any) -> Any:
-            if guard.unit.refreshing:
-                guard.unit.wait_gathered()  # stages 1/2: the values arrive, then read as usual
+            if guard.unit.storage.refreshing:
+                guard.unit.storage.wait_gathered()  # stages 1/2: the values arrive, then read as usual
                 return own(self, *args, **kwargs)
             if name == "__repr__":
                 return guard._description(self)
@@ -330,8 +330,8 @@ def guard_class(param_class: type[nn.Parameter], guard: ParameterGuard) -> type[
     def deepcopy(self: nn.Parameter, memo: dict) -> nn.Parameter:
         # Parameter.__deepcopy__ makes type(self) of the copy: waiting first gives the
         # parameter its own class back (stages 1/2); at rest (stage 3) reading it is refused.
-        if guard.unit.refreshing:
-            guard.unit.wait_gathered()
+        if guard.unit.storage.refreshing:
+            guard.unit.storage.wait_gathered()
         return param_class.__deepcopy__(self, memo)
 
     return type(

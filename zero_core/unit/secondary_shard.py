@@ -8,7 +8,9 @@ a run without it. The backward's gather of the unit fills the full buffer from t
 the piece go. Any write of the parameters (a step, a load) forgets it, and so does the end of a backward
 that did not gather the unit: a piece never outlives the values it was cut from.
 
-Memory: P/k elements in the compute dtype per unit, between its forward and its backward.
+Memory: P/k elements in the compute dtype per unit, between its forward and its backward. With k = 1
+the piece is the whole unit: the gathered buffer itself stays allocated (no copy either way), the unit
+SHARDED and guarded as at rest; a reshard that keeps nothing, or a forget, frees it.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class SecondaryShard:
     def keep(self, gathered: torch.Tensor) -> None:
         """The forward is done with ``gathered`` (full, valid): keep this rank's piece of it."""
         _, size = self.comm.span(Span.SECONDARY)
+        if size == 1:
+            self.piece = gathered  # the caller leaves its storage allocated (ParamStorage.reshard)
+            return
         length = gathered.numel() // size
         start = self.comm.rank_in(Span.SECONDARY) * length
         # Faulted in as huge pages like the gathered buffer (a clone's fresh pages fault 4 KiB at a time).
@@ -39,10 +44,13 @@ class SecondaryShard:
         piece, self.piece = self.piece, None
         if piece is None:
             return None
-        if piece.numel() == gathered.numel():  # k = 1: this rank kept the whole unit
-            gathered.copy_(piece)
+        if piece is gathered:  # k = 1: the values never left the buffer
             return Handle()
         return all_gather(self.comm, gathered, piece, label=self.label, span=Span.SECONDARY)
+
+    def holds(self, gathered: torch.Tensor) -> bool:
+        """k = 1: the kept piece is ``gathered`` itself, whose storage must stay allocated while it is kept."""
+        return self.piece is gathered
 
     def forget(self) -> None:
         self.piece = None

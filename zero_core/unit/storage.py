@@ -225,6 +225,21 @@ class ParamStorage:
         self.compute_copy_current = True
 
     @property
+    def params_offloaded(self) -> bool:
+        """offload_params (stage 3, sharded units): the parameter shard rests in host memory between gathers."""
+        return self.host_shard is not None
+
+    @property
+    def params_on_disk(self) -> bool:
+        """offload_params="nvme": the parameter shard rests in a file between gathers."""
+        return self.shard_file is not None
+
+    @property
+    def secondary_piece(self) -> torch.Tensor | None:
+        """hpZ: this rank's piece kept from the last forward for the backward (None: none kept)."""
+        return self.secondary.piece if self.secondary is not None else None
+
+    @property
     def bytes_on_disk(self) -> int:
         """offload_params="nvme": the shard's bytes when its file holds them and memory does not."""
         return self.shard_file.bytes_on_disk if self.shard_file is not None else 0
@@ -254,8 +269,11 @@ class ParamStorage:
             self.shard_file.store()  # written behind, freed once on disk
 
     def forget_secondary(self) -> None:
-        if self.secondary is not None:
-            self.secondary.forget()
+        if self.secondary is None:
+            return
+        if self.secondary.holds(self.gathered_params) and self.state is StorageState.SHARDED:
+            self.gathered_params.untyped_storage().resize_(0)  # hpZ, k = 1: the kept buffer goes with it
+        self.secondary.forget()
 
     # ------------------------------------------------------------ transitions
     @property
@@ -323,7 +341,10 @@ class ParamStorage:
         self.wait_gathered()
         if keep_secondary and self.secondary is not None:
             self.secondary.keep(self.gathered_params)
-        self.gathered_params.untyped_storage().resize_(0)
+        elif self.secondary is not None and self.secondary.holds(self.gathered_params):
+            self.secondary.forget()  # k = 1: the piece kept earlier is this buffer, freed now (the shard remains)
+        if self.secondary is None or not self.secondary.holds(self.gathered_params):
+            self.gathered_params.untyped_storage().resize_(0)
         self.state = StorageState.SHARDED
         self.guard.guard(True)
 

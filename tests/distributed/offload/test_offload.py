@@ -101,7 +101,7 @@ def _parity(rank: int, world_size: int, directory: str) -> list[dict]:
         (run,) = set(Path(directory).glob("lightning-zero-*")) - runs_before  # this engine's scratch directory
         alive_in_step: list[int] = []
         masters_alive_in_step: list[int] = []
-        filed_masters = [u.resting_master for u in joined if u.master_rests_on_disk]
+        filed_masters = [u.storage.resting_master for u in joined if u.master_rests_on_disk]
 
         def adopt(self, index, optimizer, original=original_adopt):  # type: ignore[no-untyped-def]
             alive_in_step.append(_state_bytes_alive(optimizer))  # right after a unit stepped, mid-step
@@ -264,7 +264,7 @@ def test_written_weights_stay_and_a_master_that_could_not_be_read_is_never_used(
 def _tier_tensors(engine: ZeroEngine, joined: list) -> list[torch.Tensor]:
     """Every tensor of the engine's NVMe tier: the masters and the per-element optimizer state."""
     state = [v for s in engine.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor) and v.dim()]
-    return [u.resting_master for u in joined] + state
+    return [u.storage.resting_master for u in joined] + state
 
 
 def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
@@ -299,7 +299,7 @@ def _saves_unit_by_unit(rank: int, world_size: int, directory: str) -> dict:
         state_files.StateFiles.read_resting = original  # type: ignore[method-assign]
     results["reads"] = len(reads)
     results["most read bytes alive"] = max(most_alive, default=0)
-    results["largest unit"] = max(u.resting_master.numel() * 4 * 3 for u in joined)  # master and two moments
+    results["largest unit"] = max(u.storage.resting_master.numel() * 4 * 3 for u in joined)  # master and two moments
     results["on disk after the save"] = (engine.memory_report().nvme_bytes, on_disk)
 
     def loaded() -> dict:

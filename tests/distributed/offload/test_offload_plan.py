@@ -127,9 +127,9 @@ def _plans_and_tensors(rank: int, world_size: int, directory: str) -> list[dict]
             unit.storage.master_shard  # noqa: B018 - every master in memory, to compare memory
             sharded = unit.stage_plan.params_sharded_at_rest
             planned = config.offload.for_unit(unit.offloaded, sharded, precision == "bf16", host_is_device=True)
-            master = _memory_of(unit.resting_master)
-            params_memory = {_memory_of(unit.gathered_params), _memory_of(unit.compute_shard)}
-            params_memory.add(_memory_of(unit.host_shard))
+            master = _memory_of(unit.storage.resting_master)
+            params_memory = {_memory_of(unit.storage.gathered_params), _memory_of(unit.storage.compute_shard)}
+            params_memory.add(_memory_of(unit.storage.host_shard))
             results.append(
                 {
                     "case": (stage, precision, case["offload_optimizer"], case["offload_params"], unit.index),
@@ -139,8 +139,8 @@ def _plans_and_tensors(rank: int, world_size: int, directory: str) -> list[dict]
                     "planned in file": planned.master_in_file,
                     "in file": unit.master_rests_on_disk,
                     "planned shard": planned.param_shard,
-                    "shard in file": unit.params_on_disk,
-                    "shard on host": unit.host_shard is not None,
+                    "shard in file": unit.storage.params_on_disk,
+                    "shard on host": unit.storage.host_shard is not None,
                 }
             )
         del engine

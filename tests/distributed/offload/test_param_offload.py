@@ -457,6 +457,7 @@ class _UnitOnDisk:
 
     def __init__(self, index: int):
         self.index, self.state, self.read_into_memory = index, StorageState.SHARDED, False
+        self.storage = self  # the gather policy drives the unit's storage part: here the unit itself
 
     def read_ahead(self) -> None:
         self.read_into_memory = self.state is StorageState.SHARDED

@@ -14,6 +14,7 @@ from tests.rank_pool import run_distributed
 from zero_core import ZeroConfig
 from zero_core.checkpoint.checkpoint_records import EngineRecord, parse_engine_record
 from zero_core.deepspeed import from_deepspeed
+from zero_core.engine_plans import LossScaling
 from zero_core.optim.loss_scaling import LossScaler, LossScalerState, state_from_checkpoint
 
 # 40 steps: O an overflow, . a clean step. Consecutive overflows, clean runs longer than the windows below
@@ -40,7 +41,7 @@ SECTIONS = {
 
 def _ours(section: dict) -> LossScaler:
     settings = from_deepspeed({"zero_optimization": {"stage": 1}, "fp16": {"enabled": True, **section}}).settings
-    return LossScaler(ZeroConfig(**settings))
+    return LossScaler(LossScaling.of(ZeroConfig(**settings)))
 
 
 def _deepspeeds(section: dict, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
@@ -92,7 +93,9 @@ def test_the_floor_and_the_growth_as_deepspeed_counts_them() -> None:
     """What the comparison above covers, said outright for the reader: the first doubling comes on the clean
     step after ``loss_scale_window`` clean ones, then every window; hysteresis 2 keeps the scale on the first
     overflow; the floor holds, and an overflow at it stops the run."""
-    scaler = LossScaler(ZeroConfig(loss_scale_window=2, loss_scale_hysteresis=2, min_loss_scale=2.0**14))
+    scaler = LossScaler(
+        LossScaling.of(ZeroConfig(loss_scale_window=2, loss_scale_hysteresis=2, min_loss_scale=2.0**14))
+    )
     after = _scales(scaler.update, lambda: scaler.scale, "...O.O..O.O.O")
     assert after == [2**16, 2**16, 2**17, 2**17, 2**17, 2**16, 2**16, 2**16, 2**15, 2**15, 2**14, 2**14, "stopped"]
 
@@ -101,7 +104,7 @@ def test_users_who_set_nothing_keep_torch_gradscalers_values() -> None:
     defaults = ZeroConfig()
     assert (defaults.loss_scale, defaults.initial_loss_scale, defaults.loss_scale_window) == (0, 2.0**16, 2000)
     assert (defaults.loss_scale_hysteresis, defaults.consecutive_hysteresis, defaults.min_loss_scale) == (1, False, 0)
-    scaler = LossScaler(defaults)
+    scaler = LossScaler(LossScaling.of(defaults))
     halved = _scales(scaler.update, lambda: scaler.scale, "O" * 40)  # each overflow halves it, no floor
     assert halved == [2.0 ** (16 - n) for n in range(1, 41)]
 
@@ -184,7 +187,7 @@ def test_the_adapters_take_the_settings_from_a_deepspeed_config() -> None:
 def test_the_scaler_state_a_checkpoint_keeps(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The hysteresis spent is saved with the scale and the clean steps; a checkpoint saved before it existed
     still loads (its counter counts on as the clean steps); anything else is refused by name."""
-    scaler = LossScaler(ZeroConfig(loss_scale_hysteresis=3, loss_scale_window=4))
+    scaler = LossScaler(LossScaling.of(ZeroConfig(loss_scale_hysteresis=3, loss_scale_window=4)))
     for found_inf in (False, False, True, False, True):
         scaler.update(found_inf)
     record = EngineRecord(stage=3, world_size=2, steps=5, loss_scaler=scaler.state, save_id="s")
@@ -199,10 +202,10 @@ def test_the_scaler_state_a_checkpoint_keeps(tmp_path) -> None:  # type: ignore[
 
 def test_skipped_steps_say_what_happened_to_the_scale(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="zero_core")
-    dynamic = LossScaler(ZeroConfig(loss_scale_hysteresis=2), announce=True)
+    dynamic = LossScaler(LossScaling.of(ZeroConfig(loss_scale_hysteresis=2)), announce=True)
     dynamic.update(True)
     dynamic.update(True)
-    static = LossScaler(ZeroConfig(loss_scale=64), announce=True)
+    static = LossScaler(LossScaling.of(ZeroConfig(loss_scale=64)), announce=True)
     static.update(True)
     assert [record.getMessage() for record in caplog.records] == [
         "ZeRO fp16: gradient overflow, optimizer step skipped (1 so far); loss scale 65536 kept (hysteresis: the "
