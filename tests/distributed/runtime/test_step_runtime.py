@@ -248,15 +248,15 @@ def _after_the_step(stage: int) -> dict:
         # Under a torch profiler the step waits: a collective issued under it and waited for after
         # it stopped crashes the process (torch 2.13, gloo).
         step(0)
-        profiled = [unit.storage.refreshing for unit in pair.engine.unit_reports()]
+        profiled = [unit.refreshing for unit in pair.engine.unit_reports()]
     step(0)
-    deferred = [unit.storage.refreshing for unit in pair.engine.unit_reports()]
+    deferred = [unit.refreshing for unit in pair.engine.unit_reports()]
     read_error = compute_error()  # each parameter's first touch waits for its unit
-    waited = [unit.storage.refreshing for unit in pair.engine.unit_reports()]
+    waited = [unit.refreshing for unit in pair.engine.unit_reports()]
     step(1)
     ids = batch(2, rank)
     forward_error = abs(lm_loss(pair.model(ids), ids).item() - lm_loss(pair.reference(ids), ids).item())
-    after_forward = [unit.storage.refreshing for unit in pair.engine.unit_reports()]
+    after_forward = [unit.refreshing for unit in pair.engine.unit_reports()]
     pair.engine.zero_grad()
     step(3)
     pair.engine.step()  # no forward since the last step: its all-gathers are waited for first
