@@ -88,6 +88,9 @@ def make_optimizer(name: str, model: TinyTransformer, lr: float = 1e-2) -> torch
         return torch.optim.SGD(groups, lr=lr, momentum=0.9)
     if name == "adamw":
         return torch.optim.AdamW(groups, lr=lr)
+    if name == "muon":  # the matrices only (square, tall and wide, and the tied embedding), as torch's docs set it up
+        matrices = [dict(group, params=[p for p in group["params"] if p.ndim == 2]) for group in groups]
+        return torch.optim.Muon(matrices, lr=lr, momentum=0.9)
     if name == "adamw-fused":  # torch's fused kernel, as the offloaded step picks on the host
         return torch.optim.AdamW(groups, lr=lr, fused=True)
     raise ValueError(name)

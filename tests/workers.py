@@ -74,10 +74,15 @@ def train_against_ddp(
     shard_group_size: int | None = None,
     sync_every_micro_batch: bool = False,
     persistence_threshold: int = 0,
+    settings: dict[str, Any] | None = None,
+    reference_clips_at_our_norm: bool = False,
 ) -> dict[str, Any]:
     """Train the same model under DDP and under ZeRO on this rank's data, step by step.
 
-    ``sync_every_micro_batch``: every micro-batch's backward reduces (no ``no_sync``)."""
+    ``sync_every_micro_batch``: every micro-batch's backward reduces (no ``no_sync``); ``settings``: more of
+    the engine's config (``config_for``'s keywords); ``reference_clips_at_our_norm``: DDP's gradients clipped
+    with the engine's norm (which sums the shards' squares in another order, one rounding off torch's): for
+    optimizers whose update amplifies a rounding (Muon's bf16 Newton-Schulz), so the steps see equal gradients."""
     torch.manual_seed(0)
     reference = TinyTransformer()
     model = copy.deepcopy(reference)
@@ -86,7 +91,13 @@ def train_against_ddp(
     engine = ZeroEngine(
         model,
         make_optimizer(optimizer_name, model),
-        config_for(stage, prefetch, shard_group_size=shard_group_size, persistence_threshold=persistence_threshold),
+        config_for(
+            stage,
+            prefetch,
+            shard_group_size=shard_group_size,
+            persistence_threshold=persistence_threshold,
+            **(settings or {}),
+        ),
     )
     rank = torch.distributed.get_rank()
     losses, reference_losses, param_errors, norms = [], [], [], []
@@ -103,12 +114,20 @@ def train_against_ddp(
                 engine.backward(loss)
             losses.append(loss.item())
             reference_losses.append(ref_loss.item())
-        if clip is not None:
+        if clip is not None and reference_clips_at_our_norm:
+            # The norm compared as below, the gradients scaled alike: what the step does with the same gradients.
+            norm = engine.clip_grad_norm_(clip)
+            ref_norm = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters() if p.grad is not None])
+            torch.nn.utils.clip_grads_with_norm_(reference.parameters(), clip, norm.to(ref_norm.dtype))
+            norms.append((float(norm), float(ref_norm)))
+        elif clip is not None:
             ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
             norm = engine.clip_grad_norm_(clip)
             norms.append((float(norm), float(ref_norm)))
         reference_optimizer.step()
-        reference_optimizer.zero_grad()
+        # The model's, not the optimizer's: parameters outside its groups (Muon's biases and norms) would keep
+        # their gradients under torch and be clipped with them; the engine's step consumes every gradient.
+        reference.zero_grad()
         engine.step()
         param_errors.append(relative_difference(engine.full_state_dict(), rank0_state_dict(reference)))
     return {

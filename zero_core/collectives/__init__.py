@@ -23,7 +23,7 @@ broadcasts and checkpoints span every rank.
 from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommContext, Position, TrainingProgress
 from .handle import Handle
 from .meetings import RanksDivergedError, meeting
-from .ops import all_gather, all_gather_objects, all_reduce, broadcast, reduce_scatter
+from .ops import all_gather, all_gather_objects, all_reduce, broadcast, exchange, reduce_scatter
 from .quantized_gather import all_gather_quantized, gather_working_bytes
 from .quantized_reduce import (
     all_reduce_quantized,
@@ -53,6 +53,7 @@ __all__ = [
     "all_reduce_quantized",
     "all_reduce_working_bytes",
     "broadcast",
+    "exchange",
     "gather_working_bytes",
     "meeting",
     "reduce_scatter",

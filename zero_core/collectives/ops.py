@@ -132,6 +132,38 @@ def broadcast(
         return _handle(comm, work, CollectiveKind.BROADCAST, label)
 
 
+def exchange(
+    comm: CommContext,
+    sends: list[tuple[torch.Tensor, int]],
+    receives: list[tuple[torch.Tensor, int]],
+    label: str,
+) -> Handle:
+    """Point to point inside the shard group: each ``(tensor, shard rank)`` of ``sends`` to that rank, each of
+    ``receives`` filled from it. Peers post their halves in the same order (torch matches them in order).
+    Counted as what this rank sends. A tensor off the wire's device (an offloaded piece under NCCL) travels
+    through a copy on it."""
+    for tensor, _ in sends:
+        comm.stats.record(CollectiveKind.SEND, tensor, Span.SHARD_GROUP)
+    with record_function("zero::exchange"):
+        if not sends and not receives:
+            return Handle()
+        staged = [(t, t if t.device == comm.device else t.to(comm.device)) for t, _ in receives]
+        group = comm.shard_group
+        ops = [
+            dist.P2POp(dist.isend, t if t.device == comm.device else t.to(comm.device), group=group, group_peer=r)
+            for t, r in sends
+        ]
+        ops += [dist.P2POp(dist.irecv, wire, group=group, group_peer=r) for (_, wire), (_, r) in zip(staged, receives)]
+        works = dist.batch_isend_irecv(ops)
+        copies = [(t, wire) for t, wire in staged if wire is not t]
+
+        def copy_back() -> None:
+            for target, wire in copies:
+                target.copy_(wire)
+
+        return _handle(comm, works, CollectiveKind.SEND, label, after_wait=copy_back if copies else None)
+
+
 def all_gather_objects(comm: CommContext, obj: object, label: str) -> list:
     """Every rank's small picklable ``obj``, in rank order: for agreements, not data.
 

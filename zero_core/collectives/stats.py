@@ -14,6 +14,8 @@ class CollectiveKind(str, Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
+    # Tensors sent to one peer (matrix optimizers: a tensor's pieces to its owner and its update back).
+    SEND = "send"
 
 
 class Span(str, Enum):

@@ -35,8 +35,9 @@ _NO_TORCH_EQUAL = {
     "lamb": 'LAMB scales each tensor\'s step by its trust ratio, which torch has no optimizer for: use "AdamW" '
     "(the nearest), or train LAMB with DeepSpeed",
     "lion": 'torch has no Lion optimizer: use "AdamW" (the nearest), or train Lion with DeepSpeed',
-    "muon": "DeepSpeed's Muon orthogonalises whole matrices, which ZeRO's flat shards cannot: use \"AdamW\", "
-    "or train Muon with DeepSpeed",
+    "muon": "a config's Muon (DeepSpeed's, which steps the non-matrix parameters with Adam by muon_lr and "
+    "adam_lr) is not read yet: build torch.optim.Muon over the hidden matrices and give it to the engine with "
+    "this config, which runs it sharded",
     "muadam": 'the mup optimizers scale each tensor by its width (mup\'s MuAdam): use "Adam", or train mup with '
     "DeepSpeed",
     "muadamw": 'the mup optimizers scale each tensor by its width (mup\'s MuAdamW): use "AdamW", or train mup '
@@ -54,7 +55,6 @@ _WHOLE_TENSOR = {
     "LBFGS": "LBFGS needs a closure and whole tensors",
     "SparseAdam": "SparseAdam needs sparse gradients",
     "Adafactor": "Adafactor factors each matrix's second moment",
-    "Muon": "Muon orthogonalises whole matrices",
 }
 
 # FusedAdam's (and DeepSpeedCPUAdam's) arguments and defaults, which DeepSpeed builds unless torch_adam.

@@ -20,6 +20,7 @@ from ..unit import FlatUnit
 from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
 from .rebuild import check_optimizer_supported, reset_optimizer_state
+from .whole_tensor_step import check_whole_tensor_settings
 from .zero_grad_routes import Discard, ZeroGradRoute
 
 # Optimizers of unsharded engines -> the hooks that keep them refusing to step (and their
@@ -94,6 +95,7 @@ class OptimizerAttachment(PassListener):
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         check_optimizer_supported(optimizer)
+        check_whole_tensor_settings(optimizer, self.units, self.nvme is not None, self.in_backward is not None)
         if self.nvme is not None or any(unit.offloaded for unit in self.units):
             raw_step_of(optimizer)  # refused now if the offloaded step cannot run it without its hooks
         for handle in _RETIRED_OPTIMIZERS.pop(optimizer, []):  # never stepped (checked above): usable again

@@ -3,8 +3,9 @@
 The optimizer object stays the same (schedulers bound to it keep driving its
 ``param_groups``); it updates the fp32 pieces of its parameters that this
 rank owns (``param_groups.py`` says when its groups list them). That is
-exact for elementwise optimizers and wrong for ones that look at whole
-tensors, which are refused here.
+exact for elementwise optimizers. Those that look at whole tensors are either
+stepped whole at an owner rank (``STEPPED_WHOLE``, ``whole_tensor_step.py``)
+or refused here.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop,
 )
 
-# Optimizers that need whole tensors (line searches, factored or per-matrix state).
+# Optimizers that need whole tensors and run here whole, each tensor at one owner rank (whole_tensor_step.py),
+# with their state keys shaped like the parameter: sharded like it between steps, zeros before the first step.
+STEPPED_WHOLE: dict[type[torch.optim.Optimizer], tuple[str, ...]] = (
+    {torch.optim.Muon: ("momentum_buffer",)} if hasattr(torch.optim, "Muon") else {}
+)
+
+# Optimizers that need whole tensors and are refused: a line search (its closure re-runs the loss), sparse
+# gradients, a factored second moment (state not shaped like the parameter).
 WHOLE_TENSOR_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = tuple(
-    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
+    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor") if hasattr(torch.optim, name)
 )
 
 
@@ -46,9 +54,10 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
     if isinstance(optimizer, WHOLE_TENSOR_OPTIMIZERS):
         raise ValueError(
             f"{type(optimizer).__name__} needs whole parameter tensors, but ZeRO gives each rank "
-            "a flat slice of them. Use an elementwise optimizer such as torch.optim.AdamW or SGD."
+            "a flat slice of them. Use an elementwise optimizer such as torch.optim.AdamW or SGD, "
+            "or torch.optim.Muon for the hidden matrices."
         )
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(STEPPED_WHOLE)):
         warnings.warn(
             f"{type(optimizer).__name__} is not a known elementwise optimizer. ZeRO hands it "
             "1-D slices of parameters: results are exact only if its update is elementwise.",

@@ -114,7 +114,7 @@ def _refused(config: dict) -> str:
         ({"type": "Lamb"}, "optimizer.type='Lamb' (LAMB scales each tensor's step by its trust ratio"),
         ({"type": "Lion"}, 'torch has no Lion optimizer: use "AdamW" (the nearest)'),
         ({"type": "OneBitAdam"}, "DeepSpeed 0.19 has no 1-bit Adam any more"),
-        ({"type": "muon"}, "DeepSpeed's Muon orthogonalises whole matrices"),
+        ({"type": "muon"}, "build torch.optim.Muon over the hidden matrices and give it to the engine"),
         ({"type": "LBFGS"}, "LBFGS needs a closure and whole tensors"),
         ({"type": "sgd"}, "did you mean 'SGD'?"),
         ({"params": {"lr": 0.1}}, "optimizer.type=None (the optimizer's name; without one DeepSpeed builds no"),

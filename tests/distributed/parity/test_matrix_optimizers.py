@@ -1,0 +1,220 @@
+"""Optimizers that need whole tensors (``torch.optim.Muon``) at stages 1-3 train like DDP with the same
+optimizer: each matrix stepped whole at an owner rank, its pieces sent there and its update sent back.
+
+The model's matrices are square (``mix``), tall (``up``), wide (``down``) and tied (the embedding and head);
+at 2 and 3 ranks the units' shards cut matrices between ranks, so owners receive pieces from others.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.checkpoint_files import assert_same_checkpoint
+from tests.distributed.checkpoint.test_checkpoint_roundtrip import global_batch
+from tests.models import TinyTransformer, batch, lm_loss, make_optimizer
+from tests.rank_pool import run_distributed
+from tests.workers import config_for, parity_grid, train_clipped
+from zero_core import MixedPrecision, ZeroEngine
+
+STAGES = (1, 2, 3)
+CASES = [dict(stage=s, optimizer_name="muon") for s in STAGES]
+# Accumulated and clipped. DDP's gradients are clipped with the engine's norm, and at stages 2/3 (whose shards
+# sum each micro-batch's reduced gradient) reduced every micro-batch too: the sums in the same order.
+CLIPPED = dict(optimizer_name="muon", micro_batches=2, clip=0.5, reference_clips_at_our_norm=True)
+CASES += [dict(stage=1, **CLIPPED)] + [dict(stage=s, sync_every_micro_batch=True, **CLIPPED) for s in (2, 3)]
+CASES += [dict(stage=s, optimizer_name="muon", settings={"offload_optimizer": "cpu"}) for s in STAGES]
+CASES += [dict(stage=3, optimizer_name="muon", persistence_threshold=2000)]  # the blocks' units kept whole
+
+
+def _case_id(case: dict) -> str:
+    return "-".join(f"{k}={v}" for k, v in case.items())
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
+def grid(request: pytest.FixtureRequest) -> tuple[int, list[list[dict]]]:
+    return request.param, run_distributed(parity_grid, request.param, CASES)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
+def test_muon_matches_ddp_with_muon(grid: tuple[int, list], index: int) -> None:
+    """Bitwise: the owner runs torch's own Muon step on the whole matrix, as DDP's rank does, from the same
+    gradients. Why the clipped cases give DDP the engine's order of sums: the norm (equal to torch's within
+    1e-6, compared here) or an accumulated gradient one rounding off moves Muon's update by up to ~1e-3, as it
+    would under DDP itself, because Newton-Schulz in bf16 amplifies the smallest singular directions."""
+    _, per_rank = grid
+    for rank, results in enumerate(per_rank):
+        result = results[index]
+        assert result["param_errors"] == [0.0] * 5, f"rank {rank}: {result['param_errors']}"
+        assert result["losses"] == result["reference_losses"]
+        for ours, reference in result["norms"]:
+            assert ours == pytest.approx(reference, rel=1e-6)
+    losses = per_rank[0][index]["losses"]
+    assert len(set(losses)) > 1  # it trains
+
+
+def _bytes_and_work(rank: int, world_size: int, stage: int) -> dict:
+    """What Muon's step really sends (every isend counted as torch runs it) against the traffic report, and
+    the Newton-Schulz work each rank did (torch's own iteration, wrapped)."""
+    import torch.optim._muon as muon_module
+
+    sent = []
+    real_batch = dist.batch_isend_irecv
+
+    def counting(ops: list) -> list:
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real_batch(ops)
+
+    work = []
+    real_ns = muon_module._zeropower_via_newtonschulz
+
+    def counting_ns(grad: torch.Tensor, *args: object):  # type: ignore[no-untyped-def]
+        m, n = grad.shape
+        work.append(m * n * min(m, n))
+        return real_ns(grad, *args)
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    engine = ZeroEngine(model, make_optimizer("muon", model), config_for(stage))
+    ids = batch(0, rank)
+    engine.backward(lm_loss(model(ids), ids))
+    dist.batch_isend_irecv, muon_module._zeropower_via_newtonschulz = counting, counting_ns
+    try:
+        engine.step()
+    finally:
+        dist.batch_isend_irecv, muon_module._zeropower_via_newtonschulz = real_batch, real_ns
+    matrices = [p for group in make_optimizer("muon", TinyTransformer()).param_groups for p in group["params"]]
+    return {
+        "sent": sum(sent),
+        "reported": engine.last_step_traffic["send"].bytes,
+        "work": sum(work),
+        "costs": [p.shape[0] * p.shape[1] * min(p.shape) for p in matrices],
+    }
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bytes_sent_are_reported_and_the_work_is_shared(stage: int) -> None:
+    per_rank = run_distributed(_bytes_and_work, 2, stage)
+    for result in per_rank:
+        assert result["sent"] > 0
+        assert result["reported"] == result["sent"]
+    costs = per_rank[0]["costs"]
+    assert sum(result["work"] for result in per_rank) == sum(costs)  # each matrix once, not once per rank
+    for result in per_rank:
+        assert abs(result["work"] - sum(costs) / 2) <= max(costs)
+
+
+def _non_matrix_added_later(rank: int, world_size: int) -> str:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = make_optimizer("muon", model)
+    engine = ZeroEngine(model, optimizer, config_for(2))
+    optimizer.add_param_group({"params": [model.blocks[0].mix.bias]})  # torch's constructor would refuse it
+    ids = batch(0, rank)
+    engine.backward(lm_loss(model(ids), ids))
+    try:
+        engine.step()
+    except ValueError as error:
+        return str(error)
+    return "stepped"
+
+
+def test_a_non_matrix_added_later_is_refused_on_every_rank() -> None:
+    errors = run_distributed(_non_matrix_added_later, 2)
+    assert errors[0] == errors[1]
+    assert "Muon only supports 2D parameters" in errors[0] and "blocks.0.mix.bias" in errors[0]
+
+
+def _refused_settings(rank: int, world_size: int, offload_dir: str) -> dict[str, str]:
+    errors = {}
+    for name, settings in {
+        "nvme": {"offload_optimizer": "nvme", "offload_dir": offload_dir},
+        "in_backward": {"offload_optimizer": "cpu", "offload_step_in_backward": True},
+    }.items():
+        torch.manual_seed(0)
+        model = TinyTransformer()
+        try:
+            ZeroEngine(model, make_optimizer("muon", model), config_for(3, **settings))
+            errors[name] = "built"
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
+def test_settings_muon_cannot_run_with_are_refused(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    errors = run_distributed(_refused_settings, 2, str(tmp_path))
+    assert errors[0] == errors[1]
+    assert 'offload_optimizer="nvme"' in errors[0]["nvme"] and "Muon" in errors[0]["nvme"]
+    assert "offload_step_in_backward" in errors[0]["in_backward"]
+
+
+def _muon_run(stage: int) -> tuple[TinyTransformer, ZeroEngine]:
+    torch.manual_seed(0)
+    model = TinyTransformer().eval()  # BatchNorm on running statistics: independent of the split
+    return model, ZeroEngine(model, make_optimizer("muon", model), config_for(stage))
+
+
+def _train_global(model: TinyTransformer, engine: ZeroEngine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids = global_batch(step, engine.rank, engine.world_size)
+        loss = lm_loss(model(ids), ids)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / engine.world_size)
+    return losses
+
+
+def _save_muon(rank: int, world_size: int, directory: str) -> dict:
+    model, engine = _muon_run(3)
+    _train_global(model, engine, range(2))
+    engine.save_checkpoint(f"{directory}/saved")
+    losses = _train_global(model, engine, range(2, 4))
+    return {"losses": losses, "final": engine.full_state_dict()}
+
+
+def _resume_muon(rank: int, world_size: int, directory: str, stage: int) -> dict:
+    model, engine = _muon_run(stage)
+    engine.load_checkpoint(f"{directory}/saved")
+    engine.save_checkpoint(f"{directory}/reloaded-{world_size}-{stage}")
+    losses = _train_global(model, engine, range(2, 4))
+    return {"losses": losses, "final": engine.full_state_dict()}
+
+
+def test_a_muon_checkpoint_resumes_at_another_world_size_and_stage(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Saved at 2 ranks and stage 3, the momentum sharded like the weights: loaded at 2 ranks it continues bit
+    for bit; at 3 ranks and stage 1 it loads exactly (saved again, the same bytes) and continues within what
+    the other split's rounding, amplified by Newton-Schulz, allows."""
+    saved = run_distributed(_save_muon, 2, str(tmp_path))[0]
+    same = run_distributed(_resume_muon, 2, str(tmp_path), 3)[0]
+    other = run_distributed(_resume_muon, 3, str(tmp_path), 1)[0]
+    for world_size, stage in ((2, 3), (3, 1)):
+        assert_same_checkpoint(tmp_path / "saved", tmp_path / f"reloaded-{world_size}-{stage}", "momentum_buffer")
+    assert same["losses"] == saved["losses"]
+    assert all(torch.equal(same["final"][key], value) for key, value in saved["final"].items())
+    assert other["losses"] == pytest.approx(saved["losses"], rel=1e-4)
+
+
+def _muon_precisions(rank: int, world_size: int) -> dict[str, list[float]]:
+    losses = {}
+    for stage in STAGES:
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            model = TinyTransformer()
+            config = config_for(stage, precision=MixedPrecision(compute_dtype=dtype))
+            engine = ZeroEngine(model, make_optimizer("muon", model, lr=3e-2), config)
+            losses[f"{stage}-{dtype}"] = train_clipped(model, engine, rank, range(8))
+    return losses
+
+
+def test_bf16_compute_with_muon_tracks_fp32_at_every_stage() -> None:
+    """bf16 compute, fp32 master and reduction: Muon steps the fp32 masters, as with fp32 compute."""
+    losses = run_distributed(_muon_precisions, 2)[0]
+    for stage in STAGES:
+        fp32, bf16 = losses[f"{stage}-torch.float32"], losses[f"{stage}-torch.bfloat16"]
+        assert bf16[-1] < 0.8 * bf16[0], "the run must train"
+        assert bf16 != fp32, "bf16 must actually be used"
+        assert bf16 == pytest.approx(fp32, rel=0.02)
