@@ -8,7 +8,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-from .models import TinyTransformer, TokenDataset, lm_loss, param_groups, uses_branch
+from .models import TinyTransformer, TokenDataset, lm_loss, make_optimizer, param_groups, uses_branch
 
 
 class TinyLM(pl.LightningModule):
@@ -53,6 +53,13 @@ class TinyLM(pl.LightningModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+class MuonTinyLM(TinyLM):
+    """The same model trained with torch's Muon over its matrices (the biases and norms left as they start)."""
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        return make_optimizer("muon", self.net, lr=self.hparams.lr)
 
 
 class ManualTinyLM(TinyLM):

@@ -9,7 +9,7 @@ with the launcher's settings unless it gives its own (``--stage``, or
     ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
         tests/scripts/accelerate_train.py OUT NAME [--steps 6] [--accumulate 2] [--clip 0.5]
         [--save-at 3] [--resume DIR] [--batchnorm 0] [--batch-size 4] [--mixed-precision bf16] [--stage 1]
-        [--round-params 1] [--autocast 1] [--then NAME [options] ...]
+        [--round-params 1] [--autocast 1] [--optimizer muon] [--then NAME [options] ...]
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def case_parser() -> argparse.ArgumentParser:
     parser.add_argument("--round-params", type=int, default=0)
     # The forward under the script's own torch.autocast(bf16) (for ZeroAccelerator(mixed_precision="no")).
     parser.add_argument("--autocast", type=int, default=0)
+    parser.add_argument("--optimizer", default="adamw", help="tests.models.make_optimizer's name: adamw, muon, ...")
     return parser
 
 
@@ -90,7 +91,7 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
         accelerator = Accelerator(**settings)
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=bool(args.batchnorm))
-    optimizer = make_optimizer("adamw", model)
+    optimizer = make_optimizer(args.optimizer, model)
     if args.round_params:
         model = Bf16ComputeCopies(model)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.7)

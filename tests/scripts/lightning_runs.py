@@ -24,7 +24,14 @@ from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint  # n
 
 import lightning_zero  # noqa: E402, F401  (registers the strategies)
 from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
-from tests.lightning_module import BackboneTinyLM, ManualTinyLM, SkipOnNanTinyLM, TinyLM, TwoStepsTinyLM  # noqa: E402
+from tests.lightning_module import (  # noqa: E402
+    BackboneTinyLM,
+    ManualTinyLM,
+    MuonTinyLM,
+    SkipOnNanTinyLM,
+    TinyLM,
+    TwoStepsTinyLM,
+)
 from tests.models import Block  # noqa: E402
 
 
@@ -63,6 +70,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
         if spec.get("two_steps")
         else BackboneTinyLM
         if spec.get("unfreeze_backbone_at")
+        else MuonTinyLM
+        if spec.get("muon")
         else TinyLM
     )
     module = module_class(

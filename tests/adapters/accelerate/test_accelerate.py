@@ -78,12 +78,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     # Cases share launches, in sequence in the same processes: a launch costs far more than a case. Both DDP
     # references in one, the bf16 one's precision given by the script (only ours must come from the launcher).
     # The third: Accelerate's bf16 DDP on the model whose forward rounds every parameter to bf16, as our copies.
-    bf16_references = [THEN, "ddp-bf16", *BF16, "--mixed-precision", "bf16"]
+    bf16_references = [THEN, "ddp-muon", "--optimizer", "muon", THEN, "ddp-bf16", *BF16, "--mixed-precision", "bf16"]
     bf16_references += [THEN, "ddp-bf16-rounded", *BF16, "--mixed-precision", "bf16", "--round-params", "1"]
     # Stages 1 and 3: the plugin hands the stage to the core untouched, and stage 2 sits
     # between them (its parity with DDP is checked in the core and Lightning tests). Stage 3 from the
     # launcher's file, stage 1 by the script's ZeroPlugin(stage=1) (from a file: "resumed-1" below).
     zero3 = {"stage": 3, "wrap_classes": "[Block]"}
+    muon_case = [THEN, "zero3-muon", "--optimizer", "muon"]  # torch's Muon over the matrices, against "ddp-muon"
     # bf16 at stages 3 and 2; then bf16 as Accelerate's DDP computes it: fp32 copies under the script's autocast.
     fp32_copies = ["--mixed-precision", "no", "--autocast", "1"]
     bf16_cases = ["zero3-bf16", *BF16, THEN, "zero2-bf16", *BF16, "--stage", "2", THEN, "zero3-autocast", *BF16]
@@ -91,7 +92,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     def saved_and_resumed() -> None:
         _checked(
             _launch(
-                out, "zero3", *PARITY, THEN, "zero1", *PARITY, "--stage", "1", THEN, "saved", *RESUMABLE, zero=zero3
+                out,
+                "zero3",
+                *PARITY,
+                THEN,
+                "zero1",
+                *PARITY,
+                "--stage",
+                "1",
+                THEN,
+                "saved",
+                *RESUMABLE,
+                *muon_case,
+                zero=zero3,
             )
         )
         _checked(_launch(out, "resumed-2", *RESUMABLE, "--resume", str(out / "saved-state"), zero={"stage": 3}))
@@ -120,6 +133,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         "zero3-bf16",
         "zero2-bf16",
         "zero3-autocast",
+        "ddp-muon",
+        "zero3-muon",
     ]
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
@@ -162,6 +177,16 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     # Clipped AdamW is blind to a gradient scaled by a constant (a loss not divided by the accumulation
     # steps); the norm clip_grad_norm_ returns is not.
     assert len(ours["clip_norms"]) == 6 and ours["clip_norms"] == pytest.approx(reference["clip_norms"], rel=1e-5)
+
+
+def test_muon_through_prepare_matches_plain_accelerate_with_muon(runs: tuple) -> None:
+    """torch.optim.Muon given to ``accelerator.prepare`` at stage 3: each matrix stepped whole at its owner by
+    torch's own step, so plain Accelerate's (DDP's) numbers, bit for bit."""
+    _, results = runs
+    reference, ours = results["ddp-muon"], results["zero3-muon"]
+    assert ours["accelerator"] == "ZeroAccelerator" and len(set(ours["losses"])) > 1
+    assert ours["losses"] == reference["losses"]
+    assert relative_difference(ours["weights"], reference["weights"]) == 0.0
 
 
 def _rank_losses(result: dict) -> torch.Tensor:

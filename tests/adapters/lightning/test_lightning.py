@@ -33,6 +33,8 @@ RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
 # Lightning's BackboneFinetuning unfreezes the first block (the shapes of the others)
 # at epoch 2 and adds it to the optimizer as a third param group.
 FINETUNING = dict(RESUMABLE, unfreeze_backbone_at=2)
+# configure_optimizers returns torch.optim.Muon over the matrices (tests.lightning_module.MuonTinyLM).
+MUON = dict(max_steps=4, muon=True)
 # Offloaded units step on the host while backward goes on (zero_core/passes/step_in_backward.py).
 IN_BACKWARD = {"offload_optimizer": "cpu", "offload_step_in_backward": True}
 # Manual optimization that skips a step on a NaN norm (and one more), zeroing the gradients every batch.
@@ -41,6 +43,8 @@ TWO_DEVICE_RUNS = [
     {"name": "ddp-skip-on-nan", "strategy": "ddp", **SKIP_ON_NAN},
     *({"name": f"zero{stage}-skip-on-nan", "strategy": f"zero{stage}", **SKIP_ON_NAN} for stage in (1, 2, 3)),
     {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
+    {"name": "ddp-muon", "strategy": "ddp_find_unused_parameters_true", **MUON},
+    *({"name": f"zero{stage}-muon", "strategy": f"zero{stage}", **MUON} for stage in (1, 3)),
     {"name": "zero1", "strategy": "zero1", **PARITY},
     {"name": "zero2", "strategy": "zero2", **PARITY},
     {
@@ -196,6 +200,16 @@ def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, s
     assert len(ours["losses"]) == 8 and ours["global_step"] == 4  # 4 steps of 2 micro-batches
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_muon_from_configure_optimizers_matches_ddp_with_muon(results: tuple, stage: int) -> None:
+    """Each matrix stepped whole at its owner by torch's own Muon: DDP's numbers, bit for bit."""
+    _, runs = results
+    reference, ours = runs["ddp-muon"], runs[f"zero{stage}-muon"]
+    assert ours["global_step"] == 4 and len(set(ours["losses"])) > 1
+    assert ours["losses"] == reference["losses"]
+    assert relative_difference(ours["weights"], reference["weights"]) == 0.0
 
 
 @pytest.mark.parametrize("variant", ["zero2-value", "zero2-manual", "zero3-manual", "zero3-two-steps"])

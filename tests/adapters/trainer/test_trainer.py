@@ -53,9 +53,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     # TrainingArguments(bf16=True / fp16=True), last so that the fp32 cases run as in a process of their own;
     # Trainer's own bf16 under DDP beside ours (its own fp16 under DDP computes in fp32 on a CPU). The nan cases
     # (a step skipped on an fp16 overflow) only train: last, after the fp16 case.
-    ddp = (ACCELERATE, 2, str(out), "ddp", "ddp_bf16", "ddp_fp16_nan")
+    ddp = (ACCELERATE, 2, str(out), "ddp", "ddp_muon", "ddp_bf16", "ddp_fp16_nan")
     # As users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
-    zero = ([*ACCELERATE_ZERO, "--zero_stage", "3"], 2, str(out), "zero", "zero1", "zero2", "zero_evalfirst")
+    zero = (
+        [*ACCELERATE_ZERO, "--zero_stage", "3"],
+        2,
+        str(out),
+        "zero",
+        "zero1",
+        "zero2",
+        "zero_evalfirst",
+        "zero1_muon",
+    )
     zero += ("zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
     # The two side by side (a launch keeps about one of two cores busy; each writes its own files).
     with ThreadPoolExecutor(max_workers=2) as launches:
@@ -70,7 +79,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         *["--refused", str(out / "ddp-run" / "checkpoint-3")],
     )
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
-    names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan"]
+    names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan", "ddp_muon", "zero1_muon"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -150,6 +159,20 @@ def test_resume_from_checkpoint_equals_ddps_resume(runs: tuple, stage: int) -> N
     weights = _tensors(resumed["weights"])
     _equal_weights(weights, _tensors(reference["resumed"]["weights"]))
     assert relative_difference(weights, _tensors(ours["weights"])) <= 1e-6  # as if never interrupted
+
+
+def test_muon_given_as_optimizers_trains_saves_and_resumes_as_trainer_under_ddp(runs: tuple) -> None:
+    """``ZeroTrainer(optimizers=(torch.optim.Muon(matrices), None))``: each matrix stepped whole at its owner by
+    torch's own step, so Trainer's numbers under DDP, bit for bit, through its checkpoint and resume too."""
+    _, results = runs
+    reference, ours = results["ddp_muon"], results["zero1_muon"]
+    assert (ours["trainer"], ours["stage"]) == ("ZeroTrainer", 1)
+    assert len(ours["losses"]) == 6 and len(set(ours["losses"])) > 1
+    assert ours["losses"] == reference["losses"]
+    assert relative_difference(_tensors(ours["weights"]), _tensors(reference["weights"])) == 0.0
+    resumed = ours["resumed"]
+    assert resumed["losses"] == reference["resumed"]["losses"] == reference["losses"][3:]
+    assert relative_difference(_tensors(resumed["weights"]), _tensors(ours["weights"])) == 0.0
 
 
 def test_resume_with_another_process_count_and_stage(runs: tuple) -> None:
