@@ -3,17 +3,19 @@ step count), keep training; then a fresh model refuses a load that asks for a
 missing entry (changing nothing), loads the checkpoint and trains the same
 steps. Last, a file a one-process run saved (as a DDP run saves one: full model
 and optimizer state dicts) is loaded into a fresh sharded model, and both go on.
-Rank 0 writes OUT/fabric.pt.
+Then torch's Muon through ``fabric.setup``, beside DDP with Muon. Rank 0 writes OUT/fabric.pt.
 
     python tests/scripts/fabric_run.py OUT_DIR
 """
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -61,6 +63,30 @@ def one_process(steps: range, model=None, optimizer=None, scheduler=None):  # ty
         scheduler.step()
         losses.append(loss.item())
     return model, optimizer, scheduler, losses
+
+
+def muon_against_ddp(fabric: Fabric) -> dict:
+    """torch's Muon over the matrices through fabric.setup, beside DDP with Muon in the same processes."""
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    reference = copy.deepcopy(model)
+    model, optimizer = fabric.setup(model, make_optimizer("muon", model))
+    ddp, reference_optimizer = DistributedDataParallel(reference), make_optimizer("muon", reference)
+    losses, reference_losses = [], []
+    for step in range(3):
+        ids = batch(step, fabric.global_rank)
+        loss = lm_loss(model(ids), ids)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        reference_loss = lm_loss(ddp(ids), ids)
+        reference_loss.backward()
+        reference_optimizer.step()
+        reference.zero_grad()
+        losses.append(loss.item())
+        reference_losses.append(reference_loss.item())
+    final = fabric.strategy.engine.full_state_dict()
+    return {"losses": losses, "reference_losses": reference_losses, "final": final, "ddp": reference.state_dict()}
 
 
 def main() -> None:
@@ -111,6 +137,7 @@ def main() -> None:
     result["from_file_remainder"] = fabric.load(file, state)
     result["from_file"] = train(fabric, model, optimizer, scheduler, range(state["step"], 5))
     result["from_file_final"] = fabric.strategy.engine.full_state_dict()
+    result["muon"] = muon_against_ddp(fabric)
     if fabric.global_rank == 0:
         torch.save(result, out / "fabric.pt")
 

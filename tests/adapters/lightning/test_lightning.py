@@ -319,6 +319,10 @@ def test_fabric_trains_saves_and_resumes_exactly(fabric_launch: tuple | None) ->
     assert run["from_file_remainder"] == {}
     assert run["from_file"] == pytest.approx(run["continued"], rel=1e-5)  # rank 0's losses, as it logged them
     assert relative_difference(run["from_file_final"], run["one_process_final"]) <= 1e-5
+    # torch's Muon through fabric.setup: each matrix stepped whole at its owner, DDP's numbers bit for bit.
+    muon = run["muon"]
+    assert muon["losses"] == muon["reference_losses"] and len(set(muon["losses"])) > 1
+    assert relative_difference(muon["final"], muon["ddp"]) == 0.0
 
 
 def test_lightning_cli_config_builds_the_strategy(tmp_path: Path) -> None:
