@@ -91,6 +91,15 @@ def make_optimizer(name: str, model: TinyTransformer, lr: float = 1e-2) -> torch
     if name == "muon":  # the matrices only (square, tall and wide, and the tied embedding), as torch's docs set it up
         matrices = [dict(group, params=[p for p in group["params"] if p.ndim == 2]) for group in groups]
         return torch.optim.Muon(matrices, lr=lr, momentum=0.9)
+    if name == "muon+adamw":  # zero_core.MuonWithAuxAdamW: Muon for the matrices, AdamW for the rest
+        from zero_core import MuonWithAuxAdamW
+
+        split = []
+        for group in groups:
+            matrices = [p for p in group["params"] if p.ndim == 2]
+            rest = [p for p in group["params"] if p.ndim != 2]
+            split += [dict(group, params=matrices, use_muon=True), dict(group, params=rest, use_muon=False, lr=lr / 4)]
+        return MuonWithAuxAdamW(split)
     if name == "adamw-fused":  # torch's fused kernel, as the offloaded step picks on the host
         return torch.optim.AdamW(groups, lr=lr, fused=True)
     raise ValueError(name)

@@ -20,6 +20,7 @@ from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .offload import OffloadError
 from .optim.grad_ops import total_norm
+from .optim.muon_with_adamw import MuonWithAuxAdamW
 from .passes.gradient_errors import LateGradientError, UnscaledBackwardError
 from .passes.state import TrainingState
 from .settings import Setting
@@ -35,6 +36,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "ModelChangedError",
+    "MuonWithAuxAdamW",
     "OffloadError",
     "ParameterAtRestError",
     "RanksDivergedError",

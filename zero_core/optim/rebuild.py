@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import warnings
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
 from ..unit import FlatUnit, MasterPiece
+from .muon_with_adamw import MuonWithAuxAdamW
 
 # Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
@@ -32,11 +34,24 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop,
 )
 
-# Optimizers that need whole tensors and run here whole, each tensor at one owner rank (whole_tensor_step.py),
-# with their state keys shaped like the parameter: sharded like it between steps, zeros before the first step.
-STEPPED_WHOLE: dict[type[torch.optim.Optimizer], tuple[str, ...]] = (
-    {torch.optim.Muon: ("momentum_buffer",)} if hasattr(torch.optim, "Muon") else {}
-)
+
+class WholeTensorRule(NamedTuple):
+    """How an optimizer that needs whole tensors runs under ZeRO: its state keys shaped like the parameter
+    (sharded like it between steps, zeros before the first step), and which of its groups are stepped whole
+    (``group_flag``: the groups whose value for that key is true; None: every group)."""
+
+    state_keys: tuple[str, ...]
+    group_flag: str | None = None
+
+    def steps_whole(self, group: dict) -> bool:
+        return self.group_flag is None or group.get(self.group_flag) is True
+
+
+# Optimizers that need whole tensors and run here whole, each tensor at one owner rank (whole_tensor_step.py).
+STEPPED_WHOLE: dict[type[torch.optim.Optimizer], WholeTensorRule] = {
+    torch.optim.Muon: WholeTensorRule(("momentum_buffer",)),
+    MuonWithAuxAdamW: WholeTensorRule(("momentum_buffer",), group_flag="use_muon"),  # its AdamW groups: pieces
+}
 
 # Optimizers that need whole tensors and are refused: a line search (its closure re-runs the loss), sparse
 # gradients, a factored second moment (state not shaped like the parameter).

@@ -34,8 +34,9 @@ from ..collectives import CommContext, all_gather_objects
 from ..unit import FlatUnit, MasterPiece
 from ..unit.layout import ParamSlot, ShardPiece
 from .host_step import raw_step_of
+from .muon_with_adamw import MuonWithAuxAdamW
 from .param_groups import OptimizerGroups
-from .rebuild import STEPPED_WHOLE
+from .rebuild import STEPPED_WHOLE, WholeTensorRule
 
 
 class _Held(NamedTuple):
@@ -78,7 +79,7 @@ def check_whole_tensor_settings(
 ) -> None:
     """The settings the optimizers of ``STEPPED_WHOLE`` do not run with yet, refused when one is attached (every
     rank alike: the settings were agreed)."""
-    if not WholeTensorStep.applies_to(optimizer):
+    if WholeTensorStep.rule_for(optimizer) is None:
         return
     refused = [
         (nvme, 'offload_optimizer="nvme" (its state is stepped unit by unit from files)', 'offload_optimizer="cpu"'),
@@ -115,38 +116,48 @@ class WholeTensorStep:
                 self._master[(unit.index, master.piece.slot.index)] = master
 
     @staticmethod
-    def applies_to(optimizer: torch.optim.Optimizer) -> bool:
-        return isinstance(optimizer, tuple(STEPPED_WHOLE))
+    def rule_for(optimizer: torch.optim.Optimizer) -> WholeTensorRule | None:
+        """How ``optimizer`` runs here, if it needs whole tensors (None: it steps the pieces itself)."""
+        return next((rule for kind, rule in STEPPED_WHOLE.items() if isinstance(optimizer, kind)), None)
 
     def step(self, groups: OptimizerGroups, slot_flags: list[list[bool]]) -> None:
-        """Every rank together: each parameter of the groups with a gradient somewhere (``slot_flags``, agreed)
-        stepped whole at its owner. Called with the groups showing the master pieces, their ``.grad`` attached."""
+        """Every rank together: each parameter of the groups stepped whole with a gradient somewhere
+        (``slot_flags``, agreed) stepped at its owner; their pieces' ``.grad`` are then let go, so the
+        optimizer's own step that follows leaves them alone and steps the other groups' pieces. Called with
+        the groups showing the master pieces, their ``.grad`` attached."""
         optimizer = groups.optimizer
-        keys = next(keys for kind, keys in STEPPED_WHOLE.items() if isinstance(optimizer, kind))
+        rule = self.rule_for(optimizer)
+        assert rule is not None
+        whole_groups = [rule.steps_whole(group) for group in optimizer.param_groups]
         stepped = [
             (index, self._held[name])
             for index, names in enumerate(groups.names)
+            if whole_groups[index]
             for name in names
             if slot_flags[self._held[name].unit.index][self._held[name].slot.index]
         ]
-        self._check_shapes(optimizer, [held for _, held in stepped])
-        owned = _balanced_owners([held for _, held in stepped], self.comm.shard_size)
-        failure: str | None = None
-        for round_index in range(max((len(indices) for indices in owned), default=0)):
-            this_round = {
-                rank: stepped[indices[round_index]] for rank, indices in enumerate(owned) if round_index < len(indices)
-            }
-            mine = self._gather(this_round, keys, optimizer)
-            if mine is not None and failure is None:
-                failure = self._step_whole(optimizer, mine)
-            self._scatter(this_round, keys, optimizer, mine)
-        self._raise_alike(failure, type(optimizer).__name__)
+        self._check_shapes(optimizer, [held for _, held in stepped])  # before anything is sent or let go
+        try:
+            owned = _balanced_owners([held for _, held in stepped], self.comm.shard_size)
+            failure: str | None = None
+            for round_index in range(max((len(indices) for indices in owned), default=0)):
+                this_round = {r: stepped[ix[round_index]] for r, ix in enumerate(owned) if round_index < len(ix)}
+                mine = self._gather(this_round, rule.state_keys, optimizer)
+                if mine is not None and failure is None:
+                    failure = self._step_whole(optimizer, mine)
+                self._scatter(this_round, rule.state_keys, optimizer, mine)
+            self._raise_alike(failure, type(optimizer).__name__)
+        finally:
+            for _, held in stepped:
+                master = self._master.get((held.unit.index, held.slot.index))
+                if master is not None:
+                    master.param.grad = None
 
     # ---------------------------------------------------------------- checks
     def _check_shapes(self, optimizer: torch.optim.Optimizer, stepped: list[_Held]) -> None:
         """Muon's constructor refuses a tensor that is not 2-D; one added later (``add_param_group``) is refused
         here, on every rank alike (they see the same shapes), before anything is sent."""
-        if isinstance(optimizer, torch.optim.Muon):
+        if isinstance(optimizer, (torch.optim.Muon, MuonWithAuxAdamW)):
             for held in stepped:
                 if len(held.slot.shape) != 2:
                     raise ValueError(

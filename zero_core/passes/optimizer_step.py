@@ -189,22 +189,13 @@ class OptimizerStep:
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
-        if not self.last_step_skipped and self.whole_tensors.applies_to(groups.optimizer):
-            self._step_whole_tensors(groups, agreed)
-        elif not self.last_step_skipped and (self.nvme is not None or self.steps_on_host):
+        if not self.last_step_skipped and self.whole_tensors.rule_for(groups.optimizer) is not None:
+            # Muon's groups: each tensor at its owner; their pieces' gradients let go once stepped.
+            self.whole_tensors.step(groups, agreed.slot_flags)
+        if not self.last_step_skipped and (self.nvme is not None or self.steps_on_host):
             self._step_offloaded(groups, early)
         if self.in_backward is not None:
             self.in_backward.step_done()
-
-    def _step_whole_tensors(self, groups: OptimizerGroups, agreed: agreement.StepAgreement) -> None:
-        """Muon and its kind: each tensor stepped whole at its owner rank (``optim/whole_tensor_step.py``), on
-        the host with an offloaded optimizer as on the device; the optimizer's own step then finds no gradient."""
-        try:
-            self.whole_tensors.step(groups, agreed.slot_flags)
-        finally:
-            for unit in self.units:
-                for master in unit.master_pieces:
-                    master.param.grad = None
 
     def _step_offloaded(self, groups: OptimizerGroups, early: EarlySteps) -> None:
         """Offload: the step runs here (unit by unit with the NVMe tier), under the host's fused kernel, whose

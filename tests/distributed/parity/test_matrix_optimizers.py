@@ -26,6 +26,9 @@ CLIPPED = dict(optimizer_name="muon", micro_batches=2, clip=0.5, reference_clips
 CASES += [dict(stage=1, **CLIPPED)] + [dict(stage=s, sync_every_micro_batch=True, **CLIPPED) for s in (2, 3)]
 CASES += [dict(stage=s, optimizer_name="muon", settings={"offload_optimizer": "cpu"}) for s in STAGES]
 CASES += [dict(stage=3, optimizer_name="muon", persistence_threshold=2000)]  # the blocks' units kept whole
+# zero_core.MuonWithAuxAdamW: its Muon groups stepped whole at owners, its AdamW groups on each rank's pieces.
+CASES += [dict(stage=s, optimizer_name="muon+adamw") for s in STAGES]
+CASES += [dict(stage=3, optimizer_name="muon+adamw", settings={"offload_optimizer": "cpu"})]
 
 
 def _case_id(case: dict) -> str:
@@ -38,16 +41,19 @@ def grid(request: pytest.FixtureRequest) -> tuple[int, list[list[dict]]]:
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
-def test_muon_matches_ddp_with_muon(grid: tuple[int, list], index: int) -> None:
+def test_muon_matches_ddp_with_the_same_optimizer(grid: tuple[int, list], index: int) -> None:
     """Bitwise: the owner runs torch's own Muon step on the whole matrix, as DDP's rank does, from the same
     gradients. Why the clipped cases give DDP the engine's order of sums: the norm (equal to torch's within
     1e-6, compared here) or an accumulated gradient one rounding off moves Muon's update by up to ~1e-3, as it
     would under DDP itself, because Newton-Schulz in bf16 amplifies the smallest singular directions."""
-    _, per_rank = grid
+    world_size, per_rank = grid
+    # At 3 ranks the reduce-scatter sums some gradients in another order than DDP's all-reduce: AdamW's
+    # elementwise update shows that rounding (as in test_parity.py); Muon's bf16 iteration absorbed it here.
+    tolerance = 1e-6 if world_size == 3 and CASES[index]["optimizer_name"] == "muon+adamw" else 0.0
     for rank, results in enumerate(per_rank):
         result = results[index]
-        assert result["param_errors"] == [0.0] * 5, f"rank {rank}: {result['param_errors']}"
-        assert result["losses"] == result["reference_losses"]
+        assert max(result["param_errors"]) <= tolerance, f"rank {rank}: {result['param_errors']}"
+        assert result["losses"] == pytest.approx(result["reference_losses"], rel=tolerance, abs=0)
         for ours, reference in result["norms"]:
             assert ours == pytest.approx(reference, rel=1e-6)
     losses = per_rank[0][index]["losses"]
