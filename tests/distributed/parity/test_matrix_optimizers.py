@@ -224,3 +224,20 @@ def test_bf16_compute_with_muon_tracks_fp32_at_every_stage() -> None:
         assert bf16[-1] < 0.8 * bf16[0], "the run must train"
         assert bf16 != fp32, "bf16 must actually be used"
         assert bf16 == pytest.approx(fp32, rel=0.02)
+
+
+def test_muon_with_parameters_offloaded_and_hybrid_sharding_matches_ddp(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """At 4 ranks, bit for bit: stage-3 parameters in files or in host memory (the masters the owners read and
+    write live there), and hybrid sharding (owners inside each shard group of 2; both groups step alike). Muon alone: an AdamW
+    piece one rounding off DDP's (hybrid sums within the shard group, then across) would be amplified by
+    Newton-Schulz through the next steps' gradients."""
+    cases = [
+        dict(stage=3, optimizer_name="muon", settings={"offload_params": "nvme", "offload_optimizer": "cpu"}),
+        dict(stage=3, optimizer_name="muon", settings={"offload_params": "cpu", "offload_optimizer": "cpu"}),
+        dict(stage=3, optimizer_name="muon", shard_group_size=2),
+    ]
+    cases[0]["settings"]["offload_dir"] = str(tmp_path)
+    for results in run_distributed(parity_grid, 4, cases):
+        for case, result in zip(cases, results):
+            assert result["param_errors"] == [0.0] * 5, case
+            assert result["losses"] == result["reference_losses"]
