@@ -228,9 +228,9 @@ def test_bf16_compute_with_muon_tracks_fp32_at_every_stage() -> None:
 
 def test_muon_with_parameters_offloaded_and_hybrid_sharding_matches_ddp(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """At 4 ranks, bit for bit: stage-3 parameters in files or in host memory (the masters the owners read and
-    write live there), and hybrid sharding (owners inside each shard group of 2; both groups step alike). Muon alone: an AdamW
-    piece one rounding off DDP's (hybrid sums within the shard group, then across) would be amplified by
-    Newton-Schulz through the next steps' gradients."""
+    write live there), and hybrid sharding (owners inside each shard group of 2; both groups step alike).
+    Muon alone: an AdamW piece one rounding off DDP's (hybrid sums within the shard group, then across) would
+    be amplified by Newton-Schulz through the next steps' gradients."""
     cases = [
         dict(stage=3, optimizer_name="muon", settings={"offload_params": "nvme", "offload_optimizer": "cpu"}),
         dict(stage=3, optimizer_name="muon", settings={"offload_params": "cpu", "offload_optimizer": "cpu"}),
