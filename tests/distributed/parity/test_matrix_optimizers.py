@@ -241,3 +241,31 @@ def test_muon_with_parameters_offloaded_and_hybrid_sharding_matches_ddp(tmp_path
         for case, result in zip(cases, results):
             assert result["param_errors"] == [0.0] * 5, case
             assert result["losses"] == result["reference_losses"]
+
+
+def _owner_step_raises(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    optimizer = make_optimizer("muon", model)
+    engine = ZeroEngine(model, optimizer, config_for(3))
+    optimizer.param_groups[0]["ns_steps"] = 100  # torch's Newton-Schulz refuses it, on the owners only
+    ids = batch(0, rank)
+    engine.backward(lm_loss(model(ids), ids))
+    try:
+        engine.step()
+        error = "stepped"
+    except ValueError as raised:
+        error = str(raised)
+    optimizer.param_groups[0]["ns_steps"] = 5
+    engine.zero_grad()
+    engine.backward(lm_loss(model(ids), ids))
+    engine.step()  # the engine trains on
+    return {"error": error, "steps": engine.steps_taken}
+
+
+def test_an_owners_failing_step_is_raised_on_every_rank_and_training_goes_on() -> None:
+    results = run_distributed(_owner_step_raises, 2)
+    assert results[0]["error"] == results[1]["error"]
+    assert "Muon.step() failed on ranks [0, 1]" in results[0]["error"]
+    assert "Number of steps must be less than 100" in results[0]["error"]
+    assert [result["steps"] for result in results] == [1, 1]
