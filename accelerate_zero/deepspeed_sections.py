@@ -18,6 +18,7 @@ from typing import Any
 
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import DummyOptim, DummyScheduler
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -77,7 +78,8 @@ class SectionBuilder:
         scheduler = next((a for a in args if isinstance(a, (LRScheduler, DummyScheduler))), None)
         _refuse_mismatches(optimizer, scheduler, self.sections)
         if isinstance(optimizer, DummyOptim):
-            self.built[id(optimizer)] = self._optimizer(optimizer)
+            model = next((a for a in args if isinstance(a, nn.Module)), None)  # names mark Muon's matrices
+            self.built[id(optimizer)] = self._optimizer(optimizer, model)
         if isinstance(scheduler, DummyScheduler):
             self.built[id(scheduler)] = self._scheduler(scheduler)
         elif scheduler is None and self._builds_schedule_alone(optimizer):
@@ -91,7 +93,7 @@ class SectionBuilder:
         has_scheduler = self.sections is not None and self.sections.scheduler is not None
         return has_scheduler and optimizer is not None and not built_from_config(optimizer)
 
-    def _optimizer(self, dummy: DummyOptim) -> Optimizer:
+    def _optimizer(self, dummy: DummyOptim, model: nn.Module | None) -> Optimizer:
         if dummy.kwargs:
             warnings.warn(
                 f"DummyOptim's {sorted(dummy.kwargs)} are not read (nor by Accelerate's DeepSpeed integration): the "
@@ -99,7 +101,8 @@ class SectionBuilder:
                 stacklevel=4,
             )
         auto = {"lr": dummy.lr, "weight_decay": dummy.weight_decay}  # as Accelerate fills them
-        return build_optimizer(self.sections.optimizer, dummy.params, auto, filled_by="DummyOptim(lr=, weight_decay=)")
+        filled_by = "DummyOptim(lr=, weight_decay=)"
+        return build_optimizer(self.sections.optimizer, dummy.params, auto, filled_by, model=model)
 
     def _scheduler(self, dummy: DummyScheduler) -> LRScheduler:
         optimizer = self.built.get(id(dummy.optimizer), dummy.optimizer)

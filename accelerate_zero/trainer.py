@@ -162,8 +162,9 @@ class ZeroTrainer(Trainer):
         section = self._deepspeed.optimizer if self._deepspeed is not None else None
         if section is None or self.optimizer is not None:
             return super().create_optimizer(model)
-        parameters = [p for p in (self.model if model is None else model).parameters() if p.requires_grad]
-        self.optimizer = deepspeed_reader.build_optimizer(section, parameters, auto_values(self.args))
+        model = self.model if model is None else model
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = deepspeed_reader.build_optimizer(section, parameters, auto_values(self.args), model=model)
         return self.optimizer
 
     def create_scheduler(

@@ -163,7 +163,8 @@ def refuse_loop_keys_under_fabric(translated: DeepSpeedSettings | None) -> None:
 
 _FABRIC_SECTIONS = {
     "optimizer": "build it in the script and pass it to fabric.setup(model, optimizer); "
-    "zero_core.deepspeed.build_optimizer(config['optimizer'], model.parameters()) builds the one DeepSpeed builds",
+    "zero_core.deepspeed.build_optimizer(config['optimizer'], model.parameters(), model=model) builds the one "
+    "DeepSpeed builds",
     "scheduler": "zero_core.deepspeed.build_scheduler(config['scheduler'], optimizer) builds DeepSpeed's schedule; "
     "call its step() after each optimizer.step(), as DeepSpeed's engine does",
 }
@@ -199,7 +200,8 @@ def configured_optimizers(
                 "return None from configure_optimizers to train with the config's (built here as DeepSpeed builds "
                 "it), or drop the section to train with yours."
             )
-        returned = [build_optimizer(translated.optimizer, [p for p in module.parameters() if p.requires_grad])]
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        returned = [build_optimizer(translated.optimizer, trainable, model=module)]
     elif not returned:
         raise ValueError(
             f'{translated.source} has a "scheduler" section but no "optimizer" section, and configure_optimizers '

@@ -100,6 +100,11 @@ def make_optimizer(name: str, model: TinyTransformer, lr: float = 1e-2) -> torch
             rest = [p for p in group["params"] if p.ndim != 2]
             split += [dict(group, params=matrices, use_muon=True), dict(group, params=rest, use_muon=False, lr=lr / 4)]
         return MuonWithAuxAdamW(split)
+    if name == "deepspeed-muon":  # a DeepSpeed config's "Muon" section, split by name as DeepSpeed's engine does
+        from zero_core.deepspeed import build_optimizer
+
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return build_optimizer({"type": "Muon", "params": {"lr": lr / 4, "muon_lr": lr}}, trainable, model=model)
     if name == "adamw-fused":  # torch's fused kernel, as the offloaded step picks on the host
         return torch.optim.AdamW(groups, lr=lr, fused=True)
     raise ValueError(name)

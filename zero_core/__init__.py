@@ -18,9 +18,9 @@ from .memory.memory_reports import MemoryReport, UnitReport
 from .memory.predicted import expected_model_state_bytes
 from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
+from .muon_with_adamw import MuonWithAuxAdamW
 from .offload import OffloadError
 from .optim.grad_ops import total_norm
-from .optim.muon_with_adamw import MuonWithAuxAdamW
 from .passes.gradient_errors import LateGradientError, UnscaledBackwardError
 from .passes.state import TrainingState
 from .settings import Setting

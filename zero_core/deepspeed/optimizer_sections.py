@@ -48,8 +48,10 @@ def _rows() -> tuple[KeyRow, ...]:
         KeyRow(
             "optimizer.type",
             MAPPED,
-            '"Adam", "AdamW", "Adagrad" (any case) and torch\'s elementwise optimizers '
-            'by name ("SGD", "RMSprop", ...); Lamb, Lion, Muon and the mup optimizers are refused',
+            '"Adam", "AdamW", "Adagrad", "Muon" (any case) and torch\'s elementwise optimizers by name ("SGD", '
+            '"RMSprop", ...); "Muon" as DeepSpeed splits it (Muon for the 2-D parameters whose names hold neither '
+            '"embed" nor "lm_head", Adam for the rest): zero_core.MuonWithAuxAdamW over torch\'s Muon and AdamW; '
+            "Lamb, Lion and the mup optimizers are refused",
         ),
         KeyRow("optimizer.params", MAPPED, "the optimizer's arguments, by name"),
         KeyRow("optimizer.legacy_fusion", WITHOUT_EFFECT, "DeepSpeed reads it only for fp16 without ZeRO"),
@@ -83,7 +85,7 @@ def _optimizer_param_users() -> dict[str, list[str]]:
     for label, kind, params in (
         ("Adam/AdamW", "AdamW", {}),
         ("Adam/AdamW with torch_adam", "AdamW", {"torch_adam": True}),
-        *((kind, kind, {}) for kind in ("Adagrad", *TORCH_BY_NAME)),
+        *((kind, kind, {}) for kind in ("Adagrad", "Muon", *TORCH_BY_NAME)),
     ):
         for name in accepted_params(kind, params):
             users.setdefault(name, []).append(label)
@@ -115,6 +117,13 @@ _OPTIMIZER_PARAM_ROWS = {
         "the optimizer states are fp32 here: drop the key",
         equals(True),
         "accepted when true",
+    ),
+    "muon_lr": KeyRow("optimizer.params.muon_lr", MAPPED, "Muon: the Muon half's lr, over lr"),
+    "adam_lr": KeyRow("optimizer.params.adam_lr", MAPPED, "Muon: the Adam half's lr, over lr"),
+    "ns_method": KeyRow(
+        "optimizer.params.ns_method",
+        WITHOUT_EFFECT,
+        'Muon: "gram" or "standard"; torch\'s Muon runs the standard Newton-Schulz iteration in bf16',
     ),
     "set_grad_none": KeyRow(
         "optimizer.params.set_grad_none", WITHOUT_EFFECT, "zero_grad's set_to_none is the framework's call"

@@ -13,7 +13,13 @@ What DeepSpeed does with each type:
 - any other name of a torch optimizer, spelt as torch spells it ("SGD", "RMSprop"): that class, with the
   params as its arguments (DeepSpeed asks for ``zero_allow_untested_optimizer`` with them; any elementwise
   optimizer trains exactly under our ZeRO).
-- "Lamb", "Lion", Muon and the mup optimizers have no torch equal: refused with the nearest torch optimizer.
+- "Muon" (any case): DeepSpeed's split (``deepspeed.set_optimizer_flags``): Muon for each trainable parameter
+  of 2 or more dimensions whose name holds neither "embed" nor "lm_head", Adam with decoupled weight decay for
+  the rest, with DeepSpeed's defaults (Muon: lr 0.02, momentum 0.95; Adam: lr 3e-4, betas (0.9, 0.95), eps
+  1e-10; weight decay 0), ``muon_lr``/``adam_lr`` over ``lr``: ``zero_core.MuonWithAuxAdamW`` over torch's
+  Muon and AdamW. torch's Muon takes 2-D matrices: a marked tensor of more dimensions (a conv filter, which
+  DeepSpeed reshapes) is refused. ``ns_method`` is accepted; torch's Muon runs the standard iteration in bf16.
+- "Lamb", "Lion" and the mup optimizers have no torch equal: refused with the nearest torch optimizer.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ..muon_with_adamw import MuonWithAuxAdamW
 from .common import AUTO
 
 # DeepSpeed's own types (matched in any case), as its config lower-cases them.
@@ -35,9 +42,6 @@ _NO_TORCH_EQUAL = {
     "lamb": 'LAMB scales each tensor\'s step by its trust ratio, which torch has no optimizer for: use "AdamW" '
     "(the nearest), or train LAMB with DeepSpeed",
     "lion": 'torch has no Lion optimizer: use "AdamW" (the nearest), or train Lion with DeepSpeed',
-    "muon": "a config's Muon (DeepSpeed's, which steps the non-matrix parameters with Adam by muon_lr and "
-    "adam_lr) is not read yet: build torch.optim.Muon over the hidden matrices and give it to the engine with "
-    "this config, which runs it sharded",
     "muadam": 'the mup optimizers scale each tensor by its width (mup\'s MuAdam): use "Adam", or train mup with '
     "DeepSpeed",
     "muadamw": 'the mup optimizers scale each tensor by its width (mup\'s MuAdamW): use "AdamW", or train mup '
@@ -49,6 +53,13 @@ _NO_TORCH_EQUAL = {
     'use "Adam"',
     "onebitlamb": 'DeepSpeed 0.19 has no 1-bit LAMB any more: use "AdamW"',
 }
+# DeepSpeed's Muon: the params each half takes (engine.py, _configure_basic_optimizer), and its defaults.
+MUON_TYPE = "muon"
+_MUON_KEYS = ("lr", "momentum", "weight_decay", "muon_lr", "ns_method")
+_ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_lr")
+_MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0}
+_ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
+_NS_METHODS = ("gram", "standard")
 # torch optimizers taken by name: their update is elementwise, so a flat shard steps as the whole tensor.
 TORCH_BY_NAME = ("SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
 _WHOLE_TENSOR = {
@@ -72,6 +83,8 @@ def optimizer_class(kind: str, params: Mapping[str, Any]) -> type[torch.optim.Op
         return torch.optim.AdamW if decoupled else torch.optim.Adam
     if lowered == "adagrad":
         return torch.optim.Adagrad
+    if lowered == MUON_TYPE:
+        return MuonWithAuxAdamW
     if lowered in _NO_TORCH_EQUAL:
         raise ValueError(_NO_TORCH_EQUAL[lowered])
     if kind in _WHOLE_TENSOR:
@@ -90,6 +103,8 @@ def optimizer_class(kind: str, params: Mapping[str, Any]) -> type[torch.optim.Op
 def accepted_params(kind: str, params: Mapping[str, Any]) -> tuple[str, ...]:
     """The params DeepSpeed passes on without an error for this type."""
     cls = optimizer_class(kind, params)
+    if cls is MuonWithAuxAdamW:
+        return tuple(dict.fromkeys(_MUON_KEYS + _ADAM_KEYS))
     if kind.lower() in ADAM_TYPES and params.get("torch_adam", False) is not True:
         return (*FUSED_ADAM_DEFAULTS, *ADAM_SWITCHES, *_FUSED_ONLY)
     own = [name for name in inspect.signature(cls.__init__).parameters if name not in ("self", "params")]
@@ -147,16 +162,62 @@ def build_optimizer(
     parameters: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
     auto: Mapping[str, Any] | None = None,
     filled_by: str = "this framework",
+    model: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
     """The torch optimizer DeepSpeed builds from the config's ``optimizer`` section (as ``from_deepspeed``
     checked it) over ``parameters`` (tensors or param groups, as DeepSpeed takes ``model_parameters``).
 
     ``auto`` maps a param's name ("lr", "betas", "eps", "weight_decay") to the framework's value, for the params
     the config sets to "auto"; ``filled_by`` names where those values come from, for the error about an "auto"
-    it has no value for."""
+    it has no value for. ``model``: whose parameter names say which tensors a "Muon" section gives Muon."""
     kind = section["type"]
     params = resolve_autos("optimizer", section.get("params") or {}, auto or {}, filled_by)
+    if kind.lower() == MUON_TYPE:
+        return remember_built(_muon_with_adam(params, parameters, model))
     arguments = torch_arguments(kind, params)
     if isinstance(arguments.get("betas"), list):
         arguments["betas"] = tuple(arguments["betas"])  # JSON has no tuples; torch's optimizers keep one
     return remember_built(optimizer_class(kind, params)(parameters, **arguments))
+
+
+def _muon_with_adam(
+    params: Mapping[str, Any],
+    parameters: Iterable[torch.nn.Parameter] | Iterable[dict[str, Any]],
+    model: torch.nn.Module | None,
+) -> MuonWithAuxAdamW:
+    """DeepSpeed's Muon section as its engine splits it (see the module's text), over torch's Muon and AdamW."""
+    if params.get("ns_method", "gram") not in _NS_METHODS:
+        raise ValueError(f"optimizer.params.ns_method={params['ns_method']!r} (one of {', '.join(_NS_METHODS)})")
+    tensors = [p for item in parameters for p in (item["params"] if isinstance(item, dict) else [item])]
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+    marked = [p for p in tensors if p.ndim >= 2 and not any(k in names.get(id(p), "").lower() for k in _UNMARKED)]
+    if tensors and model is None and marked:
+        raise ValueError(
+            'a "Muon" section marks the matrices by their names ("embed" and "lm_head" are Adam\'s): '
+            "this entry point did not give the model"
+        )
+    wide = [names.get(id(p), str(tuple(p.shape))) for p in marked if p.ndim > 2]
+    if wide:
+        raise ValueError(
+            f"DeepSpeed's Muon reshapes {', '.join(wide)} (more than 2 dimensions) to matrices; torch's Muon takes "
+            'matrices only: use "AdamW", or build zero_core.MuonWithAuxAdamW with those in an AdamW group'
+        )
+    chosen = {id(p) for p in marked}
+    groups = []
+    for use_muon, keys, defaults, own_lr in (
+        (True, _MUON_KEYS, _MUON_DEFAULTS, "muon_lr"),
+        (False, _ADAM_KEYS, _ADAM_DEFAULTS, "adam_lr"),
+    ):
+        group_params = [p for p in tensors if p.requires_grad and (id(p) in chosen) is use_muon]
+        if not group_params:
+            continue
+        settings = {**defaults, **{k: params[k] for k in keys if k in params and k not in ("ns_method", own_lr)}}
+        if own_lr in params:
+            settings["lr"] = params[own_lr]  # DeepSpeed: muon_lr / adam_lr over lr
+        if isinstance(settings.get("betas"), list):
+            settings["betas"] = tuple(settings["betas"])
+        groups.append({"params": group_params, "use_muon": use_muon, **settings})
+    return MuonWithAuxAdamW(groups)
+
+
+_UNMARKED = ("embed", "lm_head")  # DeepSpeed leaves these to Adam whatever their shape

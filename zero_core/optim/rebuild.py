@@ -16,8 +16,8 @@ from typing import NamedTuple
 
 import torch
 
+from ..muon_with_adamw import MuonWithAuxAdamW
 from ..unit import FlatUnit, MasterPiece
-from .muon_with_adamw import MuonWithAuxAdamW
 
 # Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (

@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..collectives import CommContext, all_gather_objects
+from ..muon_with_adamw import MuonWithAuxAdamW
 from ..unit import FlatUnit, MasterPiece
 from ..unit.layout import ParamSlot, ShardPiece
 from .host_step import raw_step_of
-from .muon_with_adamw import MuonWithAuxAdamW
 from .param_groups import OptimizerGroups
 from .rebuild import STEPPED_WHOLE, WholeTensorRule
 

@@ -114,7 +114,7 @@ def _refused(config: dict) -> str:
         ({"type": "Lamb"}, "optimizer.type='Lamb' (LAMB scales each tensor's step by its trust ratio"),
         ({"type": "Lion"}, 'torch has no Lion optimizer: use "AdamW" (the nearest)'),
         ({"type": "OneBitAdam"}, "DeepSpeed 0.19 has no 1-bit Adam any more"),
-        ({"type": "muon"}, "build torch.optim.Muon over the hidden matrices and give it to the engine"),
+        ({"type": "Muon", "params": {"ns_method": "fast"}}, "ns_method='fast' (one of gram, standard)"),
         ({"type": "LBFGS"}, "LBFGS needs a closure and whole tensors"),
         ({"type": "sgd"}, "did you mean 'SGD'?"),
         ({"params": {"lr": 0.1}}, "optimizer.type=None (the optimizer's name; without one DeepSpeed builds no"),
@@ -128,6 +128,40 @@ def _refused(config: dict) -> str:
 )
 def test_an_optimizer_without_a_torch_equal_or_with_bad_params_is_refused(section: dict, expected: str) -> None:
     assert expected in _refused({"optimizer": section})
+
+
+def test_a_muon_section_splits_the_parameters_as_deepspeed_does() -> None:
+    """DeepSpeed's engine: Muon for the trainable tensors of 2+ dimensions whose names hold neither "embed" nor
+    "lm_head", Adam (decoupled decay) for the rest; muon_lr and adam_lr over lr; DeepSpeed's defaults."""
+    from tests.models import TinyTransformer
+    from zero_core import MuonWithAuxAdamW
+
+    model = TinyTransformer()
+    params = {"lr": 0.01, "muon_lr": 0.05, "momentum": 0.9, "weight_decay": 0.1, "betas": [0.9, 0.98]}
+    section = from_deepspeed({**STAGE, "optimizer": {"type": "Muon", "params": params}}).optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(section, trainable, model=model)
+    assert isinstance(optimizer, MuonWithAuxAdamW)
+    muon, adam = optimizer.param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert muon["use_muon"] and sorted(names[id(p)] for p in muon["params"]) == sorted(
+        n for n, p in model.named_parameters() if p.ndim == 2 and p.requires_grad and "embed" not in n
+    )
+    assert "embed.weight" in {names[id(p)] for p in adam["params"]} and not adam["use_muon"]  # the tied head too
+    assert (muon["lr"], muon["momentum"], muon["weight_decay"]) == (0.05, 0.9, 0.1)
+    assert (adam["lr"], adam["betas"], adam["eps"], adam["weight_decay"]) == (0.01, (0.9, 0.98), 1e-10, 0.1)
+    defaults = build_optimizer({"type": "muon", "params": {}}, trainable, model=model).param_groups
+    assert (defaults[0]["lr"], defaults[0]["momentum"], defaults[1]["lr"], defaults[1]["betas"]) == (
+        0.02,
+        0.95,
+        3e-4,
+        (0.9, 0.95),
+    )
+    conv = torch.nn.Sequential(torch.nn.Conv2d(2, 2, 3))
+    with pytest.raises(ValueError, match="reshapes 0.weight"):
+        build_optimizer({"type": "Muon", "params": {}}, list(conv.parameters()), model=conv)
+    with pytest.raises(ValueError, match="did not give the model"):
+        build_optimizer({"type": "Muon", "params": {}}, trainable)
 
 
 @pytest.mark.parametrize(
@@ -174,7 +208,9 @@ def test_lightning_refuses_autos_when_built_and_fabric_the_sections_with_the_bui
                              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}})  # fmt: skip
     with pytest.raises(ValueError) as error:
         ZeroFabricStrategy(config={**STAGE, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
-    assert "zero_core.deepspeed.build_optimizer(config['optimizer'], model.parameters())" in str(error.value)
+    assert "zero_core.deepspeed.build_optimizer(config['optimizer'], model.parameters(), model=model)" in str(
+        error.value
+    )
 
 
 @pytest.fixture(scope="module")
