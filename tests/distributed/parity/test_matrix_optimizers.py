@@ -272,3 +272,25 @@ def test_an_owners_failing_step_is_raised_on_every_rank_and_training_goes_on() -
     assert "Muon.step() failed on ranks [0, 1]" in results[0]["error"]
     assert "Number of steps must be less than 100" in results[0]["error"]
     assert [result["steps"] for result in results] == [1, 1]
+
+
+def _muon_with_tensor_parallelism(rank: int, world_size: int) -> str:
+    from tests.tensor_parallel_model import Layer, TinyLlama, parallelize
+    from zero_core import WrapPolicy, ZeroConfig, tensor_parallel_mesh
+
+    mesh = tensor_parallel_mesh(2)
+    torch.manual_seed(0)
+    split = parallelize(TinyLlama(), mesh["tensor_parallel"])
+    muon = torch.optim.Muon([p for p in split.parameters() if p.ndim == 2])
+    config = ZeroConfig(stage=3, wrap_policy=WrapPolicy(module_classes=(Layer,)))
+    try:
+        ZeroEngine(split, muon, config, device_mesh=mesh)
+    except ValueError as error:
+        return str(error)
+    return "built"
+
+
+def test_muon_with_tensor_parallelism_is_refused_on_every_rank() -> None:
+    errors = run_distributed(_muon_with_tensor_parallelism, 4)
+    assert len(set(errors)) == 1
+    assert "Muon under ZeRO does not run with tensor parallelism" in errors[0]
