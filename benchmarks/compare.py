@@ -51,7 +51,7 @@ from typing import Iterator
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from contestants import CONTESTANTS, OFFLOAD_CONTESTANTS, STAGE_OF  # noqa: E402
+from contestants import CONTESTANTS, MUON_CONTESTANTS, OFFLOAD_CONTESTANTS, STAGE_OF  # noqa: E402
 from run_all import machine  # noqa: E402
 
 RECORDS = HERE / "results" / "compare"
@@ -504,7 +504,9 @@ def main() -> None:
     )
     against.add_argument("--baseline", help="a revision: each contestant with its packages against with this tree's")
     against.add_argument(
-        "--reference", choices=CONTESTANTS + OFFLOAD_CONTESTANTS, help="a contestant: each one against it, this tree"
+        "--reference",
+        choices=CONTESTANTS + OFFLOAD_CONTESTANTS + MUON_CONTESTANTS,
+        help="a contestant: each one against it, this tree",
     )
     against.add_argument(
         "--pool",

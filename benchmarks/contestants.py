@@ -48,8 +48,14 @@ OFFLOAD_CONTESTANTS = (
     "deepspeed3_nvme",  # DeepSpeed ZeRO-3 with offload_optimizer nvme (its async I/O op needs libaio-dev)
     "deepspeed3_infinity",  # and offload_param nvme
 )
+# Muon for the hidden matrices and AdamW for the rest, split by name as a DeepSpeed config's "Muon" is
+# (zero_core.MuonWithAuxAdamW): under DDP, and under ZeRO with each matrix stepped whole at an owner rank.
+MUON_CONTESTANTS = ("ddp_muon", "zero1_muon", "zero3_muon")
 STAGE_OF = {
     "ddp": 0,
+    "ddp_muon": 0,
+    "zero1_muon": 1,
+    "zero3_muon": 3,
     "ddp_zero_optimizer": 1,
     "fsdp2": 3,
     "fsdp2_no_reshard": 3,
@@ -130,6 +136,16 @@ def _adamw(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
 
 
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    """AdamW, or for the Muon contestants MuonWithAuxAdamW as a DeepSpeed config's "Muon" section builds it."""
+    if not name.endswith("_muon"):
+        return _adamw(model.parameters())
+    from zero_core.deepspeed import build_optimizer
+
+    section = {"type": "Muon", "params": {"lr": LEARNING_RATE, "muon_lr": 0.02}}
+    return build_optimizer(section, [p for p in model.parameters() if p.requires_grad], model=model)
+
+
 def _counting_allreduce_hook(counter: dict[str, int]) -> Callable:
     """DDP's default all-reduce, counting what it sends (a public comm-hook API)."""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -144,12 +160,12 @@ def _counting_allreduce_hook(counter: dict[str, int]) -> Callable:
 
 
 def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable) -> Contestant:
-    if name in ("ddp", "ddp_zero_optimizer"):
+    if name in ("ddp", "ddp_zero_optimizer", "ddp_muon"):
         ddp = nn.parallel.DistributedDataParallel(model)
         counter: dict[str, int] = {}
         ddp.register_comm_hook(None, _counting_allreduce_hook(counter))
-        if name == "ddp":
-            optimizer = _adamw(ddp.parameters())
+        if name != "ddp_zero_optimizer":
+            optimizer = _optimizer(name, ddp)
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -186,7 +202,7 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
         return _deepspeed(STAGE_OF[name], model, loss_fn, nvme_path, params_too=name.endswith("_infinity"))
     stage = STAGE_OF[name]
     offload: dict[str, Any] = {}
-    kind = name
+    kind = name.removesuffix("_muon")
     if kind.endswith("_in_backward"):
         kind, offload = kind.removesuffix("_in_backward"), {"offload_step_in_backward": True}
     if kind.endswith("_infinity"):
@@ -202,7 +218,7 @@ def build(name: str, model: nn.Module, block: type[nn.Module], loss_fn: Callable
     config = ZeroConfig(
         stage=stage, wrap_policy=WrapPolicy((block,)), overlap_param_refresh=kind.endswith("_overlap"), **offload
     )
-    engine = ZeroEngine(model, _adamw(model.parameters()), config)
+    engine = ZeroEngine(model, _optimizer(name, model), config)
     return Contestant(name, model, lambda ids: loss_fn(model(ids), ids), engine.backward, engine.step, engine=engine)
 
 
