@@ -147,12 +147,13 @@ def exchange(
     with record_function("zero::exchange"):
         if not sends and not receives:
             return Handle()
-        staged = [(t, t if t.device == comm.device else t.to(comm.device)) for t, _ in receives]
+
+        def on_wire(tensor: torch.Tensor) -> torch.Tensor:
+            return tensor if tensor.device == comm.device else tensor.to(comm.device)
+
+        staged = [(t, on_wire(t)) for t, _ in receives]
         group = comm.shard_group
-        ops = [
-            dist.P2POp(dist.isend, t if t.device == comm.device else t.to(comm.device), group=group, group_peer=r)
-            for t, r in sends
-        ]
+        ops = [dist.P2POp(dist.isend, on_wire(t), group=group, group_peer=r) for t, r in sends]
         ops += [dist.P2POp(dist.irecv, wire, group=group, group_peer=r) for (_, wire), (_, r) in zip(staged, receives)]
         works = dist.batch_isend_irecv(ops)
         copies = [(t, wire) for t, wire in staged if wire is not t]

@@ -191,7 +191,7 @@ def _muon_with_adam(
     tensors = [p for item in parameters for p in (item["params"] if isinstance(item, dict) else [item])]
     names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
     marked = [p for p in tensors if p.ndim >= 2 and not any(k in names.get(id(p), "").lower() for k in _UNMARKED)]
-    if tensors and model is None and marked:
+    if model is None and marked:
         raise ValueError(
             'a "Muon" section marks the matrices by their names ("embed" and "lm_head" are Adam\'s): '
             "this entry point did not give the model"

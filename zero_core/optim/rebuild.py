@@ -42,6 +42,7 @@ class WholeTensorRule(NamedTuple):
 
     state_keys: tuple[str, ...]
     group_flag: str | None = None
+    matrices_only: bool = False  # a tensor of its whole groups that is not 2-D is refused, as torch's Muon does
 
     def steps_whole(self, group: dict) -> bool:
         return self.group_flag is None or group.get(self.group_flag) is True
@@ -49,9 +50,16 @@ class WholeTensorRule(NamedTuple):
 
 # Optimizers that need whole tensors and run here whole, each tensor at one owner rank (whole_tensor_step.py).
 STEPPED_WHOLE: dict[type[torch.optim.Optimizer], WholeTensorRule] = {
-    torch.optim.Muon: WholeTensorRule(("momentum_buffer",)),
-    MuonWithAuxAdamW: WholeTensorRule(("momentum_buffer",), group_flag="use_muon"),  # its AdamW groups: pieces
+    torch.optim.Muon: WholeTensorRule(("momentum_buffer",), matrices_only=True),
+    # Its AdamW groups step their pieces.
+    MuonWithAuxAdamW: WholeTensorRule(("momentum_buffer",), group_flag="use_muon", matrices_only=True),
 }
+
+
+def whole_tensor_rule(optimizer: torch.optim.Optimizer) -> WholeTensorRule | None:
+    """How ``optimizer`` runs under ZeRO if it needs whole tensors (None: it steps this rank's pieces itself)."""
+    return next((rule for kind, rule in STEPPED_WHOLE.items() if isinstance(optimizer, kind)), None)
+
 
 # Optimizers that need whole tensors and are refused: a line search (its closure re-runs the loss), sparse
 # gradients, a factored second moment (state not shaped like the parameter).
@@ -72,7 +80,7 @@ def check_optimizer_supported(optimizer: torch.optim.Optimizer) -> None:
             "a flat slice of them. Use an elementwise optimizer such as torch.optim.AdamW or SGD, "
             "or torch.optim.Muon for the hidden matrices."
         )
-    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS + tuple(STEPPED_WHOLE)):
+    if not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS) and whole_tensor_rule(optimizer) is None:
         warnings.warn(
             f"{type(optimizer).__name__} is not a known elementwise optimizer. ZeRO hands it "
             "1-D slices of parameters: results are exact only if its update is elementwise.",

@@ -31,12 +31,11 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..collectives import CommContext, all_gather_objects
-from ..muon_with_adamw import MuonWithAuxAdamW
 from ..unit import FlatUnit, MasterPiece
 from ..unit.layout import ParamSlot, ShardPiece
 from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
-from .rebuild import STEPPED_WHOLE, WholeTensorRule
+from .rebuild import whole_tensor_rule
 
 
 class _Held(NamedTuple):
@@ -74,12 +73,24 @@ def _balanced_owners(held: list[_Held], ranks: int) -> list[list[int]]:
     return [sorted(indices) for indices in owned]
 
 
+def _check_matrices(stepped: list[_Held]) -> None:
+    """Muon's constructor refuses a tensor that is not 2-D; one added later (``add_param_group``) is refused
+    here, on every rank alike (they see the same shapes), before anything is sent."""
+    for held in stepped:
+        if len(held.slot.shape) != 2:
+            raise ValueError(
+                f"Muon only supports 2D parameters whereas we found a parameter with size: "
+                f"{tuple(held.slot.shape)} ({held.slot.fqns[0]}). Give Muon the hidden matrices and "
+                "another optimizer (AdamW) the embeddings, norms, biases and head."
+            )
+
+
 def check_whole_tensor_settings(
     optimizer: torch.optim.Optimizer, units: list[FlatUnit], nvme: bool, in_backward: bool
 ) -> None:
     """The settings the optimizers of ``STEPPED_WHOLE`` do not run with yet, refused when one is attached (every
     rank alike: the settings were agreed)."""
-    if WholeTensorStep.rule_for(optimizer) is None:
+    if whole_tensor_rule(optimizer) is None:
         return
     refused = [
         (nvme, 'offload_optimizer="nvme" (its state is stepped unit by unit from files)', 'offload_optimizer="cpu"'),
@@ -115,18 +126,13 @@ class WholeTensorStep:
             for master in unit.master_pieces:
                 self._master[(unit.index, master.piece.slot.index)] = master
 
-    @staticmethod
-    def rule_for(optimizer: torch.optim.Optimizer) -> WholeTensorRule | None:
-        """How ``optimizer`` runs here, if it needs whole tensors (None: it steps the pieces itself)."""
-        return next((rule for kind, rule in STEPPED_WHOLE.items() if isinstance(optimizer, kind)), None)
-
     def step(self, groups: OptimizerGroups, slot_flags: list[list[bool]]) -> None:
         """Every rank together: each parameter of the groups stepped whole with a gradient somewhere
         (``slot_flags``, agreed) stepped at its owner; their pieces' ``.grad`` are then let go, so the
         optimizer's own step that follows leaves them alone and steps the other groups' pieces. Called with
         the groups showing the master pieces, their ``.grad`` attached."""
         optimizer = groups.optimizer
-        rule = self.rule_for(optimizer)
+        rule = whole_tensor_rule(optimizer)
         assert rule is not None
         whole_groups = [rule.steps_whole(group) for group in optimizer.param_groups]
         stepped = [
@@ -136,7 +142,8 @@ class WholeTensorStep:
             for name in names
             if slot_flags[self._held[name].unit.index][self._held[name].slot.index]
         ]
-        self._check_shapes(optimizer, [held for _, held in stepped])  # before anything is sent or let go
+        if rule.matrices_only:  # before anything is sent or let go
+            _check_matrices([held for _, held in stepped])
         try:
             owned = _balanced_owners([held for _, held in stepped], self.comm.shard_size)
             failure: str | None = None
@@ -152,19 +159,6 @@ class WholeTensorStep:
                 master = self._master.get((held.unit.index, held.slot.index))
                 if master is not None:
                     master.param.grad = None
-
-    # ---------------------------------------------------------------- checks
-    def _check_shapes(self, optimizer: torch.optim.Optimizer, stepped: list[_Held]) -> None:
-        """Muon's constructor refuses a tensor that is not 2-D; one added later (``add_param_group``) is refused
-        here, on every rank alike (they see the same shapes), before anything is sent."""
-        if isinstance(optimizer, (torch.optim.Muon, MuonWithAuxAdamW)):
-            for held in stepped:
-                if len(held.slot.shape) != 2:
-                    raise ValueError(
-                        f"Muon only supports 2D parameters whereas we found a parameter with size: "
-                        f"{tuple(held.slot.shape)} ({held.slot.fqns[0]}). Give Muon the hidden matrices and "
-                        "another optimizer (AdamW) the embeddings, norms, biases and head."
-                    )
 
     # -------------------------------------------------------------- exchange
     def _gather(self, this_round: dict[int, tuple[int, _Held]], keys: tuple[str, ...], optimizer) -> _Round | None:

@@ -34,6 +34,7 @@ from ..optim.attachment import compare_param_groups
 from ..optim.host_step import fused_on_host, raw_step_of
 from ..optim.loss_scaling import LossScaler
 from ..optim.param_groups import OptimizerGroups
+from ..optim.rebuild import whole_tensor_rule
 from ..optim.whole_tensor_step import WholeTensorStep
 from ..unit import FlatUnit
 from .prefetch_tuning import AutoPrefetch
@@ -189,7 +190,7 @@ class OptimizerStep:
         # Last, once nothing else can raise: the optimizer's own step updates this rank's pieces (with the
         # NVMe tier, they are stepped here unit by unit, and the optimizer's own step finds no gradient).
         groups.show_pieces()
-        if not self.last_step_skipped and self.whole_tensors.rule_for(groups.optimizer) is not None:
+        if not self.last_step_skipped and whole_tensor_rule(groups.optimizer) is not None:
             # Muon's groups: each tensor at its owner; their pieces' gradients let go once stepped.
             self.whole_tensors.step(groups, agreed.slot_flags)
         if not self.last_step_skipped and (self.nvme is not None or self.steps_on_host):
