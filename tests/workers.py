@@ -63,6 +63,14 @@ def config_for(
     )
 
 
+def _sum_then_average(state, bucket):  # type: ignore[no-untyped-def]
+    """DDP's all-reduce summing first and averaging after, as the engine's fp32 reduce does (DDP's own divides
+    each rank's gradient first). Unannotated: DDP checks a hook's annotations, which would be strings here."""
+    world_size = torch.distributed.get_world_size()
+    future = torch.distributed.all_reduce(bucket.buffer(), async_op=True).get_future()
+    return future.then(lambda done: done.value()[0].div_(world_size))
+
+
 def train_against_ddp(
     stage: int,
     optimizer_name: str,
@@ -76,17 +84,23 @@ def train_against_ddp(
     persistence_threshold: int = 0,
     settings: dict[str, Any] | None = None,
     reference_clips_at_our_norm: bool = False,
+    equal_sums: bool = False,
 ) -> dict[str, Any]:
     """Train the same model under DDP and under ZeRO on this rank's data, step by step.
 
     ``sync_every_micro_batch``: every micro-batch's backward reduces (no ``no_sync``); ``settings``: more of
     the engine's config (``config_for``'s keywords); ``reference_clips_at_our_norm``: DDP's gradients clipped
     with the engine's norm (which sums the shards' squares in another order, one rounding off torch's): for
-    optimizers whose update amplifies a rounding (Muon's bf16 Newton-Schulz), so the steps see equal gradients."""
+    optimizers whose update amplifies a rounding (Muon's bf16 Newton-Schulz), so the steps see equal gradients;
+    ``equal_sums``: every rank trains on rank 0's batches and DDP sums before it averages, as the engine does,
+    so the averaged gradient is the same in any order of the sum (at 3 ranks the reduce-scatter and DDP's
+    all-reduce add in other orders, and DDP divides first: a rounding apart)."""
     torch.manual_seed(0)
     reference = TinyTransformer()
     model = copy.deepcopy(reference)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
+    if equal_sums:
+        ddp.register_comm_hook(None, _sum_then_average)
     reference_optimizer = make_optimizer(optimizer_name, reference)
     engine = ZeroEngine(
         model,
@@ -104,7 +118,7 @@ def train_against_ddp(
     for step in range(steps):
         branch = uses_branch(step)
         for micro in range(micro_batches):
-            ids = batch(step * micro_batches + micro, rank)
+            ids = batch(step * micro_batches + micro, 0 if equal_sums else rank)
             last = sync_every_micro_batch or micro == micro_batches - 1
             with ddp.no_sync() if not last else _nullcontext():
                 ref_loss = lm_loss(ddp(ids, use_branch=branch), ids) / micro_batches
