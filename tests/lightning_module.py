@@ -55,11 +55,17 @@ class TinyLM(pl.LightningModule):
         return self.val_dataloader()
 
 
-class MuonTinyLM(TinyLM):
-    """The same model trained with torch's Muon over its matrices (the biases and norms left as they start)."""
+class WholeTensorTinyLM(TinyLM):
+    """The same model trained with an optimizer that steps whole tensors, by its name in
+    ``tests.models.make_optimizer``: torch's Muon over the matrices (the biases and norms left as they start),
+    ``MuonWithAuxAdamW`` (AdamW for the rest), torch's Adafactor."""
+
+    def __init__(self, optimizer_name: str = "muon", **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.optimizer_name = optimizer_name
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
-        return make_optimizer("muon", self.net, lr=self.hparams.lr)
+        return make_optimizer(self.optimizer_name, self.net, lr=self.hparams.lr)
 
 
 class ManualTinyLM(TinyLM):

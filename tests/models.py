@@ -105,6 +105,12 @@ def make_optimizer(name: str, model: TinyTransformer, lr: float = 1e-2) -> torch
 
         trainable = [p for p in model.parameters() if p.requires_grad]
         return build_optimizer({"type": "Muon", "params": {"lr": lr / 4, "muon_lr": lr}}, trainable, model=model)
+    if name == "adafactor":  # every tensor stepped whole at an owner: its factors and norms read the whole tensor
+        return torch.optim.Adafactor(groups, lr=lr)
+    if name == "hf-adafactor":  # transformers' Adafactor, as the Hugging Face Trainer's optim="adafactor" builds it
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=lr, scale_parameter=False, relative_step=False)
     if name == "adamw-fused":  # torch's fused kernel, as the offloaded step picks on the host
         return torch.optim.AdamW(groups, lr=lr, fused=True)
     raise ValueError(name)

@@ -27,10 +27,10 @@ from lightning_zero import ZeroPrecision, ZeroStrategy  # noqa: E402
 from tests.lightning_module import (  # noqa: E402
     BackboneTinyLM,
     ManualTinyLM,
-    MuonTinyLM,
     SkipOnNanTinyLM,
     TinyLM,
     TwoStepsTinyLM,
+    WholeTensorTinyLM,
 )
 from tests.models import Block  # noqa: E402
 
@@ -70,11 +70,13 @@ def run(spec: dict, out: Path, devices: int) -> None:
         if spec.get("two_steps")
         else BackboneTinyLM
         if spec.get("unfreeze_backbone_at")
-        else MuonTinyLM
-        if spec.get("muon")
+        else WholeTensorTinyLM
+        if spec.get("whole_tensor")
         else TinyLM
     )
+    named = {"optimizer_name": spec["whole_tensor"]} if spec.get("whole_tensor") else {}
     module = module_class(
+        **named,
         batchnorm=spec.get("batchnorm", True),
         batch_size=spec.get("batch_size", 4),
         dataset_size=spec.get("dataset_size", 96),

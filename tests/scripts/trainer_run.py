@@ -100,6 +100,8 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
     # Trainer's default fused AdamW skips an overflowed step inside its kernel, and Accelerate then reports the
     # step as taken (huggingface/accelerate#4242): the DDP reference's AdamW is the unfused one.
     reference_optimizer = {"optim": "adamw_torch"} if nan and not zero else {}
+    if "adafactor" in case:  # Trainer's optim= name: transformers' Adafactor, each tensor stepped whole under ZeRO
+        reference_optimizer = {"optim": "adafactor"}
     arguments = TrainingArguments(
         output_dir=str(output_dir),
         use_cpu=True,
@@ -108,9 +110,10 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         gradient_accumulation_steps=ACCUMULATE,
         max_steps=STEPS,
         learning_rate=1e-2,
-        # Muon's cases unclipped: a rounding of the norm, amplified by its bf16 Newton-Schulz, would move the
-        # update by ~1e-3 under DDP itself (tests/distributed/parity/test_matrix_optimizers.py).
-        max_grad_norm=0.0 if "muon" in case else 0.5,
+        # Muon's and Adafactor's cases unclipped, so they compare bit for bit: a rounding of the norm, amplified
+        # by Muon's bf16 Newton-Schulz, would move the update by ~1e-3 under DDP itself
+        # (tests/distributed/parity/test_matrix_optimizers.py).
+        max_grad_norm=0.0 if "muon" in case or "adafactor" in case else 0.5,
         logging_steps=1,
         save_strategy="no" if nan else "steps",
         save_steps=SAVE_AT,
@@ -149,6 +152,9 @@ def describe(run: Trainer) -> dict:
         "trainer": type(run).__name__,
         "stage": engine.stage if engine is not None else None,
         "num_processes": run.accelerator.num_processes,
+        "optimizer": type(run.optimizer.optimizer if hasattr(run.optimizer, "optimizer") else run.optimizer).__name__
+        if run.optimizer is not None
+        else None,
     }
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..optim.rebuild import StateKind, count_problem, is_whole_state, kept_state_entry, whole_state_problem
 from ..unit import MasterPiece
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError, mismatch_error
@@ -72,19 +73,30 @@ def _is_per_element(shape: tuple[int, ...], key: str, value: Any) -> bool:
     return isinstance(value, torch.Tensor) and tuple(value.shape) == shape and (len(shape) > 0 or key != "step")
 
 
-def _problem(shape: tuple[int, ...], key: str, value: Any) -> str | None:
-    """Why ``value`` cannot be a parameter's state: per-element tensors have its shape, others are scalars."""
+def _problem(optimizer: torch.optim.Optimizer | None, shape: tuple[int, ...], key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be a parameter's state: per-element tensors have its shape, others are scalars, or
+    the factors a whole-tensor optimizer keeps (of the shape its rule gives)."""
+    if isinstance(value, (torch.Tensor, *_NUMBERS)):
+        size = tuple(value.shape) if isinstance(value, torch.Tensor) else ()
+        if problem := whole_state_problem(optimizer, shape, key, size):
+            return problem
+    kept = kept_state_entry(optimizer, shape, key)
+    if kept is not None and kept.kind is StateKind.COUNT:
+        return count_problem(value)
     if isinstance(value, _NUMBERS) or _is_per_element(shape, key, value):
         return None
     if not isinstance(value, torch.Tensor):
         return f"a {type(value).__name__}, not a tensor or a number"
-    return None if value.dim() == 0 else f"state {tuple(value.shape)}, parameter {shape}"
+    if value.dim() == 0 or is_whole_state(optimizer, shape, key, tuple(value.shape)):
+        return None
+    return f"state {tuple(value.shape)}, parameter {shape}"
 
 
-def _local_value(master: MasterPiece, key: str, value: Any, device: torch.device) -> Any:
-    """This rank's piece of a per-element tensor; scalars whole."""
+def _local_value(optimizer, master: MasterPiece, key: str, value: Any, device: torch.device) -> Any:
+    """This rank's piece of a per-element tensor; scalars and the factors kept whole, whole."""
     slot = master.piece.slot
-    if _is_per_element(tuple(slot.whole_shape), key, value):
+    shape = tuple(slot.whole_shape)
+    if _is_per_element(shape, key, value) and not is_whole_state(optimizer, shape, key, tuple(value.shape)):
         start = master.piece.param_start
         return read_rectangles(value, slot_rectangles(slot, start, start + master.piece.numel)).to(device, copy=True)
     return value.clone() if isinstance(value, torch.Tensor) else value
@@ -105,12 +117,12 @@ def _read(view: ShardedModel, saved: Any, where: str) -> LoadedOptimizer:
         f"{name} {key} ({problem})"
         for name, values in state.items()
         for key, value in values.items()
-        if (problem := _problem(tuple(slots[name].whole_shape), key, value))
+        if (problem := _problem(view.optimizer, tuple(slots[name].whole_shape), key, value))
     ]
     if misshaped:
         raise mismatch_error(f"{where}'s optimizer state does not fit this model", [], [], misshaped)
     installs = [
-        (master, key, _local_value(master, key, value, unit.storage.resting_master.device))
+        (master, key, _local_value(view.optimizer, master, key, value, unit.storage.resting_master.device))
         for unit in view.units
         for master in unit.master_pieces
         for key, value in state.get(master.piece.slot.fqns[0], {}).items()

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..offload.nvme_load import NvmeLoad
+from ..optim.rebuild import is_whole_state, whole_state_problem
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError, mismatch_error
 from .checkpoint_records import (
@@ -37,7 +38,7 @@ from .directory import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, rea
 from .manifest import Manifest, check_present, read_manifest, read_verified
 from .metadata_checks import check_metadata
 from .nvme_load_reads import check_staging_room, is_staged, read_staged_units
-from .state_dicts import optimizer_load_targets, sharded_model_state_dict
+from .state_dicts import optimizer_load_targets, sharded_model_state_dict, with_loaded_numbers
 from .unpickling import load_weights_only, unpickle_metadata
 
 
@@ -106,7 +107,8 @@ def check_model_keys(path: Path, metadata: Metadata, expected: dict[str, tuple[i
 
 def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) -> None:
     """Every saved optimizer tensor belongs to a parameter of this model and is either per element
-    (the parameter's full shape) or a scalar (``step``): anything else would be installed as is."""
+    (the parameter's full shape), a scalar (``step``) or a factor a whole-tensor optimizer keeps (Adafactor's
+    row and column means, of the shape its rule says): anything else would be installed as is."""
     slots = {slot.fqns[0]: slot for unit in view.units for slot in unit.layout.slots}
     prefix = OPTIMIZER_KEY + ".state."
     unknown, misshaped = set(), []
@@ -117,7 +119,11 @@ def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) 
         slot = slots.get(fqn)
         if slot is None:
             unknown.add(fqn)
-        elif tuple(entry.size) not in (tuple(slot.whole_shape), ()):
+        elif problem := whole_state_problem(view.optimizer, tuple(slot.shape), state_key, tuple(entry.size)):
+            misshaped.append(f"{fqn} {problem}")
+        elif tuple(entry.size) not in (tuple(slot.whole_shape), ()) and not is_whole_state(
+            view.optimizer, tuple(slot.shape), state_key, tuple(entry.size)
+        ):
             misshaped.append(f"{fqn} {state_key} (checkpoint {tuple(entry.size)}, parameter {tuple(slot.whole_shape)})")
     if unknown or misshaped:
         raise mismatch_error(f"{path}'s optimizer state does not fit this model", [], sorted(unknown), misshaped)
@@ -177,6 +183,8 @@ def _read(
             view.optimizer, in_memory, checkpoint.metadata, OPTIMIZER_KEY
         )
     read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, state)
+    if load_optimizer:
+        installs = with_loaded_numbers(view.optimizer, state[OPTIMIZER_KEY], installs)
     if staging is not None:
         installs += read_staged_units(view, checkpoint, load_model, load_optimizer, staging)
     weights = None

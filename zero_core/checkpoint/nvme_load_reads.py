@@ -23,7 +23,14 @@ from .checkpoint_error import CheckpointError
 from .checkpoint_records import MODEL_KEY, OPTIMIZER_KEY, ShardedModel
 from .chunks import ShardedChunks
 from .directory import read_shards
-from .state_dicts import is_per_element, optimizer_load_targets, saved_optimizer_state, sharded_model_state_dict
+from .state_dicts import (
+    LoadedNumber,
+    is_per_element,
+    optimizer_load_targets,
+    saved_optimizer_state,
+    sharded_model_state_dict,
+    with_loaded_numbers,
+)
 
 Install = tuple[MasterPiece, str, torch.Tensor]
 
@@ -95,6 +102,7 @@ def read_staged_units(
         flat: dict[str, torch.Tensor] | None = None
         pieces: list[tuple[MasterPiece, str]] = []
         installs: list[Install] = []
+        numbers: list = []
         if load_optimizer:
             assert view.optimizer is not None
             flat = {}
@@ -103,13 +111,17 @@ def read_staged_units(
             )
             state[OPTIMIZER_KEY] = {"state": targets["state"]}
             for piece, key, tensor in installs:  # per-element state lands in the flat buffers; scalars stay apart
-                if key in flat and tensor.untyped_storage() is flat[key].untyped_storage():
+                if isinstance(tensor, LoadedNumber):
+                    numbers.append((piece, key, tensor))
+                elif key in flat and tensor.untyped_storage() is flat[key].untyped_storage():
                     pieces.append((piece, key))
                 else:
                     scalars.append((piece, key, tensor))
         if not state:
             continue
         read_shards(checkpoint.directory, checkpoint.metadata, checkpoint.manifest, state)
+        if numbers:
+            scalars += with_loaded_numbers(view.optimizer, state[OPTIMIZER_KEY], numbers)
         staging.write(unit, master, flat, pieces)
         del state, master, flat, installs
         # DCP's load leaves the unit's targets in reference cycles: freed now, not when the collector next runs

@@ -13,13 +13,15 @@ written at.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..offload.nvme_save import NvmeSaveReads
+from ..optim.rebuild import StateKind, count_problem, is_whole_state, kept_state_entry
 from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
+from .checkpoint_error import CheckpointError
 from .chunks import LazyValues, Rectangle, ShardedChunks, piece_rectangles
 
 
@@ -123,7 +125,9 @@ def sharded_optimizer_state_dict(
         for master in unit.master_pieces:
             slot = master.piece.slot
             for key, value in optimizer.state.get(master.param, {}).items():
-                if _is_per_element(value, master):
+                # A whole-tensor optimizer's factor kept whole may be 1-D with the piece's length.
+                shape = tuple(slot.shape)
+                if _is_per_element(value, master) and not is_whole_state(optimizer, shape, key, tuple(value.shape)):
                     local = _per_element_values(unit, key, value, resting)
                     value = slot_chunks(slot, local, master.piece.param_start)
                 state.setdefault(slot.fqns[0], {})[key] = value
@@ -146,6 +150,43 @@ def saved_optimizer_state(metadata: Metadata, prefix: str) -> dict[str, list[tup
     return saved_state
 
 
+class LoadedNumber(NamedTuple):
+    """Where a Python number of the optimizer's state (transformers' Adafactor's step count) arrives: DCP
+    reads its pickled bytes into the destination's ``[fqn][key]`` (``with_loaded_numbers`` takes it from
+    there)."""
+
+    fqn: str
+    key: str
+
+
+def saved_optimizer_numbers(metadata: Metadata, prefix: str) -> dict[str, list[str]]:
+    """The checkpoint's optimizer state saved as pickled objects (not tensors) by parameter name: their keys."""
+    state_prefix = f"{prefix}.state."
+    saved: dict[str, list[str]] = {}
+    for flat_key, entry in metadata.state_dict_metadata.items():
+        if flat_key.startswith(state_prefix) and isinstance(entry, BytesStorageMetadata):
+            fqn, key = flat_key[len(state_prefix) :].rsplit(".", 1)
+            saved.setdefault(fqn, []).append(key)
+    return saved
+
+
+def with_loaded_numbers(optimizer: torch.optim.Optimizer, destination: dict[str, Any], installs: list) -> list:
+    """``installs`` with each ``LoadedNumber`` replaced by the number DCP read into ``destination["state"]``.
+    Only a step count a whole-tensor optimizer keeps as a Python int (``StateKind.COUNT``) is installed, and
+    only a count is accepted there; other pickled state is left out, as it always was."""
+    resolved = []
+    for master, key, value in installs:
+        if isinstance(value, LoadedNumber):
+            entry = kept_state_entry(optimizer, tuple(master.piece.slot.shape), key)
+            if entry is None or entry.kind is not StateKind.COUNT:
+                continue
+            value = destination["state"][value.fqn][value.key]
+            if problem := count_problem(value):
+                raise CheckpointError(f"the optimizer state {master.piece.slot.fqns[0]}.{key} is {problem}.")
+        resolved.append((master, key, value))
+    return resolved
+
+
 def is_per_element(slot: ParamSlot, key: str, entry: TensorStorageMetadata) -> bool:
     """Saved state shaped like the parameter (sharded with it), not a scalar (a 0-d parameter's ``step``)."""
     return tuple(entry.size) == tuple(slot.whole_shape) and (len(slot.shape) > 0 or key != "step")
@@ -161,26 +202,37 @@ def optimizer_load_targets(
     """A state dict to load optimizer state into, built from what the checkpoint holds.
 
     Returns the DCP destination and (piece, key, tensor) triples to install
-    as ``optimizer.state`` once loaded. Per-element state is recognised by
-    having the parameter's full shape; ``per_element`` gives where a piece's
-    is loaded (None: a new tensor of its own).
+    as ``optimizer.state`` once loaded (a number saved as a pickled object
+    comes as a ``LoadedNumber``: ``with_loaded_numbers`` after the read).
+    Per-element state is recognised by having the parameter's full shape;
+    ``per_element`` gives where a piece's is loaded (None: a new tensor of
+    its own).
     """
     saved_state = saved_optimizer_state(metadata, prefix)
+    saved_numbers = saved_optimizer_numbers(metadata, prefix)
     targets: dict[str, dict[str, Any]] = {}
-    installs: list[tuple[MasterPiece, str, torch.Tensor]] = []
+    installs: list[tuple[MasterPiece, str, Any]] = []
     for unit in units:
         for master in unit.master_pieces:
             slot = master.piece.slot
+            for key in saved_numbers.get(slot.fqns[0], []):  # filled by DCP, checked by with_loaded_numbers
+                targets.setdefault(slot.fqns[0], {})[key] = None
+                installs.append((master, key, LoadedNumber(slot.fqns[0], key)))
             for key, entry in saved_state.get(slot.fqns[0], []):
                 dtype = entry.properties.dtype
-                if is_per_element(slot, key, entry):
+                # A factor kept whole (Adafactor's row means of an m x 1 matrix) may have the parameter's shape.
+                kept_whole = is_whole_state(optimizer, tuple(slot.shape), key, tuple(entry.size))
+                if is_per_element(slot, key, entry) and not kept_whole:
                     if per_element is not None:
                         local = per_element(master, key, dtype)
                     else:
                         local = torch.zeros(master.piece.numel, dtype=dtype, device=unit.storage.resting_master.device)
                     target: torch.Tensor = slot_chunks(slot, local, master.piece.param_start)
-                else:
-                    local = target = torch.zeros(entry.size, dtype=dtype)
+                else:  # whole on every rank holding a piece: a factor on the master's device, as the step keeps it
+                    kept = kept_state_entry(optimizer, tuple(slot.shape), key)
+                    factor = kept is not None and kept.kind is StateKind.FACTOR
+                    device = unit.storage.resting_master.device if factor else torch.device("cpu")
+                    local = target = torch.zeros(entry.size, dtype=dtype, device=device)
                 targets.setdefault(slot.fqns[0], {})[key] = target
                 installs.append((master, key, local))
     groups = [dict(group, params=[]) for group in optimizer.param_groups]

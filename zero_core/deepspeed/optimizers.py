@@ -60,12 +60,12 @@ _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay", "adam_lr")
 _MUON_DEFAULTS = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.0}
 _ADAM_DEFAULTS = {"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0}
 _NS_METHODS = ("gram", "standard")
-# torch optimizers taken by name: their update is elementwise, so a flat shard steps as the whole tensor.
-TORCH_BY_NAME = ("SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop")
+# torch optimizers taken by name, as DeepSpeed takes them: elementwise ones step their flat shards, Adafactor
+# steps each tensor whole at an owner rank (optim/whole_tensor_step.py).
+TORCH_BY_NAME = ("SGD", "RMSprop", "Adamax", "NAdam", "RAdam", "Adadelta", "ASGD", "Rprop", "Adafactor")
 _WHOLE_TENSOR = {
     "LBFGS": "LBFGS needs a closure and whole tensors",
     "SparseAdam": "SparseAdam needs sparse gradients",
-    "Adafactor": "Adafactor factors each matrix's second moment",
 }
 
 # FusedAdam's (and DeepSpeedCPUAdam's) arguments and defaults, which DeepSpeed builds unless torch_adam.

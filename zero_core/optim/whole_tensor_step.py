@@ -1,21 +1,26 @@
-"""Optimizers that need whole tensors (``torch.optim.Muon``), stepped over flat shards: each tensor at one owner.
+"""Optimizers that need whole tensors (``torch.optim.Muon``, ``Adafactor``), stepped over flat shards: each
+tensor at one owner.
 
 ZeRO gives each rank flat pieces of its parameters; Muon orthogonalises each matrix's momentum as a whole
-(Newton-Schulz), so no piece can be updated from its own elements. Each step, every parameter the optimizer
-steps gets an owner rank of the shard group, balanced by the Newton-Schulz cost m·n·min(m, n). In rounds of
-one tensor per owner, its holders send the owner their pieces of the fp32 master weight, the reduced
-gradient and the state shaped like the weight (Muon's momentum); the owner runs the optimizer's own
-``step`` on the whole tensors (the same code DDP runs, so the same numbers: bitwise where the whole-tensor
-kernels match); and it sends each holder its pieces of the new weight and state back. Between steps the
-state lives in the pieces (``optimizer.state[piece]``), sharded like every elementwise state: checkpoints,
-resharding to another world size and ``memory_report()`` treat it as they treat Adam's.
+(Newton-Schulz) and Adafactor factors each matrix's second moment into row and column means and scales its
+step by the whole weight's norm, so no piece can be updated from its own elements. Each step, every
+parameter the optimizer steps gets an owner rank of the shard group, balanced by the rule's cost (Muon's
+m·n·min(m, n)). In rounds, its holders send the owner their pieces of the fp32 master weight, the reduced
+gradient and the state shaped like the weight (Muon's momentum), and one holder the state every holder keeps
+whole (Adafactor's factors and step); the owner runs the optimizer's own ``step`` on the whole tensors (the
+same code DDP runs, so the same numbers: bitwise where the whole-tensor kernels match); and it sends each
+holder its pieces of the new weight and per-element state, and the new whole state. Between steps the state
+lives in the pieces (``optimizer.state[piece]``): per-element state sharded like Adam's, the factors (a row
+and a column, small beside the matrix) and the step on every holder of the tensor. So checkpoints, resharding
+to another world size and ``memory_report()`` treat it as they treat Adam's (``rebuild.StateKind``).
 
 Why not DeepSpeed's design (the momentum updated in place on each rank, only the momentum gathered, the
 orthogonalised update sent back in bf16): it mirrors Muon's arithmetic in our code, and every change of
 torch's Muon would have to be followed by hand. Here torch's own step runs; the price is the bytes: per
-element of a stepped tensor not on its owner, 4 B of weight, 4 of gradient and 4 per state tensor there,
-and 4 + 4 per state tensor back (counted as ``send`` in the traffic). In flight on a rank: one whole tensor
-of each kind for the round it owns, beside the pieces it sends.
+element of a stepped tensor not on its owner, 4 B of weight, 4 of gradient and 4 per per-element state
+tensor there, and 4 + 4 per state tensor back (counted as ``send`` in the traffic), plus the small whole
+state. A round gives each owner tensors up to the size of the largest stepped tensor, so in flight on a rank
+is at most that many elements of each kind for the round it owns, beside the pieces it sends.
 
 A failure of the owner's step (a hyperparameter torch refuses) is raised alike on every rank after the
 round's exchange, so no rank waits alone.
@@ -23,8 +28,9 @@ round's exchange, so no rank waits alone.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -35,42 +41,74 @@ from ..unit import FlatUnit, MasterPiece
 from ..unit.layout import ParamSlot, ShardPiece
 from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
-from .rebuild import whole_tensor_rule
+from .rebuild import StateEntry, StateKind, WholeTensorRule, whole_tensor_rule
 
 
 class _Held(NamedTuple):
-    """One parameter across the shard group: its slot, and each rank's piece of it (rank order)."""
+    """One parameter across the shard group: its slot, each rank's piece of it (rank order), its state."""
 
     unit: FlatUnit
     slot: ParamSlot
     pieces: tuple[tuple[int, ShardPiece], ...]
+    group: int
+    entries: tuple[StateEntry, ...]
 
     @property
-    def cost(self) -> int:
-        """Newton-Schulz's work for an m x n matrix is m·n·min(m, n); a tensor of another rank, its size."""
-        shape = self.slot.shape
-        return shape[0] * shape[1] * min(shape) if len(shape) == 2 else self.slot.numel
+    def per_element(self) -> list[StateEntry]:
+        return [entry for entry in self.entries if entry.kind is StateKind.PER_ELEMENT]
+
+    @property
+    def kept_whole(self) -> list[StateEntry]:
+        """The state every holder keeps whole, sent packed in one flat float64 tensor (fp32 values and step
+        counts both exact in it)."""
+        return [entry for entry in self.entries if entry.kind is not StateKind.PER_ELEMENT]
+
+    def holds(self, rank: int) -> bool:
+        return any(holder == rank for holder, _ in self.pieces)
+
+    def kept_source(self, owner: int) -> int:
+        """Who gives the owner the whole state: the owner itself if it holds a piece, else the first holder."""
+        return owner if self.holds(owner) else self.pieces[0][0]
 
 
-class _Round(NamedTuple):
-    """What one rank stepped in one round: the whole tensors it owns, their group, their state."""
+class _Whole(NamedTuple):
+    """One tensor at its owner for a round: the whole weight (``.grad`` the whole gradient), its state."""
 
     held: _Held
-    group: int
     weight: torch.Tensor
-    state: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]  # the per-element state, whole
+    kept: torch.Tensor  # the packed whole state (empty when the rule keeps none)
 
 
-def _balanced_owners(held: list[_Held], ranks: int) -> list[list[int]]:
-    """Per rank, the indices into ``held`` it owns: the costliest first, each to the least loaded rank (ties to
+def _balanced_owners(costs: list[int], ranks: int) -> list[list[int]]:
+    """Per rank, the indices into ``costs`` it owns: the costliest first, each to the least loaded rank (ties to
     the lower rank), so every rank computes the same assignment."""
     load = [0] * ranks
     owned: list[list[int]] = [[] for _ in range(ranks)]
-    for index in sorted(range(len(held)), key=lambda i: (-held[i].cost, i)):
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(ranks), key=lambda r: (load[r], r))
-        load[rank] += held[index].cost
+        load[rank] += costs[index]
         owned[rank].append(index)
     return [sorted(indices) for indices in owned]
+
+
+def _rounds(owned: list[list[int]], sizes: list[int]) -> list[dict[int, list[int]]]:
+    """Each owner's tensors in rounds, a round holding as many as fit in the largest tensor's size (at least
+    one), so many small tensors (Adafactor's vectors) do not cost an exchange each."""
+    cap = max(sizes, default=0)
+    queues = [list(indices) for indices in owned]
+    rounds: list[dict[int, list[int]]] = []
+    while any(queues):
+        this_round: dict[int, list[int]] = {}
+        for owner, queue in enumerate(queues):
+            taken, size = [], 0
+            while queue and (not taken or size + sizes[queue[0]] <= cap):
+                size += sizes[queue[0]]
+                taken.append(queue.pop(0))
+            if taken:
+                this_round[owner] = taken
+        rounds.append(this_round)
+    return rounds
 
 
 def _check_matrices(stepped: list[_Held]) -> None:
@@ -114,7 +152,7 @@ class WholeTensorStep:
 
     def __init__(self, units: list[FlatUnit], comm: CommContext):
         self.comm = comm
-        self._held: dict[str, _Held] = {}
+        self._slots: dict[str, tuple[FlatUnit, ParamSlot, tuple[tuple[int, ShardPiece], ...]]] = {}
         self._master: dict[tuple[int, int], MasterPiece] = {}
         for unit in units:
             pieces: dict[int, list[tuple[int, ShardPiece]]] = defaultdict(list)
@@ -122,7 +160,7 @@ class WholeTensorStep:
                 for piece in unit.layout.pieces(rank):
                     pieces[piece.slot.index].append((rank, piece))
             for slot in unit.layout.slots:
-                self._held[slot.fqns[0]] = _Held(unit, slot, tuple(pieces[slot.index]))
+                self._slots[slot.fqns[0]] = (unit, slot, tuple(pieces[slot.index]))
             for master in unit.master_pieces:
                 self._master[(unit.index, master.piece.slot.index)] = master
 
@@ -134,117 +172,177 @@ class WholeTensorStep:
         optimizer = groups.optimizer
         rule = whole_tensor_rule(optimizer)
         assert rule is not None
-        whole_groups = [rule.steps_whole(group) for group in optimizer.param_groups]
-        stepped = [
-            (index, self._held[name])
-            for index, names in enumerate(groups.names)
-            if whole_groups[index]
-            for name in names
-            if slot_flags[self._held[name].unit.index][self._held[name].slot.index]
-        ]
+        stepped = self._stepped(groups, slot_flags, rule)
         if rule.matrices_only:  # before anything is sent or let go
-            _check_matrices([held for _, held in stepped])
+            _check_matrices(stepped)
         try:
-            owned = _balanced_owners([held for _, held in stepped], self.comm.shard_size)
+            owned = _balanced_owners([rule.cost_of(tuple(held.slot.shape)) for held in stepped], self.comm.shard_size)
             failure: str | None = None
-            for round_index in range(max((len(indices) for indices in owned), default=0)):
-                this_round = {r: stepped[ix[round_index]] for r, ix in enumerate(owned) if round_index < len(ix)}
-                mine = self._gather(this_round, rule.state_keys, optimizer)
-                if mine is not None and failure is None:
+            for this_round in _rounds(owned, [held.slot.numel for held in stepped]):
+                tensors = {owner: [stepped[i] for i in indices] for owner, indices in this_round.items()}
+                mine = self._gather(tensors, optimizer)
+                if mine and failure is None:
                     failure = self._step_whole(optimizer, mine)
-                self._scatter(this_round, rule.state_keys, optimizer, mine)
+                self._scatter(tensors, optimizer, mine)
             self._raise_alike(failure, type(optimizer).__name__)
         finally:
-            for _, held in stepped:
+            for held in stepped:
                 master = self._master.get((held.unit.index, held.slot.index))
                 if master is not None:
                     master.param.grad = None
 
+    def _stepped(self, groups: OptimizerGroups, slot_flags: list[list[bool]], rule: WholeTensorRule) -> list[_Held]:
+        """The parameters of the whole groups with a gradient somewhere, in the groups' order (alike on every
+        rank: the names and flags are)."""
+        stepped = []
+        for index, (group, names) in enumerate(zip(groups.optimizer.param_groups, groups.names)):
+            if not rule.steps_whole(group):
+                continue
+            for name in names:
+                unit, slot, pieces = self._slots[name]
+                if slot_flags[unit.index][slot.index] and slot.numel:  # an empty tensor has nothing to step
+                    stepped.append(_Held(unit, slot, pieces, index, rule.state_of(tuple(slot.shape), group)))
+        return stepped
+
     # -------------------------------------------------------------- exchange
-    def _gather(self, this_round: dict[int, tuple[int, _Held]], keys: tuple[str, ...], optimizer) -> _Round | None:
-        """The owners receive their tensors' pieces; this rank sends its pieces of the others' tensors."""
+    def _gather(self, tensors: dict[int, list[_Held]], optimizer) -> list[_Whole]:
+        """The owners receive their tensors' pieces (and whole state); this rank sends its part of the others'."""
         me = self.comm.shard_rank
         sends: list[tuple[torch.Tensor, int]] = []
         receives: list[tuple[torch.Tensor, int]] = []
-        mine: _Round | None = None
-        for owner, (group, held) in sorted(this_round.items()):
-            if owner == me:
-                device = held.unit.storage.resting_master.device
-                weight = torch.empty(held.slot.shape, dtype=torch.float32, device=device)
-                weight.grad = torch.empty_like(weight)
-                state = {key: torch.empty_like(weight) for key in keys}
-                mine = _Round(held, group, weight, state)
-                for rank, piece in held.pieces:
-                    span = slice(piece.param_start, piece.param_start + piece.numel)
-                    wholes = [weight.view(-1)[span], weight.grad.view(-1)[span]] + [
-                        s.view(-1)[span] for s in state.values()
-                    ]
-                    if rank == me:
-                        for whole, own in zip(wholes, self._own_tensors(held, keys, optimizer)):
-                            whole.copy_(own)
-                    else:
-                        receives += [(whole, rank) for whole in wholes]
-            elif any(rank == me for rank, _ in held.pieces):
-                sends += [(own, owner) for own in self._own_tensors(held, keys, optimizer)]
+        mine: list[_Whole] = []
+        for owner, held_list in sorted(tensors.items()):
+            for held in held_list:
+                if owner == me:
+                    whole = self._whole_buffers(held)
+                    mine.append(whole)
+                    for rank, piece in held.pieces:
+                        span = slice(piece.param_start, piece.param_start + piece.numel)
+                        parts = [whole.weight.view(-1)[span], whole.weight.grad.view(-1)[span]]
+                        parts += [whole.state[e.key].view(-1)[span] for e in held.per_element]
+                        if rank == me:
+                            for part, own in zip(parts, self._own_pieces(held, optimizer)):
+                                part.copy_(own)
+                        else:
+                            receives += [(part, rank) for part in parts]
+                    source = held.kept_source(owner)
+                    if source == me:
+                        whole.kept.copy_(self._own_kept(held, optimizer, whole.kept.device))
+                    elif whole.kept.numel():
+                        receives.append((whole.kept, source))
+                elif held.holds(me):
+                    sends += [(own, owner) for own in self._own_pieces(held, optimizer)]
+                    if held.kept_source(owner) == me and held.kept_whole:
+                        sends.append((self._own_kept(held, optimizer, self._device(held)), owner))
         collectives.exchange(self.comm, sends, receives, "whole tensors to their owners").wait()
         return mine
 
-    def _scatter(self, this_round, keys: tuple[str, ...], optimizer, mine: _Round | None) -> None:
-        """Each holder's pieces of the new weight and state, from the owner, into its master piece and state."""
+    def _scatter(self, tensors: dict[int, list[_Held]], optimizer, mine: list[_Whole]) -> None:
+        """Each holder's pieces of the new weight and per-element state, and the new whole state, from the owner."""
         me = self.comm.shard_rank
         sends: list[tuple[torch.Tensor, int]] = []
         receives: list[tuple[torch.Tensor, int]] = []
-        for owner, (_, held) in sorted(this_round.items()):
-            if owner == me:
-                assert mine is not None
-                for rank, piece in held.pieces:
-                    span = slice(piece.param_start, piece.param_start + piece.numel)
-                    wholes = [mine.weight.view(-1)[span]] + [mine.state[key].view(-1)[span] for key in keys]
-                    if rank == me:
-                        for own, whole in zip(self._own_targets(held, keys, optimizer), wholes):
-                            own.copy_(whole)
-                    else:
-                        sends += [(whole, rank) for whole in wholes]
-            elif any(rank == me for rank, _ in held.pieces):
-                receives += [(own, owner) for own in self._own_targets(held, keys, optimizer)]
+        arriving: list[tuple[_Held, torch.Tensor]] = []  # whole state to keep once received
+        by_slot = {(whole.held.unit.index, whole.held.slot.index): whole for whole in mine}
+        for owner, held_list in sorted(tensors.items()):
+            for held in held_list:
+                if owner == me:
+                    whole = by_slot[(held.unit.index, held.slot.index)]
+                    for rank, piece in held.pieces:
+                        span = slice(piece.param_start, piece.param_start + piece.numel)
+                        parts = [whole.weight.view(-1)[span]]
+                        parts += [whole.state[e.key].view(-1)[span] for e in held.per_element]
+                        if rank == me:
+                            for own, part in zip(self._own_targets(held, optimizer), parts):
+                                own.copy_(part)
+                            self._keep(held, optimizer, whole.kept)
+                        else:
+                            sends += [(part, rank) for part in parts]
+                            if held.kept_whole:
+                                sends.append((whole.kept, rank))
+                elif held.holds(me):
+                    receives += [(own, owner) for own in self._own_targets(held, optimizer)]
+                    if held.kept_whole:
+                        kept = torch.empty(self._kept_numel(held), dtype=torch.float64, device=self._device(held))
+                        receives.append((kept, owner))
+                        arriving.append((held, kept))
         collectives.exchange(self.comm, sends, receives, "whole tensors' updates to their holders").wait()
+        for held, kept in arriving:
+            self._keep(held, optimizer, kept)
 
-    def _own_tensors(self, held: _Held, keys: tuple[str, ...], optimizer) -> list[torch.Tensor]:
-        """This rank's piece of the weight, its gradient and each state tensor (zeros before the first step,
-        which is what the optimizer starts its state from)."""
-        master = self._master[(held.unit.index, held.slot.index)]
+    # ----------------------------------------------------- this rank's parts
+    def _device(self, held: _Held) -> torch.device:
+        return held.unit.storage.resting_master.device
+
+    @staticmethod
+    def _kept_numel(held: _Held) -> int:
+        return sum(math.prod(entry.shape) for entry in held.kept_whole)
+
+    def _whole_buffers(self, held: _Held) -> _Whole:
+        """The owner's whole tensors for one parameter, filled by the exchange."""
+        device = self._device(held)
+        weight = torch.empty(held.slot.shape, dtype=torch.float32, device=device)
+        weight.grad = torch.empty_like(weight)
+        state = {entry.key: torch.empty_like(weight) for entry in held.per_element}
+        kept = torch.empty(self._kept_numel(held), dtype=torch.float64, device=device)
+        return _Whole(held, weight, state, kept)
+
+    def _master_of(self, held: _Held) -> MasterPiece:
+        return self._master[(held.unit.index, held.slot.index)]
+
+    def _own_pieces(self, held: _Held, optimizer) -> list[torch.Tensor]:
+        """This rank's piece of the weight, its gradient and each per-element state tensor (zeros before the
+        first step, which is what the optimizer starts its state from)."""
+        master = self._master_of(held)
         state = optimizer.state.get(master.param, {})
         weight = master.param.detach()
-        return [weight, master.param.grad] + [state.get(key, torch.zeros_like(weight)) for key in keys]
+        # fp32 on the wire whatever a load left (a DDP state dict of a bf16 model): the owner's whole tensors are.
+        parts = [state.get(e.key, torch.zeros_like(weight)).to(torch.float32) for e in held.per_element]
+        return [weight, master.param.grad, *parts]
 
-    def _own_targets(self, held: _Held, keys: tuple[str, ...], optimizer) -> list[torch.Tensor]:
-        """Where this rank's pieces of the new weight and state go: the master piece, its state (made here the
-        first time, as the optimizer would make it)."""
-        master = self._master[(held.unit.index, held.slot.index)]
+    def _own_kept(self, held: _Held, optimizer, device: torch.device) -> torch.Tensor:
+        """The whole state this holder keeps, packed (zeros before the first step)."""
+        return _packed(held.kept_whole, optimizer.state.get(self._master_of(held).param, {}), device)
+
+    def _own_targets(self, held: _Held, optimizer) -> list[torch.Tensor]:
+        """Where this rank's pieces of the new weight and per-element state go: the master piece, its state
+        (made here the first time, as the optimizer would make it)."""
+        master = self._master_of(held)
         state = optimizer.state[master.param]
         weight = master.param.detach()
-        for key in keys:
-            if key not in state:
-                state[key] = torch.empty_like(weight)
-        return [weight] + [state[key] for key in keys]
+        for entry in held.per_element:
+            if entry.key not in state or state[entry.key].dtype != torch.float32:  # as the fp32 master's optimizer
+                state[entry.key] = torch.empty_like(weight)
+        return [weight] + [state[entry.key] for entry in held.per_element]
+
+    def _keep(self, held: _Held, optimizer, kept: torch.Tensor) -> None:
+        """The new whole state into this holder's state, as the optimizer keeps it."""
+        optimizer.state[self._master_of(held).param].update(_unpacked(held.kept_whole, kept, self._device(held)))
 
     # ------------------------------------------------------------------ step
-    def _step_whole(self, optimizer: torch.optim.Optimizer, mine: _Round) -> str | None:
+    def _step_whole(self, optimizer: torch.optim.Optimizer, mine: list[_Whole]) -> str | None:
         """The optimizer's own step (its class's, without the step hooks) on a view of it that lists only this
-        whole tensor in its group and holds only its state: the user's groups and state are not touched."""
+        round's whole tensors in their groups and holds only their state: the user's groups and state are not
+        touched."""
         view = object.__new__(type(optimizer))
         view.__dict__.update(optimizer.__dict__)  # the same hyperparameters, as a scheduler left them
         view.param_groups = [dict(group, params=[]) for group in optimizer.param_groups]
-        view.param_groups[mine.group]["params"] = [mine.weight]
-        view.state = defaultdict(dict, {mine.weight: mine.state})
-        try:
+        view.state = defaultdict(dict)
+        try:  # any failure here is this owner's alone: reported, and raised alike on every rank after the round
+            for whole in mine:
+                view.param_groups[whole.held.group]["params"].append(whole.weight)
+                kept = _unpacked(whole.held.kept_whole, whole.kept, whole.kept.device)
+                view.state[whole.weight] = {**whole.state, **kept}
             raw_step_of(optimizer)(view)
-        except (ValueError, RuntimeError) as error:
-            return f"{type(error).__name__}: {error} (stepping {mine.held.slot.fqns[0]})"
-        stepped = view.state[mine.weight]
-        for key in mine.state:
-            if stepped[key] is not mine.state[key]:  # a state the step replaced rather than updated in place
-                mine.state[key].copy_(stepped[key])
+            for whole in mine:
+                stepped = view.state[whole.weight]
+                for key, value in whole.state.items():
+                    if stepped[key] is not value:  # a state the step replaced rather than updated in place
+                        value.copy_(stepped[key])
+                whole.kept.copy_(_packed(whole.held.kept_whole, stepped, whole.kept.device))
+        except Exception as error:
+            names = ", ".join(whole.held.slot.fqns[0] for whole in mine)
+            return f"{type(error).__name__}: {error} (stepping {names})"
         return None
 
     def _raise_alike(self, failure: str | None, name: str) -> None:
@@ -256,3 +354,33 @@ class WholeTensorStep:
         reported = all_gather_objects(self.comm, failure, "whole-tensor step failure")
         ranks = [rank for rank, text in enumerate(reported) if text]
         raise ValueError(f"ZeRO: {name}.step() failed on ranks {ranks}: {reported[ranks[0]]}")
+
+
+def _packed(entries: list[StateEntry], state: dict, device: torch.device) -> torch.Tensor:
+    """The whole state's values in one flat float64 tensor, in the rule's order (zeros for those not made yet:
+    where the optimizer starts them)."""
+    values = [
+        torch.as_tensor(state[e.key], dtype=torch.float64).reshape(-1).to(device)
+        if e.key in state
+        else torch.zeros(math.prod(e.shape), dtype=torch.float64, device=device)
+        for e in entries
+    ]
+    return torch.cat(values) if values else torch.empty(0, dtype=torch.float64, device=device)
+
+
+def _unpacked(entries: list[StateEntry], kept: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """The whole state's values from their packed tensor, as the optimizer keeps them (``StateKind``): fp32
+    tensors on the weight's device, an fp32 0-d step on the host, an int step count."""
+    values: dict[str, Any] = {}
+    start = 0
+    for entry in entries:
+        size = math.prod(entry.shape)
+        flat = kept[start : start + size]
+        start += size
+        if entry.kind is StateKind.COUNT:
+            values[entry.key] = int(flat.item())
+        elif entry.kind is StateKind.STEP:
+            values[entry.key] = flat.to("cpu", torch.float32).reshape(())
+        else:
+            values[entry.key] = flat.to(device, torch.float32).reshape(entry.shape)
+    return values

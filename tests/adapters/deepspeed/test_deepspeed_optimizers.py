@@ -100,6 +100,8 @@ def test_each_optimizer_type_is_the_torch_class_deepspeed_builds() -> None:
     assert type(_built({"type": "Adagrad", "params": {"lr": 0.1}})) is torch.optim.Adagrad
     sgd = _built({"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}})
     assert type(sgd) is torch.optim.SGD and sgd.defaults["nesterov"] is True
+    adafactor = _built({"type": "Adafactor", "params": {"lr": 0.01, "beta2_decay": -0.5}})
+    assert type(adafactor) is torch.optim.Adafactor and adafactor.defaults["beta2_decay"] == -0.5
 
 
 def _refused(config: dict) -> str:

@@ -33,8 +33,9 @@ RESUMABLE = dict(batchnorm=False, dataset_size=8, max_steps=6)
 # Lightning's BackboneFinetuning unfreezes the first block (the shapes of the others)
 # at epoch 2 and adds it to the optimizer as a third param group.
 FINETUNING = dict(RESUMABLE, unfreeze_backbone_at=2)
-# configure_optimizers returns torch.optim.Muon over the matrices (tests.lightning_module.MuonTinyLM).
-MUON = dict(max_steps=4, muon=True)
+# configure_optimizers returns an optimizer that steps whole tensors (tests.lightning_module.WholeTensorTinyLM):
+# torch's Muon over the matrices, MuonWithAuxAdamW, torch's Adafactor.
+WHOLE_TENSOR = ("muon", "muon+adamw", "adafactor")
 # Offloaded units step on the host while backward goes on (zero_core/passes/step_in_backward.py).
 IN_BACKWARD = {"offload_optimizer": "cpu", "offload_step_in_backward": True}
 # Manual optimization that skips a step on a NaN norm (and one more), zeroing the gradients every batch.
@@ -43,8 +44,14 @@ TWO_DEVICE_RUNS = [
     {"name": "ddp-skip-on-nan", "strategy": "ddp", **SKIP_ON_NAN},
     *({"name": f"zero{stage}-skip-on-nan", "strategy": f"zero{stage}", **SKIP_ON_NAN} for stage in (1, 2, 3)),
     {"name": "ddp", "strategy": "ddp_find_unused_parameters_true", **PARITY},
-    {"name": "ddp-muon", "strategy": "ddp_find_unused_parameters_true", **MUON},
-    *({"name": f"zero{stage}-muon", "strategy": f"zero{stage}", **MUON} for stage in (1, 3)),
+    *(
+        {"name": f"ddp-{name}", "strategy": "ddp_find_unused_parameters_true", "max_steps": 4, "whole_tensor": name}
+        for name in WHOLE_TENSOR
+    ),
+    *(
+        {"name": f"zero{stage}-{name}", "strategy": f"zero{stage}", "max_steps": 4, "whole_tensor": name}
+        for stage, name in ((1, "muon"), (3, "muon"), (3, "muon+adamw"), (2, "adafactor"))
+    ),
     {"name": "zero1", "strategy": "zero1", **PARITY},
     {"name": "zero2", "strategy": "zero2", **PARITY},
     {
@@ -202,11 +209,13 @@ def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, s
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_muon_from_configure_optimizers_matches_ddp_with_muon(results: tuple, stage: int) -> None:
-    """Each matrix stepped whole at its owner by torch's own Muon: DDP's numbers, bit for bit."""
+@pytest.mark.parametrize("run", ["zero1-muon", "zero3-muon", "zero3-muon+adamw", "zero2-adafactor"])
+def test_whole_tensor_optimizers_from_configure_optimizers_match_ddp_with_them(results: tuple, run: str) -> None:
+    """Each tensor stepped whole at its owner by the optimizer's own step (Muon, MuonWithAuxAdamW's Muon groups,
+    Adafactor; MuonWithAuxAdamW's AdamW groups on the pieces): DDP's numbers with the same optimizer, bit for
+    bit."""
     _, runs = results
-    reference, ours = runs["ddp-muon"], runs[f"zero{stage}-muon"]
+    reference, ours = runs[f"ddp-{run.split('-', 1)[1]}"], runs[run]
     assert ours["global_step"] == 4 and len(set(ours["losses"])) > 1
     assert ours["losses"] == reference["losses"]
     assert relative_difference(ours["weights"], reference["weights"]) == 0.0

@@ -53,7 +53,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     # TrainingArguments(bf16=True / fp16=True), last so that the fp32 cases run as in a process of their own;
     # Trainer's own bf16 under DDP beside ours (its own fp16 under DDP computes in fp32 on a CPU). The nan cases
     # (a step skipped on an fp16 overflow) only train: last, after the fp16 case.
-    ddp = (ACCELERATE, 2, str(out), "ddp", "ddp_muon", "ddp_bf16", "ddp_fp16_nan")
+    ddp = (ACCELERATE, 2, str(out), "ddp", "ddp_muon", "ddp_adafactor", "ddp_bf16", "ddp_fp16_nan")
     # As users launch: stage 3 from the launcher; stages 1 and 2 by ZeroPlugin(stage=N).
     zero = (
         [*ACCELERATE_ZERO, "--zero_stage", "3"],
@@ -64,6 +64,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         "zero2",
         "zero_evalfirst",
         "zero1_muon",
+        "zero1_adafactor",
     )
     zero += ("zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
     # The two side by side (a launch keeps about one of two cores busy; each writes its own files).
@@ -80,6 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     )
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
     names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan", "ddp_muon", "zero1_muon"]
+    names += ["ddp_adafactor", "zero1_adafactor"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -167,6 +169,25 @@ def test_muon_given_as_optimizers_trains_saves_and_resumes_as_trainer_under_ddp(
     _, results = runs
     reference, ours = results["ddp_muon"], results["zero1_muon"]
     assert (ours["trainer"], ours["stage"]) == ("ZeroTrainer", 1)
+    assert len(ours["losses"]) == 6 and len(set(ours["losses"])) > 1
+    assert ours["losses"] == reference["losses"]
+    assert relative_difference(_tensors(ours["weights"]), _tensors(reference["weights"])) == 0.0
+    resumed = ours["resumed"]
+    assert resumed["losses"] == reference["resumed"]["losses"] == reference["losses"][3:]
+    assert relative_difference(_tensors(resumed["weights"]), _tensors(ours["weights"])) == 0.0
+
+
+def test_adafactor_by_its_optim_name_trains_saves_and_resumes_as_trainer_under_ddp(runs: tuple) -> None:
+    """``TrainingArguments(optim="adafactor")``: transformers' Adafactor, each tensor stepped whole at its owner
+    (its factored second moment kept whole by the tensor's holders, its Python step count with them), so
+    Trainer's numbers under DDP bit for bit, through its checkpoint and resume. Stage 1: at stages 2 and 3 the
+    shards sum the micro-batches' reduced gradients, a rounding from DDP's accumulated ``.grad``, which
+    Adafactor's per-tensor normalisation turns into whole steps for tensors whose gradient is only rounding
+    (the attention's key biases), under DDP as under ZeRO."""
+    _, results = runs
+    reference, ours = results["ddp_adafactor"], results["zero1_adafactor"]
+    assert (ours["trainer"], ours["stage"], ours["optimizer"]) == ("ZeroTrainer", 1, "Adafactor")
+    assert reference["optimizer"] == "Adafactor"
     assert len(ours["losses"]) == 6 and len(set(ours["losses"])) > 1
     assert ours["losses"] == reference["losses"]
     assert relative_difference(_tensors(ours["weights"]), _tensors(reference["weights"])) == 0.0

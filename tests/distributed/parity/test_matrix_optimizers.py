@@ -1,5 +1,6 @@
-"""Optimizers that need whole tensors (``torch.optim.Muon``) at stages 1-3 train like DDP with the same
-optimizer: each matrix stepped whole at an owner rank, its pieces sent there and its update sent back.
+"""Optimizers that need whole tensors (``torch.optim.Muon``, ``torch.optim.Adafactor``, transformers' Adafactor)
+at stages 1-3 train like DDP with the same optimizer: each tensor stepped whole at an owner rank, its pieces
+sent there and its update sent back.
 
 The model's matrices are square (``mix``), tall (``up``), wide (``down``) and tied (the embedding and head);
 at 2 and 3 ranks the units' shards cut matrices between ranks, so owners receive pieces from others.
@@ -29,6 +30,15 @@ CASES += [dict(stage=3, optimizer_name="muon", persistence_threshold=2000)]  # t
 # zero_core.MuonWithAuxAdamW: its Muon groups stepped whole at owners, its AdamW groups on each rank's pieces.
 CASES += [dict(stage=s, optimizer_name="muon+adamw") for s in STAGES]
 CASES += [dict(stage=3, optimizer_name="muon+adamw", settings={"offload_optimizer": "cpu"})]
+# torch's Adafactor: every tensor whole at an owner (vectors too), its row and column factors kept whole on the
+# holders of each matrix.
+CASES += [dict(stage=s, optimizer_name="adafactor") for s in STAGES]
+CASES += [dict(stage=1, **dict(CLIPPED, optimizer_name="adafactor"))]
+CASES += [dict(stage=3, sync_every_micro_batch=True, **dict(CLIPPED, optimizer_name="adafactor"))]
+CASES += [dict(stage=2, optimizer_name="adafactor", settings={"offload_optimizer": "cpu"})]
+# transformers' Adafactor (the Hugging Face Trainer's optim="adafactor"): factors without the reduced dimension,
+# a Python step count.
+CASES += [dict(stage=s, optimizer_name="hf-adafactor") for s in (1, 3)]
 # A DeepSpeed config's "Muon" section, built as DeepSpeed's engine splits the parameters.
 CASES += [dict(stage=s, optimizer_name="deepspeed-muon") for s in (1, 3)]
 
@@ -50,13 +60,18 @@ def grid(request: pytest.FixtureRequest) -> tuple[int, list[list[dict]]]:
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[_case_id(c) for c in CASES])
-def test_muon_matches_ddp_with_the_same_optimizer(grid: tuple[int, list], index: int) -> None:
-    """Bitwise: the owner runs torch's own Muon step on the whole matrix, as DDP's rank does, from the same
-    gradients. Why the clipped cases give DDP the engine's order of sums: the norm (equal to torch's within
-    1e-6, compared here) or an accumulated gradient one rounding off moves Muon's update by up to ~1e-3, as it
-    would under DDP itself, because Newton-Schulz in bf16 amplifies the smallest singular directions."""
-    _, per_rank = grid
-    tolerance = 0.0  # at 3 ranks too (the grid's sums are equal in any order)
+def test_each_whole_tensor_optimizer_matches_ddp_with_it(grid: tuple[int, list], index: int) -> None:
+    """Bitwise: the owner runs the optimizer's own step (Muon's, Adafactor's) on the whole tensor, as DDP's rank
+    does, from the same gradients. Why the clipped cases give DDP the engine's order of sums: the norm (equal to
+    torch's within 1e-6, compared here) or an accumulated gradient one rounding off moves Muon's update by up to
+    ~1e-3, as it would under DDP itself, because Newton-Schulz in bf16 amplifies the smallest singular
+    directions."""
+    world_size, per_rank = grid
+    case = CASES[index]
+    # Adafactor's elementwise scaling shows the one rounding a stage-2/3 shard's sum of micro-batches can differ
+    # by from DDP's accumulated .grad.
+    accumulated = case["optimizer_name"] == "adafactor" and case.get("micro_batches", 1) > 1 and case["stage"] > 1
+    tolerance = 1e-6 if accumulated else 0.0
     for rank, results in enumerate(per_rank):
         result = results[index]
         assert max(result["param_errors"]) <= tolerance, f"rank {rank}: {result['param_errors']}"
@@ -162,10 +177,10 @@ def test_settings_muon_cannot_run_with_are_refused(tmp_path) -> None:  # type: i
     assert "offload_step_in_backward" in errors[0]["in_backward"]
 
 
-def _muon_run(stage: int) -> tuple[TinyTransformer, ZeroEngine]:
+def _whole_tensor_run(name: str, stage: int) -> tuple[TinyTransformer, ZeroEngine]:
     torch.manual_seed(0)
     model = TinyTransformer().eval()  # BatchNorm on running statistics: independent of the split
-    return model, ZeroEngine(model, make_optimizer("muon", model), config_for(stage))
+    return model, ZeroEngine(model, make_optimizer(name, model), config_for(stage))
 
 
 def _train_global(model: TinyTransformer, engine: ZeroEngine, steps: range) -> list[float]:
@@ -181,31 +196,38 @@ def _train_global(model: TinyTransformer, engine: ZeroEngine, steps: range) -> l
     return losses
 
 
-def _save_muon(rank: int, world_size: int, directory: str) -> dict:
-    model, engine = _muon_run(3)
+def _save_whole_tensor(rank: int, world_size: int, directory: str, name: str) -> dict:
+    model, engine = _whole_tensor_run(name, 3)
     _train_global(model, engine, range(2))
     engine.save_checkpoint(f"{directory}/saved")
     losses = _train_global(model, engine, range(2, 4))
     return {"losses": losses, "final": engine.full_state_dict()}
 
 
-def _resume_muon(rank: int, world_size: int, directory: str, stage: int) -> dict:
-    model, engine = _muon_run(stage)
+def _resume_whole_tensor(rank: int, world_size: int, directory: str, name: str, stage: int) -> dict:
+    model, engine = _whole_tensor_run(name, stage)
     engine.load_checkpoint(f"{directory}/saved")
     engine.save_checkpoint(f"{directory}/reloaded-{world_size}-{stage}")
     losses = _train_global(model, engine, range(2, 4))
     return {"losses": losses, "final": engine.full_state_dict()}
 
 
-def test_a_muon_checkpoint_resumes_at_another_world_size_and_stage(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Saved at 2 ranks and stage 3, the momentum sharded like the weights: loaded at 2 ranks it continues bit
-    for bit; at 3 ranks and stage 1 it loads exactly (saved again, the same bytes) and continues within what
-    the other split's rounding, amplified by Newton-Schulz, allows."""
-    saved = run_distributed(_save_muon, 2, str(tmp_path))[0]
-    same = run_distributed(_resume_muon, 2, str(tmp_path), 3)[0]
-    other = run_distributed(_resume_muon, 3, str(tmp_path), 1)[0]
+# The state a round trip must give back: Muon's momentum (sharded like the weight), Adafactor's column factor
+# (kept whole on every holder of its matrix; its step and vectors' variance are compared too), transformers'
+# Adafactor's row factor (its step a Python int, saved as a pickled number and loaded back as one).
+_KEPT_STATE = {"muon": "momentum_buffer", "adafactor": "col_var", "hf-adafactor": "exp_avg_sq_row"}
+
+
+@pytest.mark.parametrize("name", sorted(_KEPT_STATE))
+def test_a_whole_tensor_checkpoint_resumes_at_another_world_size_and_stage(tmp_path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """Saved at 2 ranks and stage 3: loaded at 2 ranks it continues bit for bit; at 3 ranks and stage 1 it
+    loads exactly (saved again, the same bytes: the factors each new holder loaded whole, the momentum's new
+    pieces) and continues within what the other split's rounding (amplified by Newton-Schulz) allows."""
+    saved = run_distributed(_save_whole_tensor, 2, str(tmp_path), name)[0]
+    same = run_distributed(_resume_whole_tensor, 2, str(tmp_path), name, 3)[0]
+    other = run_distributed(_resume_whole_tensor, 3, str(tmp_path), name, 1)[0]
     for world_size, stage in ((2, 3), (3, 1)):
-        assert_same_checkpoint(tmp_path / "saved", tmp_path / f"reloaded-{world_size}-{stage}", "momentum_buffer")
+        assert_same_checkpoint(tmp_path / "saved", tmp_path / f"reloaded-{world_size}-{stage}", _KEPT_STATE[name])
     assert same["losses"] == saved["losses"]
     assert all(torch.equal(same["final"][key], value) for key, value in saved["final"].items())
     assert other["losses"] == pytest.approx(saved["losses"], rel=1e-4)
