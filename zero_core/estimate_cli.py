@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from .config import MixedPrecision, ZeroConfig
-from .memory.estimate import STAGES, ZeroEstimate, estimate, largest_fitting_model, shared_config, shared_settings
+from .memory.estimate import (
+    STAGES,
+    WHOLE_TENSOR_OPTIMIZERS,
+    ZeroEstimate,
+    estimate,
+    largest_fitting_model,
+    shared_config,
+    shared_settings,
+)
 from .settings import Setting
 from .sizes import human_bytes
 
@@ -119,6 +127,13 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
             "backward (hpZ's pieces; gone by the peak after a backward that the table shows)."
         )
     lines += _quantization_lines(result, config)
+    if result.whole_tensor_sent_bytes or result.whole_tensor_working_bytes:
+        lines.append(
+            f"stages 1-3, a whole-tensor optimizer: each step a rank sends up to "
+            f"{human_bytes(result.whole_tensor_sent_bytes)} to the tensors' owners and back (the traffic report's "
+            f"'send'), and an owner builds up to {human_bytes(result.whole_tensor_working_bytes)} of whole tensors "
+            "at once during the step."
+        )
     return "\n".join(lines)
 
 
@@ -177,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--optimizer-bytes", type=int, default=8, help="optimizer state bytes per parameter: Adam 8, SGD momentum 4"
     )
     parser.add_argument(
+        "--whole-tensor-optimizer",
+        choices=sorted(WHOLE_TENSOR_OPTIMIZERS),
+        default=None,
+        help="with --model: torch's Muon over the trainable matrices or Adafactor over every trainable tensor, "
+        "each stepped whole at an owner rank: the bytes that step sends and builds (set --optimizer-bytes too: "
+        "Muon 4)",
+    )
+    parser.add_argument(
         "--device",
         choices=("cuda", "cpu"),
         default="cuda",
@@ -221,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
             config,
             optimizer_state_bytes_per_param=args.optimizer_bytes,
             host_is_device=args.device == "cpu",
+            whole_tensor_optimizer=args.whole_tensor_optimizer,
         )
     except (ValueError, ImportError) as error:
         parser.error(str(error))

@@ -1,5 +1,6 @@
-"""The rules of the optimizers stepped whole (optim/rebuild.py's ``STEPPED_WHOLE``) against the state the
-optimizers really make, and the owners' rounds and packing (optim/whole_tensor_step.py), in one process."""
+"""The rules of the optimizers stepped whole (whole_tensor_plan.py's ``STEPPED_WHOLE``) against the state the
+optimizers really make, and the owners' rounds (whole_tensor_plan.py) and packing (optim/whole_tensor_step.py),
+in one process."""
 
 from __future__ import annotations
 
@@ -10,8 +11,15 @@ import torch
 
 from zero_core.checkpoint.checkpoint_error import CheckpointError
 from zero_core.checkpoint.state_dicts import LoadedNumber, with_loaded_numbers
-from zero_core.optim.rebuild import StateKind, is_whole_state, whole_state_problem, whole_tensor_rule
-from zero_core.optim.whole_tensor_step import _balanced_owners, _packed, _rounds, _unpacked
+from zero_core.optim.whole_tensor_step import _packed, _unpacked
+from zero_core.whole_tensor_plan import (
+    StateKind,
+    balanced_owners,
+    is_whole_state,
+    owner_rounds,
+    whole_state_problem,
+    whole_tensor_rule,
+)
 
 SHAPES = [(6, 4), (4, 6), (5, 1), (1, 5), (7,), (2, 3, 4)]
 
@@ -95,12 +103,12 @@ def test_the_whole_state_packs_and_unpacks_exactly_as_the_optimizer_keeps_it() -
 
 def test_owners_are_balanced_and_rounds_hold_each_tensor_once_within_the_largest() -> None:
     costs = [64, 8, 8, 8, 1, 1, 1, 1, 27, 5]
-    owned = _balanced_owners(costs, 3)
+    owned = balanced_owners(costs, 3)
     assert sorted(i for indices in owned for i in indices) == list(range(len(costs)))
     loads = [sum(costs[i] for i in indices) for indices in owned]
     assert max(loads) - min(loads) <= max(costs)
     sizes = [16, 4, 4, 4, 1, 1, 1, 1, 9, 5]
-    rounds = _rounds(owned, sizes)
+    rounds = owner_rounds(owned, sizes)
     seen = [i for this_round in rounds for indices in this_round.values() for i in indices]
     assert sorted(seen) == list(range(len(sizes)))
     for this_round in rounds:

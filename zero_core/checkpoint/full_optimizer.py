@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from ..optim.rebuild import StateKind, count_problem, is_whole_state, kept_state_entry, whole_state_problem
 from ..unit import MasterPiece
+from ..whole_tensor_plan import StateKind, count_problem, is_whole_state, kept_state_entry, whole_state_problem
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError, mismatch_error
 from .checkpoint_records import LoadedOptimizer, ShardedModel

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from ..offload.nvme_load import NvmeLoad
-from ..optim.rebuild import is_whole_state, whole_state_problem
+from ..whole_tensor_plan import is_whole_state, whole_state_problem
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError, mismatch_error
 from .checkpoint_records import (

@@ -19,8 +19,8 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..offload.nvme_save import NvmeSaveReads
-from ..optim.rebuild import StateKind, count_problem, is_whole_state, kept_state_entry
 from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
+from ..whole_tensor_plan import StateKind, count_problem, is_whole_state, kept_state_entry
 from .checkpoint_error import CheckpointError
 from .chunks import LazyValues, Rectangle, ShardedChunks, piece_rectangles
 

@@ -18,16 +18,20 @@ to stage 3's row only.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..collectives import all_reduce_working_bytes, gather_working_bytes, reduce_working_bytes
 from ..config import ZeroConfig, user_settings
 from ..precision import MixedPrecision
 from ..settings import Setting
+from ..unit.layout import FlatLayout
 from ..unit.unit_selection import plan_units
+from ..whole_tensor_plan import STEPPED_WHOLE, PlannedTensor, StepRounds
 from .memory_reports import MemoryReport
 from .predicted import UnitElements, ddp_bytes, model_state_bytes
 
@@ -136,6 +140,11 @@ class ZeroEstimate:
     # buffers and a float32 pass); transient, on the device, not in by_stage.
     quantized_gather_bytes: int = 0
     quantized_reduce_bytes: int = 0
+    # An optimizer that steps whole tensors (whole_tensor_optimizer: "muon", "adafactor"): what the rank that
+    # sends most sends each step, to the owners and back (the traffic report's "send"), and the most one owner
+    # builds at once (a round's whole tensors); transient, not in by_stage.
+    whole_tensor_sent_bytes: int = 0
+    whole_tensor_working_bytes: int = 0
 
     def __getitem__(self, stage: int) -> MemoryReport:
         return self.by_stage[stage]
@@ -231,6 +240,7 @@ def estimate(
     precision: MixedPrecision | None = None,
     optimizer_state_bytes_per_param: int = 8,
     host_is_device: bool = False,
+    whole_tensor_optimizer: str | None = None,
     **settings: Any,
 ) -> ZeroEstimate:
     """Model-state bytes per rank for DDP and stages 1-3 (``result[stage]``, a ``MemoryReport``:
@@ -245,8 +255,11 @@ def estimate(
     ``quantize_gradients``, ``gradient_quantization_bits``, ``quantization_block_size`` (ZeRO++:
     ``quantized_gather_bytes``, ``quantized_reduce_bytes``) and ``precision`` (its ``mixed_precision``),
     checked by it. Its own: ``world_size`` (the ranks in all),
-    ``optimizer_state_bytes_per_param`` (Adam 8, SGD with momentum 4) and ``host_is_device`` (a CPU device:
-    an offloaded unit's master and gradient shard stay in place)."""
+    ``optimizer_state_bytes_per_param`` (Adam 8, SGD with momentum 4), ``host_is_device`` (a CPU device:
+    an offloaded unit's master and gradient shard stay in place) and ``whole_tensor_optimizer`` ("muon":
+    torch's Muon over the trainable matrices, "adafactor": torch's Adafactor over every trainable tensor,
+    each listed in the model's order as torch's docs build them; with a model only:
+    ``whole_tensor_sent_bytes`` and ``whole_tensor_working_bytes``)."""
     estimate_settings = EstimateSettings(
         world_size,
         config,
@@ -255,11 +268,50 @@ def estimate(
         host_is_device=host_is_device,
         **settings,
     )
+    if whole_tensor_optimizer is not None and whole_tensor_optimizer not in WHOLE_TENSOR_OPTIMIZERS:
+        raise ValueError(
+            f"whole_tensor_optimizer={whole_tensor_optimizer!r} is invalid: use one of "
+            f"{', '.join(WHOLE_TENSOR_OPTIMIZERS)}, or None for an elementwise optimizer."
+        )
     if isinstance(model, nn.Module):
-        return estimate_units(count_units(model, estimate_settings.config), estimate_settings)
+        result = estimate_units(count_units(model, estimate_settings.config), estimate_settings)
+        if whole_tensor_optimizer is None:
+            return result
+        sent, working = whole_tensor_step_bytes(model, estimate_settings, whole_tensor_optimizer)
+        return replace(result, whole_tensor_sent_bytes=sent, whole_tensor_working_bytes=working)
+    if whole_tensor_optimizer is not None:
+        raise ValueError("whole_tensor_optimizer needs the model (which tensors, of which shapes), not a count.")
     if isinstance(model, bool) or not isinstance(model, int) or model < 1:
         raise ValueError(f"estimate: got {model!r}; pass an nn.Module or a positive number of parameters.")
     return estimate_units([UnitCount(model, model)], estimate_settings, whole_units=False)
+
+
+# The optimizers zero-estimate plans the whole-tensor step of, by name: each one's class, and which of the
+# model's trainable tensors it is given.
+WHOLE_TENSOR_OPTIMIZERS: dict[str, tuple[type[torch.optim.Optimizer], Callable[[nn.Parameter], bool]]] = {
+    "muon": (torch.optim.Muon, lambda param: param.ndim == 2),
+    "adafactor": (torch.optim.Adafactor, lambda param: True),
+}
+
+
+def whole_tensor_step_bytes(model: nn.Module, settings: EstimateSettings, name: str) -> tuple[int, int]:
+    """(what the rank that sends most sends in a step, the most one owner builds at once) for the optimizer
+    ``name`` over the model's trainable tensors: the units' layouts as the engine builds them, and the step's
+    own plan of owners and rounds (whole_tensor_plan.py)."""
+    kind, takes = WHOLE_TENSOR_OPTIMIZERS[name]
+    rule = STEPPED_WHOLE[kind]
+    config, ranks = settings.config, settings.shard_size
+    planned: dict[int, PlannedTensor] = {}
+    for plan in plan_units(model, config.wrap_policy, config.bucket_numel):
+        params = [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)]
+        layout = FlatLayout.build(params, ranks)
+        pieces = [(rank, piece) for rank in range(ranks) for piece in layout.pieces(rank)]
+        for param, slot in zip(plan.params, layout.slots):
+            held = tuple((rank, piece) for rank, piece in pieces if piece.slot.index == slot.index)
+            planned[id(param)] = PlannedTensor(slot, held, 0, rule.state_of(tuple(slot.shape), {}))
+    stepped = [planned[id(p)] for p in model.parameters() if p.requires_grad and takes(p) and planned[id(p)].slot.numel]
+    step = StepRounds.plan(stepped, rule, ranks)
+    return max(step.sent_bytes(r) for r in range(ranks)), max(step.working_bytes(r) for r in range(ranks))
 
 
 def largest_fitting_model(device_budget_bytes: int, stage: int, settings: EstimateSettings) -> int:

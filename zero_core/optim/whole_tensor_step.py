@@ -39,79 +39,21 @@ from .. import collectives
 from ..collectives import CommContext, all_gather_objects
 from ..unit import FlatUnit, MasterPiece
 from ..unit.layout import ParamSlot, ShardPiece
+from ..whole_tensor_plan import PlannedTensor, StateEntry, StateKind, StepRounds, WholeTensorRule, whole_tensor_rule
 from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
-from .rebuild import StateEntry, StateKind, WholeTensorRule, whole_tensor_rule
-
-
-class _Held(NamedTuple):
-    """One parameter across the shard group: its slot, each rank's piece of it (rank order), its state."""
-
-    unit: FlatUnit
-    slot: ParamSlot
-    pieces: tuple[tuple[int, ShardPiece], ...]
-    group: int
-    entries: tuple[StateEntry, ...]
-
-    @property
-    def per_element(self) -> list[StateEntry]:
-        return [entry for entry in self.entries if entry.kind is StateKind.PER_ELEMENT]
-
-    @property
-    def kept_whole(self) -> list[StateEntry]:
-        """The state every holder keeps whole, sent packed in one flat float64 tensor (fp32 values and step
-        counts both exact in it)."""
-        return [entry for entry in self.entries if entry.kind is not StateKind.PER_ELEMENT]
-
-    def holds(self, rank: int) -> bool:
-        return any(holder == rank for holder, _ in self.pieces)
-
-    def kept_source(self, owner: int) -> int:
-        """Who gives the owner the whole state: the owner itself if it holds a piece, else the first holder."""
-        return owner if self.holds(owner) else self.pieces[0][0]
 
 
 class _Whole(NamedTuple):
     """One tensor at its owner for a round: the whole weight (``.grad`` the whole gradient), its state."""
 
-    held: _Held
+    held: PlannedTensor
     weight: torch.Tensor
     state: dict[str, torch.Tensor]  # the per-element state, whole
     kept: torch.Tensor  # the packed whole state (empty when the rule keeps none)
 
 
-def _balanced_owners(costs: list[int], ranks: int) -> list[list[int]]:
-    """Per rank, the indices into ``costs`` it owns: the costliest first, each to the least loaded rank (ties to
-    the lower rank), so every rank computes the same assignment."""
-    load = [0] * ranks
-    owned: list[list[int]] = [[] for _ in range(ranks)]
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        rank = min(range(ranks), key=lambda r: (load[r], r))
-        load[rank] += costs[index]
-        owned[rank].append(index)
-    return [sorted(indices) for indices in owned]
-
-
-def _rounds(owned: list[list[int]], sizes: list[int]) -> list[dict[int, list[int]]]:
-    """Each owner's tensors in rounds, a round holding as many as fit in the largest tensor's size (at least
-    one), so many small tensors (Adafactor's vectors) do not cost an exchange each."""
-    cap = max(sizes, default=0)
-    queues = [list(indices) for indices in owned]
-    rounds: list[dict[int, list[int]]] = []
-    while any(queues):
-        this_round: dict[int, list[int]] = {}
-        for owner, queue in enumerate(queues):
-            taken, size = [], 0
-            while queue and (not taken or size + sizes[queue[0]] <= cap):
-                size += sizes[queue[0]]
-                taken.append(queue.pop(0))
-            if taken:
-                this_round[owner] = taken
-        rounds.append(this_round)
-    return rounds
-
-
-def _check_matrices(stepped: list[_Held]) -> None:
+def _check_matrices(stepped: list[PlannedTensor]) -> None:
     """Muon's constructor refuses a tensor that is not 2-D; one added later (``add_param_group``) is refused
     here, on every rank alike (they see the same shapes), before anything is sent."""
     for held in stepped:
@@ -153,7 +95,8 @@ class WholeTensorStep:
     def __init__(self, units: list[FlatUnit], comm: CommContext):
         self.comm = comm
         self._slots: dict[str, tuple[FlatUnit, ParamSlot, tuple[tuple[int, ShardPiece], ...]]] = {}
-        self._master: dict[tuple[int, int], MasterPiece] = {}
+        self._device: dict[str, torch.device] = {}  # where each parameter's master rests
+        self._master: dict[str, MasterPiece] = {}
         for unit in units:
             pieces: dict[int, list[tuple[int, ShardPiece]]] = defaultdict(list)
             for rank in range(comm.shard_size):
@@ -161,8 +104,9 @@ class WholeTensorStep:
                     pieces[piece.slot.index].append((rank, piece))
             for slot in unit.layout.slots:
                 self._slots[slot.fqns[0]] = (unit, slot, tuple(pieces[slot.index]))
+                self._device[slot.fqns[0]] = unit.storage.resting_master.device
             for master in unit.master_pieces:
-                self._master[(unit.index, master.piece.slot.index)] = master
+                self._master[master.piece.slot.fqns[0]] = master
 
     def step(self, groups: OptimizerGroups, slot_flags: list[list[bool]]) -> None:
         """Every rank together: each parameter of the groups stepped whole with a gradient somewhere
@@ -176,9 +120,9 @@ class WholeTensorStep:
         if rule.matrices_only:  # before anything is sent or let go
             _check_matrices(stepped)
         try:
-            owned = _balanced_owners([rule.cost_of(tuple(held.slot.shape)) for held in stepped], self.comm.shard_size)
+            plan = StepRounds.plan(stepped, rule, self.comm.shard_size)
             failure: str | None = None
-            for this_round in _rounds(owned, [held.slot.numel for held in stepped]):
+            for this_round in plan.rounds:
                 tensors = {owner: [stepped[i] for i in indices] for owner, indices in this_round.items()}
                 mine = self._gather(tensors, optimizer)
                 if mine and failure is None:
@@ -187,11 +131,13 @@ class WholeTensorStep:
             self._raise_alike(failure, type(optimizer).__name__)
         finally:
             for held in stepped:
-                master = self._master.get((held.unit.index, held.slot.index))
+                master = self._master.get(held.name)
                 if master is not None:
                     master.param.grad = None
 
-    def _stepped(self, groups: OptimizerGroups, slot_flags: list[list[bool]], rule: WholeTensorRule) -> list[_Held]:
+    def _stepped(
+        self, groups: OptimizerGroups, slot_flags: list[list[bool]], rule: WholeTensorRule
+    ) -> list[PlannedTensor]:
         """The parameters of the whole groups with a gradient somewhere, in the groups' order (alike on every
         rank: the names and flags are)."""
         stepped = []
@@ -201,11 +147,11 @@ class WholeTensorStep:
             for name in names:
                 unit, slot, pieces = self._slots[name]
                 if slot_flags[unit.index][slot.index] and slot.numel:  # an empty tensor has nothing to step
-                    stepped.append(_Held(unit, slot, pieces, index, rule.state_of(tuple(slot.shape), group)))
+                    stepped.append(PlannedTensor(slot, pieces, index, rule.state_of(tuple(slot.shape), group)))
         return stepped
 
     # -------------------------------------------------------------- exchange
-    def _gather(self, tensors: dict[int, list[_Held]], optimizer) -> list[_Whole]:
+    def _gather(self, tensors: dict[int, list[PlannedTensor]], optimizer) -> list[_Whole]:
         """The owners receive their tensors' pieces (and whole state); this rank sends its part of the others'."""
         me = self.comm.shard_rank
         sends: list[tuple[torch.Tensor, int]] = []
@@ -233,21 +179,21 @@ class WholeTensorStep:
                 elif held.holds(me):
                     sends += [(own, owner) for own in self._own_pieces(held, optimizer)]
                     if held.kept_source(owner) == me and held.kept_whole:
-                        sends.append((self._own_kept(held, optimizer, self._device(held)), owner))
+                        sends.append((self._own_kept(held, optimizer, self._device[held.name]), owner))
         collectives.exchange(self.comm, sends, receives, "whole tensors to their owners").wait()
         return mine
 
-    def _scatter(self, tensors: dict[int, list[_Held]], optimizer, mine: list[_Whole]) -> None:
+    def _scatter(self, tensors: dict[int, list[PlannedTensor]], optimizer, mine: list[_Whole]) -> None:
         """Each holder's pieces of the new weight and per-element state, and the new whole state, from the owner."""
         me = self.comm.shard_rank
         sends: list[tuple[torch.Tensor, int]] = []
         receives: list[tuple[torch.Tensor, int]] = []
-        arriving: list[tuple[_Held, torch.Tensor]] = []  # whole state to keep once received
-        by_slot = {(whole.held.unit.index, whole.held.slot.index): whole for whole in mine}
+        arriving: list[tuple[PlannedTensor, torch.Tensor]] = []  # whole state to keep once received
+        by_name = {whole.held.name: whole for whole in mine}
         for owner, held_list in sorted(tensors.items()):
             for held in held_list:
                 if owner == me:
-                    whole = by_slot[(held.unit.index, held.slot.index)]
+                    whole = by_name[held.name]
                     for rank, piece in held.pieces:
                         span = slice(piece.param_start, piece.param_start + piece.numel)
                         parts = [whole.weight.view(-1)[span]]
@@ -263,7 +209,7 @@ class WholeTensorStep:
                 elif held.holds(me):
                     receives += [(own, owner) for own in self._own_targets(held, optimizer)]
                     if held.kept_whole:
-                        kept = torch.empty(self._kept_numel(held), dtype=torch.float64, device=self._device(held))
+                        kept = torch.empty(held.kept_numel, dtype=torch.float64, device=self._device[held.name])
                         receives.append((kept, owner))
                         arriving.append((held, kept))
         collectives.exchange(self.comm, sends, receives, "whole tensors' updates to their holders").wait()
@@ -271,26 +217,19 @@ class WholeTensorStep:
             self._keep(held, optimizer, kept)
 
     # ----------------------------------------------------- this rank's parts
-    def _device(self, held: _Held) -> torch.device:
-        return held.unit.storage.resting_master.device
-
-    @staticmethod
-    def _kept_numel(held: _Held) -> int:
-        return sum(math.prod(entry.shape) for entry in held.kept_whole)
-
-    def _whole_buffers(self, held: _Held) -> _Whole:
+    def _whole_buffers(self, held: PlannedTensor) -> _Whole:
         """The owner's whole tensors for one parameter, filled by the exchange."""
-        device = self._device(held)
+        device = self._device[held.name]
         weight = torch.empty(held.slot.shape, dtype=torch.float32, device=device)
         weight.grad = torch.empty_like(weight)
         state = {entry.key: torch.empty_like(weight) for entry in held.per_element}
-        kept = torch.empty(self._kept_numel(held), dtype=torch.float64, device=device)
+        kept = torch.empty(held.kept_numel, dtype=torch.float64, device=device)
         return _Whole(held, weight, state, kept)
 
-    def _master_of(self, held: _Held) -> MasterPiece:
-        return self._master[(held.unit.index, held.slot.index)]
+    def _master_of(self, held: PlannedTensor) -> MasterPiece:
+        return self._master[held.name]
 
-    def _own_pieces(self, held: _Held, optimizer) -> list[torch.Tensor]:
+    def _own_pieces(self, held: PlannedTensor, optimizer) -> list[torch.Tensor]:
         """This rank's piece of the weight, its gradient and each per-element state tensor (zeros before the
         first step, which is what the optimizer starts its state from)."""
         master = self._master_of(held)
@@ -300,11 +239,11 @@ class WholeTensorStep:
         parts = [state.get(e.key, torch.zeros_like(weight)).to(torch.float32) for e in held.per_element]
         return [weight, master.param.grad, *parts]
 
-    def _own_kept(self, held: _Held, optimizer, device: torch.device) -> torch.Tensor:
+    def _own_kept(self, held: PlannedTensor, optimizer, device: torch.device) -> torch.Tensor:
         """The whole state this holder keeps, packed (zeros before the first step)."""
         return _packed(held.kept_whole, optimizer.state.get(self._master_of(held).param, {}), device)
 
-    def _own_targets(self, held: _Held, optimizer) -> list[torch.Tensor]:
+    def _own_targets(self, held: PlannedTensor, optimizer) -> list[torch.Tensor]:
         """Where this rank's pieces of the new weight and per-element state go: the master piece, its state
         (made here the first time, as the optimizer would make it)."""
         master = self._master_of(held)
@@ -315,9 +254,9 @@ class WholeTensorStep:
                 state[entry.key] = torch.empty_like(weight)
         return [weight] + [state[entry.key] for entry in held.per_element]
 
-    def _keep(self, held: _Held, optimizer, kept: torch.Tensor) -> None:
+    def _keep(self, held: PlannedTensor, optimizer, kept: torch.Tensor) -> None:
         """The new whole state into this holder's state, as the optimizer keeps it."""
-        optimizer.state[self._master_of(held).param].update(_unpacked(held.kept_whole, kept, self._device(held)))
+        optimizer.state[self._master_of(held).param].update(_unpacked(held.kept_whole, kept, self._device[held.name]))
 
     # ------------------------------------------------------------------ step
     def _step_whole(self, optimizer: torch.optim.Optimizer, mine: list[_Whole]) -> str | None:

@@ -34,9 +34,9 @@ from ..optim.attachment import compare_param_groups
 from ..optim.host_step import fused_on_host, raw_step_of
 from ..optim.loss_scaling import LossScaler
 from ..optim.param_groups import OptimizerGroups
-from ..optim.rebuild import whole_tensor_rule
 from ..optim.whole_tensor_step import WholeTensorStep
 from ..unit import FlatUnit
+from ..whole_tensor_plan import whole_tensor_rule
 from .prefetch_tuning import AutoPrefetch
 from .runtime import StepRuntime
 from .step_in_backward import EarlySteps, StepInBackward

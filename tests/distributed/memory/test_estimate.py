@@ -38,6 +38,7 @@ from zero_core.memory.estimate import (
     shared_config,
     shared_settings,
 )
+from zero_core.sizes import human_bytes
 
 WORLD = 2
 BF16 = MixedPrecision(compute_dtype=torch.bfloat16)
@@ -186,6 +187,10 @@ def test_the_command_reads_a_model_built_on_meta(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert f"{sum(p.numel() for p in TinyTransformer().parameters()):,} parameters" in out  # the tie counted once
     assert "in 4 unit(s)" in out and "nvme" in out
+    assert main([*argv, "--whole-tensor-optimizer", "muon", "--optimizer-bytes", "4"]) == 0
+    planned = estimate(TinyTransformer(), 2, wrap_policy=Block, whole_tensor_optimizer="muon")
+    line = f"sends up to {human_bytes(planned.whole_tensor_sent_bytes)} to the tensors' owners and back"
+    assert planned.whole_tensor_sent_bytes > 0 and line in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -133,6 +133,60 @@ def test_bytes_sent_are_reported_and_the_work_is_shared(stage: int) -> None:
         assert abs(result["work"] - sum(costs) / 2) <= max(costs)
 
 
+def _planned_and_sent(rank: int, world_size: int, name: str) -> dict:
+    """zero-estimate's figures for the whole-tensor step against one real step: the bytes every isend carried
+    (torch's own batch_isend_irecv, wrapped) and the whole tensors an owner really built in a round."""
+    from zero_core.memory.estimate import estimate
+    from zero_core.optim.whole_tensor_step import WholeTensorStep
+
+    sent, built = [], []
+    real_batch, real_gather = dist.batch_isend_irecv, WholeTensorStep._gather
+
+    def counting(ops: list) -> list:
+        sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
+        return real_batch(ops)
+
+    def gathering(self, tensors, optimizer):  # type: ignore[no-untyped-def]
+        mine = real_gather(self, tensors, optimizer)
+        built.append(sum(w.weight.nbytes + w.weight.grad.nbytes + w.kept.nbytes for w in mine))
+        built[-1] += sum(value.nbytes for w in mine for value in w.state.values())
+        return mine
+
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    trainable = [p for p in model.parameters() if p.requires_grad]  # the model's order, as torch's docs list them
+    optimizer = (
+        torch.optim.Muon([p for p in trainable if p.ndim == 2]) if name == "muon" else torch.optim.Adafactor(trainable)
+    )
+    config = config_for(3)
+    engine = ZeroEngine(model, optimizer, config)
+    ids = batch(0, rank)
+    engine.backward(lm_loss(model(ids), ids))
+    dist.batch_isend_irecv, WholeTensorStep._gather = counting, gathering
+    try:
+        engine.step()
+    finally:
+        dist.batch_isend_irecv, WholeTensorStep._gather = real_batch, real_gather
+    planned = estimate(TinyTransformer(), world_size, config, whole_tensor_optimizer=name)
+    return {
+        "sent": sum(sent),
+        "built": max(built),
+        "planned_sent": planned.whole_tensor_sent_bytes,
+        "planned_built": planned.whole_tensor_working_bytes,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+def test_zero_estimate_plans_the_bytes_the_step_sends_and_builds(name: str, world_size: int) -> None:
+    """The estimate runs the step's own plan of owners and rounds over the model's layouts: the most any rank
+    sends equals what the busiest rank's isends carried, and the most an owner builds at once equals the largest
+    round's whole tensors it really made."""
+    per_rank = run_distributed(_planned_and_sent, world_size, name)
+    assert per_rank[0]["planned_sent"] == max(result["sent"] for result in per_rank) > 0
+    assert per_rank[0]["planned_built"] == max(result["built"] for result in per_rank) > 0
+
+
 def _non_matrix_added_later(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = TinyTransformer()
