@@ -43,9 +43,11 @@ def shard_module(
 
 def single_optimizer(optimizers: list[Optimizer]) -> Optimizer | None:
     if len(optimizers) > 1:
+        kinds = ", ".join(type(optimizer).__name__ for optimizer in optimizers)
         raise ValueError(
-            f"ZeRO shards one optimizer per model; got {len(optimizers)}. "
-            "Put the parameters in param groups of a single optimizer instead."
+            f"ZeRO shards one optimizer per model; got {len(optimizers)} ({kinds}). Put the parameters in param "
+            "groups of a single optimizer instead (Muon for the matrices with AdamW for the rest: "
+            "zero_core.MuonWithAuxAdamW, its groups marked use_muon=True or False)."
         )
     return optimizers[0] if optimizers else None
 

@@ -60,3 +60,13 @@ def test_each_group_is_checked_by_its_own_optimizer() -> None:
         MuonWithAuxAdamW([{"params": matrices}])
     with pytest.raises(TypeError):  # an AdamW setting in a Muon group: torch's own refusal
         MuonWithAuxAdamW([{"params": matrices, "use_muon": True, "betas": (0.9, 0.95)}])
+
+
+def test_two_optimizers_are_refused_with_the_one_that_holds_both() -> None:
+    """Lightning's configure_optimizers returning [Muon, AdamW], or two handed to Fabric or Accelerate: ZeRO
+    shards one optimizer, and the refusal names the one that holds both halves."""
+    from zero_core.sharding import single_optimizer
+
+    matrix, vector = torch.nn.Parameter(torch.zeros(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError, match=r"got 2 \(Muon, AdamW\).*zero_core\.MuonWithAuxAdamW"):
+        single_optimizer([torch.optim.Muon([matrix]), torch.optim.AdamW([vector])])
