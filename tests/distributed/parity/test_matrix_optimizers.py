@@ -287,21 +287,23 @@ def test_a_whole_tensor_checkpoint_resumes_at_another_world_size_and_stage(tmp_p
     assert other["losses"] == pytest.approx(saved["losses"], rel=1e-4)
 
 
-def _muon_precisions(rank: int, world_size: int) -> dict[str, list[float]]:
+def _whole_tensor_precisions(rank: int, world_size: int, name: str) -> dict[str, list[float]]:
     losses = {}
     for stage in STAGES:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             model = TinyTransformer()
             config = config_for(stage, precision=MixedPrecision(compute_dtype=dtype))
-            engine = ZeroEngine(model, make_optimizer("muon", model, lr=3e-2), config)
+            engine = ZeroEngine(model, make_optimizer(name, model, lr=3e-2), config)
             losses[f"{stage}-{dtype}"] = train_clipped(model, engine, rank, range(8))
     return losses
 
 
-def test_bf16_compute_with_muon_tracks_fp32_at_every_stage() -> None:
-    """bf16 compute, fp32 master and reduction: Muon steps the fp32 masters, as with fp32 compute."""
-    losses = run_distributed(_muon_precisions, 2)[0]
+@pytest.mark.parametrize("name", ["muon", "adafactor"])
+def test_bf16_compute_with_a_whole_tensor_optimizer_tracks_fp32_at_every_stage(name: str) -> None:
+    """bf16 compute, fp32 master and reduction: Muon and Adafactor step the fp32 masters (and Adafactor's
+    factors are fp32), as with fp32 compute."""
+    losses = run_distributed(_whole_tensor_precisions, 2, name)[0]
     for stage in STAGES:
         fp32, bf16 = losses[f"{stage}-torch.float32"], losses[f"{stage}-torch.bfloat16"]
         assert bf16[-1] < 0.8 * bf16[0], "the run must train"
