@@ -24,35 +24,59 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from tests.lightning_module import TokenDataset  # noqa: E402
 from tests.models import TinyTransformer, lm_loss  # noqa: E402
 from zero_core.deepspeed.one_cycle import OneCycle  # noqa: E402
-from zero_core.deepspeed.schedulers import WarmupCosineLR, WarmupDecayLR  # noqa: E402
+from zero_core.deepspeed.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: E402
 
 MICRO_BATCH, STEPS = 2, 6
 
 
-def _adamw(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+def _adamw(net: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
 
 
-# case -> (stage, optimizer section, scheduler section, the same built by hand: parameters -> (optimizer, schedule))
+def _muon_as_deepspeed_splits_it(net: torch.nn.Module) -> torch.optim.Optimizer:
+    """DeepSpeed's engine's split, by hand: Muon for the trainable tensors of 2+ dimensions whose names hold
+    neither "embed" nor "lm_head", Adam with decoupled decay for the rest, DeepSpeed's defaults beside the
+    config's muon_lr and lr."""
+    from zero_core import MuonWithAuxAdamW
+
+    named = [(name, p) for name, p in net.named_parameters() if p.requires_grad]
+    muon = [p for name, p in named if p.ndim >= 2 and "embed" not in name and "lm_head" not in name]
+    rest = [p for name, p in named if all(p is not q for q in muon)]
+    return MuonWithAuxAdamW([
+        {"params": muon, "use_muon": True, "lr": 2e-2, "momentum": 0.95, "weight_decay": 0.0},
+        {"params": rest, "use_muon": False, "lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-10, "weight_decay": 0.0},
+    ])  # fmt: skip
+
+
+# case -> (stage, optimizer section, scheduler section, the same built by hand: the model -> (optimizer, schedule))
 CASES: dict[str, tuple[int, dict, dict, Callable[[Any], tuple]]] = {
     "fused-adamw-decay": (
         2,
         {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},  # DeepSpeed's FusedAdam
         {"type": "WarmupDecayLR", "params": {"total_num_steps": 6, "warmup_max_lr": 1e-2, "warmup_num_steps": 2}},
-        lambda params: (o := _adamw(params), WarmupDecayLR(o, 6, warmup_max_lr=1e-2, warmup_num_steps=2)),
+        lambda net: (o := _adamw(net), WarmupDecayLR(o, 6, warmup_max_lr=1e-2, warmup_num_steps=2)),
     ),
     "torch-adam-cosine": (
         1,
         {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},  # AdamW, torch's weight decay 0.01
         {"type": "WarmupCosineLR", "params": {"total_num_steps": 6, "warmup_num_steps": 2, "warmup_type": "linear"}},
-        lambda params: (o := _adamw(params), WarmupCosineLR(o, 6, warmup_num_steps=2, warmup_type="linear")),
+        lambda net: (o := _adamw(net), WarmupCosineLR(o, 6, warmup_num_steps=2, warmup_type="linear")),
     ),
     "onecycle-stage3": (
         3,
         {"type": "Adam", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 2,
                                         "decay_step_size": 1, "decay_lr_rate": 0.5}},
-        lambda params: (o := _adamw(params), OneCycle(o, 1e-3, 1e-2, 0.5, cycle_first_step_size=2, decay_step_size=1)),
+        lambda net: (o := _adamw(net), OneCycle(o, 1e-3, 1e-2, 0.5, cycle_first_step_size=2, decay_step_size=1)),
+    ),
+    # DeepSpeed's Muon (ZeRO 2): the standard Newton-Schulz, as torch's; unclipped (DeepSpeed would clip the
+    # orthogonalised update, which a number here is refused for).
+    "muon-stage2": (
+        2,
+        {"type": "Muon", "params": {"lr": 3e-3, "muon_lr": 2e-2, "ns_method": "standard"}},
+        {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 2e-2, "warmup_type": "linear"}},
+        lambda net: (o := _muon_as_deepspeed_splits_it(net), WarmupLR(o, warmup_max_lr=2e-2, warmup_num_steps=2,
+                                                                     warmup_type="linear")),
     ),
 }  # fmt: skip
 
@@ -62,7 +86,7 @@ def config(case: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 0.5,
+        "gradient_clipping": 0.0 if case.startswith("muon") else 0.5,
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         "optimizer": optimizer,
         "scheduler": scheduler,
@@ -118,7 +142,7 @@ def ours(config_file: Path, by_hand: Callable[[Any], tuple] | None) -> tuple[lis
         def configure_optimizers(self) -> Any:
             if by_hand is None:
                 return None  # the config's, as under Lightning's DeepSpeed strategy
-            optimizer, scheduler = by_hand([p for p in self.net.parameters() if p.requires_grad])
+            optimizer, scheduler = by_hand(self.net)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
         def train_dataloader(self) -> DataLoader:

@@ -15,6 +15,7 @@ from typing import Any
 from .common import DeepSpeedSettings, _refusal
 from .key_table import top_level_keys
 from .optimizer_sections import read_optimizer_section
+from .optimizers import MUON_TYPE
 from .precision_sections import _precision_section
 from .top_level import read_top_level
 from .zero_section import _zero_section
@@ -47,6 +48,21 @@ def read_deepspeed_config(source: Source) -> dict[str, Any]:
     return config
 
 
+def _muon_clipping(result: DeepSpeedSettings) -> list[str]:
+    """DeepSpeed's ZeRO puts Muon's orthogonalised update in place of the gradient before it clips, so its
+    gradient_clipping clips the update; here (as in torch and every framework) clipping scales the gradient
+    before Muon's step. Measured apart, they train differently: refused rather than run another way."""
+    section, clip = result.optimizer, result.loop.get("gradient_clipping", 0.0)
+    if not isinstance(section, Mapping) or str(section.get("type", "")).lower() != MUON_TYPE or not clip:
+        return []
+    return [
+        f'gradient_clipping={clip!r} with "type": "Muon" (DeepSpeed clips Muon\'s orthogonalised update, which '
+        "has replaced the gradient by then; here clipping scales the gradient before Muon's step, as torch and "
+        "the frameworks clip it: set it to 0, and clip the gradients with the framework if you want them "
+        "clipped: Trainer gradient_clip_val, TrainingArguments max_grad_norm, accelerator.clip_grad_norm_)"
+    ]
+
+
 def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettings:
     """The settings a DeepSpeed config means, or one ValueError listing every key that cannot be honoured.
     ``stage_given``: the caller has the stage from elsewhere (a keyword or a flag), so a config without one
@@ -63,6 +79,7 @@ def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettin
             _precision_section(key, value, result, refused)
         elif not read_top_level(key, value, result, refused):
             refused.append(_refusal(key, value, top_level_keys()))
+    refused += _muon_clipping(result)
     zero_section = config.get("zero_optimization")
     if not stage_given and (not isinstance(zero_section, Mapping) or "stage" not in zero_section):
         # DeepSpeed's default is stage 0 (no ZeRO at all): running any stage of ours would differ silently.

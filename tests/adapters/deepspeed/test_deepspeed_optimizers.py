@@ -132,6 +132,18 @@ def test_an_optimizer_without_a_torch_equal_or_with_bad_params_is_refused(sectio
     assert expected in _refused({"optimizer": section})
 
 
+def test_a_muon_section_with_gradient_clipping_is_refused_with_what_differs() -> None:
+    """DeepSpeed clips Muon's orthogonalised update (it has replaced the gradient by the time ZeRO clips); here
+    clipping scales the gradient before the step. A number is refused; 0 or "auto" (the framework's clipping,
+    of gradients) is not."""
+    message = _refused({"optimizer": {"type": "muon"}, "gradient_clipping": 1.0})
+    assert 'gradient_clipping=1.0 with "type": "Muon" (DeepSpeed clips Muon\'s orthogonalised update' in message
+    assert "Trainer gradient_clip_val" in message
+    for clip in (0, "auto"):
+        from_deepspeed({**STAGE, "optimizer": {"type": "Muon"}, "gradient_clipping": clip})
+    from_deepspeed({**STAGE, "optimizer": {"type": "AdamW"}, "gradient_clipping": 1.0})
+
+
 def test_a_muon_section_splits_the_parameters_as_deepspeed_does() -> None:
     """DeepSpeed's engine: Muon for the trainable tensors of 2+ dimensions whose names hold neither "embed" nor
     "lm_head", Adam (decoupled decay) for the rest; muon_lr and adam_lr over lr; DeepSpeed's defaults."""
@@ -235,19 +247,22 @@ def deepspeed_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-@pytest.mark.parametrize("case", ["fused-adamw-decay", "torch-adam-cosine", "onecycle-stage3"])
+@pytest.mark.parametrize("case", ["fused-adamw-decay", "torch-adam-cosine", "onecycle-stage3", "muon-stage2"])
 def test_the_config_trains_as_deepspeed_and_as_the_same_optimizer_built_by_hand(
     deepspeed_runs: Path, case: str
 ) -> None:
     """The rate of every step is DeepSpeed's exactly; the losses are DeepSpeed's (torch's Adam beside its FusedAdam:
     the same formula, float rounding apart); and bit for bit those of configure_optimizers returning the same
-    optimizer and schedule built by hand."""
+    optimizer and schedule built by hand. Muon: DeepSpeed's own Newton-Schulz (its epsilon added to the norm where
+    torch's clamps it) in bf16 is a rounding from torch's, which grew to 2.2e-4 of the loss in six steps here:
+    the tolerance is ten times that. (With gradient_clipping, which DeepSpeed applies to Muon's orthogonalised
+    update, its loss was 6% off ours at the second step: refused, see the refusal test above.)"""
     report = json.loads((deepspeed_runs / f"{case}.json").read_text())
     assert report["deepspeed_lrs"] == report["config_lrs"] == report["hand_lrs"]
-    assert len(set(report["deepspeed_lrs"])) > 3  # the schedule moved
+    assert len(set(report["deepspeed_lrs"])) > (1 if case.startswith("muon") else 3)  # the schedule moved
     assert report["config_losses"] == report["hand_losses"]
     theirs, ours = torch.tensor(report["deepspeed_losses"]), torch.tensor(report["config_losses"])
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=0)
+    torch.testing.assert_close(ours, theirs, rtol=2e-3 if case.startswith("muon") else 1e-5, atol=0)
 
 
 # Accelerate's usual DeepSpeed config ("auto" everywhere Accelerate fills it), as its docs' stage-2 example has it.
