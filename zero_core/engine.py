@@ -437,7 +437,13 @@ class ZeroEngine:
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:
         """Bytes of parameters, gradients and optimizer state held by this rank now."""
-        return measure_model_state(self.model, self._units, self.optimizer, self._optimizer.bytes_on_disk())
+        return measure_model_state(
+            self.model,
+            self._units,
+            self.optimizer,
+            self._optimizer.bytes_on_disk(),
+            exchanged=self._optimizer_step.whole_tensors.in_flight,
+        )
 
     def remove_hooks(self) -> None:
         for handle in self._parts.hooks + self._runtime.late_handles:

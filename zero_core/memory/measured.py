@@ -60,10 +60,15 @@ def _bytes_in_memory(tensor: torch.Tensor) -> int:
 
 
 def measure_model_state(
-    model: nn.Module, units: Sequence[FlatUnit], optimizer: torch.optim.Optimizer | None, nvme_bytes: int = 0
+    model: nn.Module,
+    units: Sequence[FlatUnit],
+    optimizer: torch.optim.Optimizer | None,
+    nvme_bytes: int = 0,
+    exchanged: Sequence[torch.Tensor] = (),
 ) -> MemoryReport:
     """What this rank holds now, each storage counted once: every tensor the units, the model's
-    ``.grad`` and the optimizer's state really keep alive, not what the formulas expect."""
+    ``.grad`` and the optimizer's state really keep alive, not what the formulas expect. ``exchanged``: the
+    whole tensors a whole-tensor optimizer's owner holds during its step's round (communication bytes)."""
     counter = StorageCounter()
     params = counter.count(
         [u.storage.gathered_params for u in units]
@@ -100,5 +105,5 @@ def measure_model_state(
         [u.host_grads for u in offloaded] + state_of(m.param for u in offloaded for m in u.master_pieces)
     )
     nvme_bytes += sum(u.storage.bytes_on_disk for u in units)  # offload_params="nvme"
-    in_flight = counter.count(buffer for u in units for buffer in u.wire_buffers)
+    in_flight = counter.count([buffer for u in units for buffer in u.wire_buffers] + list(exchanged))
     return MemoryReport(params, grads, optimizer_bytes, nvme_bytes, host_bytes=on_host, communication_bytes=in_flight)

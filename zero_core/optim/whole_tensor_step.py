@@ -96,6 +96,9 @@ class WholeTensorStep:
         self.comm = comm
         self._slots: dict[str, tuple[FlatUnit, ParamSlot, tuple[tuple[int, ShardPiece], ...]]] = {}
         self._device: dict[str, torch.device] = {}  # where each parameter's master rests
+        # The round's whole tensors this rank owns, alive from its gather to its scatter (memory_report() counts
+        # them as communication bytes); empty between rounds and outside the step.
+        self.in_flight: list[torch.Tensor] = []
         self._master: dict[str, MasterPiece] = {}
         for unit in units:
             pieces: dict[int, list[tuple[int, ShardPiece]]] = defaultdict(list)
@@ -125,11 +128,14 @@ class WholeTensorStep:
             for this_round in plan.rounds:
                 tensors = {owner: [stepped[i] for i in indices] for owner, indices in this_round.items()}
                 mine = self._gather(tensors, optimizer)
+                self.in_flight = [t for w in mine for t in (w.weight, w.weight.grad, w.kept, *w.state.values())]
                 if mine and failure is None:
                     failure = self._step_whole(optimizer, mine)
                 self._scatter(tensors, optimizer, mine)
+                self.in_flight = []
             self._raise_alike(failure, type(optimizer).__name__)
         finally:
+            self.in_flight = []
             for held in stepped:
                 master = self._master.get(held.name)
                 if master is not None:

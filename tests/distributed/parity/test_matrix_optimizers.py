@@ -139,8 +139,8 @@ def _planned_and_sent(rank: int, world_size: int, name: str) -> dict:
     from zero_core.memory.estimate import estimate
     from zero_core.optim.whole_tensor_step import WholeTensorStep
 
-    sent, built = [], []
-    real_batch, real_gather = dist.batch_isend_irecv, WholeTensorStep._gather
+    sent, built, reported = [], [], []
+    real_batch, real_gather, real_step = dist.batch_isend_irecv, WholeTensorStep._gather, WholeTensorStep._step_whole
 
     def counting(ops: list) -> list:
         sent.extend(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend)
@@ -152,6 +152,10 @@ def _planned_and_sent(rank: int, world_size: int, name: str) -> dict:
         built[-1] += sum(value.nbytes for w in mine for value in w.state.values())
         return mine
 
+    def stepping(self, optimizer, mine):  # type: ignore[no-untyped-def]
+        reported.append(engine.memory_report().communication_bytes)  # a report taken inside the round
+        return real_step(self, optimizer, mine)
+
     torch.manual_seed(0)
     model = TinyTransformer()
     trainable = [p for p in model.parameters() if p.requires_grad]  # the model's order, as torch's docs list them
@@ -162,15 +166,21 @@ def _planned_and_sent(rank: int, world_size: int, name: str) -> dict:
     engine = ZeroEngine(model, optimizer, config)
     ids = batch(0, rank)
     engine.backward(lm_loss(model(ids), ids))
-    dist.batch_isend_irecv, WholeTensorStep._gather = counting, gathering
+    dist.batch_isend_irecv, WholeTensorStep._gather, WholeTensorStep._step_whole = counting, gathering, stepping
     try:
         engine.step()
     finally:
-        dist.batch_isend_irecv, WholeTensorStep._gather = real_batch, real_gather
+        dist.batch_isend_irecv, WholeTensorStep._gather, WholeTensorStep._step_whole = (
+            real_batch,
+            real_gather,
+            real_step,
+        )
     planned = estimate(TinyTransformer(), world_size, config, whole_tensor_optimizer=name)
     return {
         "sent": sum(sent),
         "built": max(built),
+        "reported": max(reported, default=0),
+        "after": engine.memory_report().communication_bytes,
         "planned_sent": planned.whole_tensor_sent_bytes,
         "planned_built": planned.whole_tensor_working_bytes,
     }
@@ -181,10 +191,13 @@ def _planned_and_sent(rank: int, world_size: int, name: str) -> dict:
 def test_zero_estimate_plans_the_bytes_the_step_sends_and_builds(name: str, world_size: int) -> None:
     """The estimate runs the step's own plan of owners and rounds over the model's layouts: the most any rank
     sends equals what the busiest rank's isends carried, and the most an owner builds at once equals the largest
-    round's whole tensors it really made."""
+    round's whole tensors it really made; memory_report() taken inside a round counts them (communication
+    bytes), and nothing once the step is over."""
     per_rank = run_distributed(_planned_and_sent, world_size, name)
     assert per_rank[0]["planned_sent"] == max(result["sent"] for result in per_rank) > 0
     assert per_rank[0]["planned_built"] == max(result["built"] for result in per_rank) > 0
+    for result in per_rank:
+        assert result["reported"] == result["built"] and result["after"] == 0
 
 
 def _non_matrix_added_later(rank: int, world_size: int) -> str:
