@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from zero_core import MixedPrecision, Setting, ZeroConfig, user_settings
-from zero_core.deepspeed import DeepSpeedSettings, from_deepspeed
+from zero_core.deepspeed import DeepSpeedSettings, from_deepspeed, muon_clipping_problem
 from zero_core.settings import parse_bool
 
 USE_ZERO_ENV = "ACCELERATE_USE_ZERO"
@@ -76,6 +76,7 @@ class _PluginBehaviour:
             )
             if clipping is not None:  # the launcher's, which the file's agrees with or leaves out
                 sections.loop["gradient_clipping"] = float(clipping)
+            _check_muon_clipping(sections)
             object.__setattr__(self, "deepspeed_loop", sections)  # read by ZeroAccelerator
             object.__setattr__(self, "deepspeed_source", launched_with)  # ZeroTrainer reads it as transformers would
         elif clipping is not None:  # Accelerate's DeepSpeed gradient_clipping without a JSON config
@@ -101,6 +102,7 @@ class _PluginBehaviour:
         translated.loop.update(engine_clipping(translated) if engine_clips else {})
         if not engine_clips:
             translated.loop.pop("gradient_clipping", None)
+        _check_muon_clipping(translated)
         plugin = cls(**translated.settings)
         object.__setattr__(plugin, "deepspeed_loop", translated)  # read by ZeroAccelerator
         object.__setattr__(plugin, "deepspeed_source", config)  # ZeroTrainer reads it as transformers would
@@ -126,6 +128,17 @@ def engine_clipping(translated: DeepSpeedSettings) -> dict[str, float]:
     """The norm DeepSpeed's engine clips at under Accelerate: the config's number, else (absent, or "auto" as
     Accelerate fills it) DeepSpeed's default; 0 clips nothing."""
     return {"gradient_clipping": translated.loop.get("gradient_clipping", DEEPSPEED_DEFAULT_CLIPPING)}
+
+
+def _check_muon_clipping(translated: DeepSpeedSettings) -> None:
+    """The clipping DeepSpeed's engine would apply under Accelerate (its default 1.0 where the config sets none),
+    which it applies to a Muon update: refused as the config reader refuses a number."""
+    problem = muon_clipping_problem(translated.optimizer, translated.loop.get("gradient_clipping"))
+    if problem:
+        raise ValueError(
+            f"{translated.source}: under Accelerate DeepSpeed's engine clips at the config's gradient_clipping, "
+            f'{DEEPSPEED_DEFAULT_CLIPPING} where it sets none or "auto": {problem}.'
+        )
 
 
 def env_variable(setting: Setting) -> str:

@@ -96,6 +96,10 @@ class ZeroTrainer(Trainer):
         # it already, and its stage may come from a flag.
         file_reading = deepspeed_reader.from_deepspeed(config.source, stage_given=config.launched)
         resolved = resolve_for_trainer(config.source, given["args"], given.get("model"), where)
+        # Trainer clips at max_grad_norm where the config sets no number; DeepSpeed would clip a Muon update.
+        clip = resolved.get("gradient_clipping", given["args"].max_grad_norm)
+        if problem := deepspeed_reader.muon_clipping_problem(resolved.get("optimizer"), clip):
+            raise ValueError(f"{where} with TrainingArguments(max_grad_norm={given['args'].max_grad_norm}): {problem}.")
         # The loop keys are the Trainer's, which they now equal (checked above, as transformers checks them):
         # Trainer clips at max_grad_norm and accumulates gradient_accumulation_steps itself (its Accelerator
         # accumulates none), so the plugin is not told them.

@@ -36,6 +36,7 @@ from zero_core.deepspeed import (
     build_optimizer,
     build_scheduler,
     from_deepspeed,
+    muon_clipping_problem,
 )
 
 Config = Mapping[str, Any] | str | os.PathLike | None
@@ -98,6 +99,9 @@ def apply_to_trainer(translated: DeepSpeedSettings | None, trainer: Any, ranks: 
                 f"{source} clips at {clip}, Trainer(gradient_clip_val={trainer.gradient_clip_val}): give it once."
             )
         trainer.gradient_clip_val = float(clip)  # by norm, as DeepSpeed clips
+    # Lightning's DeepSpeed strategy hands gradient_clip_val to DeepSpeed, which clips a Muon update with it.
+    if translated is not None and (problem := muon_clipping_problem(translated.optimizer, trainer.gradient_clip_val)):
+        raise ValueError(f"{source} with Trainer(gradient_clip_val={trainer.gradient_clip_val}): {problem}.")
     steps = loop.get("gradient_accumulation_steps")
     if steps is not None:
         if trainer.accumulate_grad_batches not in (1, steps):

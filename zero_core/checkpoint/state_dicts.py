@@ -216,6 +216,9 @@ def optimizer_load_targets(
         for master in unit.master_pieces:
             slot = master.piece.slot
             for key in saved_numbers.get(slot.fqns[0], []):  # filled by DCP, checked by with_loaded_numbers
+                counted = kept_state_entry(optimizer, tuple(slot.shape), key)
+                if counted is None or counted.kind is not StateKind.COUNT:
+                    continue  # other pickled state is not read at all, as before numbers were
                 targets.setdefault(slot.fqns[0], {})[key] = None
                 installs.append((master, key, LoadedNumber(slot.fqns[0], key)))
             for key, entry in saved_state.get(slot.fqns[0], []):

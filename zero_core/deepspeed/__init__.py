@@ -5,7 +5,7 @@ from .batch_size import GlobalBatch
 from .common import AUTO, DeepSpeedSettings
 from .optimizer_sections import auto_keys, build_scheduler
 from .optimizers import build_optimizer, built_from_config
-from .reading import from_deepspeed, read_deepspeed_config
+from .reading import from_deepspeed, muon_clipping_problem, read_deepspeed_config
 
 __all__ = [
     "AUTO",
@@ -16,5 +16,6 @@ __all__ = [
     "build_scheduler",
     "built_from_config",
     "from_deepspeed",
+    "muon_clipping_problem",
     "read_deepspeed_config",
 ]

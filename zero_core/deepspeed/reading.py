@@ -48,19 +48,26 @@ def read_deepspeed_config(source: Source) -> dict[str, Any]:
     return config
 
 
-def _muon_clipping(result: DeepSpeedSettings) -> list[str]:
-    """DeepSpeed's ZeRO puts Muon's orthogonalised update in place of the gradient before it clips, so its
-    gradient_clipping clips the update; here (as in torch and every framework) clipping scales the gradient
-    before Muon's step. Measured apart, they train differently: refused rather than run another way."""
-    section, clip = result.optimizer, result.loop.get("gradient_clipping", 0.0)
-    if not isinstance(section, Mapping) or str(section.get("type", "")).lower() != MUON_TYPE or not clip:
-        return []
-    return [
+def muon_clipping_problem(optimizer_section: Any, clip: Any) -> str | None:
+    """Why a DeepSpeed config's optimizer section cannot train clipped at ``clip`` (the norm the config, or the
+    framework filling it, resolves to; None: it can). DeepSpeed's ZeRO puts Muon's orthogonalised update in place
+    of the gradient before it clips, so its clipping clips the update; here (as in torch and every framework)
+    clipping scales the gradient before Muon's step. Measured apart, they train differently: refused rather than
+    run another way. Each adapter asks again once its framework has filled the clipping in."""
+    is_muon = isinstance(optimizer_section, Mapping) and str(optimizer_section.get("type", "")).lower() == MUON_TYPE
+    if not is_muon or not clip:
+        return None
+    return (
         f'gradient_clipping={clip!r} with "type": "Muon" (DeepSpeed clips Muon\'s orthogonalised update, which '
         "has replaced the gradient by then; here clipping scales the gradient before Muon's step, as torch and "
         "the frameworks clip it: set it to 0, and clip the gradients with the framework if you want them "
         "clipped: Trainer gradient_clip_val, TrainingArguments max_grad_norm, accelerator.clip_grad_norm_)"
-    ]
+    )
+
+
+def _muon_clipping(result: DeepSpeedSettings) -> list[str]:
+    problem = muon_clipping_problem(result.optimizer, result.loop.get("gradient_clipping"))
+    return [problem] if problem else []
 
 
 def from_deepspeed(source: Source, stage_given: bool = False) -> DeepSpeedSettings:

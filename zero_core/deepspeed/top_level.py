@@ -40,8 +40,9 @@ _LOOP = (
         RESOLVED,
         "the framework's clipping by norm (Trainer gradient_clip_val, TrainingArguments max_grad_norm): a number "
         "becomes it or must agree with it; absent, the framework's, as Lightning's DeepSpeed strategy fills it in "
-        '(DeepSpeed 0.19\'s engine alone clips at 1.0); with a "Muon" optimizer a number is refused: DeepSpeed '
-        "clips Muon's orthogonalised update, the frameworks clip the gradient",
+        '(DeepSpeed 0.19\'s engine alone clips at 1.0); with a "Muon" optimizer a number is refused, and so is '
+        "the clipping a framework would fill in: DeepSpeed clips Muon's orthogonalised update, the frameworks clip "
+        "the gradient",
     ),
     (
         "train_batch_size",

@@ -144,6 +144,26 @@ def test_a_muon_section_with_gradient_clipping_is_refused_with_what_differs() ->
     from_deepspeed({**STAGE, "optimizer": {"type": "AdamW"}, "gradient_clipping": 1.0})
 
 
+def test_a_muon_section_is_refused_where_the_framework_would_clip_it() -> None:
+    """Where the framework fills the clipping in after the config is read: under Accelerate DeepSpeed's engine
+    clips at 1.0 when the config sets none; Lightning's DeepSpeed strategy hands gradient_clip_val to DeepSpeed.
+    Either would clip Muon's update: refused, with the same reason; at 0 both train."""
+    from types import SimpleNamespace
+
+    from accelerate_zero import ZeroPlugin
+    from lightning_zero.deepspeed_config import apply_to_trainer
+
+    muon = {**STAGE, "optimizer": {"type": "Muon", "params": {}}}
+    with pytest.raises(ValueError, match=r"1\.0 where it sets none.*DeepSpeed clips Muon's orthogonalised update"):
+        ZeroPlugin.from_deepspeed(muon)
+    assert ZeroPlugin.from_deepspeed({**muon, "gradient_clipping": 0}).deepspeed_loop.loop["gradient_clipping"] == 0
+    trainer = SimpleNamespace(gradient_clip_val=0.5, gradient_clip_algorithm="norm", accumulate_grad_batches=1)
+    with pytest.raises(ValueError, match=r"Trainer\(gradient_clip_val=0\.5\): gradient_clipping=0\.5 with"):
+        apply_to_trainer(from_deepspeed(muon), trainer, 2)
+    trainer.gradient_clip_val = None
+    apply_to_trainer(from_deepspeed(muon), trainer, 2)
+
+
 def test_a_muon_section_splits_the_parameters_as_deepspeed_does() -> None:
     """DeepSpeed's engine: Muon for the trainable tensors of 2+ dimensions whose names hold neither "embed" nor
     "lm_head", Adam (decoupled decay) for the rest; muon_lr and adam_lr over lr; DeepSpeed's defaults."""
