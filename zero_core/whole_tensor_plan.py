@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from .muon_with_adamw import MuonWithAuxAdamW
-from .unit.layout import ParamSlot, ShardPiece
+from .unit.layout import FlatLayout, ParamSlot, ShardPiece
 
 
 class StateKind(Enum):
@@ -183,6 +183,16 @@ class PlannedTensor(NamedTuple):
     def kept_source(self, owner: int) -> int:
         """Who gives the owner the whole state: the owner itself if it holds a piece, else the first holder."""
         return owner if self.holds(owner) else self.pieces[0][0]
+
+
+def pieces_by_slot(layout: FlatLayout) -> list[tuple[tuple[int, ShardPiece], ...]]:
+    """Each slot of a unit's layout (by index): every rank's piece of it, in rank order, as the holders of a
+    tensor stepped whole."""
+    pieces: list[list[tuple[int, ShardPiece]]] = [[] for _ in layout.slots]
+    for rank in range(layout.world_size):
+        for piece in layout.pieces(rank):
+            pieces[piece.slot.index].append((rank, piece))
+    return [tuple(held) for held in pieces]
 
 
 def balanced_owners(costs: list[int], ranks: int) -> list[list[int]]:

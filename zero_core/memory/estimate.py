@@ -31,7 +31,7 @@ from ..precision import MixedPrecision
 from ..settings import Setting
 from ..unit.layout import FlatLayout
 from ..unit.unit_selection import plan_units
-from ..whole_tensor_plan import STEPPED_WHOLE, PlannedTensor, StepRounds
+from ..whole_tensor_plan import STEPPED_WHOLE, PlannedTensor, StepRounds, pieces_by_slot
 from .memory_reports import MemoryReport
 from .predicted import UnitElements, ddp_bytes, model_state_bytes
 
@@ -305,10 +305,9 @@ def whole_tensor_step_bytes(model: nn.Module, settings: EstimateSettings, name: 
     for plan in plan_units(model, config.wrap_policy, config.bucket_numel):
         params = [(fqns, p.shape, p.requires_grad) for p, fqns in zip(plan.params, plan.param_fqns)]
         layout = FlatLayout.build(params, ranks)
-        pieces = [(rank, piece) for rank in range(ranks) for piece in layout.pieces(rank)]
+        pieces = pieces_by_slot(layout)
         for param, slot in zip(plan.params, layout.slots):
-            held = tuple((rank, piece) for rank, piece in pieces if piece.slot.index == slot.index)
-            planned[id(param)] = PlannedTensor(slot, held, 0, rule.state_of(tuple(slot.shape), {}))
+            planned[id(param)] = PlannedTensor(slot, pieces[slot.index], 0, rule.state_of(tuple(slot.shape), {}))
     stepped = [planned[id(p)] for p in model.parameters() if p.requires_grad and takes(p) and planned[id(p)].slot.numel]
     step = StepRounds.plan(stepped, rule, ranks)
     return max(step.sent_bytes(r) for r in range(ranks)), max(step.working_bytes(r) for r in range(ranks))

@@ -39,7 +39,15 @@ from .. import collectives
 from ..collectives import CommContext, all_gather_objects
 from ..unit import FlatUnit, MasterPiece
 from ..unit.layout import ParamSlot, ShardPiece
-from ..whole_tensor_plan import PlannedTensor, StateEntry, StateKind, StepRounds, WholeTensorRule, whole_tensor_rule
+from ..whole_tensor_plan import (
+    PlannedTensor,
+    StateEntry,
+    StateKind,
+    StepRounds,
+    WholeTensorRule,
+    pieces_by_slot,
+    whole_tensor_rule,
+)
 from .host_step import raw_step_of
 from .param_groups import OptimizerGroups
 
@@ -101,12 +109,9 @@ class WholeTensorStep:
         self.in_flight: list[torch.Tensor] = []
         self._master: dict[str, MasterPiece] = {}
         for unit in units:
-            pieces: dict[int, list[tuple[int, ShardPiece]]] = defaultdict(list)
-            for rank in range(comm.shard_size):
-                for piece in unit.layout.pieces(rank):
-                    pieces[piece.slot.index].append((rank, piece))
+            pieces = pieces_by_slot(unit.layout)
             for slot in unit.layout.slots:
-                self._slots[slot.fqns[0]] = (unit, slot, tuple(pieces[slot.index]))
+                self._slots[slot.fqns[0]] = (unit, slot, pieces[slot.index])
                 self._device[slot.fqns[0]] = unit.storage.resting_master.device
             for master in unit.master_pieces:
                 self._master[master.piece.slot.fqns[0]] = master
