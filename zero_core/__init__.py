@@ -14,6 +14,7 @@ from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDiver
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .memory.estimate import ZeroEstimate, estimate
+from .memory.fit import FitResult, MemoryBudget, fit
 from .memory.memory_reports import MemoryReport, UnitReport
 from .memory.predicted import expected_model_state_bytes
 from .mesh import tensor_parallel_mesh
@@ -32,7 +33,9 @@ __all__ = [
     "CollectiveFailed",
     "CollectiveKind",
     "CommStats",
+    "FitResult",
     "LateGradientError",
+    "MemoryBudget",
     "MemoryReport",
     "MixedPrecision",
     "ModelChangedError",
@@ -52,6 +55,7 @@ __all__ = [
     "engine_owning",
     "estimate",
     "expected_model_state_bytes",
+    "fit",
     "meeting",
     "setup_summary",
     "tensor_parallel_mesh",

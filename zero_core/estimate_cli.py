@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,31 +31,26 @@ from .memory.estimate import (
     shared_settings,
 )
 from .settings import Setting
-from .sizes import human_bytes
+from .sizes import BYTE_UNITS, human_bytes, parse_quantity
 
 PRECISIONS = {
     "fp32": MixedPrecision(),
     "bf16": MixedPrecision(compute_dtype=torch.bfloat16),
     "fp16": MixedPrecision(compute_dtype=torch.float16),
 }
-_BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_BYTE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 
 
 def _quantity(text: str, units: dict[str, int], example: str) -> int:
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
-    if match is None or match.group(2) not in units:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use a number with an optional unit, e.g. {example}")
-    value = round(float(match.group(1)) * units[match.group(2)])
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not positive: use e.g. {example}")
-    return value
+    try:
+        return parse_quantity(text, units, example)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def parse_bytes(text: str) -> int:
     """``80GiB``, ``80GB``, ``8.5e10`` (bytes)."""
-    return _quantity(text, _BYTE_UNITS, "80GiB, 40GB or 8e10")
+    return _quantity(text, BYTE_UNITS, "80GiB, 40GB or 8e10")
 
 
 def parse_count(text: str) -> int:

@@ -1,0 +1,453 @@
+"""Settings chosen for a memory budget: the stage, offload, activation checkpointing and micro-batch that are
+fastest among those whose predicted peak fits, with the prediction per tier and the runner-up.
+
+The prediction, per rank and tier (docs/memory-budget.md gives each term):
+
+    device = model states on the device (estimate.py, the engine's own units and padding)
+           + stage 3: the root unit and 1 + prefetch of the largest other unit gathered, in the compute dtype
+           + stages 2 and 3: two of the largest unit's full gradients (one reducing, one filling), reduce dtype
+           + activations at the micro-batch, with or without checkpointing (activations.py, measured)
+           + what each process holds besides training (``overhead_bytes``)
+    host   = the offloaded units' master, optimizer state and gradient copies, and parameter shards
+    disk   = the optimizer state and parameter shards in files (offload "nvme")
+
+On a CPU device host and device are one memory: their sum is held to the device budget.
+
+The cost order, cheapest first: where the state lives (in memory < the optimizer's state on the host,
+a smaller share first < also the parameters on the host < the optimizer's state on disk < also the
+parameters on disk), then no checkpointing < checkpointing, then a larger micro-batch < a smaller one,
+then stage 1 < 2 < 3, then prefetch 1 < 0. The choice is the first candidate in that order whose every
+tier is within ``budget x (1 - margin)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ZeroConfig
+from ..precision import MixedPrecision
+from ..sizes import human_bytes, parse_bytes
+from ..wrap_policy import WrapPolicyLike, as_wrap_policy
+from .activations import LossFn, measure_activations
+from .estimate import EstimateSettings, UnitCount, count_units, estimate_units
+
+# What one rank's process holds besides training: the interpreter, torch's libraries and the communication
+# threads (about 0.3 GiB measured on a CPU after `import torch, zero_core`); on a GPU, its context.
+PROCESS_BYTES = 512 * 2**20
+DEFAULT_MARGIN = 0.1
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+BUDGET_PARTS = ("device", "host", "disk")
+
+
+class StatePlacement(enum.IntEnum):
+    """Where the model state lives, in the cost order's first key (read by the search and the description)."""
+
+    IN_MEMORY = 0
+    HOST = 1  # offload_optimizer="cpu"
+    HOST_WITH_PARAMETERS = 2  # and offload_params="cpu" (stage 3)
+    DISK = 3  # offload_optimizer="nvme"
+    DISK_WITH_PARAMETERS = 4  # and offload_params="nvme" (stage 3)
+
+    @property
+    def offload_optimizer(self) -> str:
+        return {0: "none", 1: "cpu", 2: "cpu", 3: "nvme", 4: "nvme"}[self.value]
+
+    @property
+    def offload_params(self) -> str:
+        return {2: "cpu", 4: "nvme"}.get(self.value, "none")
+
+    @property
+    def on_disk(self) -> bool:
+        return self >= StatePlacement.DISK
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes per rank for each tier; None: not limited."""
+
+    device: int | None = None
+    host: int | None = None
+    disk: int | None = None
+
+    @classmethod
+    def of(cls, value: MemoryBudget | str | int | Mapping[str, Any]) -> MemoryBudget:
+        """``"20GiB"`` (the device), ``"device=20GiB,host=200GiB,disk=2TB"``, ``{"device": "20GiB"}``, or bytes."""
+        if isinstance(value, MemoryBudget):
+            return value
+        if isinstance(value, Mapping):
+            parts = dict(value)
+        elif isinstance(value, str) and "=" in value:
+            parts = dict(part.split("=", 1) for part in re.split(r"[,\s]+", value.strip()) if part)
+        else:
+            parts = {"device": value}
+        unknown = sorted(set(map(str, parts)) - set(BUDGET_PARTS))
+        if unknown:
+            raise ValueError(
+                f"memory_budget={value!r}: unknown part {unknown}; use device=, host= and disk=, e.g. "
+                '"device=20GiB,host=200GiB".'
+            )
+        return cls(**{name: _budget_bytes(name, amount, value) for name, amount in parts.items()})
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {human_bytes(getattr(self, name))}" for name in BUDGET_PARTS if getattr(self, name))
+
+
+def _budget_bytes(part: str, amount: Any, whole: Any) -> int:
+    try:
+        nbytes = parse_bytes(amount) if isinstance(amount, str) else amount
+    except ValueError as error:
+        raise ValueError(f"memory_budget={whole!r}: the {part} part {error}") from None
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
+        raise ValueError(
+            f"memory_budget={whole!r}: the {part} part {amount!r} is invalid: use bytes per rank, a positive "
+            'integer or a size such as "20GiB" or "40GB".'
+        )
+    return nbytes
+
+
+@dataclass(frozen=True)
+class PredictedPeak:
+    """The most bytes each tier holds at once on a rank."""
+
+    device: int
+    host: int
+    disk: int
+
+    def over(self, budget: MemoryBudget, margin: float) -> list[str]:
+        """The tiers over ``budget x (1 - margin)``, each with its numbers."""
+        lines = []
+        for name in BUDGET_PARTS:
+            limit = getattr(budget, name)
+            if limit is not None and getattr(self, name) > limit * (1 - margin):
+                usable = human_bytes(limit * (1 - margin))
+                lines.append(f"{name} {human_bytes(getattr(self, name))} > {usable}")
+        return lines
+
+
+@dataclass(frozen=True)
+class FitCandidate:
+    config: ZeroConfig
+    placement: StatePlacement
+    activation_checkpointing: bool
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    predicted: PredictedPeak
+
+    @property
+    def cost(self) -> tuple:
+        fraction = self.config.offload_fraction if self.placement else 0.0
+        prefetch = self.config.prefetch if self.config.stage == 3 else 1
+        return (
+            self.placement,
+            fraction,
+            self.activation_checkpointing,
+            -self.micro_batch_size,
+            self.config.stage,
+            -prefetch,
+        )
+
+    def describe(self) -> str:
+        config, placement = self.config, self.placement
+        where = {
+            StatePlacement.IN_MEMORY: "in memory",
+            StatePlacement.HOST: f"{config.offload_fraction:.0%} of the optimizer state on the host",
+            StatePlacement.HOST_WITH_PARAMETERS: "optimizer state and parameters on the host",
+            StatePlacement.DISK: f"{config.offload_fraction:.0%} of the optimizer state on disk",
+            StatePlacement.DISK_WITH_PARAMETERS: "optimizer state and parameters on disk",
+        }[placement]
+        prefetch = f", prefetch {config.prefetch}" if config.stage == 3 else ""
+        checkpointing = "activation checkpointing" if self.activation_checkpointing else "no checkpointing"
+        batch = f"micro-batch {self.micro_batch_size} x {self.gradient_accumulation_steps} accumulation"
+        return f"stage {config.stage}{prefetch}, {where}, {checkpointing}, {batch}"
+
+
+@dataclass(frozen=True)
+class FitResult:
+    choice: FitCandidate
+    runner_up: FitCandidate | None
+    runner_up_lost: str  # why the runner-up was not chosen
+    budget: MemoryBudget
+    margin: float
+    checkpointed_blocks: tuple[str, ...]  # the module paths activation checkpointing wraps, when chosen
+    candidates: tuple[FitCandidate, ...]  # every one searched, in the cost order
+
+    @property
+    def config(self) -> ZeroConfig:
+        return self.choice.config
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.choice.micro_batch_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.choice.gradient_accumulation_steps
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.choice.activation_checkpointing
+
+    def summary(self) -> str:
+        """One line: the choice, its predicted peak per tier, and the runner-up with why it lost."""
+        peak = self.choice.predicted
+        tiers = [f"device {human_bytes(peak.device)}"]
+        tiers += [f"{name} {human_bytes(getattr(peak, name))}" for name in ("host", "disk") if getattr(peak, name)]
+        line = f"zero fit for {self.budget} per rank (margin {self.margin:.0%}): {self.choice.describe()}; "
+        line += f"predicted peak {', '.join(tiers)}"
+        if self.runner_up is not None:
+            line += f"; runner-up: {self.runner_up.describe()} ({self.runner_up_lost})"
+        return line
+
+    def apply_activation_checkpointing(self, model: nn.Module) -> None:
+        """Wrap the chosen blocks of ``model`` with torch's ``checkpoint_wrapper`` (before the engine is
+        built); nothing when the choice has no checkpointing."""
+        if not self.activation_checkpointing:
+            return
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointWrapper,
+            apply_activation_checkpointing,
+        )
+
+        blocks = {id(model.get_submodule(path)) for path in self.checkpointed_blocks}
+        if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
+            raise ValueError(
+                "fit: the model already has checkpoint_wrapper blocks; apply the fit's checkpointing to the "
+                "model as it was given to fit(), once."
+            )
+        apply_activation_checkpointing(model, check_fn=lambda module: id(module) in blocks)
+
+
+def fit(
+    model: nn.Module | Callable[[], nn.Module],
+    sample: Any,
+    *,
+    world_size: int,
+    budget: MemoryBudget | str | int | Mapping[str, Any],
+    global_batch_size: int | None = None,
+    wrap_policy: WrapPolicyLike = None,
+    shard_group_size: int | None = None,
+    bucket_size_mb: float = 25.0,
+    precision: MixedPrecision | None = None,
+    optimizer_state_bytes_per_param: int = 8,
+    device: torch.device | str | None = None,
+    offload_dir: str | None = None,
+    margin: float = DEFAULT_MARGIN,
+    loss_fn: LossFn | None = None,
+    activation_bytes: int | None = None,
+    overhead_bytes: int = PROCESS_BYTES,
+) -> FitResult:
+    """The fastest settings (by the cost order above) whose predicted peak fits ``budget`` on each rank.
+
+    ``model``: the model, on the meta device or anywhere (not touched), or a factory called under
+    ``torch.device("meta")``. ``sample``: one input batch as the model takes it (a tensor, a tuple or a mapping,
+    the batch in each tensor's first dimension; values are not read). ``global_batch_size``: the samples of one
+    optimizer step over every rank, split into micro-batches and accumulation; without it the micro-batch is
+    the sample's. ``offload_dir``: where files may go; without it the disk tiers are not considered.
+    ``activation_bytes``: the activations of one sample, measured by you, for a forward that cannot run on
+    fake tensors (checkpointing is then not considered). Raises ``ValueError`` naming the smallest budget that
+    fits when nothing does."""
+    budget = MemoryBudget.of(budget)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    _check_inputs(world_size, global_batch_size, margin, device, budget, activation_bytes)
+    if not isinstance(model, nn.Module):
+        with torch.device("meta"):
+            model = model()
+    base = ZeroConfig(
+        wrap_policy=as_wrap_policy(wrap_policy),
+        shard_group_size=shard_group_size,
+        bucket_size_mb=bucket_size_mb,
+        offload_dir=offload_dir,
+        persistence_threshold=0,
+        **({} if precision is None else {"mixed_precision": precision}),
+    )
+    compute_dtype = base.mixed_precision.compute_dtype
+    if activation_bytes is None:
+        profile = measure_activations(
+            model,
+            sample,
+            wrap_policy=base.wrap_policy,
+            bucket_numel=base.bucket_numel,
+            compute_dtype=compute_dtype,
+            device=device,
+            loss_fn=loss_fn,
+        )
+        activations = profile.peak_bytes
+    else:
+        profile, activations = None, lambda micro_batch, _: activation_bytes * micro_batch
+    units = count_units(model, base)
+    host_is_device = device.type == "cpu"
+    states = _ModelStates(units, world_size, optimizer_state_bytes_per_param, host_is_device)
+    candidates = sorted(
+        (
+            _candidate(config, placement, checkpointed, micro_batch, accumulation, states, activations, overhead_bytes)
+            for config, placement in _configs(base, host_is_device)
+            for checkpointed in ((False, True) if profile is not None and profile.checkpointed_blocks else (False,))
+            for micro_batch, accumulation in _micro_batches(sample, global_batch_size, world_size)
+        ),
+        key=lambda candidate: candidate.cost,
+    )
+    blocks = profile.checkpointed_blocks if profile is not None else ()
+    return _choose(candidates, budget, margin, blocks)
+
+
+def _check_inputs(
+    world_size: int,
+    global_batch_size: int | None,
+    margin: float,
+    device: torch.device,
+    budget: MemoryBudget,
+    activation_bytes: int | None,
+) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"fit: world_size={world_size!r} is invalid: use the number of ranks (processes) in all.")
+    if global_batch_size is not None and (
+        isinstance(global_batch_size, bool)
+        or not isinstance(global_batch_size, int)
+        or global_batch_size < 1
+        or global_batch_size % world_size
+    ):
+        raise ValueError(
+            f"fit: global_batch_size={global_batch_size!r} is invalid: use a positive multiple of "
+            f"world_size={world_size} (the samples of one optimizer step over every rank)."
+        )
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ValueError(f"fit: margin={margin!r} is invalid: use a share in [0, 1), e.g. 0.1 (10% kept free).")
+    if budget.device is None:
+        raise ValueError("fit: the budget has no device part; give at least the device's bytes per rank.")
+    if device.type == "cpu" and budget.host is not None:
+        raise ValueError(
+            "fit: on a CPU device the host is the device: give the budget's device part only (the memory of one rank)."
+        )
+    if activation_bytes is not None and (
+        isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0
+    ):
+        raise ValueError(f"fit: activation_bytes={activation_bytes!r} is invalid: use the bytes of one sample, >= 0.")
+
+
+def _configs(base: ZeroConfig, host_is_device: bool) -> list[tuple[ZeroConfig, StatePlacement]]:
+    """Every (config, placement) searched: on a CPU device no host tier (nothing would move), without an
+    offload directory no disk tier; the parameters offloaded at stage 3 only."""
+    configs = [(replace(base, stage=stage), StatePlacement.IN_MEMORY) for stage in (1, 2)]
+    configs += [(replace(base, stage=3, prefetch=prefetch), StatePlacement.IN_MEMORY) for prefetch in (1, 0)]
+    placements = [p for p in StatePlacement if p and not (host_is_device and not p.on_disk)]
+    placements = [p for p in placements if not (p.on_disk and base.offload_dir is None)]
+    for placement in placements:
+        optimizer, params = placement.offload_optimizer, placement.offload_params
+        if params == "none":
+            for stage in (1, 2, 3):
+                for fraction in OFFLOAD_FRACTIONS:
+                    configs.append(
+                        (replace(base, stage=stage, offload_optimizer=optimizer, offload_fraction=fraction), placement)
+                    )
+        else:
+            for prefetch in (1, 0):
+                configs.append(
+                    (
+                        replace(base, stage=3, prefetch=prefetch, offload_optimizer=optimizer, offload_params=params),
+                        placement,
+                    )
+                )
+    return configs
+
+
+def _micro_batches(sample: Any, global_batch_size: int | None, world_size: int) -> list[tuple[int, int]]:
+    """(micro-batch, accumulation) pairs: every divisor of a rank's share of the global batch, or the sample's
+    own size when no global batch is asked for."""
+    if global_batch_size is None:
+        first = next((t for t in _sample_tensors(sample)), None)
+        if first is None or first.dim() == 0:
+            raise ValueError("fit: the sample batch has no tensor with a batch dimension; pass one the model takes.")
+        return [(first.shape[0], 1)]
+    per_rank = global_batch_size // world_size
+    return [(size, per_rank // size) for size in range(per_rank, 0, -1) if per_rank % size == 0]
+
+
+def _sample_tensors(sample: Any) -> list[torch.Tensor]:
+    if isinstance(sample, torch.Tensor):
+        return [sample]
+    values = sample.values() if isinstance(sample, Mapping) else sample if isinstance(sample, (tuple, list)) else ()
+    return [tensor for value in values for tensor in _sample_tensors(value)]
+
+
+class _ModelStates:
+    """The model-state prediction of each config, once per config (the micro-batch does not change it)."""
+
+    def __init__(self, units: list[UnitCount], world_size: int, state_bytes: int, host_is_device: bool):
+        self.units, self.world_size, self.state_bytes = units, world_size, state_bytes
+        self.host_is_device = host_is_device
+        self.of = cache(self._of)
+
+    def _of(self, config: ZeroConfig) -> tuple[int, int, int]:
+        """(device, host, disk) bytes of the model states and the stage's working buffers, per rank."""
+        settings = EstimateSettings(
+            self.world_size,
+            config,
+            optimizer_state_bytes_per_param=self.state_bytes,
+            host_is_device=self.host_is_device,
+        )
+        report = estimate_units(self.units, settings)[config.stage]
+        shards = settings.shard_size
+        padded = [-(-unit.numel // shards) * shards for unit in self.units]
+        largest_other = max(padded[1:], default=0)
+        precision = config.mixed_precision
+        gathered = 0
+        if config.stage == 3:
+            gathered = (padded[0] + (1 + config.prefetch) * largest_other) * precision.compute_dtype.itemsize
+        reducing = 2 * max(padded, default=0) * precision.reduce_dtype.itemsize if config.stage >= 2 else 0
+        device, host = report.device_bytes + gathered + reducing, report.host_bytes
+        if self.host_is_device:
+            device, host = device + host, 0
+        return device, host, report.nvme_bytes
+
+
+def _candidate(
+    config: ZeroConfig,
+    placement: StatePlacement,
+    checkpointed: bool,
+    micro_batch: int,
+    accumulation: int,
+    states: _ModelStates,
+    activations: Callable[[int, bool], int],
+    overhead_bytes: int,
+) -> FitCandidate:
+    device, host, disk = states.of(config)
+    device += activations(micro_batch, checkpointed) + overhead_bytes
+    return FitCandidate(config, placement, checkpointed, micro_batch, accumulation, PredictedPeak(device, host, disk))
+
+
+def _choose(candidates: list[FitCandidate], budget: MemoryBudget, margin: float, blocks: tuple[str, ...]) -> FitResult:
+    fitting = [index for index, candidate in enumerate(candidates) if not candidate.predicted.over(budget, margin)]
+    if not fitting:
+        raise ValueError(_nothing_fits(candidates, budget, margin))
+    index = fitting[0]
+    choice = candidates[index]
+    if index > 0:  # the next cheaper, which lost on memory
+        runner_up = candidates[index - 1]
+        lost = "over the budget: " + "; ".join(runner_up.predicted.over(budget, margin))
+    elif len(fitting) > 1:  # the cheapest fits: the next that fits, which lost on speed
+        runner_up, lost = candidates[fitting[1]], "fits too, slower by the cost order"
+    else:
+        runner_up, lost = None, ""
+    blocks = blocks if choice.activation_checkpointing else ()
+    return FitResult(choice, runner_up, lost, budget, margin, blocks, tuple(candidates))
+
+
+def _nothing_fits(candidates: list[FitCandidate], budget: MemoryBudget, margin: float) -> str:
+    """The refusal: the smallest device budget any candidate fits (its other tiers within theirs), and with what."""
+    within_others = [c for c in candidates if not c.predicted.over(replace(budget, device=None), margin)] or candidates
+    smallest = min(within_others, key=lambda candidate: (candidate.predicted.device, candidate.cost))
+    needed = smallest.predicted.device / (1 - margin)
+    disk = "" if any(c.placement.on_disk for c in candidates) else " Without offload_dir the disk tiers were not tried."
+    return (
+        f"fit: no configuration fits memory_budget ({budget} per rank, margin {margin:.0%}). The smallest that fits "
+        f"is device {human_bytes(needed)} per rank, with {smallest.describe()}. Raise the budget, add ranks, or "
+        f"shorten the sequence.{disk}"
+    )
