@@ -4,9 +4,13 @@ fastest among those whose predicted peak fits, with the prediction per tier and 
 The prediction, per rank and tier (docs/memory-budget.md gives each term):
 
     device = model states on the device (estimate.py, the engine's own units and padding)
-           + stage 3: the root unit and 1 + prefetch of the largest other unit gathered, in the compute dtype
-           + stages 2 and 3: two of the largest unit's full gradients (one reducing, one filling), reduce dtype
-           + activations at the micro-batch, with or without checkpointing (activations.py, measured)
+           + stage 3: the root unit and the 1 + prefetch largest other units gathered, in the compute dtype
+           + stages 2 and 3: the two largest units' full gradients (one reducing, one filling), reduce dtype
+           + the largest trainable parameter's whole gradient, as autograd makes it, compute dtype
+           + the step: Adam's fp32 temporary of the largest shard stepped on the device, or with "nvme" the
+             optimizer state of the offload_units_in_memory largest offloaded units, the larger
+           + activations at the micro-batch, with or without checkpointing (activations.py, measured); at
+             stages 2 and 3 less the gradient shards, which fill as the activations are freed (not below 0)
            + what each process holds besides training (``overhead_bytes``)
     host   = the offloaded units' master, optimizer state and gradient copies, and parameter shards
     disk   = the optimizer state and parameter shards in files (offload "nvme")
@@ -33,6 +37,7 @@ import torch
 from torch import nn
 
 from ..config import ZeroConfig
+from ..offload_plan import OffloadTier
 from ..precision import MixedPrecision
 from ..sizes import human_bytes, parse_bytes
 from ..wrap_policy import WrapPolicyLike, as_wrap_policy
@@ -45,6 +50,7 @@ PROCESS_BYTES = 512 * 2**20
 DEFAULT_MARGIN = 0.1
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 BUDGET_PARTS = ("device", "host", "disk")
+STEP_TEMPORARY_BYTES = 4  # torch's Adam(W) step: one fp32 temporary per element of a tensor it steps
 
 
 class StatePlacement(enum.IntEnum):
@@ -209,20 +215,25 @@ class FitResult:
     def apply_activation_checkpointing(self, model: nn.Module) -> None:
         """Wrap the chosen blocks of ``model`` with torch's ``checkpoint_wrapper`` (before the engine is
         built); nothing when the choice has no checkpointing."""
-        if not self.activation_checkpointing:
-            return
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-            CheckpointWrapper,
-            apply_activation_checkpointing,
-        )
+        if self.activation_checkpointing:
+            checkpoint_blocks(model, self.checkpointed_blocks)
 
-        blocks = {id(model.get_submodule(path)) for path in self.checkpointed_blocks}
-        if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
-            raise ValueError(
-                "fit: the model already has checkpoint_wrapper blocks; apply the fit's checkpointing to the "
-                "model as it was given to fit(), once."
-            )
-        apply_activation_checkpointing(model, check_fn=lambda module: id(module) in blocks)
+
+def checkpoint_blocks(model: nn.Module, paths: tuple[str, ...]) -> None:
+    """Wrap the modules of ``model`` at ``paths`` with torch's ``checkpoint_wrapper`` (non-reentrant, what the
+    measurement assumes); refused on a model that has checkpointed blocks already."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+    )
+
+    if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
+        raise ValueError(
+            "fit: the model already has checkpoint_wrapper blocks; apply the fit's checkpointing to the "
+            "model as it was given to fit(), once."
+        )
+    blocks = {id(model.get_submodule(path)) for path in paths}
+    apply_activation_checkpointing(model, check_fn=lambda module: id(module) in blocks)
 
 
 def fit(
@@ -284,7 +295,8 @@ def fit(
         profile, activations = None, lambda micro_batch, _: activation_bytes * micro_batch
     units = count_units(model, base)
     host_is_device = device.type == "cpu"
-    states = _ModelStates(units, world_size, optimizer_state_bytes_per_param, host_is_device)
+    largest = max((p.numel() for p in model.parameters() if p.requires_grad), default=0)
+    states = _ModelStates(units, largest, world_size, optimizer_state_bytes_per_param, host_is_device)
     candidates = sorted(
         (
             _candidate(config, placement, checkpointed, micro_batch, accumulation, states, activations, overhead_bytes)
@@ -378,15 +390,19 @@ def _sample_tensors(sample: Any) -> list[torch.Tensor]:
 
 
 class _ModelStates:
-    """The model-state prediction of each config, once per config (the micro-batch does not change it)."""
+    """The model-state prediction of each config with the stage's and the step's working memory, once per
+    config (the micro-batch does not change it)."""
 
-    def __init__(self, units: list[UnitCount], world_size: int, state_bytes: int, host_is_device: bool):
-        self.units, self.world_size, self.state_bytes = units, world_size, state_bytes
-        self.host_is_device = host_is_device
+    def __init__(
+        self, units: list[UnitCount], largest_parameter: int, world_size: int, state_bytes: int, host_is_device: bool
+    ):
+        self.units, self.largest_parameter, self.world_size = units, largest_parameter, world_size
+        self.state_bytes, self.host_is_device = state_bytes, host_is_device
         self.of = cache(self._of)
 
-    def _of(self, config: ZeroConfig) -> tuple[int, int, int]:
-        """(device, host, disk) bytes of the model states and the stage's working buffers, per rank."""
+    def _of(self, config: ZeroConfig) -> tuple[int, int, int, int]:
+        """(device, host, disk) bytes per rank, and of the device's the gradients that fill as the activations
+        are freed (0 where they are kept all along)."""
         settings = EstimateSettings(
             self.world_size,
             config,
@@ -394,18 +410,36 @@ class _ModelStates:
             host_is_device=self.host_is_device,
         )
         report = estimate_units(self.units, settings)[config.stage]
-        shards = settings.shard_size
-        padded = [-(-unit.numel // shards) * shards for unit in self.units]
-        largest_other = max(padded[1:], default=0)
-        precision = config.mixed_precision
-        gathered = 0
-        if config.stage == 3:
-            gathered = (padded[0] + (1 + config.prefetch) * largest_other) * precision.compute_dtype.itemsize
-        reducing = 2 * max(padded, default=0) * precision.reduce_dtype.itemsize if config.stage >= 2 else 0
-        device, host = report.device_bytes + gathered + reducing, report.host_bytes
+        device, host = report.device_bytes + self._working_bytes(config, settings.shard_size), report.host_bytes
         if self.host_is_device:
             device, host = device + host, 0
-        return device, host, report.nvme_bytes
+        # Stages 2 and 3 make each unit's gradient shard in its backward (optimizer.zero_grad() frees them), as
+        # its activations are freed; stage 1 keeps full gradients between steps. With offload on a GPU the
+        # shards' copies are on the host: kept in the sum, which errs high.
+        filling = report.gradient_bytes if config.stage >= 2 and (self.host_is_device or not host) else 0
+        return device, host, report.nvme_bytes, filling
+
+    def _working_bytes(self, config: ZeroConfig, shards: int) -> int:
+        """What a step allocates beside the model states, on the device."""
+        padded = [-(-unit.numel // shards) * shards for unit in self.units]
+        others = sorted(padded[1:], reverse=True)
+        precision = config.mixed_precision
+        gathered = 0
+        if config.stage == 3:  # the root, the unit computing and those prefetched: at most the largest others
+            gathered = (padded[0] + sum(others[: 1 + config.prefetch])) * precision.compute_dtype.itemsize
+        # One unit's full gradient being reduced while the next fills: at most the two largest.
+        reducing = sum(sorted(padded, reverse=True)[:2]) * precision.reduce_dtype.itemsize if config.stage >= 2 else 0
+        # Autograd makes a parameter's whole gradient before it is added into its unit's buffer.
+        made_by_autograd = self.largest_parameter * precision.compute_dtype.itemsize
+        offloaded = config.offload.offloaded_units([unit.trainable_numel for unit in self.units])
+        shard_numels = [padded[i] // shards for i in range(len(self.units)) if i not in offloaded]
+        # The step on the device: torch's Adam(W) makes one fp32 temporary of each tensor it steps (its denom).
+        stepping = max(shard_numels, default=0) * STEP_TEMPORARY_BYTES if self.state_bytes else 0
+        staged = 0
+        if config.offload.optimizer is OffloadTier.NVME:  # nvme: the state of a few units in memory during the step
+            in_files = sorted((padded[i] // shards for i in offloaded), reverse=True)
+            staged = sum(in_files[: config.offload_units_in_memory]) * self.state_bytes
+        return gathered + reducing + made_by_autograd + max(stepping, staged)
 
 
 def _candidate(
@@ -418,8 +452,9 @@ def _candidate(
     activations: Callable[[int, bool], int],
     overhead_bytes: int,
 ) -> FitCandidate:
-    device, host, disk = states.of(config)
-    device += activations(micro_batch, checkpointed) + overhead_bytes
+    device, host, disk, filling = states.of(config)
+    # The activations' peak is at the start of backward; the gradients that fill meanwhile take their place.
+    device += max(activations(micro_batch, checkpointed), filling) - filling + overhead_bytes
     return FitCandidate(config, placement, checkpointed, micro_batch, accumulation, PredictedPeak(device, host, disk))
 
 
