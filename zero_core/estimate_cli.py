@@ -48,8 +48,8 @@ def _quantity(text: str, units: dict[str, int], example: str) -> int:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def parse_bytes(text: str) -> int:
-    """``80GiB``, ``80GB``, ``8.5e10`` (bytes)."""
+def bytes_argument(text: str) -> int:
+    """``80GiB``, ``80GB``, ``8.5e10`` (bytes), as argparse takes a type (sizes.parse_bytes, its error)."""
     return _quantity(text, BYTE_UNITS, "80GiB, 40GB or 8e10")
 
 
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="cuda",
         help="cpu: host and device are one memory (an offloaded unit's master and gradient shard stay in place)",
     )
-    parser.add_argument("--budget", type=parse_bytes, default=None, help="device bytes per rank: 80GiB, 40GB, 8e10")
+    parser.add_argument("--budget", type=bytes_argument, default=None, help="device bytes per rank: 80GiB, 40GB, 8e10")
     group = parser.add_argument_group(
         "settings shared with the engine",
         "ZeroConfig's settings (docs/configuration.md), as Accelerate spells them: --wrap-classes names\n"

@@ -52,7 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequence-length", type=int, default=512, help="tokens per sample (default: 512)")
     parser.add_argument("--global-batch-size", type=int, default=None, help="samples per optimizer step, all ranks")
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32", help="compute dtype (reduce: fp32)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: host and device are one memory")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu: host and device are one memory (default: cuda where there is one)",
+    )
     parser.add_argument("--offload-dir", default=None, help="where offloaded files may go (without it: no disk tier)")
     parser.add_argument("--wrap-classes", default=None, help="the block classes, by name, comma-separated")
     parser.add_argument("--shard-group-size", type=int, default=None, help="hybrid sharding: ranks of one shard group")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 
@@ -24,7 +25,10 @@ def parse_quantity(text: str, units: dict[str, int], example: str) -> int:
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if match is None or match.group(2) not in units:
         raise ValueError(f"{text!r} is not a size: use a number with an optional unit, e.g. {example}")
-    value = round(float(match.group(1)) * units[match.group(2)])
+    number = float(match.group(1)) * units[match.group(2)]
+    if not math.isfinite(number):
+        raise ValueError(f"{text!r} is not a finite size: use e.g. {example}")
+    value = round(number)
     if value < 1:
         raise ValueError(f"{text!r} is not positive: use e.g. {example}")
     return value

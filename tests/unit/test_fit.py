@@ -30,10 +30,14 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return lm_loss(model(ids), ids)
 
 
-def _fit(budget, **kwargs):
+def _defaults() -> dict:
     defaults = dict(world_size=2, global_batch_size=16, wrap_policy=Block, loss_fn=_loss, device="cpu")
     defaults["overhead_bytes"] = 0  # the model's own bytes, not the process's, decide the choice
-    return fit(_model, torch.zeros(1, SEQ, dtype=torch.long), budget=budget, **{**defaults, **kwargs})
+    return defaults
+
+
+def _fit(budget, **kwargs):
+    return fit(_model, torch.zeros(1, SEQ, dtype=torch.long), budget=budget, **{**_defaults(), **kwargs})
 
 
 def test_budgets_parse_in_every_form_and_bad_ones_say_what_to_use() -> None:
@@ -41,8 +45,13 @@ def test_budgets_parse_in_every_form_and_bad_ones_say_what_to_use() -> None:
     assert MemoryBudget.of("device=1GB, host=2GiB,disk=1TB") == MemoryBudget(10**9, 2 * GiB, 10**12)
     assert MemoryBudget.of({"device": "512MiB", "disk": 10**9}) == MemoryBudget(512 * MiB, None, 10**9)
     assert MemoryBudget.of(12345) == MemoryBudget(device=12345)
+    assert MemoryBudget.of(" device = 20 GiB , disk=1TB") == MemoryBudget(device=20 * GiB, disk=10**12)
+    assert MemoryBudget.of({"device": 2.0e9, "host": None}) == MemoryBudget(device=2 * 10**9)
     for bad, words in [
         ("20 GX", "is not a size"),
+        ("1e400", "not a finite size"),
+        ("device=1GiB,device=2GiB", "write each tier once"),
+        ("20GiB,host=1GiB", "is not one tier=size"),
         ("gpu=1GiB", "use device=, host= and disk="),
         (0, "a positive integer"),
         (True, "a positive integer"),
@@ -150,8 +159,7 @@ def test_the_choice_is_the_first_candidate_of_the_cost_order_that_fits_on_a_grid
     choices = []
     for budget in [int(mib * MiB) for mib in (20, 15.9, 8.8, 5.2, 3.4, 2.6, 2.1)]:
         result = _fit(budget, offload_dir=str(tmp_path))
-        order = [candidate.cost for candidate in result.candidates]
-        assert order == sorted(order)
+        assert len({candidate.cost for candidate in result.candidates}) == len(result.candidates)  # no ties
         usable = budget * (1 - result.margin)
         chosen = result.candidates.index(result.choice)
         assert result.choice.predicted.device <= usable
@@ -175,8 +183,10 @@ def test_a_budget_below_every_configuration_names_the_smallest_that_fits() -> No
         _fit(MiB)
     message = str(refused.value)
     assert "Without offload_dir the disk tiers were not tried" in message
-    smallest = float(message.split("The smallest that fits is device ")[1].split(" MiB")[0])
-    result = _fit(int((smallest + 0.01) * MiB))  # the budget it names is enough, with what it said
+    smallest = int(message.split(" bytes) per rank")[0].rsplit("(", 1)[1])
+    result = _fit(smallest)  # the budget it names is enough, with what it said
+    with pytest.raises(ValueError, match="no configuration fits"):
+        _fit(smallest - 2)  # and it is the smallest
     assert result.choice.describe() in message
     assert result.choice.placement is StatePlacement.IN_MEMORY
 
@@ -189,11 +199,35 @@ def test_a_budget_below_every_configuration_names_the_smallest_that_fits() -> No
         ({"margin": 1.5}, r"margin=1.5 is invalid"),
         ({"budget": "host=1GiB"}, "no device part"),
         ({"budget": "device=1GiB,host=1GiB"}, "on a CPU device the host is the device"),
+        ({"overhead_bytes": -1}, "overhead_bytes=-1 is invalid"),
+        ({"optimizer_state_bytes_per_param": 8.0}, "optimizer_state_bytes_per_param=8.0 is invalid"),
     ],
 )
 def test_bad_input_is_refused_before_any_work(kwargs: dict, words: str) -> None:
+    def never_built() -> torch.nn.Module:
+        raise AssertionError("the model was built before the input was checked")
+
     with pytest.raises(ValueError, match=words):
-        _fit(**{"budget": GiB, **kwargs})
+        fit(never_built, torch.zeros(1, SEQ, dtype=torch.long), **{**_defaults(), "budget": GiB, **kwargs})
+
+
+def test_a_factory_that_returns_no_module_and_a_device_without_support_are_refused() -> None:
+    with pytest.raises(ValueError, match="returned a dict, not an nn.Module"):
+        fit(dict, torch.zeros(1, SEQ), **{**_defaults(), "budget": GiB})
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(ValueError, match="built without CUDA; use device='cpu'"):
+            _fit(GiB, device="cuda")
+    with pytest.raises(ValueError, match=r"MemoryBudget.device=-5 is invalid"):
+        MemoryBudget(device=-5)
+
+
+def test_an_error_of_the_model_itself_is_raised_as_it_is_with_a_note() -> None:
+    def wrong_shapes(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return model(ids.view(-1, 3))  # not the model's input
+
+    with pytest.raises(RuntimeError) as raised:
+        _fit(GiB, loss_fn=wrong_shapes)
+    assert any("counting its activations" in note for note in raised.value.__notes__)
 
 
 def test_a_forward_that_reads_values_is_refused_with_the_way_out() -> None:

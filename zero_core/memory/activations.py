@@ -30,7 +30,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode  # torch's own shape-only execution; no public name
+from torch._subclasses.fake_tensor import (  # torch's own shape-only execution; no public name
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..unit.unit_selection import plan_units
@@ -114,7 +119,8 @@ def measure_activations(
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """A mapping is passed as keywords (a Hugging Face batch), a tuple or list as arguments; the output's
-    ``loss`` if it has one (labels in the batch), else the sum of its first tensor."""
+    ``loss`` if it has one (labels in the batch), else the sum of its first tensor (a mapping's first value,
+    a tuple's first item)."""
     if isinstance(batch, Mapping):
         output = model(**batch)
     elif isinstance(batch, (tuple, list)):
@@ -124,7 +130,7 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     loss = getattr(output, "loss", None)
     if isinstance(loss, torch.Tensor):
         return loss
-    first = next(_tensors(output), None)
+    first = next(tensors_in(output), None)
     if first is None:
         raise ValueError(
             f"fit: the model returned {type(output).__name__}, with no tensor to take a loss of; pass loss_fn="
@@ -160,15 +166,15 @@ def _resized(sample: Any, samples: int, compute_dtype: torch.dtype, device: torc
     return sample  # a flag or a number: passed as it is
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
         for item in value.values():
-            yield from _tensors(item)
+            yield from tensors_in(item)
     elif isinstance(value, (tuple, list)):
         for item in value:
-            yield from _tensors(item)
+            yield from tensors_in(item)
 
 
 class _SavedCounter:
@@ -188,7 +194,7 @@ class _SavedCounter:
 
     def enter(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.running = index
-        for tensor in _tensors((args, kwargs)):
+        for tensor in tensors_in((args, kwargs)):
             key = StorageWeakRef(tensor.untyped_storage())
             if key not in self.state:
                 self.inputs[index][key] = tensor.untyped_storage().nbytes()
@@ -231,14 +237,15 @@ def _count_saved(
                     + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 )
             loss.backward()  # runs every saved tensor's unpacking: a model whose backward fails fails here
-    except ValueError:
-        raise
-    except Exception as error:
+    except (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException) as error:
         raise ValueError(
             f"fit: the model's forward and backward could not run on fake tensors ({type(error).__name__}: "
             f"{error}). A forward that reads values (.item(), data-dependent shapes) cannot be measured this "
-            "way: pass activation_bytes= (the peak you measured for one micro-batch) instead."
+            "way: pass activation_bytes= (the peak you measured for one sample) instead."
         ) from error
+    except Exception as error:
+        error.add_note("fit: raised by the model's forward or backward on fake tensors, counting its activations")
+        raise
     finally:
         for handle in handles:
             handle.remove()

@@ -160,7 +160,7 @@ def count_units(model: nn.Module, config: ZeroConfig) -> list[UnitCount]:
     ]
 
 
-def _padded(numel: int, shard_size: int) -> int:
+def padded_numel(numel: int, shard_size: int) -> int:
     """A unit's flat buffer: padded so that it divides into equal shards (unit/layout.py)."""
     return -(-numel // shard_size) * shard_size
 
@@ -179,7 +179,7 @@ def _stage_bytes(stage: int, units: list[UnitCount], shares: list[float], settin
     k = settings.shard_size
     reports = []
     for unit, share in zip(units, shares):
-        padded = _padded(unit.numel, k)
+        padded = padded_numel(unit.numel, k)
         # A trainable unit's gradient is its whole shard.
         elements = UnitElements(padded, unit.trainable_numel, padded if unit.trainable_numel else 0, k)
         plan, precision = config.offload, config.mixed_precision
@@ -208,7 +208,7 @@ def _quantized_working_bytes(units: list[UnitCount], settings: EstimateSettings)
     config, shards = settings.config, settings.shard_size
     if not units or not (config.quantize_weights or config.quantize_gradients):
         return 0, 0
-    shard = max(_padded(unit.numel, shards) for unit in units) // shards
+    shard = max(padded_numel(unit.numel, shards) for unit in units) // shards
     block, bits = config.quantization_block_size, config.gradient_quantization_bits
     compute_bytes = config.mixed_precision.compute_dtype.itemsize  # the gathered buffer's
     gather = gather_working_bytes(shard, shards, block, 8, compute_bytes) if config.quantize_weights else 0
@@ -229,7 +229,7 @@ def _secondary_piece_bytes(units: list[UnitCount], settings: EstimateSettings) -
     if secondary is None:
         return 0
     compute_bytes = settings.config.mixed_precision.compute_dtype.itemsize
-    return sum(_padded(unit.numel, settings.shard_size) // secondary * compute_bytes for unit in units)
+    return sum(padded_numel(unit.numel, settings.shard_size) // secondary * compute_bytes for unit in units)
 
 
 def estimate(

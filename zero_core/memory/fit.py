@@ -18,8 +18,8 @@ The prediction, per rank and tier (docs/memory-budget.md gives each term):
 On a CPU device host and device are one memory: their sum is held to the device budget.
 
 The cost order, cheapest first: where the state lives (in memory < the optimizer's state on the host,
-a smaller share first < also the parameters on the host < the optimizer's state on disk < also the
-parameters on disk), then no checkpointing < checkpointing, then a larger micro-batch < a smaller one,
+a smaller share first < also the parameters on the host < the optimizer's state on disk, a smaller share
+first < also the parameters on disk), then no checkpointing < checkpointing, then a larger micro-batch < a smaller one,
 then stage 1 < 2 < 3, then prefetch 1 < 0. The choice is the first candidate in that order whose every
 tier is within ``budget x (1 - margin)``.
 """
@@ -27,7 +27,7 @@ tier is within ``budget x (1 - margin)``.
 from __future__ import annotations
 
 import enum
-import re
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import cache
@@ -41,8 +41,8 @@ from ..offload_plan import OffloadTier
 from ..precision import MixedPrecision
 from ..sizes import human_bytes, parse_bytes
 from ..wrap_policy import WrapPolicyLike, as_wrap_policy
-from .activations import LossFn, measure_activations
-from .estimate import EstimateSettings, UnitCount, count_units, estimate_units
+from .activations import LossFn, measure_activations, tensors_in
+from .estimate import EstimateSettings, UnitCount, count_units, estimate_units, padded_numel
 
 # What one rank's process holds besides training: the interpreter, torch's libraries and the communication
 # threads (about 0.3 GiB measured on a CPU after `import torch, zero_core`); on a GPU, its context.
@@ -83,15 +83,33 @@ class MemoryBudget:
     host: int | None = None
     disk: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in BUDGET_PARTS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"MemoryBudget.{name}={value!r} is invalid: use bytes per rank (a positive integer), or None for "
+                    'no limit; MemoryBudget.of("20GiB") reads sizes.'
+                )
+
     @classmethod
     def of(cls, value: MemoryBudget | str | int | Mapping[str, Any]) -> MemoryBudget:
-        """``"20GiB"`` (the device), ``"device=20GiB,host=200GiB,disk=2TB"``, ``{"device": "20GiB"}``, or bytes."""
+        """``"20GiB"`` (the device), ``"device=20GiB,host=200GiB,disk=2TB"``, ``{"device": "20GiB"}`` (None: not
+        limited), or bytes."""
         if isinstance(value, MemoryBudget):
             return value
         if isinstance(value, Mapping):
             parts = dict(value)
         elif isinstance(value, str) and "=" in value:
-            parts = dict(part.split("=", 1) for part in re.split(r"[,\s]+", value.strip()) if part)
+            parts = {}
+            for part in (piece.strip() for piece in value.split(",") if piece.strip()):
+                name, equals, amount = (side.strip() for side in part.partition("="))
+                if not equals or name in parts:
+                    raise ValueError(
+                        f"memory_budget={value!r}: {part!r} is not one tier=size of its own; write each tier once, "
+                        'e.g. "device=20GiB,host=200GiB".'
+                    )
+                parts[name] = amount
         else:
             parts = {"device": value}
         unknown = sorted(set(map(str, parts)) - set(BUDGET_PARTS))
@@ -106,7 +124,11 @@ class MemoryBudget:
         return ", ".join(f"{name} {human_bytes(getattr(self, name))}" for name in BUDGET_PARTS if getattr(self, name))
 
 
-def _budget_bytes(part: str, amount: Any, whole: Any) -> int:
+def _budget_bytes(part: str, amount: Any, whole: Any) -> int | None:
+    if amount is None:
+        return None
+    if isinstance(amount, float) and amount.is_integer():
+        amount = int(amount)
     try:
         nbytes = parse_bytes(amount) if isinstance(amount, str) else amount
     except ValueError as error:
@@ -268,9 +290,13 @@ def fit(
     budget = MemoryBudget.of(budget)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     _check_inputs(world_size, global_batch_size, margin, device, budget, activation_bytes)
+    _check_counts(overhead_bytes=overhead_bytes, optimizer_state_bytes_per_param=optimizer_state_bytes_per_param)
     if not isinstance(model, nn.Module):
         with torch.device("meta"):
-            model = model()
+            built = model()
+        if not isinstance(built, nn.Module):
+            raise ValueError(f"fit: the model factory returned a {type(built).__name__}, not an nn.Module.")
+        model = built
     base = ZeroConfig(
         wrap_policy=as_wrap_policy(wrap_policy),
         shard_group_size=shard_group_size,
@@ -334,6 +360,8 @@ def _check_inputs(
         raise ValueError(f"fit: margin={margin!r} is invalid: use a share in [0, 1), e.g. 0.1 (10% kept free).")
     if budget.device is None:
         raise ValueError("fit: the budget has no device part; give at least the device's bytes per rank.")
+    if device.type == "cuda" and not torch.backends.cuda.is_built():
+        raise ValueError("fit: device='cuda', but this torch is built without CUDA; use device='cpu'.")
     if device.type == "cpu" and budget.host is not None:
         raise ValueError(
             "fit: on a CPU device the host is the device: give the budget's device part only (the memory of one rank)."
@@ -342,6 +370,12 @@ def _check_inputs(
         isinstance(activation_bytes, bool) or not isinstance(activation_bytes, int) or activation_bytes < 0
     ):
         raise ValueError(f"fit: activation_bytes={activation_bytes!r} is invalid: use the bytes of one sample, >= 0.")
+
+
+def _check_counts(**counts: Any) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"fit: {name}={value!r} is invalid: use a number of bytes, an integer >= 0.")
 
 
 def _configs(base: ZeroConfig, host_is_device: bool) -> list[tuple[ZeroConfig, StatePlacement]]:
@@ -374,19 +408,12 @@ def _micro_batches(sample: Any, global_batch_size: int | None, world_size: int) 
     """(micro-batch, accumulation) pairs: every divisor of a rank's share of the global batch, or the sample's
     own size when no global batch is asked for."""
     if global_batch_size is None:
-        first = next((t for t in _sample_tensors(sample)), None)
+        first = next(tensors_in(sample), None)
         if first is None or first.dim() == 0:
             raise ValueError("fit: the sample batch has no tensor with a batch dimension; pass one the model takes.")
         return [(first.shape[0], 1)]
     per_rank = global_batch_size // world_size
     return [(size, per_rank // size) for size in range(per_rank, 0, -1) if per_rank % size == 0]
-
-
-def _sample_tensors(sample: Any) -> list[torch.Tensor]:
-    if isinstance(sample, torch.Tensor):
-        return [sample]
-    values = sample.values() if isinstance(sample, Mapping) else sample if isinstance(sample, (tuple, list)) else ()
-    return [tensor for value in values for tensor in _sample_tensors(value)]
 
 
 class _ModelStates:
@@ -421,7 +448,7 @@ class _ModelStates:
 
     def _working_bytes(self, config: ZeroConfig, shards: int) -> int:
         """What a step allocates beside the model states, on the device."""
-        padded = [-(-unit.numel // shards) * shards for unit in self.units]
+        padded = [padded_numel(unit.numel, shards) for unit in self.units]
         others = sorted(padded[1:], reverse=True)
         precision = config.mixed_precision
         gathered = 0
@@ -479,10 +506,10 @@ def _nothing_fits(candidates: list[FitCandidate], budget: MemoryBudget, margin: 
     """The refusal: the smallest device budget any candidate fits (its other tiers within theirs), and with what."""
     within_others = [c for c in candidates if not c.predicted.over(replace(budget, device=None), margin)] or candidates
     smallest = min(within_others, key=lambda candidate: (candidate.predicted.device, candidate.cost))
-    needed = smallest.predicted.device / (1 - margin)
+    needed = math.ceil(smallest.predicted.device / (1 - margin))
     disk = "" if any(c.placement.on_disk for c in candidates) else " Without offload_dir the disk tiers were not tried."
     return (
         f"fit: no configuration fits memory_budget ({budget} per rank, margin {margin:.0%}). The smallest that fits "
-        f"is device {human_bytes(needed)} per rank, with {smallest.describe()}. Raise the budget, add ranks, or "
-        f"shorten the sequence.{disk}"
+        f"is device {human_bytes(needed)} ({needed} bytes) per rank, with {smallest.describe()}. Raise the budget, "
+        f"add ranks, or shorten the sequence.{disk}"
     )
