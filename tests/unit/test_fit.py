@@ -100,11 +100,10 @@ def test_the_fake_run_saves_what_a_real_forward_saves(samples: int) -> None:
     )
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
-def test_a_hugging_face_model_measures_as_it_runs_with_the_cpus_attention() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny_llama_config():
+    from transformers import LlamaConfig
 
-    config = LlamaConfig(
+    return LlamaConfig(
         num_hidden_layers=2,
         hidden_size=64,
         intermediate_size=128,
@@ -112,6 +111,13 @@ def test_a_hugging_face_model_measures_as_it_runs_with_the_cpus_attention() -> N
         num_key_value_heads=2,
         vocab_size=128,
     )
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_a_hugging_face_model_measures_as_it_runs_with_the_cpus_attention() -> None:
+    from transformers import LlamaForCausalLM
+
+    config = _tiny_llama_config()
     torch.manual_seed(0)
     real = LlamaForCausalLM(config)
     with torch.device("meta"):
@@ -256,16 +262,7 @@ def test_the_chosen_checkpointing_wraps_exactly_the_measured_blocks() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_zero_fit_prints_the_choice_and_refuses_a_bad_budget(tmp_path, capsys) -> None:
-    from transformers import LlamaConfig
-
-    LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    ).save_pretrained(tmp_path)
+    _tiny_llama_config().save_pretrained(tmp_path)
     common = ["--hf-config", str(tmp_path), "--world-size", "2", "--device", "cpu", "--sequence-length", "64"]
     assert zero_fit([*common, "--budget", "600MiB", "--global-batch-size", "8"]) == 0
     out = capsys.readouterr().out
