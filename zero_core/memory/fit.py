@@ -19,8 +19,8 @@ On a CPU device host and device are one memory: their sum is held to the device 
 
 The cost order, cheapest first: where the state lives (in memory < the optimizer's state on the host,
 a smaller share first < also the parameters on the host < the optimizer's state on disk, a smaller share
-first < also the parameters on disk), then no checkpointing < checkpointing, then a larger micro-batch < a smaller one,
-then stage 1 < 2 < 3, then prefetch 1 < 0. The choice is the first candidate in that order whose every
+first < also the parameters on disk), then no checkpointing < checkpointing, then a larger micro-batch <
+a smaller one, then stage 1 < 2 < 3, then prefetch 1 < 0. The choice is the first candidate in that order whose every
 tier is within ``budget x (1 - margin)``.
 """
 
@@ -504,7 +504,8 @@ def _choose(candidates: list[FitCandidate], budget: MemoryBudget, margin: float,
 
 def _nothing_fits(candidates: list[FitCandidate], budget: MemoryBudget, margin: float) -> str:
     """The refusal: the smallest device budget any candidate fits (its other tiers within theirs), and with what."""
-    within_others = [c for c in candidates if not c.predicted.over(replace(budget, device=None), margin)] or candidates
+    # Never empty: the in-memory candidates hold nothing on the host or the disk.
+    within_others = [c for c in candidates if not c.predicted.over(replace(budget, device=None), margin)]
     smallest = min(within_others, key=lambda candidate: (candidate.predicted.device, candidate.cost))
     needed = math.ceil(smallest.predicted.device / (1 - margin))
     disk = "" if any(c.placement.on_disk for c in candidates) else " Without offload_dir the disk tiers were not tried."

@@ -26,12 +26,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.memory_cgroups import entering, memory_cgroups_writable, new_memory_cgroup, oom_kills, peak_bytes
 from tests.paths import TESTS
 from tests.rank_pool import free_port
 from zero_core import fit
 from zero_core.memory.fit import FitCandidate, FitResult
 
-MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
 SCRIPT = TESTS / "scripts" / "fit_cap.py"
 MiB = 2**20
 # Each takes other settings: checkpointing in memory; the optimizer state on disk; the parameters on disk too.
@@ -43,12 +43,8 @@ fit_cap = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(fit_cap)
 
 
-def _memory_cgroups_writable() -> bool:
-    return MEMORY_CGROUPS.is_dir() and os.access(MEMORY_CGROUPS, os.W_OK)
-
-
 pytestmark = pytest.mark.skipif(
-    not _memory_cgroups_writable(), reason="needs the cgroup-v1 memory controller, writable (root)"
+    not memory_cgroups_writable(), reason="needs the cgroup-v1 memory controller, writable (root)"
 )
 
 
@@ -60,19 +56,15 @@ def _job(name: str, spec: dict, cap: int | None, tmp_path: Path) -> list[dict]:
     kernel killed in it for memory, and the end of its stderr."""
     spec_path, out = tmp_path / f"{name}.json", tmp_path / name
     spec_path.write_text(json.dumps(spec))
-    port, groups, ranks, oom_kills, peaks = free_port(), [], [], [], []
+    port, groups, ranks, kills, peaks = free_port(), [], [], [], []
     try:
         for rank in range(2):
-            group = MEMORY_CGROUPS / f"lightning-zero-fit-{os.getpid()}-{name}-{rank}"
-            group.mkdir()
+            group = new_memory_cgroup(f"fit-{name}-{rank}", cap)
             groups.append(group)
-            if cap is not None:
-                (group / "memory.limit_in_bytes").write_text(str(cap))
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent), "RANK": str(rank)}
             env["MALLOC_MMAP_THRESHOLD_"] = str(MiB)  # resident memory follows what is in use (the docstring)
             env.update(WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            enter = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
-            command = ["sh", "-c", enter, "sh", sys.executable, str(SCRIPT), str(spec_path), str(out)]
+            command = entering(group, [sys.executable, str(SCRIPT), str(spec_path), str(out)])
             ranks.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         _wait_for_both(ranks)
     finally:
@@ -81,8 +73,8 @@ def _job(name: str, spec: dict, cap: int | None, tmp_path: Path) -> list[dict]:
                 process.kill()
             process.wait()
         for group in groups:
-            oom_kills.append(_oom_kills(group))
-            peaks.append(int((group / "memory.max_usage_in_bytes").read_text()))
+            kills.append(oom_kills(group))
+            peaks.append(peak_bytes(group))
             group.rmdir()
     results = []
     for rank, process in enumerate(ranks):
@@ -94,17 +86,11 @@ def _job(name: str, spec: dict, cap: int | None, tmp_path: Path) -> list[dict]:
                 code=process.returncode,
                 report=json.loads(report.read_text()) if report.exists() else {},
                 peak=peaks[rank],
-                oom_kills=oom_kills[rank],
+                oom_kills=kills[rank],
                 stderr=stderr,
             )
         )
     return results
-
-
-def _oom_kills(group: Path) -> int:
-    """How many processes the kernel killed in ``group`` for its memory limit (v1's oom_control)."""
-    fields = dict(line.split() for line in (group / "memory.oom_control").read_text().splitlines())
-    return int(fields.get("oom_kill", 0))
 
 
 def _wait_for_both(ranks: list[subprocess.Popen]) -> None:

@@ -26,6 +26,7 @@ import zero_core.offload.nvme_load as nvme_load
 import zero_core.offload.scratch as scratch
 import zero_core.offload.state_files as state_files
 import zero_core.offload.unit_file as unit_file
+from tests.memory_cgroups import entering, memory_cgroups_writable, new_memory_cgroup
 from tests.models import TinyTransformer, make_optimizer
 from tests.paths import TESTS
 from tests.rank_pool import run_distributed
@@ -591,23 +592,16 @@ def test_a_killed_runs_scratch_is_removed_by_the_next_run_and_a_finished_run_lea
     assert losses["offloaded"] == pytest.approx(losses["in memory, per-tensor"], rel=1e-5)
 
 
-MEMORY_CGROUPS = Path("/sys/fs/cgroup/memory")
-
-
 def _capped_run(modes: str, limit_bytes: int | None, tmp_path: Path) -> tuple[subprocess.CompletedProcess, dict]:
     """offload_cap.py MODES under torchrun, every process in a new memory cgroup (v1) limited to ``limit_bytes``;
     returns the result and rank 0's report (each run's peak: the cgroup's when it ended)."""
-    group = MEMORY_CGROUPS / f"lightning-zero-test-{os.getpid()}-{modes}-{limit_bytes}"
-    group.mkdir()
+    group = new_memory_cgroup(f"{modes}-{limit_bytes}", limit_bytes)
     try:
-        if limit_bytes is not None:
-            (group / "memory.limit_in_bytes").write_text(str(limit_bytes))
         out = tmp_path / f"{modes}-{limit_bytes}.json"
         script = TESTS / "scripts" / "offload_cap.py"
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
-        enter = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'
         result = subprocess.run(
-            ["sh", "-c", enter, "sh", *command, modes, str(tmp_path), str(out), str(group)],
+            entering(group, [*command, modes, str(tmp_path), str(out), str(group)]),
             capture_output=True,
             text=True,
             timeout=600,
@@ -618,11 +612,7 @@ def _capped_run(modes: str, limit_bytes: int | None, tmp_path: Path) -> tuple[su
         group.rmdir()
 
 
-def _memory_cgroups_writable() -> bool:
-    return MEMORY_CGROUPS.is_dir() and os.access(MEMORY_CGROUPS, os.W_OK)
-
-
-@pytest.mark.skipif(not _memory_cgroups_writable(), reason="needs the cgroup-v1 memory controller, writable (root)")
+@pytest.mark.skipif(not memory_cgroups_writable(), reason="needs the cgroup-v1 memory controller, writable (root)")
 def test_under_a_memory_cap_only_the_nvme_run_trains_and_exactly_as_in_memory(tmp_path: Path) -> None:
     """The proof on this machine: a 71M-parameter GPT at stage 3 on 2 processes whose in-memory model
     states do not fit a cap that the same run with its optimizer state on disk fits. The cap is the
