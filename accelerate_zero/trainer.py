@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -85,6 +86,8 @@ class ZeroTrainer(Trainer):
         self.zero_plugin = plugin  # read by create_accelerator_and_postprocess, inside Trainer.__init__
         self._accelerator_arguments: dict[str, Any] | None = None
         super().__init__(**given)
+        if plugin.memory_budget is not None:
+            _give_budget_sample(self)
 
     def _plugin_from_deepspeed(self, config: _GivenConfig, given: dict[str, Any], plugin: ZeroPlugin) -> ZeroPlugin:
         """The DeepSpeed config as transformers reads ``TrainingArguments(deepspeed=...)`` (also under
@@ -238,6 +241,27 @@ class _GivenConfig(NamedTuple):
     source: dict[str, Any] | str  # as given: a path or a dict
     where: str  # how refusals name it
     launched: bool  # accelerate-zero launch's (--zero_config_file, --deepspeed_config_file, a YAML's)
+
+
+def _give_budget_sample(trainer: Trainer) -> None:
+    """memory_budget measures one batch as the model's forward takes it, its ``example_input_array``, which a
+    Hugging Face model lacks: the first ``per_device_train_batch_size`` items of the train dataset through the
+    Trainer's collator, only the keywords the model's forward takes, as the Trainer's loader gives them. Read
+    from the dataset, not the loader: the sampler and the random state are left as they were. An iterable
+    dataset gives none (the engine then asks for ``model.example_input_array``)."""
+    model, dataset = trainer.model, trainer.train_dataset
+    if getattr(model, "example_input_array", None) is not None or dataset is None:
+        return
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        return
+    keywords = set(inspect.signature(model.forward).parameters)
+    # The collator may rename a label column to "labels" (transformers' default_data_collator does).
+    kept = keywords | {"label", "label_ids"}
+    items = [dataset[index] for index in range(min(trainer.args.per_device_train_batch_size, len(dataset)))]
+    if not items or not all(isinstance(item, Mapping) for item in items):
+        return
+    batch = trainer.data_collator([{k: v for k, v in item.items() if k in kept} for item in items])
+    model.example_input_array = {k: v for k, v in batch.items() if k in keywords}
 
 
 def _deepspeed_config(args: Any, given_plugin: ZeroPlugin | None, plugin: ZeroPlugin) -> _GivenConfig | None:

@@ -121,6 +121,14 @@ def register_zero_strategies(strategy_class: type, registry: Any) -> None:
             stage=stage,
             override=True,
         )
+    registry.register(
+        "zero_auto",
+        strategy_class,
+        description="ZeRO with the stage, offload and checkpointing chosen for each rank's device memory at setup "
+        "(memory_budget='auto', measured on the LightningModule's example_input_array; lightning-zero)",
+        memory_budget="auto",
+        override=True,
+    )
     for name, (description, settings) in OFFLOAD_PRESETS.items():
         description = f"{description} (lightning-zero)"
         registry.register(name, strategy_class, description=description, override=True, **settings)

@@ -14,9 +14,10 @@ from .collectives import CollectiveFailed, CollectiveKind, CommStats, RanksDiver
 from .config import MixedPrecision, WrapPolicy, ZeroConfig, user_settings
 from .engine import ZeroEngine, engine_of, engine_owning
 from .memory.estimate import ZeroEstimate, estimate
-from .memory.fit import FitResult, MemoryBudget, fit
+from .memory.fit import FitResult, fit
 from .memory.memory_reports import MemoryReport, UnitReport
 from .memory.predicted import expected_model_state_bytes
+from .memory_budget import MemoryBudget
 from .mesh import tensor_parallel_mesh
 from .model.changes import ModelChangedError
 from .muon_with_adamw import MuonWithAuxAdamW

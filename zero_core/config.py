@@ -10,6 +10,16 @@ import typing
 from dataclasses import dataclass, field, fields
 from functools import cache
 
+from .memory_budget import (
+    MemoryBudget,
+    MemoryBudgetLike,
+    as_memory_budget,
+    budget_of_setting,
+    check_memory_budget,
+    format_memory_budget_text,
+    memory_budget_of_text,
+    parse_memory_budget_text,
+)
 from .offload_plan import OFFLOAD_MODES, OffloadPlan, check_offload
 from .precision import SKIPS_DOC, MixedPrecision, check_loss_scaling
 from .settings import (
@@ -51,6 +61,28 @@ class ZeroConfig:
         example=2,
         # --zero_stage is Accelerate's DeepSpeed flag.
         flag="--zero_sharding_stage",
+    )
+    # zero_core.fit at setup (memory/fit.py): the stage, prefetch, offload and activation checkpointing chosen for
+    # this memory per rank from the model and one sample batch; the engine runs what it chose (engine.config).
+    memory_budget: MemoryBudget | None = setting(
+        None,
+        doc="choose the stage, prefetch, offload and activation checkpointing at setup to fit this memory per rank, "
+        "measured on the model's example_input_array: a size (\"20GiB\", the device's), parts "
+        '("device=20GiB,host=200GiB,disk=2TB") or "auto" (the device\'s own); none: the settings as given',
+        values='a size, device=/host=/disk= sizes, "auto", or none',
+        parse=parse_memory_budget_text,
+        format=format_memory_budget_text,
+        example="device=8GiB",
+        # Lightning and Fabric take a MemoryBudget, a size or its text; Accelerate's text is kept in its exact
+        # spelling ("20GiB" reads as "device=20GiB"), read into a MemoryBudget when the config is made.
+        keyword=KeywordForm(annotation=MemoryBudgetLike, default=None, to_config=as_memory_budget),
+        text=TextSpelling(
+            name="memory_budget",
+            annotation=str | None,
+            default=None,
+            normalize=parse_memory_budget_text,
+            resolve=memory_budget_of_text,
+        ),
     )
     # The size-based wrap policy claims a module once its unclaimed parameters reach this size.
     bucket_size_mb: float = setting(
@@ -356,6 +388,9 @@ class ZeroConfig:
             )
         check_offload(self)
         check_wire(self)
+        if self.memory_budget is not None and not isinstance(self.memory_budget, MemoryBudget):
+            object.__setattr__(self, "memory_budget", budget_of_setting(self.memory_budget))  # "20GiB", as users write
+        check_memory_budget(self)
 
     @property
     def steps_in_backward(self) -> bool:

@@ -24,6 +24,7 @@ from .checkpoint import save_and_load
 from .collectives import CollectiveCount, CommContext, CommStats
 from .config import ZeroConfig
 from .engine_plans import EnginePlans
+from .memory.fit import FitResult, fit_at_setup
 from .memory.measured import measure_model_state, unit_reports
 from .memory.memory_reports import MemoryReport, UnitReport
 from .mesh import DeviceMesh, engine_comm
@@ -102,8 +103,9 @@ class ZeroEngine:
         device_mesh: DeviceMesh | None = None,  # data_parallel × tensor_parallel (tensor parallelism: mesh.py)
         device: torch.device | str | None = None,
         param_init_fn: ParamInitFn | None = None,
+        sample: Any = None,  # memory_budget: one batch as the model's forward takes it (model.example_input_array)
     ):
-        self.config = config = config if config is not None else ZeroConfig()
+        config = config if config is not None else ZeroConfig()
         if not isinstance(config, ZeroConfig):
             raise ValueError("config must be a zero_core.ZeroConfig, for example ZeroConfig(stage=3).")
         if engine_of(model) is not None:
@@ -114,9 +116,18 @@ class ZeroEngine:
         if optimizer is not None:
             check_optimizer_supported(optimizer)
         self.model = model
+        self.requested_config = config  # as given; self.config is what runs (memory_budget's choice)
         plans = EnginePlans.of(config)
         tensor_parallel_size = plans.groups.tensor_parallel_size
         comm = engine_comm(model, tensor_parallel_size, process_group, device_mesh, model_device(model, device))
+        # memory_budget: the settings chosen for it (memory/fit.py), agreed on every rank, before any state moves.
+        self.fit: FitResult | None = None
+        if config.memory_budget is not None:
+            self.fit = fit_at_setup(model, sample, config, comm)
+            self.fit.apply_activation_checkpointing(model)
+            config = self.fit.config
+            plans = EnginePlans.of(config)
+        self.config = config
         # The runtime holds the engine: alive while the model's hooks are (the registry holds it weakly).
         self._parts = parts = build_parts(model, plans, config, optimizer, comm, param_init_fn, owner=self)
         self._units, self._runtime, self._loss_scaler = parts.units, parts.runtime, parts.loss_scaler

@@ -30,8 +30,8 @@ from .memory.estimate import (
     shared_config,
     shared_settings,
 )
-from .settings import Setting
-from .sizes import BYTE_UNITS, human_bytes, parse_quantity
+from .settings import BYTE_UNITS, Setting, parse_quantity
+from .sizes import human_bytes
 
 PRECISIONS = {
     "fp32": MixedPrecision(),
@@ -49,7 +49,7 @@ def _quantity(text: str, units: dict[str, int], example: str) -> int:
 
 
 def bytes_argument(text: str) -> int:
-    """``80GiB``, ``80GB``, ``8.5e10`` (bytes), as argparse takes a type (sizes.parse_bytes, its error)."""
+    """``80GiB``, ``80GB``, ``8.5e10`` (bytes), as argparse takes a type (settings.parse_bytes, its error)."""
     return _quantity(text, BYTE_UNITS, "80GiB, 40GB or 8e10")
 
 

@@ -1,4 +1,4 @@
-"""The records of the settings schema, and the text parsers its fields name.
+"""The records of the settings schema, and the text parsers its fields name (sizes among them).
 
 A user-facing field of ``ZeroConfig`` is declared with :func:`setting`, which
 puts a :class:`_Declared` into the field's metadata; ``zero_core.config.user_settings()``
@@ -12,6 +12,8 @@ records, so a new setting is one field declared here and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -58,6 +60,29 @@ def parse_class_names(value: str | Sequence[str]) -> tuple[str, ...]:
 
 def join_names(names: Sequence[str]) -> str:
     return ",".join(names)
+
+
+BYTE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+BYTE_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40})
+
+
+def parse_quantity(text: str, units: dict[str, int], example: str) -> int:
+    """A positive number with an optional unit of ``units`` (case aside), rounded; ``ValueError`` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
+    if match is None or match.group(2) not in units:
+        raise ValueError(f"{text!r} is not a size: use a number with an optional unit, e.g. {example}")
+    number = float(match.group(1)) * units[match.group(2)]
+    if not math.isfinite(number):
+        raise ValueError(f"{text!r} is not a finite size: use e.g. {example}")
+    value = round(number)
+    if value < 1:
+        raise ValueError(f"{text!r} is not positive: use e.g. {example}")
+    return value
+
+
+def parse_bytes(text: str) -> int:
+    """``80GiB``, ``80GB``, ``8.5e10`` (bytes): B, KB, MB, GB, TB (powers of 1000), KiB, MiB, GiB, TiB (of 1024)."""
+    return parse_quantity(text, BYTE_UNITS, "80GiB, 40GB or 8e10")
 
 
 def _same(value: Any) -> Any:

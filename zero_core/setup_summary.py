@@ -68,11 +68,13 @@ def setup_summary(engine: ZeroEngine) -> str:
         wire = f" (gathers in int8 blocks of {config.wire.weight_block_size})"
     if config.wire.secondary_size is not None:  # ZeRO++'s hpZ
         wire += f" (backward gathers inside groups of {config.wire.secondary_size})"
+    chosen = f"; memory_budget: {engine.fit.summary()}" if engine.fit is not None else ""
     return (
         f"ZeRO stage {engine.stage}: {len(reports)} units (largest {_count(max(r.numel for r in reports))} "
         f"parameters) of {_count(numel)} parameters{_split(engine)}, sharded over {shards} of {engine.world_size} "
         f"{'data-parallel ' if engine.comm.tensor_parallel_size > 1 else ''}ranks; "
         f"compute {_dtype(precision.compute_dtype)}, reduce {_dtype(precision.reduce_dtype)}; "
         f"prefetch {config.prefetch}{wire}; offload_optimizer {offload}; model states per rank about "
-        f"{_mib(ours.model_state_bytes)}{where} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of state)"
+        f"{_mib(ours.model_state_bytes)}{where} (DDP: {_mib(ddp.model_state_bytes)}; with Adam's 8 bytes of "
+        f"state){chosen}"
     )

@@ -30,7 +30,7 @@ def shard_module(
     """The module's engine: reused if it was sharded alike before, rebuilt if
     it was sharded with other settings, created otherwise."""
     engine = engine_of(module)
-    if engine is not None and engine.config != config:
+    if engine is not None and engine.requested_config != config:  # as asked: memory_budget's choice is its own
         engine.unshard()
         engine = None
     if engine is None:

@@ -9,7 +9,8 @@ with the launcher's settings unless it gives its own (``--stage``, or
     ACCELERATE_USE_CPU=1 accelerate[-zero] launch --multi_gpu --num_processes 2 \\
         tests/scripts/accelerate_train.py OUT NAME [--steps 6] [--accumulate 2] [--clip 0.5]
         [--save-at 3] [--resume DIR] [--batchnorm 0] [--batch-size 4] [--mixed-precision bf16] [--stage 1]
-        [--round-params 1] [--autocast 1] [--optimizer muon] [--then NAME [options] ...]
+        [--round-params 1] [--autocast 1] [--optimizer muon] [--memory-budget 64GiB]
+        [--then NAME [options] ...]
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 
 from accelerate_zero import ZeroAccelerator, ZeroPlugin  # noqa: E402
 from accelerate_zero.plugin import zero_requested  # noqa: E402
-from tests.models import TinyTransformer, TokenDataset, lm_loss, make_optimizer  # noqa: E402
+from tests.models import SEQ, TinyTransformer, TokenDataset, lm_loss, make_optimizer  # noqa: E402
 
 THEN = "--then"  # separates the cases of one launch
 
@@ -59,6 +60,8 @@ def case_parser() -> argparse.ArgumentParser:
     # The forward under the script's own torch.autocast(bf16) (for ZeroAccelerator(mixed_precision="no")).
     parser.add_argument("--autocast", type=int, default=0)
     parser.add_argument("--optimizer", default="adamw", help="tests.models.make_optimizer's name: adamw, muon, ...")
+    # The script's own ZeroPlugin(memory_budget=...), measured on the model's example_input_array.
+    parser.add_argument("--memory-budget", default=None)
     return parser
 
 
@@ -86,11 +89,15 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
     if zero_requested():
         # Where a stage is given, a script's own ZeroPlugin(stage=N): its other settings come from the launcher.
         plugin = ZeroPlugin(stage=args.stage) if args.stage is not None else None
+        if args.memory_budget is not None:
+            plugin = ZeroPlugin(memory_budget=args.memory_budget)
         accelerator = ZeroAccelerator(zero_plugin=plugin, **settings)
     else:
         accelerator = Accelerator(**settings)
     torch.manual_seed(0)
     model = TinyTransformer(batchnorm=bool(args.batchnorm))
+    if args.memory_budget is not None:
+        model.example_input_array = torch.zeros(args.batch_size, SEQ, dtype=torch.long)
     optimizer = make_optimizer(args.optimizer, model)
     if args.round_params:
         model = Bf16ComputeCopies(model)
@@ -151,6 +158,8 @@ def train(out: Path, args: argparse.Namespace) -> Accelerator:
                 "autocast_enabled": all(autocast_enabled),
                 "num_processes": accelerator.num_processes,
                 "shard_group_size": engine.shard_group_size if engine is not None else None,
+                "fit": engine.fit.summary() if engine is not None and engine.fit is not None else None,
+                "stage": engine.config.stage if engine is not None else None,
                 "logged": logged,
             },
             out / f"{args.name}.pt",

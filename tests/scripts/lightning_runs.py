@@ -32,11 +32,11 @@ from tests.lightning_module import (  # noqa: E402
     TwoStepsTinyLM,
     WholeTensorTinyLM,
 )
-from tests.models import Block  # noqa: E402
+from tests.models import SEQ, Block  # noqa: E402
 
 
 def make_strategy(name: str, shard_group_size: int | None = None, settings: dict | None = None):  # type: ignore[no-untyped-def]
-    if name.startswith("zero"):
+    if name.startswith("zero") and name != "zero_auto":  # zero_auto: by its registered name
         return ZeroStrategy(
             stage=int(name[-1]), wrap_policy=Block, shard_group_size=shard_group_size, **(settings or {})
         )
@@ -81,6 +81,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
         batch_size=spec.get("batch_size", 4),
         dataset_size=spec.get("dataset_size", 96),
     )
+    if spec.get("example_input"):  # what memory_budget measures: one batch as forward takes it
+        module.example_input_array = torch.zeros(spec.get("batch_size", 4), SEQ, dtype=torch.long)
     callbacks = []
     if spec.get("callback"):  # a callback ZeroStrategy refuses at setup
         callbacks.append(_refused_callback(spec["callback"]))
@@ -137,6 +139,8 @@ def run(spec: dict, out: Path, devices: int) -> None:
     result["norms"] = getattr(module, "norms", None)
     if isinstance(trainer.strategy, ZeroStrategy):
         result["shard_group_size"] = trainer.strategy.engine.shard_group_size
+        fitted = trainer.strategy.engine.fit
+        result["fit"] = None if fitted is None else {"summary": fitted.summary(), "config": fitted.config}
     # A resumed BaseFinetuning callback ends its restart in on_fit_start; one left restarting would
     # redo it in the next fit.
     result["restarting"] = [c._restarting for c in callbacks if isinstance(c, BackboneFinetuning)]

@@ -132,6 +132,8 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         return (NaNTrainer if nan else Trainer)(**kwargs)
     stage = re.fullmatch(r"zero(\d)(_\w+)?", case)
     plugin = ZeroPlugin(stage=int(stage[1])) if stage else None
+    if case == "zero_budget":  # the settings chosen at prepare, measured on the train dataset's first batch
+        plugin = ZeroPlugin(memory_budget="64GiB")
     return (NaNZeroTrainer if nan else ZeroTrainer)(zero_plugin=plugin, **kwargs)
 
 
@@ -151,6 +153,7 @@ def describe(run: Trainer) -> dict:
     return {
         "trainer": type(run).__name__,
         "stage": engine.stage if engine is not None else None,
+        "fit": engine.fit.summary() if engine is not None and engine.fit is not None else None,
         "num_processes": run.accelerator.num_processes,
         "optimizer": type(run.optimizer.optimizer if hasattr(run.optimizer, "optimizer") else run.optimizer).__name__
         if run.optimizer is not None

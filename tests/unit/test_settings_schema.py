@@ -43,9 +43,9 @@ def _ids(setting: Setting) -> str:
 
 
 # Every setting's example at once, but the stage's: its example (2) and offload_params' ("cpu", stage 3 only)
-# do not go together, nor skip_nonfinite_steps' (true) and offload_step_in_backward's (true). Each is also
-# checked alone.
-TOGETHER = [s for s in SETTINGS if s.name not in ("stage", "skip_nonfinite_steps")]
+# do not go together, nor skip_nonfinite_steps' (true) and offload_step_in_backward's (true), nor
+# memory_budget's with the settings it chooses itself. Each is also checked alone.
+TOGETHER = [s for s in SETTINGS if s.name not in ("stage", "skip_nonfinite_steps", "memory_budget")]
 
 
 def _config_value(setting: Setting) -> Any:

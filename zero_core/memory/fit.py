@@ -36,20 +36,23 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..agreement.setup import Field, agree_on_setup
+from ..collectives import CommContext
 from ..config import ZeroConfig
+from ..memory_budget import BUDGET_PARTS, MemoryBudget
 from ..offload_plan import OffloadTier
 from ..precision import MixedPrecision
-from ..sizes import human_bytes, parse_bytes
+from ..sizes import human_bytes
 from ..wrap_policy import WrapPolicyLike, as_wrap_policy
 from .activations import LossFn, measure_activations, tensors_in
 from .estimate import EstimateSettings, UnitCount, count_units, estimate_units, padded_numel
+from .machine_memory import device_memory_per_rank
 
 # What one rank's process holds besides training: the interpreter, torch's libraries and the communication
 # threads (about 0.3 GiB measured on a CPU after `import torch, zero_core`); on a GPU, its context.
 PROCESS_BYTES = 512 * 2**20
 DEFAULT_MARGIN = 0.1
 OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
-BUDGET_PARTS = ("device", "host", "disk")
 STEP_TEMPORARY_BYTES = 4  # torch's Adam(W) step: one fp32 temporary per element of a tensor it steps
 
 
@@ -75,70 +78,9 @@ class StatePlacement(enum.IntEnum):
         return self >= StatePlacement.DISK
 
 
-@dataclass(frozen=True)
-class MemoryBudget:
-    """Bytes per rank for each tier; None: not limited."""
-
-    device: int | None = None
-    host: int | None = None
-    disk: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in BUDGET_PARTS:
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(
-                    f"MemoryBudget.{name}={value!r} is invalid: use bytes per rank (a positive integer), or None for "
-                    'no limit; MemoryBudget.of("20GiB") reads sizes.'
-                )
-
-    @classmethod
-    def of(cls, value: MemoryBudget | str | int | Mapping[str, Any]) -> MemoryBudget:
-        """``"20GiB"`` (the device), ``"device=20GiB,host=200GiB,disk=2TB"``, ``{"device": "20GiB"}`` (None: not
-        limited), or bytes."""
-        if isinstance(value, MemoryBudget):
-            return value
-        if isinstance(value, Mapping):
-            parts = dict(value)
-        elif isinstance(value, str) and "=" in value:
-            parts = {}
-            for part in (piece.strip() for piece in value.split(",") if piece.strip()):
-                name, equals, amount = (side.strip() for side in part.partition("="))
-                if not equals or name in parts:
-                    raise ValueError(
-                        f"memory_budget={value!r}: {part!r} is not one tier=size of its own; write each tier once, "
-                        'e.g. "device=20GiB,host=200GiB".'
-                    )
-                parts[name] = amount
-        else:
-            parts = {"device": value}
-        unknown = sorted(set(map(str, parts)) - set(BUDGET_PARTS))
-        if unknown:
-            raise ValueError(
-                f"memory_budget={value!r}: unknown part {unknown}; use device=, host= and disk=, e.g. "
-                '"device=20GiB,host=200GiB".'
-            )
-        return cls(**{name: _budget_bytes(name, amount, value) for name, amount in parts.items()})
-
-    def __str__(self) -> str:
-        return ", ".join(f"{name} {human_bytes(getattr(self, name))}" for name in BUDGET_PARTS if getattr(self, name))
-
-
-def _budget_bytes(part: str, amount: Any, whole: Any) -> int | None:
-    if amount is None:
-        return None
-    if isinstance(amount, float) and amount.is_integer():
-        amount = int(amount)
-    try:
-        nbytes = parse_bytes(amount) if isinstance(amount, str) else amount
-    except ValueError as error:
-        raise ValueError(f"memory_budget={whole!r}: the {part} part {error}") from None
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 1:
-        raise ValueError(
-            f"memory_budget={whole!r}: the {part} part {amount!r} is invalid: use bytes per rank, a positive "
-            'integer or a size such as "20GiB" or "40GB".'
-        )
-    return nbytes
+def described_budget(budget: MemoryBudget) -> str:
+    """``device 20.00 GiB, disk 2.00 TiB``: for people (``str(budget)`` is the exact text form)."""
+    return ", ".join(f"{name} {human_bytes(getattr(budget, name))}" for name in BUDGET_PARTS if getattr(budget, name))
 
 
 @dataclass(frozen=True)
@@ -228,7 +170,8 @@ class FitResult:
         peak = self.choice.predicted
         tiers = [f"device {human_bytes(peak.device)}"]
         tiers += [f"{name} {human_bytes(getattr(peak, name))}" for name in ("host", "disk") if getattr(peak, name)]
-        line = f"zero fit for {self.budget} per rank (margin {self.margin:.0%}): {self.choice.describe()}; "
+        line = f"zero fit for {described_budget(self.budget)} per rank (margin {self.margin:.0%}): "
+        line += f"{self.choice.describe()}; "
         line += f"predicted peak {', '.join(tiers)}"
         if self.runner_up is not None:
             line += f"; runner-up: {self.runner_up.describe()} ({self.runner_up_lost})"
@@ -288,6 +231,51 @@ def fit(
     fake tensors (checkpointing is then not considered). Raises ``ValueError`` naming the smallest budget that
     fits when nothing does."""
     budget = MemoryBudget.of(budget)
+    if budget.device_is_auto:
+        raise ValueError(
+            'fit: the device part "auto" is read by the engine at setup (every rank\'s device); give fit() the '
+            'bytes per rank, e.g. budget="20GiB".'
+        )
+    base = ZeroConfig(
+        wrap_policy=as_wrap_policy(wrap_policy),
+        shard_group_size=shard_group_size,
+        bucket_size_mb=bucket_size_mb,
+        offload_dir=offload_dir,
+        **({} if precision is None else {"mixed_precision": precision}),
+    )
+    return fit_config(
+        model,
+        sample,
+        base,
+        world_size=world_size,
+        budget=budget,
+        device=device,
+        global_batch_size=global_batch_size,
+        optimizer_state_bytes_per_param=optimizer_state_bytes_per_param,
+        margin=margin,
+        loss_fn=loss_fn,
+        activation_bytes=activation_bytes,
+        overhead_bytes=overhead_bytes,
+    )
+
+
+def fit_config(
+    model: nn.Module | Callable[[], nn.Module],
+    sample: Any,
+    base: ZeroConfig,
+    *,
+    world_size: int,
+    budget: MemoryBudget,
+    device: torch.device | str | None = None,
+    global_batch_size: int | None = None,
+    optimizer_state_bytes_per_param: int = 8,
+    margin: float = DEFAULT_MARGIN,
+    loss_fn: LossFn | None = None,
+    activation_bytes: int | None = None,
+    overhead_bytes: int = PROCESS_BYTES,
+) -> FitResult:
+    """``fit`` with the settings it does not choose taken from ``base`` (the engine's config under
+    ``memory_budget``; its chosen settings at their defaults, which ``check_memory_budget`` sees to)."""
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     _check_inputs(world_size, global_batch_size, margin, device, budget, activation_bytes)
     _check_counts(overhead_bytes=overhead_bytes, optimizer_state_bytes_per_param=optimizer_state_bytes_per_param)
@@ -297,14 +285,7 @@ def fit(
         if not isinstance(built, nn.Module):
             raise ValueError(f"fit: the model factory returned a {type(built).__name__}, not an nn.Module.")
         model = built
-    base = ZeroConfig(
-        wrap_policy=as_wrap_policy(wrap_policy),
-        shard_group_size=shard_group_size,
-        bucket_size_mb=bucket_size_mb,
-        offload_dir=offload_dir,
-        persistence_threshold=0,
-        **({} if precision is None else {"mixed_precision": precision}),
-    )
+    base = replace(base, memory_budget=None)
     compute_dtype = base.mixed_precision.compute_dtype
     if activation_bytes is None:
         profile = measure_activations(
@@ -334,6 +315,29 @@ def fit(
     )
     blocks = profile.checkpointed_blocks if profile is not None else ()
     return _choose(candidates, budget, margin, blocks)
+
+
+def fit_at_setup(model: nn.Module, sample: Any, config: ZeroConfig, comm: CommContext) -> FitResult:
+    """The engine's fit under ``config.memory_budget``: every rank agrees on the budget and the sample's shapes
+    first (or every rank raises the same error), "auto" becomes the smallest rank's share of its device, and the
+    sample is ``model.example_input_array`` where none is given."""
+    budget = config.memory_budget
+    assert budget is not None
+    if sample is None:
+        sample = getattr(model, "example_input_array", None)
+    # Before anything is measured: ranks that would choose apart are refused alike, naming the budget or sample.
+    shapes = "none" if sample is None else repr([(tuple(t.shape), str(t.dtype)) for t in tensors_in(sample)])
+    agree_on_setup(comm, [Field("config.memory_budget", str(budget)), Field("the sample batch's shapes", shapes)])
+    if sample is None:
+        raise ValueError(
+            "memory_budget: the settings are chosen from one measured batch, and there is none: set "
+            "model.example_input_array to one batch as the model's forward takes it (a tensor, a tuple of "
+            "arguments or a mapping of keywords, the micro-batch in each tensor's first dimension), as Lightning's "
+            "LightningModule does, or pass ZeroEngine(..., sample=batch)."
+        )
+    if budget.device_is_auto:
+        budget = replace(budget, device=device_memory_per_rank(comm))
+    return fit_config(model, sample, config, world_size=comm.world_size, budget=budget, device=comm.device)
 
 
 def _check_inputs(
@@ -510,7 +514,7 @@ def _nothing_fits(candidates: list[FitCandidate], budget: MemoryBudget, margin: 
     needed = math.ceil(smallest.predicted.device / (1 - margin))
     disk = "" if any(c.placement.on_disk for c in candidates) else " Without offload_dir the disk tiers were not tried."
     return (
-        f"fit: no configuration fits memory_budget ({budget} per rank, margin {margin:.0%}). The smallest that fits "
-        f"is device {human_bytes(needed)} ({needed} bytes) per rank, with {smallest.describe()}. Raise the budget, "
-        f"add ranks, or shorten the sequence.{disk}"
+        f"fit: no configuration fits memory_budget ({described_budget(budget)} per rank, margin {margin:.0%}). "
+        f"The smallest that fits is device {human_bytes(needed)} ({needed} bytes) per rank, with "
+        f"{smallest.describe()}. Raise the budget, add ranks, or shorten the sequence.{disk}"
     )

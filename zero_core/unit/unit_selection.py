@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 
 from ..config import WrapPolicy
 
@@ -106,7 +107,10 @@ def plan_units(model: nn.Module, policy: WrapPolicy, bucket_numel: int) -> list[
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(fqn)
+        # A checkpoint_wrapper block's parameters under the names model.state_dict() gives them (torch's
+        # wrapper drops its prefix there): the optimizer state, the checkpoints and the messages use these,
+        # so a run with activation checkpointing resumes one without it, and back.
+        names.setdefault(id(param), []).append(fqn.replace(_CHECKPOINT_PREFIX, ""))
         params[id(param)] = param
     for pid, param in params.items():
         owner = _lowest_common_unit(sorted(set(users[pid])), plans)

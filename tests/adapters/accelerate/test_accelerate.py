@@ -104,6 +104,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
                 "saved",
                 *RESUMABLE,
                 *muon_case,
+                THEN,
+                "budget",  # ZeroPlugin(memory_budget=...): the settings chosen at prepare
+                *PARITY,
+                "--memory-budget",
+                "64GiB",
                 zero=zero3,
             )
         )
@@ -135,6 +140,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         "zero3-autocast",
         "ddp-muon",
         "zero3-muon",
+        "budget",
     ]
     return out, {name: torch.load(out / f"{name}.pt", weights_only=False) for name in names}
 
@@ -177,6 +183,19 @@ def test_each_stage_matches_plain_accelerate(runs: tuple, stage: int) -> None:
     # Clipped AdamW is blind to a gradient scaled by a constant (a loss not divided by the accumulation
     # steps); the norm clip_grad_norm_ returns is not.
     assert len(ours["clip_norms"]) == 6 and ours["clip_norms"] == pytest.approx(reference["clip_norms"], rel=1e-5)
+
+
+def test_a_memory_budget_chooses_at_prepare_logs_the_choice_and_matches_plain_accelerate(runs: tuple) -> None:
+    """ZeroPlugin(memory_budget="64GiB") beside the launcher's stage-3 file: the settings chosen from the model's
+    example_input_array (the cheapest for a tiny model: stage 1), said in the setup line, DDP's numbers."""
+    _, results = runs
+    reference, ours = results["ddp"], results["budget"]
+    setup_lines = [line for line in ours["logged"] if "ZeRO stage" in line]
+    assert len(setup_lines) == 1 and "ZeRO stage 1: " in setup_lines[0], ours["logged"]
+    assert ours["stage"] == 1 and ours["fit"].startswith("zero fit for device 64.00 GiB per rank")
+    assert "memory_budget: " + ours["fit"] in setup_lines[0]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
 
 
 def test_muon_through_prepare_matches_plain_accelerate_with_muon(runs: tuple) -> None:

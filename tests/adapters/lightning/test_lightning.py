@@ -53,6 +53,9 @@ TWO_DEVICE_RUNS = [
         for stage, name in ((1, "muon"), (3, "muon"), (3, "muon+adamw"), (2, "adafactor"))
     ),
     {"name": "zero1", "strategy": "zero1", **PARITY},
+    # Settings chosen for this host's memory at setup, from the module's example_input_array.
+    {"name": "zero-auto", "strategy": "zero_auto", **PARITY, "example_input": True},
+    {"name": "zero-auto-no-example", "strategy": "zero_auto", "max_steps": 1, "expect_error": True},
     {"name": "zero2", "strategy": "zero2", **PARITY},
     {
         "name": "zero3",
@@ -193,7 +196,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, fabric_launch: tuple | Non
 
 
 def test_strategies_are_registered_and_validated() -> None:
-    assert {"zero1", "zero2", "zero3"} <= set(StrategyRegistry.available_strategies())
+    assert {"zero1", "zero2", "zero3", "zero_auto"} <= set(StrategyRegistry.available_strategies())
     with pytest.raises(ValueError, match="use 1 \\(optimizer state\\)"):
         ZeroStrategy(stage=5)
     with pytest.raises(ValueError, match="precision='64-true' is not supported"):
@@ -207,6 +210,18 @@ def test_each_stage_matches_ddp_with_clipping_and_accumulation(results: tuple, s
     assert len(ours["losses"]) == 8 and ours["global_step"] == 4  # 4 steps of 2 micro-batches
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+
+
+def test_zero_auto_chooses_for_the_hosts_memory_and_matches_ddp(results: tuple) -> None:
+    _, runs = results
+    reference, ours = runs["ddp"], runs["zero-auto"]
+    assert ours["fit"] is not None and ours["fit"]["summary"].startswith("zero fit for device ")
+    assert ours["fit"]["config"].stage == 1  # a tiny model in a host's memory: the cheapest settings
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert relative_difference(ours["weights"], reference["weights"]) <= 1e-5
+    refused = runs["zero-auto-no-example"]["error"]
+    assert refused.startswith("ValueError: memory_budget: the settings are chosen from one measured batch")
+    assert "set model.example_input_array to one batch" in refused
 
 
 @pytest.mark.parametrize("run", ["zero1-muon", "zero3-muon", "zero3-muon+adamw", "zero2-adafactor"])

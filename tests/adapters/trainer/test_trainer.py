@@ -66,7 +66,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         "zero1_muon",
         "zero1_adafactor",
     )
-    zero += ("zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
+    zero += ("zero_budget", "zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
     # The two side by side (a launch keeps about one of two cores busy; each writes its own files).
     with ThreadPoolExecutor(max_workers=2) as launches:
         for launch in [launches.submit(_launch, *ddp), launches.submit(_launch, *zero)]:
@@ -81,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     )
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
     names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan", "ddp_muon", "zero1_muon"]
-    names += ["ddp_adafactor", "zero1_adafactor"]
+    names += ["ddp_adafactor", "zero1_adafactor", "zero_budget"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -132,6 +132,20 @@ def test_train_evaluate_predict_equal_trainer_under_ddp(runs: tuple, stage: int)
     _equal_weights(_tensors(ours["weights"]), _tensors(reference["weights"]))
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
     assert ours["predictions"] == pytest.approx(reference["predictions"], rel=1e-4, abs=1e-5)
+
+
+def test_a_memory_budget_measures_the_first_train_batch_and_trains_resumes_as_ddp(runs: tuple) -> None:
+    """ZeroPlugin(memory_budget="64GiB") beside the launcher's stage 3: the settings chosen at prepare from the
+    train dataset's first per-device batch (a tiny GPT-2: stage 1 is the cheapest that fits), DDP's numbers,
+    and the resumed run (which chooses again) continues them."""
+    _, results = runs
+    reference, ours = results["ddp"], results["zero_budget"]
+    assert ours["stage"] == 1 and ours["fit"].startswith("zero fit for device 64.00 GiB per rank (margin 10%): stage 1")
+    assert "micro-batch 2 x 1 accumulation" in ours["fit"]  # per_device_train_batch_size
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    _equal_weights(_tensors(ours["weights"]), _tensors(reference["weights"]))
+    assert ours["resumed"]["stage"] == 1
+    assert ours["resumed"]["losses"] == pytest.approx(reference["resumed"]["losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("stage", STAGES)
