@@ -116,16 +116,16 @@ class ZeroEngine:
         if optimizer is not None:
             check_optimizer_supported(optimizer)
         self.model = model
-        self.requested_config = config  # as given; self.config is what runs (memory_budget's choice)
+        self._requested_config = config  # as given; self.config is what runs (memory_budget's choice)
         plans = EnginePlans.of(config)
         tensor_parallel_size = plans.groups.tensor_parallel_size
         comm = engine_comm(model, tensor_parallel_size, process_group, device_mesh, model_device(model, device))
         # memory_budget: the settings chosen for it (memory/fit.py), agreed on every rank, before any state moves.
-        self.fit: FitResult | None = None
+        self._fit: FitResult | None = None
         if config.memory_budget is not None:
-            self.fit = fit_at_setup(model, sample, config, comm)
-            self.fit.apply_activation_checkpointing(model)
-            config = self.fit.config
+            self._fit = fit_at_setup(model, sample, config, comm)
+            self._fit.apply_activation_checkpointing(model)
+            config = self._fit.config
             plans = EnginePlans.of(config)
         self.config = config
         # The runtime holds the engine: alive while the model's hooks are (the registry holds it weakly).
@@ -140,6 +140,16 @@ class ZeroEngine:
         """Rebuild ``optimizer`` (made over the model's parameters) over this rank's shards, as the constructor
         does for its own: to train an engine built without one, or with a fresh optimizer."""
         self._optimizer.attach(optimizer)
+
+    @property
+    def requested_config(self) -> ZeroConfig:
+        """The config as given; ``config`` is the one that runs (under ``memory_budget``, the settings chosen)."""
+        return self._requested_config
+
+    @property
+    def fit(self) -> FitResult | None:
+        """Under ``memory_budget``: what was chosen, its predicted peak and the runner-up (None otherwise)."""
+        return self._fit
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
