@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import agreement
+from .checkpoint.background_save import BackgroundSave
 from .checkpoint.save_and_load import CheckpointTarget
 from .collectives import CommContext
 from .config import ZeroConfig
@@ -204,6 +205,38 @@ def _quiesce_for_load(runtime: StepRuntime, model_and_optimizer: bool) -> None:
         runtime.step_in_backward.before_load(model_and_optimizer)
 
 
+def _checkpoint_target(
+    model: nn.Module,
+    units: list[FlatUnit],
+    plans: EnginePlans,
+    runtime: StepRuntime,
+    optimizer_step: OptimizerStep,
+    attachment: OptimizerAttachment,
+    gradients: GradientReads,
+    buffer_sync: BufferSync,
+    loss_scaler: LossScaler | None,
+    background: BackgroundSave,
+) -> CheckpointTarget:
+    """What a save or load works on: the parts it reads, the step's own barriers and resets, and the writer of
+    asynchronous saves (over every rank, as checkpoints are agreed and written)."""
+    in_backward = runtime.step_in_backward
+    return CheckpointTarget(
+        model,
+        units,
+        background.comm,
+        attachment,
+        loss_scaler,
+        plans.stage,
+        steps_taken=lambda: optimizer_step.steps_taken,
+        quiesce=runtime.quiesce,
+        quiesce_for_load=functools.partial(_quiesce_for_load, runtime),
+        sync_buffers=buffer_sync.for_export,
+        discard_grads=gradients.discard if in_backward is None else lambda: (in_backward.forget(), gradients.discard()),
+        refresh_parameters=optimizer_step.refresh_parameters,
+        background=background,
+    )
+
+
 def _model_hooks(
     model: nn.Module,
     units: list[FlatUnit],
@@ -269,8 +302,10 @@ def build_parts(
     param_files = files.params if files.params is not None and files.params.files else None
     if param_files is not None:
         listeners.subscribe(_ShardFilesAgreedAfterForward(param_files, runtime, comm))
+    # Checkpoints are agreed and written over every rank; asynchronous saves' writes are collected at a step.
+    background = BackgroundSave(spanning_every_rank(comm))
     # Its traffic counters start here: no collective runs between this and the end of the engine's constructor.
-    optimizer_step = OptimizerStep(units, comm, runtime, plans.step, loss_scaler, nvme, param_files)
+    optimizer_step = OptimizerStep(units, comm, runtime, plans.step, loss_scaler, nvme, param_files, background)
     names = canonical_names(units)
     gradients = GradientReads(units, comm, runtime, optimizer_step, loss_scaler)
     step_hooks = (optimizer_step.before, optimizer_step.after)
@@ -278,19 +313,8 @@ def build_parts(
     listeners.subscribe(attachment)  # an optimizer.step() that raised midway left the groups showing the pieces
     buffer_sync, hooks = _model_hooks(model, units, plans, comm, runtime, listeners)
     hooks.append(ZeroGradRoute(gradients.discard).route_model(model))  # model.zero_grad(), as under DDP
-    checkpoints = CheckpointTarget(
-        model,
-        units,
-        spanning_every_rank(comm),
-        attachment,
-        loss_scaler,
-        plans.stage,
-        steps_taken=lambda: optimizer_step.steps_taken,
-        quiesce=runtime.quiesce,
-        quiesce_for_load=functools.partial(_quiesce_for_load, runtime),
-        sync_buffers=buffer_sync.for_export,
-        discard_grads=gradients.discard if in_backward is None else lambda: (in_backward.forget(), gradients.discard()),
-        refresh_parameters=optimizer_step.refresh_parameters,
+    checkpoints = _checkpoint_target(
+        model, units, plans, runtime, optimizer_step, attachment, gradients, buffer_sync, loss_scaler, background
     )
     return EngineParts(
         comm,

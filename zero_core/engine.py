@@ -386,6 +386,7 @@ class ZeroEngine:
         belongs to the shards: its ``step()`` raises from now on (fresh moments would silently train
         differently); make a new optimizer."""
         self._runtime.quiesce()
+        self.wait_for_checkpoint()
         self.remove_hooks()
         full_params.unshard(self._units)
         _ENGINES.forget(self.model)
@@ -409,12 +410,22 @@ class ZeroEngine:
         *,
         include_optimizer: bool = True,
         include_model: bool = True,
+        asynchronous: bool = False,
     ) -> Path:
         """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically: every rank writes its own
         pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
-        ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates."""
+        ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates.
+
+        ``asynchronous``: return once the state is copied to host memory and write it in the background while
+        training goes on; the next save, any load and ``wait_for_checkpoint()`` wait for it, and the first
+        optimizer step after every rank's write finished raises its error, if any, on every rank alike."""
         targets = {"include_optimizer": include_optimizer, "include_model": include_model}
-        return save_and_load.save(self._parts.checkpoints, path, extra, **targets)
+        return save_and_load.save(self._parts.checkpoints, path, extra, **targets, asynchronous=asynchronous)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait for an asynchronous save still being written: its path once on disk, None without one; its
+        error raised on every rank alike. Every rank calls it (the end of training: the adapters do)."""
+        return save_and_load.wait_for_background_save(self._parts.checkpoints)
 
     def read_checkpoint_extra(self, path: str | os.PathLike) -> dict[str, Any]:
         """The ``extra`` state of ``save_checkpoint``'s directory, verified and read on every rank, without

@@ -8,8 +8,11 @@ each once, right after making it, to the :class:`PassListeners` it gave the runt
 told in that order, on every rank at the same point of the same forward; any of them may raise to refuse the
 forward before a unit gathers.
 
-This module sits at the bottom of the core's layers, so the model, optimizer and offload parts above it can
-listen without importing the passes layer.
+The optimizer step is told of one more kind of part: :class:`BackgroundWork`, work a thread of its own does
+beside training (an asynchronous checkpoint's write), finished when every rank says so in the step's agreement.
+
+This module sits at the bottom of the core's layers, so the model, optimizer, offload and checkpoint parts
+above it can listen without importing the passes layer.
 """
 
 from __future__ import annotations
@@ -48,3 +51,16 @@ class PassListeners:
     def after_root_forward(self) -> None:
         for listener in self._listeners:
             listener.after_root_forward()
+
+
+class BackgroundWork:
+    """Work a thread of its own does beside training (an asynchronous checkpoint's write), collected at the
+    optimizer step: every rank says in the step's agreement whether its own is finished, and once every
+    rank's is, each calls ``collect`` (which raises the work's error, the same on every rank)."""
+
+    def finished_here(self) -> bool:
+        """Nothing is left to do on this rank (True when no work is pending)."""
+        return True
+
+    def collect(self) -> None:
+        """Every rank's work is finished: take its outcome (raise its error) and forget it."""

@@ -99,8 +99,14 @@ def test_step_agreement_ors_gradient_flags_and_finds_an_overflow_anywhere(monkey
         [_unit([True, False], finite), _unit([False], finite)],
         [_unit([False, False], overflow), _unit([True], finite)],
     ]
-    results = world.run(lambda comm: agree_on_step(units[comm.rank], comm, counters, check_finite=True))
-    assert results == [StepAgreement(True, [[True, False], [True]], False)] * 2
+    # An asynchronous save's write finished on both ranks, another's on rank 1 only: true only where on both.
+    everywhere = [[True, False], [True, True]]
+
+    def agree(comm: object) -> StepAgreement:
+        return agree_on_step(units[comm.rank], comm, counters, check_finite=True, everywhere=everywhere[comm.rank])
+
+    results = world.run(agree)
+    assert results == [StepAgreement(True, [[True, False], [True]], False, [True, False])] * 2
     assert world.calls == [("all_reduce", "the optimizer-step agreement")]  # one all-reduce for all of it
 
     unchecked = world.run(lambda comm: agree_on_step(units[comm.rank], comm, counters, check_finite=False))

@@ -3,6 +3,7 @@ rank overflowed, and whether every rank did the same work since the last step.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ class StepAgreement(NamedTuple):
     found_inf: bool  # some rank has a non-finite gradient: every rank skips the step
     slot_flags: list[list[bool]]  # per unit, per parameter: did any rank produce a gradient
     checks_differ: bool  # some value of ``checks`` differs between ranks (the caller explains it)
+    everywhere: list[bool]  # per flag of ``everywhere``: true on every rank
 
 
 def agree_on_step(
@@ -26,6 +28,7 @@ def agree_on_step(
     counters: dict[str, int],
     check_finite: bool,
     checks: dict[str, int] | None = None,
+    everywhere: Sequence[bool] = (),
 ) -> StepAgreement:
     """What every rank needs to agree on before the optimizer step, in one all-reduce.
 
@@ -35,10 +38,13 @@ def agree_on_step(
     under MAX, giving the highest and lowest over ranks: ranks that ran
     different numbers of them are named here instead of mixing collectives
     of different steps. ``checks`` ride along the same way but only report
-    whether they differ, for the caller to explain in detail.
+    whether they differ, for the caller to explain in detail. ``everywhere``
+    flags ride along negated, so MAX gives minus their lowest: true only
+    where true on every rank (an asynchronous save written on every rank).
     """
     checks = checks or {}
     flags = [float(flag) for u in units for flag in u.grads.slot_has_grad]
+    flags += [-float(flag) for flag in everywhere]
     check_values = list(checks.values())
     flags += with_negations(check_values)
     values = list(counters.values())
@@ -66,6 +72,8 @@ def agree_on_step(
         n = len(unit.grads.slot_has_grad)
         agreed.append([bool(x) for x in reduced[offset : offset + n]])
         offset += n
+    on_every_rank = [value <= -1 for value in reduced[offset : offset + len(everywhere)]]
+    offset += len(everywhere)
     n = len(check_values)
     checks_differ = bool(differing_values(checks, reduced[offset : offset + 2 * n])) if n else False
-    return StepAgreement(bool(reduced[0]), agreed, checks_differ)
+    return StepAgreement(bool(reduced[0]), agreed, checks_differ, on_every_rank)

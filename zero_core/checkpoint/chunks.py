@@ -146,6 +146,14 @@ class ShardedChunks(torch.Tensor):
             f"{func} is not supported on a ZeRO checkpoint view; it only serves torch.distributed.checkpoint."
         )
 
+    def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> ShardedChunks:
+        """The same pieces over ``copy`` of their values, read now (an asynchronous save's: nothing of it
+        aliases the shard the next step changes, nor waits in a file)."""
+        local = self._local.read() if isinstance(self._local, LazyValues) else self._local
+        staged = ShardedChunks(self.shape, copy(_values_in_memory(local)), self._flat_start)
+        staged._rectangles = self._rectangles  # where the pieces lie in the whole, as before
+        return staged
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"ShardedChunks(shape={tuple(self.shape)}, local={self._local.numel()} elements from {self._flat_start})"
 

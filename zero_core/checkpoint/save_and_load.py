@@ -26,12 +26,14 @@ from ..optim.loss_scaling import LossScaler
 from ..optim.rebuild import install_optimizer_state
 from ..unit import FlatUnit
 from .agreed_steps import RankAgreement
+from .background_save import BackgroundSave, staged
 from .checkpoint_error import CheckpointError
 from .checkpoint_records import MODEL_KEY, OPTIMIZER_KEY, EngineRecord, LoadedWeights, ShardedModel
+from .directory import CheckpointDirs
 from .full_optimizer import read_full_optimizer_state
 from .full_weights import load_full_weights
 from .loading import LoadedCheckpoint, load_checkpoint, open_checkpoint
-from .saving import save_checkpoint, sharded_state
+from .saving import save_checkpoint, serialize_meta, sharded_state
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class CheckpointTarget:
     sync_buffers: Callable[[], None]  # exports hold rank 0's buffers
     discard_grads: Callable[[], None]
     refresh_parameters: Callable[[], None]
+    background: BackgroundSave  # asynchronous saves' writes (the optimizer step collects them too)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -100,41 +103,81 @@ def save(
     *,
     include_optimizer: bool,
     include_model: bool,
+    asynchronous: bool = False,
 ) -> Path:
+    """``asynchronous``: return once the state is staged in host memory; the files are written in the
+    background (``background_save.py``), the directory appearing at ``path`` once every rank's succeeded."""
     if not (include_model or include_optimizer):
         raise ValueError("Nothing to save: include the model, the optimizer or both.")
     with meeting("save_checkpoint()"):
-        return _save(target, path, extra, include_optimizer=include_optimizer, include_model=include_model)
+        target.background.wait()  # the previous asynchronous save first: its error is raised here
+        return _save(target, path, extra, include_optimizer, include_model, asynchronous)
+
+
+def wait_for_background_save(target: CheckpointTarget) -> Path | None:
+    with meeting("wait_for_checkpoint()"):
+        return target.background.wait()
 
 
 def _save(
     target: CheckpointTarget,
     path: str | os.PathLike,
     extra: dict[str, Any] | None,
-    *,
     include_optimizer: bool,
     include_model: bool,
+    asynchronous: bool,
 ) -> Path:
     target.quiesce()
     target.sync_buffers()
     target.attachment.refuse_while_stepped("state_dict() (or saving it)")
     scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
     record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
+    operation = f"saving checkpoint {path}"
+    view = sharded_view(target, operation, streaming=True)
+    with_optimizer = include_optimizer and target.optimizer is not None
+    extra = dict(extra or {})
     try:
-        return save_checkpoint(
-            sharded_view(target, f"saving checkpoint {path}", streaming=True),
-            path,
-            dict(extra or {}),
-            record,
-            include_model=include_model,
-            include_optimizer=include_optimizer and target.optimizer is not None,
-        )
+        if not asynchronous:
+
+            def collect() -> dict[str, Any]:
+                return sharded_state(view, include_model, with_optimizer)
+
+            return save_checkpoint(target.comm, path, extra, record, collect, in_order=view.resting is not None)
+        return _start_background_save(target, path, extra, record, view, include_model, with_optimizer)
     finally:
         release_freed_memory()  # the pieces the save copied out: else the heap keeps them
 
 
+def _start_background_save(
+    target: CheckpointTarget,
+    path: str | os.PathLike,
+    extra: dict[str, Any],
+    record: EngineRecord,
+    view: ShardedModel,
+    include_model: bool,
+    with_optimizer: bool,
+) -> Path:
+    """Stage the state and the extra state (a copy: nothing aliases what training changes next), agreed on every
+    rank, then start the write. The extra state is checked now, as a synchronous save would refuse it."""
+    agreement = RankAgreement(target.comm, f"saving checkpoint {path} asynchronously")
+
+    def stage() -> tuple[dict[str, Any], dict[str, Any]]:
+        if target.comm.rank == 0:
+            serialize_meta(extra)
+        return staged(sharded_state(view, include_model, with_optimizer)), staged(extra)
+
+    (state, staged_extra), _ = agreement.run("staging the state in host memory", stage)
+    final = CheckpointDirs.of(path).path
+    target.background.start(
+        final,
+        lambda comm: save_checkpoint(comm, final, staged_extra, record, lambda: state, in_order=False),
+    )
+    return final
+
+
 def read_extra(target: CheckpointTarget, path: str | os.PathLike) -> dict[str, Any]:
     with meeting("read_checkpoint_extra()"):
+        target.background.wait()
         return open_checkpoint(RankAgreement(target.comm, f"reading the extra state of checkpoint {path}"), path).extra
 
 
@@ -178,6 +221,7 @@ def load(
     All or nothing: model, optimizer, loss scale and step count change only once every rank has read
     everything. Gradients accumulated before the load are discarded."""
     with meeting("load_checkpoint()"):
+        target.background.wait()  # an asynchronous save still being written, perhaps of this very checkpoint
         return _load(target, path, load_optimizer, load_model, optimizer_path, check_extra)
 
 
@@ -225,6 +269,7 @@ def load_full_state(
     if optimizer_state is not None and target.optimizer is None:
         raise ValueError("optimizer_state_dict was given, but no optimizer is attached to load it into.")
     with meeting("load_full_state_dict()"):
+        target.background.wait()
         _load_full_state(target, source, strict, optimizer_state)
 
 

@@ -22,11 +22,13 @@ import dataclasses
 import io
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..collectives import CommContext
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError
 from .checkpoint_records import MODEL_KEY, OPTIMIZER_KEY, ZERO_KEY, EngineRecord, ShardedModel
@@ -58,16 +60,18 @@ def sharded_state(view: ShardedModel, with_model: bool = True, with_optimizer: b
 
 
 def save_checkpoint(
-    view: ShardedModel,
+    comm: CommContext,
     path: str | os.PathLike,
     extra: dict[str, Any],
     record: EngineRecord,
+    collect: Callable[[], dict[str, Any]],
     *,
-    include_model: bool,
-    include_optimizer: bool,
+    in_order: bool,
 ) -> Path:
+    """``collect()`` gives the DCP state dict (``sharded_state``'s, or an asynchronous save's staged copy);
+    ``in_order``: it reads state resting in the NVMe tier's files a unit at a time (``write_shards``)."""
     dirs = CheckpointDirs.of(path)
-    agreement = RankAgreement(view.comm, f"saving checkpoint {dirs.path}")
+    agreement = RankAgreement(comm, f"saving checkpoint {dirs.path}")
     coordinator = agreement.rank == 0
 
     def prepare() -> str | None:
@@ -83,10 +87,9 @@ def save_checkpoint(
         meta = {**extra, ZERO_KEY: dataclasses.replace(record, save_id=save_ids[0]).to_dict()}
         meta_bytes, _ = agreement.run("checking the extra state", lambda: serialize_meta(meta) if coordinator else b"")
         space.add(len(meta_bytes))
-        state, _ = agreement.run("collecting the state", lambda: sharded_state(view, include_model, include_optimizer))
+        state, _ = agreement.run("collecting the state", collect)
         # A unit at a time when state rests on disk (written in the state dict's order, not by size).
-        in_order = view.resting is not None
-        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, view.comm, in_order, space.add))
+        agreement.run("writing the shards", lambda: write_shards(dirs.partial, state, comm, in_order, space.add))
         # Every rank checksums the files that the written `.metadata` names (read back by the coordinator),
         # not those of the metadata DCP's save returns: on torch 2.11 that has no storage map (storage_data
         # None), the manifest listed no data file, and every load refused the checkpoint.

@@ -35,6 +35,7 @@ from ..optim.host_step import fused_on_host, raw_step_of
 from ..optim.loss_scaling import LossScaler
 from ..optim.param_groups import OptimizerGroups
 from ..optim.whole_tensor_step import WholeTensorStep
+from ..pass_listeners import BackgroundWork
 from ..unit import FlatUnit
 from ..whole_tensor_plan import whole_tensor_rule
 from .prefetch_tuning import AutoPrefetch
@@ -68,8 +69,11 @@ class OptimizerStep:
         loss_scaler: LossScaler | None,
         nvme: StateFiles | None = None,
         param_files: ShardFiles | None = None,
+        background: BackgroundWork | None = None,
     ):
         self.units = units
+        # An asynchronous checkpoint's write: collected at the first step every rank's has finished.
+        self.background = background if background is not None else BackgroundWork()
         # Optimizers that need whole tensors (Muon): each tensor stepped here, at an owner rank of the shard group.
         self.whole_tensors = WholeTensorStep(units, comm)
         self.nvme = nvme  # offload_optimizer="nvme": the step runs here, unit by unit
@@ -174,6 +178,8 @@ class OptimizerStep:
         agreed = self._agree(groups, refused=refused_group is not None, early_failed=early_failed)
         if refused_group is not None:
             raise refused_group
+        if agreed.everywhere[0]:  # every rank's background write is done: its error raised on every rank alike
+            self.background.collect()
         # Hyperparameters that differ (the agreement's checksum), or groups changed since they were
         # last compared (progressive unfreezing), are compared field by field: the same ValueError on
         # every rank names the difference. Every rank decides alike: the agreement found the same names.
@@ -232,7 +238,10 @@ class OptimizerStep:
         settings = {"optimizer hyperparameters": groups.settings_fingerprint}
         # The finite check rides on this all-reduce, which runs every step: turning it on adds no collective.
         check_finite = self.loss_scaler is not None or self.settings.skip_nonfinite_steps
-        return agreement.agree_on_step(self.units, self.comm, counters, check_finite=check_finite, checks=settings)
+        finished = [self.background.finished_here()]
+        return agreement.agree_on_step(
+            self.units, self.comm, counters, check_finite=check_finite, checks=settings, everywhere=finished
+        )
 
     def _attach_master_grads(self, agreed: agreement.StepAgreement, stepped: frozenset[int]) -> None:
         if self.loss_scaler is not None:

@@ -1,0 +1,159 @@
+"""``engine.save_checkpoint(..., asynchronous=True)``: the state staged in host memory, written by a thread of its
+own while training goes on, with the synchronous save's guarantees.
+
+Checked on 2 gloo ranks: what an asynchronous save writes is, bit for bit, what a synchronous save at the same
+point writes, though the weights change while it is written (nothing staged aliases them); the next save, a
+load and ``wait_for_checkpoint`` wait for it; a write that fails on one rank (its disk full) is raised on every
+rank alike at the next optimizer step, naming the checkpoint, training goes on after it, and the previous
+checkpoint at that path still loads; a bad extra state is refused at once, as a synchronous save refuses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from tests.checkpoint_files import assert_same_checkpoint
+from tests.models import SEQ, VOCAB, TinyTransformer, lm_loss, make_optimizer
+from tests.rank_pool import by_rank, run_distributed, run_each
+from tests.workers import config_for, refusal
+from zero_core import CheckpointError, ZeroEngine
+
+
+class _Opaque:
+    """Pickles, but weights_only loading refuses it: a save of it is refused before anything is written."""
+
+
+def _engine(stage: int) -> tuple[TinyTransformer, ZeroEngine]:
+    torch.manual_seed(0)
+    model = TinyTransformer(batchnorm=False)
+    return model, ZeroEngine(model, make_optimizer("adamw", model), config_for(stage))
+
+
+def _train(model: TinyTransformer, engine: ZeroEngine, steps: range) -> None:
+    for step in steps:
+        ids = torch.randint(0, VOCAB, (4, SEQ), generator=torch.Generator().manual_seed(10 * step + engine.rank))
+        engine.backward(lm_loss(model(ids), ids))
+        engine.step()
+        engine.zero_grad()
+
+
+def _same_as_synchronous(rank: int, world_size: int, directory: str, stage: int) -> dict[str, Any]:
+    """A synchronous and an asynchronous save of the same state; the weights change while the second is
+    written; then a load of it while the next asynchronous save is still being written."""
+    root = Path(directory) / f"stage{stage}"
+    model, engine = _engine(stage)
+    _train(model, engine, range(2))
+    engine.save_checkpoint(root / "sync", {"epoch": [1, 2]})
+    extra = {"epoch": [1, 2]}
+    path = engine.save_checkpoint(root / "async", extra, asynchronous=True)
+    extra["epoch"].append(3)  # changed after the call returned: not what was saved
+    before = engine.full_state_dict()
+    _train(model, engine, range(2, 5))
+    changed = not all(torch.equal(before[k], v) for k, v in engine.full_state_dict().items())
+    waited = engine.wait_for_checkpoint()
+    again = engine.save_checkpoint(root / "async-2", asynchronous=True)
+    other_model, other = _engine(stage)
+    loaded_extra = other.load_checkpoint(path)  # waits for nothing of its own; the other engine's write goes on
+    loaded = other.full_state_dict()
+    second = engine.save_checkpoint(root / "after", asynchronous=False)  # waits for async-2 first
+    return {
+        "path": str(path),
+        # Waited for here, or collected by a step once every rank's write had finished.
+        "returned": path == (root / "async").absolute() and waited in (path, None),
+        "weights changed meanwhile": changed,
+        "loaded the saved state": all(torch.equal(before[k], loaded[k]) for k in before),
+        "extra": loaded_extra,
+        "both written": again.is_dir() and second.is_dir() and engine.wait_for_checkpoint() is None,
+    }
+
+
+@contextlib.contextmanager
+def _disk_full_on(rank: int, failing: int) -> Iterator[None]:
+    """DCP's file writer fails with ENOSPC on rank ``failing`` (in the background thread, where DCP writes), as
+    a full disk fails it: inside DCP's own protocol, which gathers every rank's write result."""
+    original = FileSystemWriter.write_data
+
+    def write_data(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        if rank == failing:
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(self.path) / "__1_0.distcp"))
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        FileSystemWriter.write_data = original  # type: ignore[method-assign]
+
+
+def _failing_write(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    root = Path(directory) / "failing"
+    model, engine = _engine(3)
+    _train(model, engine, range(1))
+    engine.save_checkpoint(root / "ckpt")
+    kept = engine.full_state_dict()
+    _train(model, engine, range(1, 2))
+    raised_at, message = None, None
+    with _disk_full_on(rank, failing=1):
+        engine.save_checkpoint(root / "ckpt", asynchronous=True)
+        for step in range(2, 40):  # the write ends within a few steps; the step after every rank's raises
+            try:
+                _train(model, engine, range(step, step + 1))
+            except CheckpointError as error:
+                raised_at, message = step, str(error)
+                break
+    _train(model, engine, range(40, 41))  # training goes on
+    other_model, other = _engine(3)
+    other.load_checkpoint(root / "ckpt")
+    previous = other.full_state_dict()
+    leftovers = sorted(p.name for p in root.iterdir())
+    bad_extra = refusal(lambda: engine.save_checkpoint(root / "bad", {"f": _Opaque()}, asynchronous=True), Exception)
+    return {
+        "raised at": raised_at,
+        "message": message,
+        "previous loads": all(torch.equal(kept[k], previous[k]) for k in kept),
+        "leftovers": leftovers,
+        "bad extra": bad_extra,
+        "nothing pending after": engine.wait_for_checkpoint() is None,
+    }
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    directory = str(tmp_path_factory.mktemp("async"))
+    same = functools.partial(_same_as_synchronous, directory=directory)
+    workers = {f"stage {stage}": functools.partial(same, stage=stage) for stage in (1, 2, 3)}
+    workers["failing"] = functools.partial(_failing_write, directory=directory)
+    return run_distributed(run_each, 2, workers, timeout=240)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_asynchronous_save_writes_what_a_synchronous_one_does(grid: list, stage: int) -> None:
+    for result in by_rank(grid, f"stage {stage}"):
+        assert result["returned"] and result["weights changed meanwhile"]
+        assert result["loaded the saved state"] and result["extra"] == {"epoch": [1, 2]}
+        assert result["both written"]
+    path = Path(by_rank(grid, f"stage {stage}")[0]["path"])
+    assert_same_checkpoint(path.parent / "sync", path)
+
+
+def test_a_failed_background_write_is_raised_on_every_rank_at_a_step_and_keeps_the_previous(grid: list) -> None:
+    results = by_rank(grid, "failing")
+    assert results[0]["raised at"] is not None and results[0]["raised at"] == results[1]["raised at"]
+    assert results[0]["message"] == results[1]["message"]
+    message = results[0]["message"]
+    assert message.startswith("The asynchronous save to ") and "/failing/ckpt failed: " in message
+    assert "No space left on device" in message and "on rank 1" in message
+    for result in results:
+        assert result["previous loads"]
+        assert result["leftovers"] == ["ckpt"]  # the partial directory removed
+        assert "weights_only" in result["bad extra"]
+        assert result["nothing pending after"]

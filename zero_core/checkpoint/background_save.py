@@ -1,0 +1,146 @@
+"""Asynchronous saves: the training state copied to host memory on the caller's thread, then written by a
+thread of its own while training goes on, with the synchronous save's guarantees (``saving.py``).
+
+Why the copy: the next optimizer step changes the shards in place, and the NVMe tier rewrites its files;
+nothing of the staged state aliases either. On a GPU the copy goes to pinned host memory, and the caller's
+stream is synchronised once before the thread starts, so the thread reads finished copies.
+
+Why a process group of its own: the write's collectives (every agreed step of ``saving.py``, DCP's own
+gathers) run while the training thread runs its collectives; two threads issuing collectives on one group
+would pair them differently on different ranks. Every rank makes the group at its first asynchronous save,
+a collective call made in the same order on every rank, as the save is.
+
+When the write is waited for: by the next save and by any load (``wait``), and by ``engine.wait_for_checkpoint()``
+(the adapters' end of training); and at each optimizer step, where every rank says in the step's own
+all-reduce whether its write has finished: once every rank's has, each collects it (``collect``). The write's
+steps are agreed, so it ends alike on every rank, and its error is raised on every rank alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..collectives import CommContext
+from ..collectives.context import world_timeout
+from ..host_memory import release_freed_memory
+from ..pass_listeners import BackgroundWork
+from .checkpoint_error import CheckpointError
+from .chunks import ShardedChunks
+
+WRITER_DEVICE = torch.device("cpu")  # the staged state's, and the writer group's (gloo)
+
+
+def staged(state: Any) -> Any:
+    """``state`` (a state dict of tensors, ``ShardedChunks`` views and plain values, nested in dicts, lists and
+    tuples) with every tensor copied to host memory and every other value copied: nothing aliases the
+    training state."""
+    on_gpu: list[bool] = []
+
+    def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.device.type == "cpu":
+            return tensor.clone()
+        on_gpu.append(True)
+        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
+        return pinned.copy_(tensor, non_blocking=True)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, ShardedChunks):
+            return value.staged(host_copy)
+        if isinstance(value, torch.Tensor):
+            return host_copy(value)
+        if isinstance(value, dict):
+            return {key: walk(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(item) for item in value)
+        return copy.deepcopy(value)
+
+    result = walk(state)
+    if on_gpu:
+        torch.cuda.synchronize()  # the copies are done before the writer reads them
+    return result
+
+
+class _Write:
+    """One save being written by its thread: its outcome once the thread ends."""
+
+    def __init__(self, path: Path, write: Callable[[CommContext], Path], comm: CommContext):
+        self.path = path
+        self.error: BaseException | None = None
+        self._write: Callable[[CommContext], Path] | None = write  # holds the staged state until written
+        # Not a daemon: the interpreter waits for a write to finish before it exits.
+        self.thread = threading.Thread(target=self._run, args=(comm,), name=f"zero checkpoint write {path}")
+        self.thread.start()
+
+    def _run(self, comm: CommContext) -> None:
+        try:
+            assert self._write is not None
+            self._write(comm)
+        except BaseException as error:  # noqa: BLE001 - kept for the training thread, which raises it
+            self.error = error
+        finally:
+            self._write = None  # the staged state, freed as soon as it is written
+            release_freed_memory()
+
+
+class BackgroundSave(BackgroundWork):
+    """An engine's asynchronous saves: one written at a time, the next waiting for it."""
+
+    def __init__(self, comm: CommContext):
+        self.comm = comm  # the checkpoint's, spanning every rank: the writer's group has the same ranks
+        self._writer_comm: CommContext | None = None
+        self._pending: _Write | None = None
+
+    @property
+    def pending_path(self) -> Path | None:
+        return self._pending.path if self._pending is not None else None
+
+    def start(self, path: Path, write: Callable[[CommContext], Path]) -> None:
+        """Run ``write(comm)`` in a thread of its own, on the writer's process group (every rank calls this,
+        after ``wait``)."""
+        assert self._pending is None, "wait for the previous write first"
+        self._pending = _Write(path, write, self._writer())
+
+    def finished_here(self) -> bool:
+        return self._pending is None or not self._pending.thread.is_alive()
+
+    def collect(self) -> None:
+        self.wait()
+
+    def wait(self) -> Path | None:
+        """The pending write's path once it is on disk (None without one); its error raised (every rank calls
+        this at the same point: the write ends alike everywhere)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        pending.thread.join()
+        if pending.error is not None:
+            if isinstance(pending.error, CheckpointError):
+                raise CheckpointError(
+                    f"The asynchronous save to {pending.path} failed: {pending.error} The previous checkpoint there, "
+                    "if any, is as it was."
+                ) from pending.error
+            raise pending.error
+        return pending.path
+
+    def _writer(self) -> CommContext:
+        if self._writer_comm is None:
+            if self.comm.world_size == 1:  # no collective to keep apart
+                self._writer_comm = self.comm
+            else:
+                if dist.get_world_size(self.comm.group) != dist.get_world_size():
+                    raise ValueError(
+                        "save_checkpoint(asynchronous=True) needs the engine to span every process of the default "
+                        "process group (its writer's group is made with every one of them); save synchronously."
+                    )
+                timeout = world_timeout(self.comm.device)
+                group = dist.new_group(backend="gloo", **({"timeout": timeout} if timeout is not None else {}))
+                self._writer_comm = CommContext.create(group, WRITER_DEVICE)
+        return self._writer_comm
