@@ -121,6 +121,14 @@ class ZeroAccelerator(Accelerator):
         # loop's clip_grad_norm_ then only measures); None: the loop clips. ZeroTrainer clears it (it clips).
         self.config_clipping: float | None = (sections.loop.get("gradient_clipping") or None) if sections else None
         check_step_in_backward_clipping(self.zero_plugin, self.config_clipping)
+        if self.zero_plugin.asynchronous_checkpoints:
+            # save_state writes two directories and prunes old ones once they are written: not yet in the
+            # background. Refused before any work rather than saved synchronously without a word.
+            raise ValueError(
+                "asynchronous_checkpoints=True is not supported under Accelerate yet (save_state, ZeroTrainer's "
+                "saves): leave it off there; Lightning, Fabric and engine.save_checkpoint(asynchronous=True) "
+                "save in the background."
+            )
         self._told_clipping = False
 
     def _require_engine(self) -> ZeroEngine:

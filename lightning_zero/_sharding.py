@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -190,9 +191,19 @@ class TensorParallelMesh:
         return torch.device("meta") if self._device_mesh is None else nullcontext()
 
 
+def wait_before_removing(engine: ZeroEngine | None, filepath: Any) -> None:
+    """A checkpoint an asynchronous save is still writing is waited for before it is removed (ModelCheckpoint
+    removes the checkpoints it no longer keeps, on every rank); any other removal does not wait."""
+    if engine is not None and engine.checkpoint_being_written == Path(filepath).absolute():
+        engine.wait_for_checkpoint()
+
+
 def teardown_keeping_module(strategy: Any, precision: Any) -> None:
     """DDP's teardown without moving the module: its parameters are views of the
-    engine's buffers (``engine.unshard()`` gives an ordinary module back)."""
+    engine's buffers (``engine.unshard()`` gives an ordinary module back). An asynchronous save still being
+    written is waited for first: the end of training is the last point its error can be raised."""
+    if strategy.engine is not None:
+        strategy.engine.wait_for_checkpoint()
     if strategy.cluster_environment is not None:
         strategy.cluster_environment.teardown()
     precision.teardown()

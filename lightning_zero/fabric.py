@@ -208,7 +208,7 @@ class ZeroFabricStrategy(TensorParallelMesh, DDPStrategy):
             if not isinstance(v, (nn.Module, Optimizer))
         }
         has_optimizer = any(isinstance(v, Optimizer) for v in state.values())
-        self.engine.save_checkpoint(path, extra, include_optimizer=has_optimizer)
+        self.engine.save_checkpoint(path, extra, include_optimizer=has_optimizer)  # asynchronous_checkpoints
 
     def load_checkpoint(
         self,

@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
@@ -37,6 +38,7 @@ from ._sharding import (
     register_zero_strategies,
     strategy_settings,
     teardown_keeping_module,
+    wait_before_removing,
     with_settings_doc,
     with_settings_signature,
     zero_precision,
@@ -256,9 +258,14 @@ class ZeroStrategy(TensorParallelMesh, DDPStrategy):
         assert self.engine is not None
         path = Path(self.broadcast(str(filepath)))
         extra = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(path, extra, include_optimizer="optimizer_states" in checkpoint)
+        # In the background with the setting, or where the Trainer was given Lightning's AsyncCheckpointIO.
+        asynchronous = self.zero_config.asynchronous_checkpoints or isinstance(self.checkpoint_io, AsyncCheckpointIO)
+        self.engine.save_checkpoint(
+            path, extra, include_optimizer="optimizer_states" in checkpoint, asynchronous=asynchronous
+        )
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        wait_before_removing(self.engine, filepath)  # on every rank, as Lightning calls this
         if self.is_global_zero:
             remove_checkpoint(filepath)
 

@@ -304,6 +304,18 @@ class ZeroConfig:
         example=True,
     )
 
+    # checkpoint/background_save.py: every adapter's saves (Lightning's, Fabric's, save_state, ZeroTrainer's)
+    # return once the state is in host memory; the next save, a load, or the end of training waits for them.
+    asynchronous_checkpoints: bool = setting(
+        False,
+        doc="save checkpoints in the background: the state copied to host memory, the files written while "
+        "training goes on, the directory complete only once every rank's write succeeded; a failed write is "
+        "raised on every rank at the next optimizer step, save or load",
+        values="true or false",
+        parse=parse_bool,
+        example=True,
+    )
+
     # ZeRO++ (wire_plan.py): the compute gathers' values quantized on the wire; the masters stay exact.
     quantize_weights: bool = setting(
         False,
@@ -368,7 +380,9 @@ class ZeroConfig:
         check_loss_scaling(self)
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
-        check_flags(self, ("overlap_param_refresh", "broadcast_buffers", "skip_nonfinite_steps"))
+        check_flags(
+            self, ("overlap_param_refresh", "broadcast_buffers", "skip_nonfinite_steps", "asynchronous_checkpoints")
+        )
         if not is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
                 f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "

@@ -410,17 +410,25 @@ class ZeroEngine:
         *,
         include_optimizer: bool = True,
         include_model: bool = True,
-        asynchronous: bool = False,
+        asynchronous: bool | None = None,
     ) -> Path:
         """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically: every rank writes its own
         pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
         ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates.
 
-        ``asynchronous``: return once the state is copied to host memory and write it in the background while
-        training goes on; the next save, any load and ``wait_for_checkpoint()`` wait for it, and the first
-        optimizer step after every rank's write finished raises its error, if any, on every rank alike."""
+        ``asynchronous`` (default: ``config.asynchronous_checkpoints``): return once the state is copied to host
+        memory and write it in the background while training goes on; the next save, any load and
+        ``wait_for_checkpoint()`` wait for it, and the first optimizer step after every rank's write finished
+        raises its error, if any, on every rank alike."""
         targets = {"include_optimizer": include_optimizer, "include_model": include_model}
+        if asynchronous is None:
+            asynchronous = self.config.asynchronous_checkpoints
         return save_and_load.save(self._parts.checkpoints, path, extra, **targets, asynchronous=asynchronous)
+
+    @property
+    def checkpoint_being_written(self) -> Path | None:
+        """The path an asynchronous save is still writing (or has written, not yet collected); None otherwise."""
+        return self._parts.checkpoints.background.pending_path
 
     def wait_for_checkpoint(self) -> Path | None:
         """Wait for an asynchronous save still being written: its path once on disk, None without one; its

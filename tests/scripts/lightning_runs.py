@@ -100,6 +100,10 @@ def run(spec: dict, out: Path, devices: int) -> None:
             )
         )
     plugins = [ZeroPrecision(spec["plugin_precision"])] if spec.get("plugin_precision") else []
+    if spec.get("async_io"):  # Lightning's own plugin for saving in the background
+        from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+        plugins.append(AsyncCheckpointIO())
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,

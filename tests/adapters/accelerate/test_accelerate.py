@@ -522,12 +522,18 @@ for sync_each_batch in (False, True):
         print("built")
     except ValueError as error:
         print(error)
+try:  # save_state does not save in the background yet
+    ZeroAccelerator(zero_plugin=ZeroPlugin(asynchronous_checkpoints=True), cpu=True)
+    print("built")
+except ValueError as error:
+    print(error)
 """
 
 
 @pytest.mark.distributed  # a process of its own for Accelerate's once-per-process state
-def test_the_step_during_backward_with_sync_each_batch_is_refused_before_any_work() -> None:
-    """Every micro-batch's backward would synchronise, and the second would be refused mid-step.
+def test_settings_accelerate_cannot_honour_yet_are_refused_before_any_work() -> None:
+    """The step during backward with sync_each_batch: every micro-batch's backward would synchronise, and the
+    second would be refused mid-step. asynchronous_checkpoints: save_state does not write in the background yet.
     Why a process of its own: Accelerate's process-wide state, built from the script's own arguments, as a user's
     script builds it."""
     result = subprocess.run(
@@ -538,6 +544,7 @@ def test_the_step_during_backward_with_sync_each_batch_is_refused_before_any_wor
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    without, with_it = result.stdout.strip().splitlines()[-2:]
+    without, with_it, asynchronous = result.stdout.strip().splitlines()[-3:]
     assert without == "built"
     assert "GradientAccumulationPlugin(sync_each_batch=True) synchronises every micro-batch's: drop" in with_it
+    assert asynchronous.startswith("asynchronous_checkpoints=True is not supported under Accelerate yet")

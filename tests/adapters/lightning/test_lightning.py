@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_zero
 from lightning_zero import ZeroStrategy, consolidated
+from tests.checkpoint_files import assert_same_checkpoint
 from tests.in_process import run_module
 from tests.lightning_module import TinyLM
 from tests.paths import TESTS
@@ -97,6 +98,13 @@ TWO_DEVICE_RUNS = [
         **{"strategy": "zero3", "max_steps": 1, "settings": IN_BACKWARD, "clip": 1.0, "expect_error": True},
     },
     {"name": "zero3-resumable", "strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
+    # The same run, its checkpoints saved in the background (the setting); and top-k pruning under AsyncCheckpointIO.
+    {
+        "name": "zero3-async",
+        **{"strategy": "zero3", **RESUMABLE, "checkpoint_epochs": True},
+        "settings": {"asynchronous_checkpoints": True},
+    },
+    {"name": "zero2-topk-async", "strategy": "zero2", "max_steps": 4, "top_k": 1, "async_io": True},
     {"name": "ddp-resumable", "strategy": "ddp_find_unused_parameters_true", **RESUMABLE, "checkpoint_epochs": True},
     {"name": "zero2-topk", "strategy": "zero2", "max_steps": 4, "top_k": 1},
     {"name": "zero2-syncbn", "strategy": "zero2", "max_steps": 1, "sync_batchnorm": True, "expect_error": True},
@@ -116,6 +124,13 @@ ONE_DEVICE_RUNS = [
         **RESUMABLE,
         "batch_size": 8,
         "ckpt_path": "zero3-resumable/epoch=2-step=3.ckpt",
+    },
+    {
+        "name": "resumed-zero1-from-async",
+        "strategy": "zero1",
+        **RESUMABLE,
+        "batch_size": 8,
+        "ckpt_path": "zero3-async/epoch=2-step=3.ckpt",
     },
     # Files, not directories: DDP's own (users move a run to ZeRO this way), and zero-consolidate's.
     *(
@@ -292,6 +307,21 @@ def test_resume_with_other_device_count_and_stage(results: tuple) -> None:
     uninterrupted, resumed = runs["zero3-resumable"], runs["resumed-zero1"]
     assert resumed["global_step"] == 6 and len(resumed["losses"]) == 3  # only the steps after the checkpoint
     assert relative_difference(resumed["weights"], uninterrupted["weights"]) <= 1e-5
+
+
+def test_checkpoints_saved_in_the_background_hold_the_same_and_resume_the_same(results: tuple) -> None:
+    """asynchronous_checkpoints=True: the run trains as the synchronous one, each epoch's directory holds the
+    same bits, a resume from it at another stage and device count ends where the one from the synchronous
+    checkpoint does; ModelCheckpoint's pruning under Lightning's AsyncCheckpointIO keeps one complete directory."""
+    out, runs = results
+    assert runs["zero3-async"]["losses"] == runs["zero3-resumable"]["losses"]
+    for epoch in ("epoch=0-step=1.ckpt", "epoch=2-step=3.ckpt", "last.ckpt"):
+        assert_same_checkpoint(out / "zero3-resumable" / epoch, out / "zero3-async" / epoch)
+    resumed, reference = runs["resumed-zero1-from-async"], runs["resumed-zero1"]
+    assert resumed["losses"] == reference["losses"]
+    assert relative_difference(resumed["weights"], reference["weights"]) == 0.0
+    kept = sorted((out / "zero2-topk-async-topk").iterdir())
+    assert len(kept) == 1 and (kept[0] / "zero-manifest.json").is_file()
 
 
 @pytest.mark.parametrize("run", ["resumed-zero3-from-ddp", "resumed-zero2-from-consolidated"])
