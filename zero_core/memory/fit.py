@@ -35,6 +35,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+)
 
 from ..agreement.setup import Field, agree_on_setup
 from ..collectives import CommContext
@@ -187,11 +191,6 @@ class FitResult:
 def checkpoint_blocks(model: nn.Module, paths: tuple[str, ...]) -> None:
     """Wrap the modules of ``model`` at ``paths`` with torch's ``checkpoint_wrapper`` (non-reentrant, what the
     measurement assumes); refused on a model that has checkpointed blocks already."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointWrapper,
-        apply_activation_checkpointing,
-    )
-
     if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
         raise ValueError(
             "fit: the model already has checkpoint_wrapper blocks; apply the fit's checkpointing to the "
@@ -334,6 +333,12 @@ def fit_at_setup(model: nn.Module, sample: Any, config: ZeroConfig, comm: CommCo
             "model.example_input_array to one batch as the model's forward takes it (a tensor, a tuple of "
             "arguments or a mapping of keywords, the micro-batch in each tensor's first dimension), as Lightning's "
             "LightningModule does, or pass ZeroEngine(..., sample=batch)."
+        )
+    if any(isinstance(module, CheckpointWrapper) for module in model.modules()):
+        raise ValueError(
+            "memory_budget chooses activation checkpointing itself, and the model has checkpoint_wrapper blocks "
+            "already (wrapped by you, or by an earlier setup of it that failed): build the model without them, or "
+            "drop memory_budget to checkpoint by hand."
         )
     if budget.device_is_auto:
         budget = replace(budget, device=device_memory_per_rank(comm))

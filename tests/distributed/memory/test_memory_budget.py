@@ -118,9 +118,16 @@ def _build(config: ZeroConfig, example: bool = True) -> None:
     _engine(config, example)
 
 
+def _checkpointed_by_hand() -> None:
+    model = _model()
+    checkpoint_blocks(model, ("blocks.0",))
+    ZeroEngine(model, None, ZeroConfig(memory_budget="64GiB"))
+
+
 def _refusals(rank: int, world_size: int) -> dict[str, object]:
     budgets = {0: "device=1GiB", 1: "device=2GiB"}
     return {
+        "checkpointed by hand": refusal(_checkpointed_by_hand, ValueError),
         "disagreeing": refusal(lambda: _build(ZeroConfig(memory_budget=budgets[rank])), ValueError),
         "no sample": refusal(lambda: _build(ZeroConfig(memory_budget="1GiB"), example=False), ValueError),
         "too small": refusal(lambda: _build(ZeroConfig(memory_budget="1MiB")), ValueError),
@@ -172,6 +179,7 @@ def test_bad_budgets_are_refused_on_every_rank_alike(grid: list) -> None:
     disagreeing = "ZeRO: ranks disagree on config.memory_budget: device=1GiB on rank 0; device=2GiB on rank 1."
     assert refused["disagreeing"].startswith(disagreeing)
     assert "set model.example_input_array to one batch" in refused["no sample"]
+    assert "memory_budget chooses activation checkpointing itself" in refused["checkpointed by hand"]
     assert "no configuration fits memory_budget (device 1.00 MiB per rank" in refused["too small"]
     assert "The smallest that fits is device" in refused["too small"]
     assert refused["then trains"]
