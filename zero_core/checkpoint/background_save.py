@@ -10,6 +10,9 @@ gathers) run while the training thread runs its collectives; two threads issuing
 would pair them differently on different ranks. Every rank makes the group at its first asynchronous save,
 a collective call made in the same order on every rank, as the save is.
 
+The host copies are kept from one save to the next and refilled (the next save starts only once the last
+write is done): a fresh buffer's first touch faults in every page, which costs more than the copy.
+
 When the write is waited for: by the next save and by any load (``wait``), and by ``engine.wait_for_checkpoint()``
 (the adapters' end of training); and at each optimizer step, where every rank says in the step's own
 all-reduce whether its write has finished: once every rank's has, each collects it (``collect``). The write's
@@ -37,19 +40,25 @@ from .chunks import ShardedChunks
 WRITER_DEVICE = torch.device("cpu")  # the staged state's, and the writer group's (gloo)
 
 
-def staged(state: Any) -> Any:
+def staged(state: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
     """``state`` (a state dict of tensors, ``ShardedChunks`` views and plain values, nested in dicts, lists and
     tuples) with every tensor copied to host memory and every other value copied: nothing aliases the
-    training state."""
+    training state. Returns it with its host copies in order; ``reuse``: an earlier save's, refilled where
+    the shape and dtype match (a fresh buffer's first touch faults in every page, which costs more than the
+    copy), allocated where not."""
+    buffers: list[torch.Tensor] = []
     on_gpu: list[bool] = []
 
     def host_copy(tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach()
-        if tensor.device.type == "cpu":
-            return tensor.clone()
-        on_gpu.append(True)
-        pinned = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=torch.cuda.is_available())
-        return pinned.copy_(tensor, non_blocking=True)
+        index = len(buffers)
+        kept = reuse[index] if reuse is not None and index < len(reuse) else None
+        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.device.type == "cuda")
+        if tensor.device.type == "cuda":
+            on_gpu.append(True)
+        buffers.append(kept.copy_(tensor, non_blocking=tensor.device.type == "cuda"))
+        return kept
 
     def walk(value: Any) -> Any:
         if isinstance(value, ShardedChunks):
@@ -65,7 +74,7 @@ def staged(state: Any) -> Any:
     result = walk(state)
     if on_gpu:
         torch.cuda.synchronize()  # the copies are done before the writer reads them
-    return result
+    return result, buffers
 
 
 class _Write:
@@ -97,6 +106,19 @@ class BackgroundSave(BackgroundWork):
         self.comm = comm  # the checkpoint's, spanning every rank: the writer's group has the same ranks
         self._writer_comm: CommContext | None = None
         self._pending: _Write | None = None
+        # The last save's host copies, refilled by the next (which starts only once that write is done).
+        self._staging: list[torch.Tensor] = []
+
+    def stage(self, state: Any) -> Any:
+        """``staged(state)``, into the last save's host copies where they fit (call after ``wait``)."""
+        assert self._pending is None, "the write reading the host copies must be done first"
+        result, self._staging = staged(state, self._staging)
+        return result
+
+    @property
+    def staging_bytes(self) -> int:
+        """The host memory the host copies hold between saves."""
+        return sum(t.numel() * t.element_size() for t in self._staging)
 
     @property
     def pending_path(self) -> Path | None:

@@ -164,7 +164,7 @@ def _start_background_save(
     def stage() -> tuple[dict[str, Any], dict[str, Any]]:
         if target.comm.rank == 0:
             serialize_meta(extra)
-        return staged(sharded_state(view, include_model, with_optimizer)), staged(extra)
+        return target.background.stage(sharded_state(view, include_model, with_optimizer)), staged(extra)[0]
 
     (state, staged_extra), _ = agreement.run("staging the state in host memory", stage)
     final = CheckpointDirs.of(path).path

@@ -143,6 +143,9 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(grid: list, sta
         assert result["both written"]
     path = Path(by_rank(grid, f"stage {stage}")[0]["path"])
     assert_same_checkpoint(path.parent / "sync", path)
+    # The second asynchronous save refilled the first one's host copies; "after" is a synchronous save of the
+    # same state (nothing trained between them).
+    assert_same_checkpoint(path.parent / "after", path.parent / "async-2")
 
 
 def test_a_failed_background_write_is_raised_on_every_rank_at_a_step_and_keeps_the_previous(grid: list) -> None:
