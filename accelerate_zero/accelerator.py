@@ -121,14 +121,6 @@ class ZeroAccelerator(Accelerator):
         # loop's clip_grad_norm_ then only measures); None: the loop clips. ZeroTrainer clears it (it clips).
         self.config_clipping: float | None = (sections.loop.get("gradient_clipping") or None) if sections else None
         check_step_in_backward_clipping(self.zero_plugin, self.config_clipping)
-        if self.zero_plugin.asynchronous_checkpoints:
-            # save_state writes two directories and prunes old ones once they are written: not yet in the
-            # background. Refused before any work rather than saved synchronously without a word.
-            raise ValueError(
-                "asynchronous_checkpoints=True is not supported under Accelerate yet (save_state, ZeroTrainer's "
-                "saves): leave it off there; Lightning, Fabric and engine.save_checkpoint(asynchronous=True) "
-                "save in the background."
-            )
         self._told_clipping = False
 
     def _require_engine(self) -> ZeroEngine:
@@ -295,6 +287,9 @@ class ZeroAccelerator(Accelerator):
             super().wait_for_everyone()
 
     def end_training(self) -> None:
+        """Also waits for a save_state still being written in the background (its error raised here)."""
+        if self.engine is not None:
+            self.engine.wait_for_checkpoint()
         with meeting("end_training()"):
             super().end_training()
 
@@ -332,19 +327,38 @@ class ZeroAccelerator(Accelerator):
         Under automatic checkpoint naming, old checkpoints beyond ``total_limit``
         are pruned only once this save succeeded (Accelerate prunes first), and
         a failed save removes its new folder: the previous checkpoint stays the
-        latest, loadable one.
+        latest, loadable one. With ``asynchronous_checkpoints`` the model and
+        optimizer are written in the background: the pruning waits until they
+        are on disk (the engine runs it where it collects the write).
         """
         engine = self._require_engine()
+        # A previous save still being written first, before Accelerate makes this save's folder: its pruning must
+        # not count the new, unwritten checkpoint among those it keeps.
+        engine.wait_for_checkpoint()
         config = self.project_configuration
         limit, config.total_limit = config.total_limit, None
         created: list[Path] = []
+        succeeded = False  # read where an asynchronous write is collected, always after save_state returned
+
+        def written_in_background(_: Path, error: BaseException | None) -> None:
+            if not (config.automatic_checkpoint_naming and self.is_main_process):
+                return
+            if error is None and succeeded and limit is not None:
+                _prune_automatic_checkpoints(created[0].parent, keep=limit)
+            elif error is not None:  # the folder it was to complete: the previous one stays the latest
+                shutil.rmtree(created[0], ignore_errors=True)
 
         def save_shards(models: list, weights: list, location: str) -> None:
             created.append(Path(location))
             pair = {"save_state": broadcast_object_list([uuid.uuid4().hex])[0]}
-            if engine.optimizer is not None:  # the larger write first: if it fails, nothing changed
-                engine.save_checkpoint(Path(location) / OPTIMIZER_DIR.format(0), pair, include_model=False)
-            engine.save_checkpoint(Path(location) / MODEL_DIR.format(0), pair, include_optimizer=False)
+            optimizer_dir = Path(location) / OPTIMIZER_DIR.format(0) if engine.optimizer is not None else None
+            engine.save_checkpoint(
+                Path(location) / MODEL_DIR.format(0),
+                pair,
+                optimizer_path=optimizer_dir,
+                # Synchronous: pruned below, once Accelerate's own files are written too.
+                when_done=written_in_background if engine.config.asynchronous_checkpoints else None,
+            )
             weights.clear()  # saved above: Accelerate writes no model file of its own
 
         handle = self.register_save_state_pre_hook(save_shards)
@@ -364,16 +378,27 @@ class ZeroAccelerator(Accelerator):
             f for f in gather_object([None if failure is None else f"{type(failure).__name__}: {failure}"]) if f
         ]
         if failures:
-            if config.automatic_checkpoint_naming and created and self.is_main_process:
-                shutil.rmtree(created[0], ignore_errors=True)  # a new folder of its own: nothing else in it
-            self.wait_for_everyone()
+            self._discard_failed_save(engine, created if config.automatic_checkpoint_naming else [])
             if isinstance(failure, CheckpointError):
                 raise failure
             raise CheckpointError(f"save_state failed: {failures[0]}") from failure
-        if config.automatic_checkpoint_naming and limit is not None and self.is_main_process:
-            _prune_automatic_checkpoints(Path(location).parent, keep=limit)
+        succeeded = True
+        if engine.checkpoint_being_written is None and config.automatic_checkpoint_naming and limit is not None:
+            if self.is_main_process:
+                _prune_automatic_checkpoints(Path(location).parent, keep=limit)
         self.wait_for_everyone()
         return location
+
+    def _discard_failed_save(self, engine: ZeroEngine, created: list[Path]) -> None:
+        """A failed save_state's new folder removed (a folder of its own: nothing else in it), once no write
+        into it goes on: a background write of its model and optimizer is waited for (its own error, if any, is
+        the lesser one: the save failed already)."""
+        if engine.checkpoint_being_written is not None:
+            with contextlib.suppress(CheckpointError):
+                engine.wait_for_checkpoint()
+        if created and self.is_main_process:
+            shutil.rmtree(created[0], ignore_errors=True)
+        self.wait_for_everyone()
 
     def load_state(self, input_dir: str | None = None, load_kwargs: dict | None = None, **kwargs: Any) -> None:
         """Also with another number of processes: the shards are read for the current layout.

@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import os
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -28,7 +29,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
 
 import zero_core.deepspeed as deepspeed_reader  # its optimizer and scheduler builders
-from zero_core import ZeroEngine, user_settings
+from zero_core import CheckpointError, ZeroEngine, user_settings
 
 from .accelerator import ZeroAccelerator
 from .deepspeed_flags import ACCUMULATION_VARIABLE
@@ -51,6 +52,7 @@ TRAINER_LOOP_KEYS = (
     "train_micro_batch_size_per_gpu",
 )
 OPTIMIZER_DIR = "optimizer_zero"  # beside Trainer's model, scheduler, RNG and trainer_state.json files
+OPTIMIZER_UNFINISHED = "optimizer_zero.unfinished"  # there while an asynchronous save writes OPTIMIZER_DIR
 
 
 class ZeroTrainer(Trainer):
@@ -202,16 +204,72 @@ class ZeroTrainer(Trainer):
             state_dict = self.accelerator.get_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """With ``asynchronous_checkpoints`` the optimizer's directory is written in the background: Trainer's
+        rotation of older checkpoints waits until it is on disk (``_optimizer_written``), so a failed write
+        leaves the previous checkpoint in place."""
+        engine = self.zero_engine
+        if engine is None or not engine.config.asynchronous_checkpoints or self.args.save_only_model:
+            super()._save_checkpoint(model, trial)
+            return
+        # The previous write first, before Trainer makes this save's folder: its rotation must not count the new,
+        # unwritten checkpoint among those it keeps.
+        engine.wait_for_checkpoint()
+        limit, self.args.save_total_limit = self.args.save_total_limit, None  # rotated in _optimizer_written
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every process writes its optimizer shard into ``optimizer_zero/`` (Trainer's ``optimizer.pt`` would
-        hold the saving process's share only); the scheduler as Trainer saves it."""
+        hold the saving process's share only); the scheduler as Trainer saves it. In the background with
+        ``asynchronous_checkpoints``: a marker file says so until the write is on disk, so a checkpoint whose
+        run stopped mid-write is refused at resume instead of resuming its weights without their optimizer."""
         engine = self.zero_engine
         if engine is None:
             super()._save_optimizer_and_scheduler(output_dir)
             return
-        engine.save_checkpoint(Path(output_dir) / OPTIMIZER_DIR, include_model=False)
+        folder = Path(output_dir)
+        if engine.config.asynchronous_checkpoints:
+            if self.args.should_save:
+                (folder / OPTIMIZER_UNFINISHED).write_text("optimizer_zero/ is being written in the background\n")
+            when_done = functools.partial(self._optimizer_written, folder)
+            engine.save_checkpoint(folder / OPTIMIZER_DIR, include_model=False, when_done=when_done)
+        else:
+            engine.save_checkpoint(folder / OPTIMIZER_DIR, include_model=False)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _optimizer_written(self, folder: Path, _: Path, error: BaseException | None) -> None:
+        """A background write of ``folder``'s optimizer ended: on success the marker goes and Trainer's rotation
+        runs; on failure the checkpoint folder goes (Trainer made it for this save), so the previous checkpoint
+        is again the last one ``resume_from_checkpoint=True`` finds."""
+        if not self.args.should_save:
+            return
+        if error is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+        (folder / OPTIMIZER_UNFINISHED).unlink(missing_ok=True)
+        if hasattr(self, "_rotate_checkpoints"):  # before transformers 5: a method
+            self._rotate_checkpoints(use_mtime=True, output_dir=str(folder.parent))
+        else:
+            from transformers.trainer_utils import rotate_checkpoints
+
+            rotate_checkpoints(
+                output_dir=str(folder.parent),
+                save_total_limit=self.args.save_total_limit,
+                best_model_checkpoint=self.state.best_model_checkpoint,
+                use_mtime=True,
+            )
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's, then a checkpoint still being written in the background is waited for (its error raised
+        on every process)."""
+        result = super().train(*args, **kwargs)
+        if self.zero_engine is not None:
+            self.zero_engine.wait_for_checkpoint()
+        return result
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """The optimizer from ``optimizer_zero/`` (any number of processes, any stage; the weights were loaded
@@ -222,6 +280,12 @@ class ZeroTrainer(Trainer):
             return
         folder = Path(checkpoint)
         if not (folder / OPTIMIZER_DIR).is_dir():
+            if (folder / OPTIMIZER_UNFINISHED).is_file():
+                raise CheckpointError(
+                    f"{checkpoint} is incomplete: its optimizer state ({OPTIMIZER_DIR}/) was still being written "
+                    "in the background when its run stopped. Resume from the checkpoint before it "
+                    "(resume_from_checkpoint=<its folder>)."
+                )
             if (folder / OPTIMIZER_NAME).is_file():
                 raise ValueError(
                     f"{checkpoint} holds Trainer's {OPTIMIZER_NAME}, not a ZeroTrainer checkpoint "

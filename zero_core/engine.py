@@ -410,20 +410,34 @@ class ZeroEngine:
         *,
         include_optimizer: bool = True,
         include_model: bool = True,
+        optimizer_path: str | os.PathLike | None = None,
         asynchronous: bool | None = None,
+        when_done: Callable[[Path, BaseException | None], None] | None = None,
     ) -> Path:
         """Write model, optimizer and ``extra`` as a sharded DCP directory, atomically: every rank writes its own
         pieces; a failure anywhere raises the same ``CheckpointError`` everywhere and leaves the checkpoint at
         ``path`` as it was. Without the optimizer it is what ``accelerate merge-weights`` consolidates.
+        ``optimizer_path``: the optimizer into this other directory of the same save, written first (as
+        Accelerate keeps them; ``load_checkpoint(path, optimizer_path=...)`` reads the pair).
 
         ``asynchronous`` (default: ``config.asynchronous_checkpoints``): return once the state is copied to host
         memory and write it in the background while training goes on; the next save, any load and
         ``wait_for_checkpoint()`` wait for it, and the first optimizer step after every rank's write finished
-        raises its error, if any, on every rank alike."""
+        raises its error, if any, on every rank alike. ``when_done(path, error)``: called on every rank once the
+        save ended, ``error`` None once it is on disk, else the ``CheckpointError`` about to be raised (before a
+        synchronous save returns or raises; where an asynchronous one's write is collected)."""
         targets = {"include_optimizer": include_optimizer, "include_model": include_model}
         if asynchronous is None:
             asynchronous = self.config.asynchronous_checkpoints
-        return save_and_load.save(self._parts.checkpoints, path, extra, **targets, asynchronous=asynchronous)
+        return save_and_load.save(
+            self._parts.checkpoints,
+            path,
+            extra,
+            **targets,
+            optimizer_path=optimizer_path,
+            asynchronous=asynchronous,
+            when_done=when_done,
+        )
 
     @property
     def checkpoint_being_written(self) -> Path | None:

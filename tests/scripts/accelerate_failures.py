@@ -1,6 +1,9 @@
 """ZeroAccelerator's save_state/load_state when a save fails, in one CPU process; prints a JSON report.
 
-python tests/scripts/accelerate_failures.py WORKDIR
+python tests/scripts/accelerate_failures.py WORKDIR [--asynchronous]
+
+``--asynchronous``: the same under ``asynchronous_checkpoints`` (``background``): save_state returns while the
+model and optimizer are written; a write that fails is raised at a later step and its folder removed.
 """
 
 from __future__ import annotations
@@ -36,11 +39,10 @@ def fail_writes_into(directory_name: str):  # type: ignore[no-untyped-def]
     return original
 
 
-def main() -> None:
-    work = Path(sys.argv[1])
-    torch.set_num_threads(1)
+def prepared(work: Path, asynchronous: bool):  # type: ignore[no-untyped-def]
+    """An accelerator (automatic naming, one checkpoint kept), its prepared model, and a training step."""
     accelerator = ZeroAccelerator(
-        zero_plugin=ZeroPlugin(stage=3),
+        zero_plugin=ZeroPlugin(stage=3, asynchronous_checkpoints=asynchronous),
         project_config=ProjectConfiguration(project_dir=str(work), automatic_checkpoint_naming=True, total_limit=1),
     )
     torch.manual_seed(0)
@@ -52,7 +54,51 @@ def main() -> None:
         ids = batch(step, 0)
         accelerator.backward(lm_loss(model(ids), ids))
         optimizer.step()
+        optimizer.zero_grad()
 
+    return accelerator, model, train_step
+
+
+def background(work: Path) -> dict:
+    accelerator, model, train_step = prepared(work, asynchronous=True)
+    engine = accelerator.engine
+    folders = lambda: sorted(p.name for p in (work / "checkpoints").iterdir())  # noqa: E731
+    report: dict = {}
+    train_step(0)
+    accelerator.save_state()
+    accelerator.save_state()  # waits for the first (no step between: it is collected here, not at a step)
+    report["returned while written"] = engine.checkpoint_being_written is not None
+    report["folders while the second is written"] = folders()  # the first is pruned once the second is written
+    saved = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+    train_step(2)  # changes the weights while the save may still be written
+    engine.wait_for_checkpoint()
+    report["folders after two saves"] = folders()
+    original = fail_writes_into(".pytorch_model_zero_0.partial")
+    accelerator.save_state()
+    report["failing save returned"] = True
+    report["failed write"] = "not raised"
+    for step in range(3, 40):  # raised at the first step after the write ended
+        try:
+            train_step(step)
+        except CheckpointError as error:
+            report["failed write"] = str(error)
+            break
+    FileSystemWriter.write_data = original  # type: ignore[method-assign]
+    report["folders after a failed write"] = folders()
+    accelerator.load_state()
+    report["latest loads the second save"] = all(
+        torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items()
+    )
+    return report
+
+
+def main() -> None:
+    work = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    if sys.argv[2:] == ["--asynchronous"]:
+        print(json.dumps(background(work)))
+        return
+    accelerator, model, train_step = prepared(work, asynchronous=False)
     report: dict = {}
     train_step(0)
     accelerator.save_state()

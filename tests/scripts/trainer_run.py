@@ -4,7 +4,8 @@ Plain ``Trainer`` (DDP) unless ACCELERATE_USE_ZERO is set, as it is by ``acceler
 ``ZeroTrainer``, with the launcher's settings except for a case named ``zeroN``: ``ZeroPlugin(stage=N)``.
 A case named with bf16 or fp16 trains in that precision (``TrainingArguments``). Each case trains 6 steps
 (a checkpoint at step 3), evaluates, predicts, saves the model (``save_model`` and ``model.save_pretrained``
-on every process), then a second trainer resumes from the step-3 checkpoint. A case named with nan (say
+on every process), then a second trainer resumes from the step-3 checkpoint (``zero_async``: the optimizer
+saved in the background, at most one checkpoint kept; see ``async_case``). A case named with nan (say
 ``zero2_fp16_nan``) only trains, with rank 0's loss NaN in step NAN_STEP + 1 (``NaNOnRank0``), and records
 per step whether the step was skipped and the loss scale after it. ``--resume DIR`` runs only a
 resume from DIR; ``--refused DIR`` then tries to resume from plain Trainer's checkpoint DIR and records the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from accelerate_zero import ZeroPlugin, ZeroTrainer  # noqa: E402
 from accelerate_zero.plugin import zero_requested  # noqa: E402
+from accelerate_zero.trainer import OPTIMIZER_DIR, OPTIMIZER_UNFINISHED  # noqa: E402
+from zero_core import CheckpointError  # noqa: E402
 
 STEPS, SAVE_AT, ACCUMULATE = 6, 3, 2
 NAN_STEP = 2  # the nan cases: rank 0's loss is NaN in the third optimizer step (global_step 2 while it runs)
@@ -117,6 +121,7 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         logging_steps=1,
         save_strategy="no" if nan else "steps",
         save_steps=SAVE_AT,
+        save_total_limit=1 if "async" in case else None,  # the rotation waits for the background write
         report_to="none",
         disable_tqdm=True,
         seed=0,
@@ -134,6 +139,8 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
     plugin = ZeroPlugin(stage=int(stage[1])) if stage else None
     if case == "zero_budget":  # the settings chosen at prepare, measured on the train dataset's first batch
         plugin = ZeroPlugin(memory_budget="64GiB")
+    if case == "zero_async":  # the launcher's stage 3; the optimizer's directory written in the background
+        plugin = ZeroPlugin(asynchronous_checkpoints=True)
     return (NaNZeroTrainer if nan else ZeroTrainer)(zero_plugin=plugin, **kwargs)
 
 
@@ -161,10 +168,26 @@ def describe(run: Trainer) -> dict:
     }
 
 
+class SavedFolders(TrainerCallback):
+    """What the run directory holds right after each save (the async case: the step-3 checkpoint is still there
+    while step 6's optimizer is written, rotated out at the end), and a copy of the step-3 checkpoint made then
+    (``kept-3``: what a resume from it reads; the rotation removes the original)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir, self.after_each_save = run_dir, []
+
+    def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.after_each_save.append(sorted(p.name for p in self.run_dir.iterdir()))
+        if state.global_step == STEPS and PartialState().is_main_process:
+            shutil.copytree(self.run_dir / f"checkpoint-{SAVE_AT}", self.run_dir / f"kept-{SAVE_AT}")
+
+
 def full_case(out: Path, case: str, batch_size: int) -> dict:
     run = trainer(case, out / f"{case}-run", batch_size)
     if "evalfirst" in case:  # evaluate() before train(): the model is prepared for evaluation first
         run.evaluate()
+    if "async" in case:
+        return async_case(out, case, batch_size, run)
     run.train()
     result = {**describe(run), **history(run), "weights": weights(run)}
     result["eval_loss"] = run.evaluate()["eval_loss"]
@@ -175,6 +198,34 @@ def full_case(out: Path, case: str, batch_size: int) -> dict:
     resumed.train(resume_from_checkpoint=str(out / f"{case}-run" / f"checkpoint-{SAVE_AT}"))
     result["resumed"] = {**describe(resumed), **history(resumed, SAVE_AT), "weights": weights(resumed)}
     result["checkpoint_files"] = sorted(p.name for p in (out / f"{case}-run" / f"checkpoint-{SAVE_AT}").iterdir())
+    return result
+
+
+def async_case(out: Path, case: str, batch_size: int, run: Trainer) -> dict:
+    """Trains with the optimizer saved in the background, resumes from the step-3 checkpoint, then from a copy
+    of it as a run stopped mid-write leaves it (its optimizer's directory not there, the marker still there)."""
+    folders = SavedFolders(out / f"{case}-run")
+    run.add_callback(folders)
+    run.train()
+    result = {**describe(run), **history(run), "weights": weights(run)}
+    result["after each save"] = folders.after_each_save
+    result["after training"] = sorted(p.name for p in (out / f"{case}-run").iterdir())
+    kept = out / f"{case}-run" / f"kept-{SAVE_AT}"
+    result["checkpoint_files"] = sorted(p.name for p in kept.iterdir())
+    resumed = trainer(case, out / f"{case}-resumed", batch_size)
+    resumed.train(resume_from_checkpoint=str(kept))
+    result["resumed"] = {**describe(resumed), **history(resumed, SAVE_AT), "weights": weights(resumed)}
+    unfinished = out / f"{case}-unfinished"
+    if PartialState().is_main_process:
+        shutil.copytree(kept, unfinished)
+        shutil.rmtree(unfinished / OPTIMIZER_DIR)
+        (unfinished / OPTIMIZER_UNFINISHED).write_text("")
+    PartialState().wait_for_everyone()
+    try:
+        trainer(case, out / f"{case}-refused", batch_size).train(resume_from_checkpoint=str(unfinished))
+        result["unfinished"] = None
+    except CheckpointError as error:
+        result["unfinished"] = str(error)
     return result
 
 

@@ -80,8 +80,15 @@ def staged(state: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, li
 class _Write:
     """One save being written by its thread: its outcome once the thread ends."""
 
-    def __init__(self, path: Path, write: Callable[[CommContext], Path], comm: CommContext):
+    def __init__(
+        self,
+        path: Path,
+        write: Callable[[CommContext], Path],
+        comm: CommContext,
+        when_done: Callable[[Path, BaseException | None], None] | None,
+    ):
         self.path = path
+        self.when_done = when_done  # run on the training thread once collected, with the write's error if any
         self.error: BaseException | None = None
         self._write: Callable[[CommContext], Path] | None = write  # holds the staged state until written
         # Not a daemon: the interpreter waits for a write to finish before it exits.
@@ -124,11 +131,18 @@ class BackgroundSave(BackgroundWork):
     def pending_path(self) -> Path | None:
         return self._pending.path if self._pending is not None else None
 
-    def start(self, path: Path, write: Callable[[CommContext], Path]) -> None:
+    def start(
+        self,
+        path: Path,
+        write: Callable[[CommContext], Path],
+        when_done: Callable[[Path, BaseException | None], None] | None = None,
+    ) -> None:
         """Run ``write(comm)`` in a thread of its own, on the writer's process group (every rank calls this,
-        after ``wait``)."""
+        after ``wait``); ``when_done(path, error)`` runs on the caller's thread where the write is collected,
+        before its error is raised (the adapters prune older checkpoints there once the new one is on disk, or
+        remove the folder it was to complete)."""
         assert self._pending is None, "wait for the previous write first"
-        self._pending = _Write(path, write, self._writer())
+        self._pending = _Write(path, write, self._writer(), when_done)
 
     def finished_here(self) -> bool:
         return self._pending is None or not self._pending.thread.is_alive()
@@ -138,18 +152,22 @@ class BackgroundSave(BackgroundWork):
 
     def wait(self) -> Path | None:
         """The pending write's path once it is on disk (None without one); its error raised (every rank calls
-        this at the same point: the write ends alike everywhere)."""
+        this at the same point: the write ends alike everywhere), after its ``when_done``."""
         pending, self._pending = self._pending, None
         if pending is None:
             return None
         pending.thread.join()
-        if pending.error is not None:
-            if isinstance(pending.error, CheckpointError):
-                raise CheckpointError(
-                    f"The asynchronous save to {pending.path} failed: {pending.error} The previous checkpoint there, "
-                    "if any, is as it was."
-                ) from pending.error
-            raise pending.error
+        error = pending.error
+        if isinstance(error, CheckpointError):
+            error = CheckpointError(
+                f"The asynchronous save to {pending.path} failed: {error} The previous checkpoint there, "
+                "if any, is as it was."
+            )
+            error.__cause__ = pending.error
+        if pending.when_done is not None:
+            pending.when_done(pending.path, error)
+        if error is not None:
+            raise error
         return pending.path
 
     def _writer(self) -> CommContext:

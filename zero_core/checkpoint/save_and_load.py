@@ -9,6 +9,7 @@ load changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -96,6 +97,14 @@ def sharded_optimizer_state_dict(target: CheckpointTarget) -> dict[str, Any]:
         return sharded_state(view, with_model=False)[OPTIMIZER_KEY]
 
 
+class _Directory(NamedTuple):
+    """One directory a save writes, and what goes into it."""
+
+    path: str | os.PathLike
+    with_model: bool
+    with_optimizer: bool
+
+
 def save(
     target: CheckpointTarget,
     path: str | os.PathLike,
@@ -103,15 +112,39 @@ def save(
     *,
     include_optimizer: bool,
     include_model: bool,
+    optimizer_path: str | os.PathLike | None = None,
     asynchronous: bool = False,
+    when_done: Callable[[Path, BaseException | None], None] | None = None,
 ) -> Path:
-    """``asynchronous``: return once the state is staged in host memory; the files are written in the
-    background (``background_save.py``), the directory appearing at ``path`` once every rank's succeeded."""
+    """``optimizer_path``: the optimizer into this other directory, written first (the larger write: if it fails,
+    the model's directory is as it was), the model into ``path``; both hold ``extra`` and the step count, as
+    ``load``'s ``optimizer_path`` checks. ``asynchronous``: return once the state is staged in host memory; the
+    files are written in the background (``background_save.py``), each directory appearing once every rank's
+    write of it succeeded. ``when_done(path, error)``: on every rank once the save ended, ``error`` None once
+    every directory is on disk, else the error about to be raised (before a synchronous save returns or raises;
+    where an asynchronous one's write is collected)."""
     if not (include_model or include_optimizer):
         raise ValueError("Nothing to save: include the model, the optimizer or both.")
+    if optimizer_path is not None and not (include_model and include_optimizer and target.optimizer is not None):
+        raise ValueError(
+            "optimizer_path= writes the optimizer apart from the model: it needs an attached optimizer and "
+            "include_model and include_optimizer left True."
+        )
+    if optimizer_path is None:
+        directories = [_Directory(path, include_model, include_optimizer and target.optimizer is not None)]
+    else:
+        directories = [_Directory(optimizer_path, False, True), _Directory(path, True, False)]
     with meeting("save_checkpoint()"):
         target.background.wait()  # the previous asynchronous save first: its error is raised here
-        return _save(target, path, extra, include_optimizer, include_model, asynchronous)
+        try:
+            written = _save(target, path, extra, directories, asynchronous, when_done)
+        except CheckpointError as error:
+            if when_done is not None:
+                when_done(CheckpointDirs.of(path).path, error)
+            raise
+    if not asynchronous and when_done is not None:
+        when_done(written, None)
+    return written
 
 
 def wait_for_background_save(target: CheckpointTarget) -> Path | None:
@@ -123,9 +156,9 @@ def _save(
     target: CheckpointTarget,
     path: str | os.PathLike,
     extra: dict[str, Any] | None,
-    include_optimizer: bool,
-    include_model: bool,
+    directories: list[_Directory],
     asynchronous: bool,
+    when_done: Callable[[Path, BaseException | None], None] | None,
 ) -> Path:
     target.quiesce()
     target.sync_buffers()
@@ -134,16 +167,19 @@ def _save(
     record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
     operation = f"saving checkpoint {path}"
     view = sharded_view(target, operation, streaming=True)
-    with_optimizer = include_optimizer and target.optimizer is not None
     extra = dict(extra or {})
     try:
-        if not asynchronous:
+        if asynchronous:
+            return _start_background_save(target, path, extra, record, view, directories, when_done)
+        for directory in directories:
 
-            def collect() -> dict[str, Any]:
-                return sharded_state(view, include_model, with_optimizer)
+            def collect(directory: _Directory = directory) -> dict[str, Any]:
+                return sharded_state(view, directory.with_model, directory.with_optimizer)
 
-            return save_checkpoint(target.comm, path, extra, record, collect, in_order=view.resting is not None)
-        return _start_background_save(target, path, extra, record, view, include_model, with_optimizer)
+            written = save_checkpoint(
+                target.comm, directory.path, extra, record, collect, in_order=view.resting is not None
+            )
+        return written  # the last directory: the model's, at ``path``
     finally:
         release_freed_memory()  # the pieces the save copied out: else the heap keeps them
 
@@ -154,25 +190,34 @@ def _start_background_save(
     extra: dict[str, Any],
     record: EngineRecord,
     view: ShardedModel,
-    include_model: bool,
-    with_optimizer: bool,
+    directories: list[_Directory],
+    when_done: Callable[[Path, BaseException | None], None] | None,
 ) -> Path:
-    """Stage the state and the extra state (a copy: nothing aliases what training changes next), agreed on every
-    rank, then start the write. The extra state is checked now, as a synchronous save would refuse it."""
+    """Stage the state of every directory and the extra state (a copy: nothing aliases what training changes
+    next), agreed on every rank, then start the write. The extra state is checked now, as a synchronous save
+    would refuse it."""
     agreement = RankAgreement(target.comm, f"saving checkpoint {path} asynchronously")
 
-    def stage() -> tuple[dict[str, Any], dict[str, Any]]:
+    def stage() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if target.comm.rank == 0:
             serialize_meta(extra)
-        return target.background.stage(sharded_state(view, include_model, with_optimizer)), staged(extra)[0]
+        states = [sharded_state(view, d.with_model, d.with_optimizer) for d in directories]
+        return target.background.stage(states), staged(extra)[0]
 
-    (state, staged_extra), _ = agreement.run("staging the state in host memory", stage)
-    final = CheckpointDirs.of(path).path
-    target.background.start(
-        final,
-        lambda comm: save_checkpoint(comm, final, staged_extra, record, lambda: state, in_order=False),
-    )
-    return final
+    (states, staged_extra), _ = agreement.run("staging the state in host memory", stage)
+    finals = [CheckpointDirs.of(d.path).path for d in directories]
+
+    def write(comm: CommContext) -> Path:
+        for final, state in zip(finals, states):
+            save_checkpoint(comm, final, staged_extra, record, functools.partial(_given, state), in_order=False)
+        return finals[-1]
+
+    target.background.start(finals[-1], write, when_done)
+    return finals[-1]
+
+
+def _given(state: dict[str, Any]) -> dict[str, Any]:
+    return state
 
 
 def read_extra(target: CheckpointTarget, path: str | os.PathLike) -> dict[str, Any]:

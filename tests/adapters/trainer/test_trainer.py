@@ -66,7 +66,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         "zero1_muon",
         "zero1_adafactor",
     )
-    zero += ("zero_budget", "zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
+    zero += ("zero_budget", "zero_async", "zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
     # The two side by side (a launch keeps about one of two cores busy; each writes its own files).
     with ThreadPoolExecutor(max_workers=2) as launches:
         for launch in [launches.submit(_launch, *ddp), launches.submit(_launch, *zero)]:
@@ -81,7 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     )
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
     names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan", "ddp_muon", "zero1_muon"]
-    names += ["ddp_adafactor", "zero1_adafactor", "zero_budget"]
+    names += ["ddp_adafactor", "zero1_adafactor", "zero_budget", "zero_async"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -146,6 +146,24 @@ def test_a_memory_budget_measures_the_first_train_batch_and_trains_resumes_as_dd
     _equal_weights(_tensors(ours["weights"]), _tensors(reference["weights"]))
     assert ours["resumed"]["stage"] == 1
     assert ours["resumed"]["losses"] == pytest.approx(reference["resumed"]["losses"], rel=1e-5)
+
+
+def test_asynchronous_checkpoints_rotate_once_written_resume_as_ddp_and_an_unfinished_one_is_refused(
+    runs: tuple,
+) -> None:
+    """ZeroPlugin(asynchronous_checkpoints=True), save_total_limit=1: the optimizer's directory is written in the
+    background; the step-3 checkpoint is rotated out only once step 6's is written (at the end of train()), no
+    marker is left, the step-3 checkpoint resumes as DDP's does, and one whose run stopped mid-write is refused."""
+    _, results = runs
+    reference, ours = results["ddp"], results["zero_async"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours["after each save"] == [["checkpoint-3"], ["checkpoint-3", "checkpoint-6"]]
+    assert ours["after training"] == ["checkpoint-6", "kept-3"]
+    assert "optimizer_zero" in ours["checkpoint_files"] and "optimizer_zero.unfinished" not in ours["checkpoint_files"]
+    resumed = ours["resumed"]
+    assert resumed["losses"] == pytest.approx(reference["resumed"]["losses"], rel=1e-5)
+    _equal_weights(_tensors(resumed["weights"]), _tensors(reference["resumed"]["weights"]))
+    assert "is incomplete: its optimizer state (optimizer_zero/) was still being written" in ours["unfinished"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

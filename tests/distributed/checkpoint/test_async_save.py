@@ -65,6 +65,17 @@ def _same_as_synchronous(rank: int, world_size: int, directory: str, stage: int)
     loaded_extra = other.load_checkpoint(path)  # waits for nothing of its own; the other engine's write goes on
     loaded = other.full_state_dict()
     second = engine.save_checkpoint(root / "after", asynchronous=False)  # waits for async-2 first
+    # The model and the optimizer in two directories of one save (as Accelerate keeps them), in the background.
+    engine.save_checkpoint(root / "pair-sync", optimizer_path=root / "pair-sync-optimizer")
+    done: list = []
+    engine.save_checkpoint(
+        root / "pair-async",
+        optimizer_path=root / "pair-async-optimizer",
+        asynchronous=True,
+        when_done=lambda path, error: done.append((str(path), error)),
+    )
+    before_collected = list(done)
+    engine.wait_for_checkpoint()
     return {
         "path": str(path),
         # Waited for here, or collected by a step once every rank's write had finished.
@@ -73,6 +84,7 @@ def _same_as_synchronous(rank: int, world_size: int, directory: str, stage: int)
         "loaded the saved state": all(torch.equal(before[k], loaded[k]) for k in before),
         "extra": loaded_extra,
         "both written": again.is_dir() and second.is_dir() and engine.wait_for_checkpoint() is None,
+        "pair done": (before_collected, done),
     }
 
 
@@ -101,9 +113,9 @@ def _failing_write(rank: int, world_size: int, directory: str) -> dict[str, Any]
     engine.save_checkpoint(root / "ckpt")
     kept = engine.full_state_dict()
     _train(model, engine, range(1, 2))
-    raised_at, message = None, None
+    raised_at, message, done = None, None, []
     with _disk_full_on(rank, failing=1):
-        engine.save_checkpoint(root / "ckpt", asynchronous=True)
+        engine.save_checkpoint(root / "ckpt", asynchronous=True, when_done=lambda _, error: done.append(str(error)))
         for step in range(2, 40):  # the write ends within a few steps; the step after every rank's raises
             try:
                 _train(model, engine, range(step, step + 1))
@@ -123,6 +135,7 @@ def _failing_write(rank: int, world_size: int, directory: str) -> dict[str, Any]
         "leftovers": leftovers,
         "bad extra": bad_extra,
         "nothing pending after": engine.wait_for_checkpoint() is None,
+        "when_done": done,
     }
 
 
@@ -146,6 +159,10 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(grid: list, sta
     # The second asynchronous save refilled the first one's host copies; "after" is a synchronous save of the
     # same state (nothing trained between them).
     assert_same_checkpoint(path.parent / "after", path.parent / "async-2")
+    assert_same_checkpoint(path.parent / "pair-sync", path.parent / "pair-async", state_key=None)
+    assert_same_checkpoint(path.parent / "pair-sync-optimizer", path.parent / "pair-async-optimizer")
+    for result in by_rank(grid, f"stage {stage}"):  # when_done: once, where the write was collected
+        assert result["pair done"] == ([], [(str(path.parent / "pair-async"), None)])
 
 
 def test_a_failed_background_write_is_raised_on_every_rank_at_a_step_and_keeps_the_previous(grid: list) -> None:
@@ -160,3 +177,4 @@ def test_a_failed_background_write_is_raised_on_every_rank_at_a_step_and_keeps_t
         assert result["leftovers"] == ["ckpt"]  # the partial directory removed
         assert "weights_only" in result["bad extra"]
         assert result["nothing pending after"]
+        assert result["when_done"] == [message]  # told of the error it raises, on every rank
