@@ -9,6 +9,7 @@ work; the engine only forwards to them (its checkpoint methods to ``checkpoint/s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -490,14 +491,17 @@ class ZeroEngine:
 
     # ---------------------------------------------------------- accounting
     def memory_report(self) -> MemoryReport:
-        """Bytes of parameters, gradients and optimizer state held by this rank now."""
-        return measure_model_state(
+        """Bytes of parameters, gradients and optimizer state held by this rank now, and the host copies kept for
+        asynchronous saves."""
+        report = measure_model_state(
             self.model,
             self._units,
             self.optimizer,
             self._optimizer.bytes_on_disk(),
             exchanged=self._optimizer_step.whole_tensors.in_flight,
         )
+        staging = self._parts.checkpoints.background.staging_bytes
+        return dataclasses.replace(report, checkpoint_staging_bytes=staging)
 
     def remove_hooks(self) -> None:
         for handle in self._parts.hooks + self._runtime.late_handles:

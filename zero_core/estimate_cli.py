@@ -121,6 +121,12 @@ def format_table(result: ZeroEstimate, budget: int | None) -> str:
             "backward (hpZ's pieces; gone by the peak after a backward that the table shows)."
         )
     lines += _quantization_lines(result, config)
+    if result.checkpoint_staging_bytes:
+        lines.append(
+            f"stages 1-3 with asynchronous_checkpoints: {human_bytes(result.checkpoint_staging_bytes)} more of host "
+            "memory per rank from the first asynchronous save on (its copy of the rank's shards, refilled by "
+            "each later save)."
+        )
     if result.whole_tensor_sent_bytes or result.whole_tensor_working_bytes:
         lines.append(
             f"stages 1-3, a whole-tensor optimizer: each step a rank sends up to "

@@ -77,6 +77,34 @@ def staged(state: Any, reuse: list[torch.Tensor] | None = None) -> tuple[Any, li
     return result, buffers
 
 
+def staging_bytes_needed(state: Any, reuse: list[torch.Tensor]) -> tuple[int, int]:
+    """(the bytes ``staged(state, reuse)`` copies, of those the bytes it allocates anew), without reading or
+    copying anything: the tensors in ``staged``'s order, each matched with ``reuse`` at its index."""
+    sizes: list[tuple[int, torch.dtype]] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, ShardedChunks):
+            sizes.append((value.local_numel, value.dtype))
+        elif isinstance(value, torch.Tensor):
+            sizes.append((value.numel(), value.dtype))
+        elif isinstance(value, dict):
+            for item in value.values():
+                walk(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+
+    walk(state)
+    total = fresh = 0
+    for index, (numel, dtype) in enumerate(sizes):
+        size = numel * dtype.itemsize
+        total += size
+        kept = reuse[index] if index < len(reuse) else None
+        if kept is None or kept.numel() != numel or kept.dtype != dtype:
+            fresh += size
+    return total, fresh
+
+
 class _Write:
     """One save being written by its thread: its outcome once the thread ends."""
 
@@ -116,6 +144,10 @@ class BackgroundSave(BackgroundWork):
         # The last save's host copies, refilled by the next (which starts only once that write is done).
         self._staging: list[torch.Tensor] = []
 
+    def bytes_to_stage(self, state: Any) -> tuple[int, int]:
+        """``staging_bytes_needed`` of ``state`` against the host copies kept from the last save."""
+        return staging_bytes_needed(state, self._staging)
+
     def stage(self, state: Any) -> Any:
         """``staged(state)``, into the last save's host copies where they fit (call after ``wait``)."""
         assert self._pending is None, "the write reading the host copies must be done first"
@@ -124,7 +156,7 @@ class BackgroundSave(BackgroundWork):
 
     @property
     def staging_bytes(self) -> int:
-        """The host memory the host copies hold between saves."""
+        """The host memory the host copies hold between saves (``memory_report().checkpoint_staging_bytes``)."""
         return sum(t.numel() * t.element_size() for t in self._staging)
 
     @property

@@ -146,6 +146,11 @@ class ShardedChunks(torch.Tensor):
             f"{func} is not supported on a ZeRO checkpoint view; it only serves torch.distributed.checkpoint."
         )
 
+    @property
+    def local_numel(self) -> int:
+        """The elements of this rank's pieces (what ``staged`` copies), without reading them."""
+        return self._local.numel()
+
     def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> ShardedChunks:
         """The same pieces over ``copy`` of their values, read now (an asynchronous save's: nothing of it
         aliases the shard the next step changes, nor waits in a file)."""

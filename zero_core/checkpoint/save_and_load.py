@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,12 @@ from torch import nn
 
 from ..collectives import CommContext, meeting
 from ..host_memory import release_freed_memory
+from ..memory.machine_memory import available_host_memory_bytes
 from ..offload.nvme_load import NvmeLoad
 from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import LossScaler
 from ..optim.rebuild import install_optimizer_state
+from ..sizes import human_bytes
 from ..unit import FlatUnit
 from .agreed_steps import RankAgreement
 from .background_save import BackgroundSave, staged
@@ -197,18 +200,27 @@ def _start_background_save(
     next), agreed on every rank, then start the write. The extra state is checked now, as a synchronous save
     would refuse it."""
     agreement = RankAgreement(target.comm, f"saving checkpoint {path} asynchronously")
+    states: list[dict[str, Any]] = []
+
+    def measure() -> tuple[str, int, int]:
+        states.extend(sharded_state(view, d.with_model, d.with_optimizer) for d in directories)  # views
+        _, fresh = target.background.bytes_to_stage(states)
+        return socket.gethostname(), fresh, available_host_memory_bytes()
+
+    _, needs = agreement.run("measuring host memory for the staged copy", measure, share=True)
+    if problem := staging_memory_problem(needs):  # every rank's figures alike: the same verdict everywhere
+        raise CheckpointError(f"Saving checkpoint {path} asynchronously was refused before staging: {problem}")
 
     def stage() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if target.comm.rank == 0:
             serialize_meta(extra)
-        states = [sharded_state(view, d.with_model, d.with_optimizer) for d in directories]
         return target.background.stage(states), staged(extra)[0]
 
-    (states, staged_extra), _ = agreement.run("staging the state in host memory", stage)
+    (staged_states, staged_extra), _ = agreement.run("staging the state in host memory", stage)
     finals = [CheckpointDirs.of(d.path).path for d in directories]
 
     def write(comm: CommContext) -> Path:
-        for final, state in zip(finals, states):
+        for final, state in zip(finals, staged_states):
             save_checkpoint(comm, final, staged_extra, record, functools.partial(_given, state), in_order=False)
         return finals[-1]
 
@@ -218,6 +230,24 @@ def _start_background_save(
 
 def _given(state: dict[str, Any]) -> dict[str, Any]:
     return state
+
+
+def staging_memory_problem(needs: list[tuple[str, int, int]]) -> str | None:
+    """What is wrong with every rank's (host, bytes its staged copy allocates, host bytes available to it), or
+    None: the ranks on one host share its memory, so their needs add up against the least any of them sees."""
+    hosts: dict[str, list[int]] = {}
+    for rank, (host, _, _) in enumerate(needs):
+        hosts.setdefault(host, []).append(rank)
+    for host, ranks in hosts.items():
+        need = sum(needs[rank][1] for rank in ranks)
+        available = min(needs[rank][2] for rank in ranks)
+        if need > available:
+            return (
+                f"host {host} has {human_bytes(available)} of memory available and its ranks {ranks} need "
+                f"{human_bytes(need)} more for their copies of the state. Save synchronously (asynchronous=False, "
+                "or asynchronous_checkpoints off), or free host memory. Nothing was written; training can go on."
+            )
+    return None
 
 
 def read_extra(target: CheckpointTarget, path: str | os.PathLike) -> dict[str, Any]:

@@ -41,7 +41,7 @@ STAGES = (0, 1, 2, 3)  # 0: DDP, the reference
 # no user setting: each framework's own precision flag sets it). What is not a setting is EstimateSettings'.
 SHARED_SETTINGS = ("shard_group_size", "bucket_size_mb", "wrap_policy", "offload_optimizer", "offload_fraction")
 SHARED_SETTINGS += ("offload_params", "secondary_shard_group_size", "quantize_weights", "quantize_gradients")
-SHARED_SETTINGS += ("gradient_quantization_bits", "quantization_block_size")
+SHARED_SETTINGS += ("gradient_quantization_bits", "quantization_block_size", "asynchronous_checkpoints")
 
 
 def shared_settings() -> list[Setting]:
@@ -145,6 +145,10 @@ class ZeroEstimate:
     # builds at once (a round's whole tensors); transient, not in by_stage.
     whole_tensor_sent_bytes: int = 0
     whole_tensor_working_bytes: int = 0
+    # asynchronous_checkpoints (stages 1-3): the host memory each rank keeps from its first asynchronous save on,
+    # a copy of its shard of the fp32 weights and of the optimizer state (each unit's padded shard; the model's
+    # buffers and the optimizer's step counts aside); not in by_stage.
+    checkpoint_staging_bytes: int = 0
 
     def __getitem__(self, stage: int) -> MemoryReport:
         return self.by_stage[stage]
@@ -200,7 +204,18 @@ def estimate_units(units: list[UnitCount], settings: EstimateSettings, whole_uni
     numel, trainable = sum(u.numel for u in units), sum(u.trainable_numel for u in units)
     gather, reduce = _quantized_working_bytes(units, settings)
     secondary = _secondary_piece_bytes(units, settings)
-    return ZeroEstimate(numel, trainable, len(units), settings, by_stage, secondary, gather, reduce)
+    result = ZeroEstimate(numel, trainable, len(units), settings, by_stage, secondary, gather, reduce)
+    return replace(result, checkpoint_staging_bytes=_checkpoint_staging_bytes(units, settings))
+
+
+def _checkpoint_staging_bytes(units: list[UnitCount], settings: EstimateSettings) -> int:
+    """asynchronous_checkpoints: each unit's shard of the fp32 weights (all of them) and of the optimizer state
+    (the trainable ones'), as a save stages them in host memory (0 when off)."""
+    if not settings.config.asynchronous_checkpoints:
+        return 0
+    k, state = settings.shard_size, settings.optimizer_state_bytes_per_param
+    weights = sum(padded_numel(unit.numel, k) // k for unit in units) * 4  # the masters are always fp32
+    return weights + sum(padded_numel(unit.trainable_numel, k) // k for unit in units) * state
 
 
 def _quantized_working_bytes(units: list[UnitCount], settings: EstimateSettings) -> tuple[int, int]:

@@ -1,4 +1,5 @@
-"""What memory a rank has: ``memory_budget="auto"``'s device part, read at setup.
+"""What memory a rank has: ``memory_budget="auto"``'s device part, read at setup; and what the host can still
+give now (an asynchronous save's staged copy is checked against it).
 
 A GPU's memory is its own (shared by the ranks that drive the same device). On a CPU the ranks share the host:
 each gets its share of the smaller of the host's memory and its control group's limit (ranks in one group
@@ -41,6 +42,37 @@ def cgroup_memory_limit() -> tuple[str, int | None]:
         if controllers == "":  # cgroup v2's unified hierarchy
             return path, _limit(CGROUP_ROOT / path.lstrip("/") / "memory.max")
     return "", None
+
+
+def available_host_memory_bytes() -> int:
+    """What the host can still give this process now: the kernel's estimate of available memory
+    (``MemAvailable``: free memory and the caches it can drop), or less where this process's control group
+    is nearer its limit."""
+    available = host_memory_bytes()
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass  # not Linux: the host's physical memory is the bound
+    group, limit = cgroup_memory_limit()
+    used = _cgroup_usage(group) if limit is not None else None
+    if limit is not None and used is not None:
+        available = min(available, limit - used)
+    return max(available, 0)
+
+
+def _cgroup_usage(group: str) -> int | None:
+    """The bytes charged to the control group now (v1's usage_in_bytes, or v2's memory.current)."""
+    for file in (
+        CGROUP_ROOT / "memory" / group.lstrip("/") / "memory.usage_in_bytes",
+        CGROUP_ROOT / group.lstrip("/") / "memory.current",
+    ):
+        try:
+            return int(file.read_text().strip())
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _limit(file: Path) -> int | None:

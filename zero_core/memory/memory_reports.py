@@ -20,6 +20,9 @@ class MemoryReport:
     # and of reduces (qgZ, issued in backward, waited for by its end), on the device.
     # Transient communication memory, in none of the figures above; 0 between steps.
     communication_bytes: int = 0
+    # The host copies an asynchronous save staged this rank's state into, kept from one save to the next to be
+    # refilled (checkpoint/background_save.py); host memory, in none of the figures above; 0 before the first.
+    checkpoint_staging_bytes: int = 0
 
     @property
     def model_state_bytes(self) -> int:

@@ -5,12 +5,15 @@ Checked on 2 gloo ranks: what an asynchronous save writes is, bit for bit, what 
 point writes, though the weights change while it is written (nothing staged aliases them); the next save, a
 load and ``wait_for_checkpoint`` wait for it; a write that fails on one rank (its disk full) is raised on every
 rank alike at the next optimizer step, naming the checkpoint, training goes on after it, and the previous
-checkpoint at that path still loads; a bad extra state is refused at once, as a synchronous save refuses it.
+checkpoint at that path still loads; a bad extra state is refused at once, as a synchronous save refuses it; the
+host copies are counted in ``memory_report()``, and a save that host memory cannot stage is refused before anything
+is copied, with the numbers, on every rank alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 from collections.abc import Iterator
@@ -25,7 +28,8 @@ from tests.checkpoint_files import assert_same_checkpoint
 from tests.models import SEQ, VOCAB, TinyTransformer, lm_loss, make_optimizer
 from tests.rank_pool import by_rank, run_distributed, run_each
 from tests.workers import config_for, refusal
-from zero_core import CheckpointError, ZeroEngine
+from zero_core import CheckpointError, ZeroEngine, estimate
+from zero_core.checkpoint import load_full_checkpoint, save_and_load
 
 
 class _Opaque:
@@ -54,7 +58,9 @@ def _same_as_synchronous(rank: int, world_size: int, directory: str, stage: int)
     _train(model, engine, range(2))
     engine.save_checkpoint(root / "sync", {"epoch": [1, 2]})
     extra = {"epoch": [1, 2]}
+    staging_before = engine.memory_report().checkpoint_staging_bytes
     path = engine.save_checkpoint(root / "async", extra, asynchronous=True)
+    staging = engine.memory_report().checkpoint_staging_bytes
     extra["epoch"].append(3)  # changed after the call returned: not what was saved
     before = engine.full_state_dict()
     _train(model, engine, range(2, 5))
@@ -85,6 +91,7 @@ def _same_as_synchronous(rank: int, world_size: int, directory: str, stage: int)
         "extra": loaded_extra,
         "both written": again.is_dir() and second.is_dir() and engine.wait_for_checkpoint() is None,
         "pair done": (before_collected, done),
+        "staging": (staging_before, staging, engine.memory_report().checkpoint_staging_bytes),
     }
 
 
@@ -139,12 +146,59 @@ def _failing_write(rank: int, world_size: int, directory: str) -> dict[str, Any]
     }
 
 
+def _tensor_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(value) for value in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(value) for value in tree)
+    return 0
+
+
+@contextlib.contextmanager
+def _host_memory_short(rank: int, short: int) -> Iterator[None]:
+    """Rank ``short`` sees almost no host memory available (as on a host that is nearly full)."""
+    original = save_and_load.available_host_memory_bytes
+    if rank == short:
+        save_and_load.available_host_memory_bytes = lambda: 4096  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        save_and_load.available_host_memory_bytes = original  # type: ignore[assignment]
+
+
+def _short_of_host_memory(rank: int, world_size: int, directory: str) -> dict[str, Any]:
+    """An asynchronous save that host memory cannot stage is refused before anything is copied or written."""
+    root = Path(directory) / "short"
+    model, engine = _engine(2)
+    _train(model, engine, range(1))
+    engine.save_checkpoint(root / "ckpt")
+    kept = engine.full_state_dict()
+    with _host_memory_short(rank, short=1):
+        message = refusal(lambda: engine.save_checkpoint(root / "ckpt", asynchronous=True), CheckpointError)
+    staging = engine.memory_report().checkpoint_staging_bytes
+    _train(model, engine, range(1, 2))  # training goes on
+    other_model, other = _engine(2)
+    other.load_checkpoint(root / "ckpt")
+    previous = other.full_state_dict()
+    return {
+        "message": message,
+        "nothing staged": staging == 0 and engine.checkpoint_being_written is None,
+        "previous loads": all(torch.equal(kept[k], previous[k]) for k in kept),
+        "leftovers": sorted(p.name for p in root.iterdir()),
+        "then saves": engine.save_checkpoint(root / "ckpt", asynchronous=True) is not None
+        and engine.wait_for_checkpoint() is not None,
+    }
+
+
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     directory = str(tmp_path_factory.mktemp("async"))
     same = functools.partial(_same_as_synchronous, directory=directory)
     workers = {f"stage {stage}": functools.partial(same, stage=stage) for stage in (1, 2, 3)}
     workers["failing"] = functools.partial(_failing_write, directory=directory)
+    workers["short"] = functools.partial(_short_of_host_memory, directory=directory)
     return run_distributed(run_each, 2, workers, timeout=240)
 
 
@@ -163,6 +217,19 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(grid: list, sta
     assert_same_checkpoint(path.parent / "pair-sync-optimizer", path.parent / "pair-async-optimizer")
     for result in by_rank(grid, f"stage {stage}"):  # when_done: once, where the write was collected
         assert result["pair done"] == ([], [(str(path.parent / "pair-async"), None)])
+    # memory_report() counts the host copies from the first asynchronous save on, refilled (not grown) by the
+    # next ones; together the ranks' copies hold the checkpoint's every tensor, each replicated one (buffers,
+    # the optimizer's step counts) once per rank holding it.
+    staged = [result["staging"] for result in by_rank(grid, f"stage {stage}")]
+    assert all(before == 0 and after > 0 and later == after for before, after, later in staged)
+    whole = _tensor_bytes(load_full_checkpoint(path))
+    assert whole <= sum(after for _, after, _ in staged) <= whole * 1.02
+    # zero-estimate's figure per rank, from the parameter counts: within 5% of what the ranks copied on average
+    # (the buffers, staged by rank 0, and the optimizer's step counts aside).
+    config = dataclasses.replace(config_for(stage), asynchronous_checkpoints=True)
+    estimated = estimate(TinyTransformer(batchnorm=False), 2, config).checkpoint_staging_bytes
+    mean = sum(after for _, after, _ in staged) / len(staged)
+    assert abs(estimated - mean) <= 0.05 * mean, (estimated, staged)
 
 
 def test_a_failed_background_write_is_raised_on_every_rank_at_a_step_and_keeps_the_previous(grid: list) -> None:
@@ -178,3 +245,15 @@ def test_a_failed_background_write_is_raised_on_every_rank_at_a_step_and_keeps_t
         assert "weights_only" in result["bad extra"]
         assert result["nothing pending after"]
         assert result["when_done"] == [message]  # told of the error it raises, on every rank
+
+
+def test_an_asynchronous_save_host_memory_cannot_stage_is_refused_alike_with_the_numbers(grid: list) -> None:
+    results = by_rank(grid, "short")
+    assert results[0]["message"] == results[1]["message"]
+    message = results[0]["message"]
+    assert "asynchronously was refused before staging: host " in message
+    assert "has 4.00 KiB of memory available and its ranks [0, 1] need " in message
+    assert "Save synchronously (asynchronous=False" in message
+    for result in results:
+        assert result["nothing staged"] and result["previous loads"] and result["then saves"]
+        assert result["leftovers"] == ["ckpt"]

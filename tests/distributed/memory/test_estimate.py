@@ -313,3 +313,20 @@ def test_zero_plus_plus_buffers_are_lines_of_their_own() -> None:
     with redirect_stdout(out):
         main(["--params", "7e6", "--world-size", "8", "--quantize-weights", "true", "--quantize-gradients", "true"])
     assert "quantize_weights: up to" in out.getvalue() and "packed int4 buffers" in out.getvalue()
+
+
+def test_an_asynchronous_saves_host_copy_is_a_line_of_its_own() -> None:
+    """asynchronous_checkpoints: each rank's shard of the fp32 weights and of the optimizer state, kept in host
+    memory from the first asynchronous save on (tests/distributed/checkpoint/test_async_save.py holds it to what
+    the engine copies), printed beside the table, which it leaves alone; hybrid sharding copies a shard group's
+    share."""
+    plain = estimate(7_000_000, 8)
+    staged = estimate(7_000_000, 8, asynchronous_checkpoints=True)
+    assert plain.checkpoint_staging_bytes == 0 and staged.by_stage == plain.by_stage
+    assert staged.checkpoint_staging_bytes == 7_000_000 // 8 * (4 + 8)
+    hybrid = estimate(7_000_000, 8, asynchronous_checkpoints=True, shard_group_size=4)
+    assert hybrid.checkpoint_staging_bytes == 7_000_000 // 4 * (4 + 8)
+    out = StringIO()
+    with redirect_stdout(out):
+        main(["--params", "7e6", "--world-size", "8", "--asynchronous-checkpoints", "true"])
+    assert "asynchronous_checkpoints: 10.01 MiB more of host memory per rank" in out.getvalue()
