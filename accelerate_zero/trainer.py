@@ -220,6 +220,10 @@ class ZeroTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             self.args.save_total_limit = limit
+        if engine.checkpoint_being_written is None and self.args.should_save:
+            # Written before the save returned (asynchronous_checkpoints_fallback: host memory could not stage
+            # it): _optimizer_written ran while the rotation was held off, so it rotates now.
+            self._rotate_written_checkpoints(Path(self._get_output_dir(trial=trial)))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every process writes its optimizer shard into ``optimizer_zero/`` (Trainer's ``optimizer.pt`` would
@@ -251,13 +255,18 @@ class ZeroTrainer(Trainer):
             shutil.rmtree(folder, ignore_errors=True)
             return
         (folder / OPTIMIZER_UNFINISHED).unlink(missing_ok=True)
+        self._rotate_written_checkpoints(folder.parent)
+
+    def _rotate_written_checkpoints(self, run_dir: Path) -> None:
+        """Trainer's ``save_total_limit`` rotation of ``run_dir`` (a no-op while ``_save_checkpoint`` holds the
+        limit off)."""
         if hasattr(self, "_rotate_checkpoints"):  # before transformers 5: a method
-            self._rotate_checkpoints(use_mtime=True, output_dir=str(folder.parent))
+            self._rotate_checkpoints(use_mtime=True, output_dir=str(run_dir))
         else:
             from transformers.trainer_utils import rotate_checkpoints
 
             rotate_checkpoints(
-                output_dir=str(folder.parent),
+                output_dir=str(run_dir),
                 save_total_limit=self.args.save_total_limit,
                 best_model_checkpoint=self.state.best_model_checkpoint,
                 use_mtime=True,

@@ -315,6 +315,14 @@ class ZeroConfig:
         parse=parse_bool,
         example=True,
     )
+    asynchronous_checkpoints_fallback: bool = setting(
+        False,
+        doc="an asynchronous save that host memory cannot stage is written synchronously instead (a warning "
+        "with the numbers), rather than refused; every rank decides alike",
+        values="true or false",
+        parse=parse_bool,
+        example=True,
+    )
 
     # ZeRO++ (wire_plan.py): the compute gathers' values quantized on the wire; the masters stay exact.
     quantize_weights: bool = setting(
@@ -380,9 +388,8 @@ class ZeroConfig:
         check_loss_scaling(self)
         if not isinstance(self.wrap_policy, WrapPolicy):
             raise ValueError("ZeroConfig.wrap_policy must be a zero_core.WrapPolicy.")
-        check_flags(
-            self, ("overlap_param_refresh", "broadcast_buffers", "skip_nonfinite_steps", "asynchronous_checkpoints")
-        )
+        flags = ("overlap_param_refresh", "broadcast_buffers", "skip_nonfinite_steps", "asynchronous_checkpoints")
+        check_flags(self, (*flags, "asynchronous_checkpoints_fallback"))
         if not is_count(self.persistence_threshold, minimum=0):
             raise ValueError(
                 f"ZeroConfig.persistence_threshold={self.persistence_threshold!r} is invalid: "

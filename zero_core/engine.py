@@ -424,9 +424,10 @@ class ZeroEngine:
         ``asynchronous`` (default: ``config.asynchronous_checkpoints``): return once the state is copied to host
         memory and write it in the background while training goes on; the next save, any load and
         ``wait_for_checkpoint()`` wait for it, and the first optimizer step after every rank's write finished
-        raises its error, if any, on every rank alike. ``when_done(path, error)``: called on every rank once the
-        save ended, ``error`` None once it is on disk, else the ``CheckpointError`` about to be raised (before a
-        synchronous save returns or raises; where an asynchronous one's write is collected)."""
+        raises its error, if any, on every rank alike. A save host memory cannot stage is refused, or with
+        ``config.asynchronous_checkpoints_fallback`` written synchronously. ``when_done(path, error)``: called on
+        every rank once the save ended, ``error`` None once it is on disk, else the ``CheckpointError`` about to
+        be raised (before a synchronous save returns or raises; where an asynchronous one's write is collected)."""
         targets = {"include_optimizer": include_optimizer, "include_model": include_model}
         if asynchronous is None:
             asynchronous = self.config.asynchronous_checkpoints
@@ -437,6 +438,7 @@ class ZeroEngine:
             **targets,
             optimizer_path=optimizer_path,
             asynchronous=asynchronous,
+            synchronous_when_short=self.config.asynchronous_checkpoints_fallback,
             when_done=when_done,
         )
 

@@ -5,7 +5,8 @@ Plain ``Trainer`` (DDP) unless ACCELERATE_USE_ZERO is set, as it is by ``acceler
 A case named with bf16 or fp16 trains in that precision (``TrainingArguments``). Each case trains 6 steps
 (a checkpoint at step 3), evaluates, predicts, saves the model (``save_model`` and ``model.save_pretrained``
 on every process), then a second trainer resumes from the step-3 checkpoint (``zero_async``: the optimizer
-saved in the background, at most one checkpoint kept; see ``async_case``). A case named with nan (say
+saved in the background, at most one checkpoint kept; see ``async_case``; ``zero_async_fallback``: only trains,
+its saves written synchronously for want of host memory, see ``fallback_case``). A case named with nan (say
 ``zero2_fp16_nan``) only trains, with rank 0's loss NaN in step NAN_STEP + 1 (``NaNOnRank0``), and records
 per step whether the step was skipped and the loss scale after it. ``--resume DIR`` runs only a
 resume from DIR; ``--refused DIR`` then tries to resume from plain Trainer's checkpoint DIR and records the
@@ -22,6 +23,7 @@ import json
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -35,6 +37,7 @@ from accelerate_zero import ZeroPlugin, ZeroTrainer  # noqa: E402
 from accelerate_zero.plugin import zero_requested  # noqa: E402
 from accelerate_zero.trainer import OPTIMIZER_DIR, OPTIMIZER_UNFINISHED  # noqa: E402
 from zero_core import CheckpointError  # noqa: E402
+from zero_core.checkpoint import save_and_load  # noqa: E402
 
 STEPS, SAVE_AT, ACCUMULATE = 6, 3, 2
 NAN_STEP = 2  # the nan cases: rank 0's loss is NaN in the third optimizer step (global_step 2 while it runs)
@@ -141,6 +144,8 @@ def trainer(case: str, output_dir: Path, batch_size: int) -> Trainer:
         plugin = ZeroPlugin(memory_budget="64GiB")
     if case == "zero_async":  # the launcher's stage 3; the optimizer's directory written in the background
         plugin = ZeroPlugin(asynchronous_checkpoints=True)
+    if case == "zero_async_fallback":  # host memory too short to stage: written at once, rotated at once
+        plugin = ZeroPlugin(asynchronous_checkpoints=True, asynchronous_checkpoints_fallback=True)
     return (NaNZeroTrainer if nan else ZeroTrainer)(zero_plugin=plugin, **kwargs)
 
 
@@ -173,12 +178,12 @@ class SavedFolders(TrainerCallback):
     while step 6's optimizer is written, rotated out at the end), and a copy of the step-3 checkpoint made then
     (``kept-3``: what a resume from it reads; the rotation removes the original)."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.run_dir, self.after_each_save = run_dir, []
+    def __init__(self, run_dir: Path, keep: bool = True) -> None:
+        self.run_dir, self.keep, self.after_each_save = run_dir, keep, []
 
     def on_save(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.after_each_save.append(sorted(p.name for p in self.run_dir.iterdir()))
-        if state.global_step == STEPS and PartialState().is_main_process:
+        if self.keep and state.global_step == STEPS and PartialState().is_main_process:
             shutil.copytree(self.run_dir / f"checkpoint-{SAVE_AT}", self.run_dir / f"kept-{SAVE_AT}")
 
 
@@ -186,6 +191,8 @@ def full_case(out: Path, case: str, batch_size: int) -> dict:
     run = trainer(case, out / f"{case}-run", batch_size)
     if "evalfirst" in case:  # evaluate() before train(): the model is prepared for evaluation first
         run.evaluate()
+    if case == "zero_async_fallback":
+        return fallback_case(out, case, run)
     if "async" in case:
         return async_case(out, case, batch_size, run)
     run.train()
@@ -226,6 +233,26 @@ def async_case(out: Path, case: str, batch_size: int, run: Trainer) -> dict:
         result["unfinished"] = None
     except CheckpointError as error:
         result["unfinished"] = str(error)
+    return result
+
+
+def fallback_case(out: Path, case: str, run: Trainer) -> dict:
+    """asynchronous_checkpoints_fallback with host memory too short for the staged copy on rank 1: each save
+    is written before it returns, and rotated at once, leaving no marker."""
+    folders = SavedFolders(out / f"{case}-run", keep=False)
+    run.add_callback(folders)
+    original = save_and_load.available_host_memory_bytes
+    if PartialState().process_index == 1:
+        save_and_load.available_host_memory_bytes = lambda: 4096
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.train()
+    save_and_load.available_host_memory_bytes = original
+    result = {**describe(run), **history(run), "after each save": folders.after_each_save}
+    result["warned"] = sum("synchronously: host " in str(w.message) for w in caught)
+    result["after training"] = sorted(p.name for p in (out / f"{case}-run").iterdir())
+    last = out / f"{case}-run" / f"checkpoint-{STEPS}"
+    result["checkpoint_files"] = sorted(p.name for p in last.iterdir())
     return result
 
 

@@ -84,7 +84,8 @@ def staging_bytes_needed(state: Any, reuse: list[torch.Tensor]) -> tuple[int, in
 
     def walk(value: Any) -> None:
         if isinstance(value, ShardedChunks):
-            sizes.append((value.local_numel, value.dtype))
+            if not value.frozen:  # a frozen view is staged without a copy
+                sizes.append((value.local_numel, value.dtype))
         elif isinstance(value, torch.Tensor):
             sizes.append((value.numel(), value.dtype))
         elif isinstance(value, dict):

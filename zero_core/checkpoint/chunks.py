@@ -89,6 +89,9 @@ class LazyValues:
     count: int
     dtype: torch.dtype
     device: torch.device
+    # Read from a file no later step writes (an asynchronous save's hard link): staged as it is, read by the
+    # writer (``ShardedChunks.staged``).
+    frozen: bool = False
 
     def numel(self) -> int:
         return self.count
@@ -151,9 +154,17 @@ class ShardedChunks(torch.Tensor):
         """The elements of this rank's pieces (what ``staged`` copies), without reading them."""
         return self._local.numel()
 
+    @property
+    def frozen(self) -> bool:
+        """Its values come from a file no later step writes: ``staged`` copies nothing."""
+        return isinstance(self._local, LazyValues) and self._local.frozen
+
     def staged(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> ShardedChunks:
         """The same pieces over ``copy`` of their values, read now (an asynchronous save's: nothing of it
-        aliases the shard the next step changes, nor waits in a file)."""
+        aliases the shard the next step changes, nor waits in a file the next step writes). A frozen view is
+        staged as it is: its file is a snapshot."""
+        if self.frozen:
+            return self
         local = self._local.read() if isinstance(self._local, LazyValues) else self._local
         staged = ShardedChunks(self.shape, copy(_values_in_memory(local)), self._flat_start)
         staged._rectangles = self._rectangles  # where the pieces lie in the whole, as before

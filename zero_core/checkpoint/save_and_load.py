@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import os
 import socket
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from ..collectives import CommContext, meeting
 from ..host_memory import release_freed_memory
 from ..memory.machine_memory import available_host_memory_bytes
 from ..offload.nvme_load import NvmeLoad
+from ..offload.nvme_save import FrozenNvmeReads
 from ..optim.attachment import OptimizerAttachment
 from ..optim.loss_scaling import LossScaler
 from ..optim.rebuild import install_optimizer_state
@@ -117,13 +119,15 @@ def save(
     include_model: bool,
     optimizer_path: str | os.PathLike | None = None,
     asynchronous: bool = False,
+    synchronous_when_short: bool = False,
     when_done: Callable[[Path, BaseException | None], None] | None = None,
 ) -> Path:
     """``optimizer_path``: the optimizer into this other directory, written first (the larger write: if it fails,
     the model's directory is as it was), the model into ``path``; both hold ``extra`` and the step count, as
     ``load``'s ``optimizer_path`` checks. ``asynchronous``: return once the state is staged in host memory; the
     files are written in the background (``background_save.py``), each directory appearing once every rank's
-    write of it succeeded. ``when_done(path, error)``: on every rank once the save ended, ``error`` None once
+    write of it succeeded; ``synchronous_when_short``: written before returning, not refused, where host memory
+    cannot hold the staged copy. ``when_done(path, error)``: on every rank once the save ended, ``error`` None once
     every directory is on disk, else the error about to be raised (before a synchronous save returns or raises;
     where an asynchronous one's write is collected)."""
     if not (include_model or include_optimizer):
@@ -140,12 +144,14 @@ def save(
     with meeting("save_checkpoint()"):
         target.background.wait()  # the previous asynchronous save first: its error is raised here
         try:
-            written = _save(target, path, extra, directories, asynchronous, when_done)
+            written, in_background = _save(
+                target, path, extra, directories, asynchronous, synchronous_when_short, when_done
+            )
         except CheckpointError as error:
             if when_done is not None:
                 when_done(CheckpointDirs.of(path).path, error)
             raise
-    if not asynchronous and when_done is not None:
+    if not in_background and when_done is not None:
         when_done(written, None)
     return written
 
@@ -161,8 +167,10 @@ def _save(
     extra: dict[str, Any] | None,
     directories: list[_Directory],
     asynchronous: bool,
+    synchronous_when_short: bool,
     when_done: Callable[[Path, BaseException | None], None] | None,
-) -> Path:
+) -> tuple[Path, bool]:
+    """The path written, and whether it is being written in the background."""
     target.quiesce()
     target.sync_buffers()
     target.attachment.refuse_while_stepped("state_dict() (or saving it)")
@@ -173,7 +181,12 @@ def _save(
     extra = dict(extra or {})
     try:
         if asynchronous:
-            return _start_background_save(target, path, extra, record, view, directories, when_done)
+            started = _start_background_save(
+                target, path, extra, record, view, directories, synchronous_when_short, when_done
+            )
+            if started is not None:
+                return started, True
+            # Host memory cannot stage it (agreed: every rank falls back alike): written now.
         for directory in directories:
 
             def collect(directory: _Directory = directory) -> dict[str, Any]:
@@ -182,7 +195,7 @@ def _save(
             written = save_checkpoint(
                 target.comm, directory.path, extra, record, collect, in_order=view.resting is not None
             )
-        return written  # the last directory: the model's, at ``path``
+        return written, False  # the last directory: the model's, at ``path``
     finally:
         release_freed_memory()  # the pieces the save copied out: else the heap keeps them
 
@@ -194,12 +207,43 @@ def _start_background_save(
     record: EngineRecord,
     view: ShardedModel,
     directories: list[_Directory],
+    synchronous_when_short: bool,
     when_done: Callable[[Path, BaseException | None], None] | None,
-) -> Path:
+) -> Path | None:
     """Stage the state of every directory and the extra state (a copy: nothing aliases what training changes
     next), agreed on every rank, then start the write. The extra state is checked now, as a synchronous save
-    would refuse it."""
+    would refuse it. Where host memory cannot hold the copy: refused, or with ``synchronous_when_short`` None
+    (nothing staged; the caller writes it synchronously)."""
     agreement = RankAgreement(target.comm, f"saving checkpoint {path} asynchronously")
+    # The NVMe tier's resting files linked, not read: the writer reads the links (none where they cannot be).
+    frozen = view.resting.frozen() if view.resting is not None else None
+    if frozen is not None:
+        view = dataclasses.replace(view, resting=frozen)
+    try:
+        started = _stage_and_start(
+            target, path, extra, record, view, directories, synchronous_when_short, when_done, agreement, frozen
+        )
+    except BaseException:
+        if frozen is not None:
+            frozen.close()
+        raise
+    if started is None and frozen is not None:  # not staged: the links are not read
+        frozen.close()
+    return started
+
+
+def _stage_and_start(
+    target: CheckpointTarget,
+    path: str | os.PathLike,
+    extra: dict[str, Any],
+    record: EngineRecord,
+    view: ShardedModel,
+    directories: list[_Directory],
+    synchronous_when_short: bool,
+    when_done: Callable[[Path, BaseException | None], None] | None,
+    agreement: RankAgreement,
+    frozen: FrozenNvmeReads | None,
+) -> Path | None:
     states: list[dict[str, Any]] = []
 
     def measure() -> tuple[str, int, int]:
@@ -209,7 +253,18 @@ def _start_background_save(
 
     _, needs = agreement.run("measuring host memory for the staged copy", measure, share=True)
     if problem := staging_memory_problem(needs):  # every rank's figures alike: the same verdict everywhere
-        raise CheckpointError(f"Saving checkpoint {path} asynchronously was refused before staging: {problem}")
+        if synchronous_when_short:
+            if target.comm.rank == 0:
+                warnings.warn(
+                    f"Saving checkpoint {path} synchronously: {problem} (asynchronous_checkpoints_fallback).",
+                    stacklevel=2,
+                )
+            return None
+        raise CheckpointError(
+            f"Saving checkpoint {path} asynchronously was refused before staging: {problem} Save synchronously "
+            "(asynchronous=False, or asynchronous_checkpoints off; asynchronous_checkpoints_fallback does so by "
+            "itself), or free host memory. Nothing was written; training can go on."
+        )
 
     def stage() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if target.comm.rank == 0:
@@ -220,8 +275,14 @@ def _start_background_save(
     finals = [CheckpointDirs.of(d.path).path for d in directories]
 
     def write(comm: CommContext) -> Path:
-        for final, state in zip(finals, staged_states):
-            save_checkpoint(comm, final, staged_extra, record, functools.partial(_given, state), in_order=False)
+        try:
+            for final, state in zip(finals, staged_states):
+                # In order where the state is read from the NVMe tier's links: a few units in memory at a time.
+                in_order = frozen is not None
+                save_checkpoint(comm, final, staged_extra, record, functools.partial(_given, state), in_order=in_order)
+        finally:
+            if frozen is not None:
+                frozen.close()
         return finals[-1]
 
     target.background.start(finals[-1], write, when_done)
@@ -244,8 +305,7 @@ def staging_memory_problem(needs: list[tuple[str, int, int]]) -> str | None:
         if need > available:
             return (
                 f"host {host} has {human_bytes(available)} of memory available and its ranks {ranks} need "
-                f"{human_bytes(need)} more for their copies of the state. Save synchronously (asynchronous=False, "
-                "or asynchronous_checkpoints off), or free host memory. Nothing was written; training can go on."
+                f"{human_bytes(need)} more for their copies of the state."
             )
     return None
 

@@ -48,7 +48,8 @@ def _resting_chunks(unit: FlatUnit, slot: ParamSlot, piece: ShardPiece | None, r
     if piece is None:
         return slot_chunks(slot, master.new_empty(0), 0)
     span = slice(piece.shard_start, piece.shard_start + piece.numel)
-    lazy = LazyValues(lambda: resting.master(unit)[span], piece.numel, master.dtype, master.device)
+    frozen = resting.rests_frozen(unit)
+    lazy = LazyValues(lambda: resting.master(unit)[span], piece.numel, master.dtype, master.device, frozen)
     return slot_chunks(slot, lazy, piece.param_start)
 
 
@@ -110,7 +111,13 @@ def _per_element_values(
     buffer_key = resting.state_key(unit, value) if resting is not None else None
     if buffer_key is None:
         return value
-    return LazyValues(lambda: resting.per_element(unit, buffer_key, value), value.numel(), value.dtype, value.device)
+    return LazyValues(
+        lambda: resting.per_element(unit, buffer_key, value),
+        value.numel(),
+        value.dtype,
+        value.device,
+        resting.rests_frozen(unit),
+    )
 
 
 def sharded_optimizer_state_dict(

@@ -37,13 +37,26 @@ def has_bytes(tensor: torch.Tensor) -> bool:
 
 
 def write_tensors(path: Path, tensors: list[torch.Tensor]) -> None:
-    """The tensors' bytes, one after the other, in ``path`` (replaced), on the disk when this returns."""
-    with open(path, "wb") as file:
-        for tensor in tensors:
-            file.write(_bytes_of(tensor))
-        file.flush()
-        os.fdatasync(file.fileno())
-        _drop_cached_pages(file.fileno())
+    """The tensors' bytes, one after the other, in ``path`` (replaced), on the disk when this returns.
+
+    Over the old file's bytes, unless another name links them (an asynchronous save's snapshot,
+    ``nvme_save.FrozenNvmeReads``): then as a new file renamed over the old, so that the link keeps what it held.
+    Only then: a new file each step would need the disk to hold a second copy of the unit while it is written."""
+    linked = path.exists() and path.stat().st_nlink > 1
+    writing = path.with_name(path.name + ".writing") if linked else path
+    try:
+        with open(writing, "wb") as file:
+            for tensor in tensors:
+                file.write(_bytes_of(tensor))
+            file.flush()
+            os.fdatasync(file.fileno())
+            _drop_cached_pages(file.fileno())
+        if linked:
+            os.replace(writing, path)
+    except BaseException:
+        if linked:
+            writing.unlink(missing_ok=True)
+        raise
 
 
 def read_tensors(path: Path, tensors: list[torch.Tensor], offset: int = 0) -> None:

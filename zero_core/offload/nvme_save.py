@@ -10,18 +10,51 @@ state (``StateFiles.generation``), and then read again.
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 
 from ..host_memory import release_freed_memory
 from .state_files import StateFiles, UnitInFiles
+from .unit_file import read_part
 
 
 class NvmeSaveReads:
     def __init__(self, tier: StateFiles):
         self.tier = tier
         self._kept: OrderedDict[tuple[int, str], tuple[int, dict[str, torch.Tensor]]] = OrderedDict()
+
+    def rests_frozen(self, unit: UnitInFiles) -> bool:
+        """Whether the unit's values are read from a file no later step writes (``FrozenNvmeReads``)."""
+        return False
+
+    def frozen(self) -> FrozenNvmeReads | None:
+        """These reads over hard links to the resting units' files as they are now, which the next steps leave
+        alone (the tier writes each file anew, ``file_io.write_tensors``): an asynchronous save stages them
+        without reading them. None where a link cannot be made, or where the disk has no room to keep the linked
+        files beside the ones the next steps write: the caller reads them now instead."""
+        self.tier.settle_behind()  # the files hold what the last walk wrote
+        resting = [index for index in range(len(self.tier.states)) if self.tier.needs_read(index)]
+        if not resting:
+            return None
+        linked_bytes = sum(self.tier.states[index].nbytes for index in resting)
+        directory = self.tier.directory / f"checkpoint-snapshot-{uuid.uuid4().hex}"
+        try:
+            if shutil.disk_usage(self.tier.directory).free < linked_bytes:
+                return None
+            directory.mkdir()
+            links = {}
+            for index in resting:
+                links[index] = directory / self.tier.states[index].path.name
+                os.link(self.tier.states[index].path, links[index])
+        except OSError:  # no hard links on this filesystem, or no room: read now
+            shutil.rmtree(directory, ignore_errors=True)
+            return None
+        return FrozenNvmeReads(self, directory, links)
 
     def master(self, unit: UnitInFiles) -> torch.Tensor:
         """The unit's fp32 master shard, as it is now (from its file when it rests there)."""
@@ -69,3 +102,53 @@ class NvmeSaveReads:
         if read is not None:
             self._kept[(index, part)] = (generation, read)
         return read
+
+
+class FrozenNvmeReads(NvmeSaveReads):
+    """An asynchronous save's reads of the NVMe tier: the units that rested in files are read from hard links
+    made at staging (``NvmeSaveReads.frozen``), in the writer's thread, a few units at a time; the units in
+    memory then are read (and staged) as the live reads give them. ``close`` removes the links."""
+
+    def __init__(self, live: NvmeSaveReads, directory: Path, links: dict[int, Path]):
+        super().__init__(live.tier)
+        self.directory, self.links = directory, links
+        tier = live.tier
+        # What the reads need of the tier, taken now: the next steps replace the tier's records.
+        self._layout = {
+            index: (
+                tier.units[index].storage.resting_master.numel(),
+                tier.states[index].master is not None,
+                dict(tier.states[index].dtypes),
+                {key: buffer.storage_offset() for key, buffer in tier.states[index].buffers.items()},
+            )
+            for index in links
+        }
+        self._frozen_kept: OrderedDict[tuple[int, str], dict[str, torch.Tensor]] = OrderedDict()
+
+    def rests_frozen(self, unit: UnitInFiles) -> bool:
+        return unit.index in self.links
+
+    def master(self, unit: UnitInFiles) -> torch.Tensor:
+        if unit.index not in self.links:
+            return super().master(unit)
+        return self._read_link(unit.index, "master")["master"]
+
+    def per_element(self, unit: UnitInFiles, key: str, value: torch.Tensor) -> torch.Tensor:
+        if unit.index not in self.links:
+            return super().per_element(unit, key, value)
+        start = value.storage_offset() - self._layout[unit.index][3][key]
+        return self._read_link(unit.index, "state")[key][start : start + value.numel()]
+
+    def _read_link(self, index: int, part: str) -> dict[str, torch.Tensor]:
+        kept = self._frozen_kept.pop((index, part), None)
+        if kept is None:
+            while len(self._frozen_kept) >= max(1, self.tier.units_in_memory):
+                self._frozen_kept.popitem(last=False)
+            numel, with_master, dtypes, _ = self._layout[index]
+            kept = read_part(self.links[index], numel, with_master, dtypes, part)
+        self._frozen_kept[(index, part)] = kept  # most recently used last
+        return kept
+
+    def close(self) -> None:
+        self._frozen_kept.clear()
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -66,7 +66,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
         "zero1_muon",
         "zero1_adafactor",
     )
-    zero += ("zero_budget", "zero_async", "zero_bf16", "zero_fp16", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
+    zero += ("zero_budget", "zero_async", "zero_async_fallback", "zero_bf16", "zero_fp16")
+    zero += ("zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan")
     # The two side by side (a launch keeps about one of two cores busy; each writes its own files).
     with ThreadPoolExecutor(max_workers=2) as launches:
         for launch in [launches.submit(_launch, *ddp), launches.submit(_launch, *zero)]:
@@ -81,7 +82,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, dict
     )
     names = ["ddp", "zero", "zero1", "zero2", "zero_evalfirst", "one", "refused", "ddp_bf16", "zero_bf16", "zero_fp16"]
     names += ["ddp_fp16_nan", "zero1_fp16_nan", "zero2_fp16_nan", "zero_fp16_nan", "ddp_muon", "zero1_muon"]
-    names += ["ddp_adafactor", "zero1_adafactor", "zero_budget", "zero_async"]
+    names += ["ddp_adafactor", "zero1_adafactor", "zero_budget", "zero_async", "zero_async_fallback"]
     return out, {name: json.loads((out / f"{name}.json").read_text()) for name in names}
 
 
@@ -164,6 +165,20 @@ def test_asynchronous_checkpoints_rotate_once_written_resume_as_ddp_and_an_unfin
     assert resumed["losses"] == pytest.approx(reference["resumed"]["losses"], rel=1e-5)
     _equal_weights(_tensors(resumed["weights"]), _tensors(reference["resumed"]["weights"]))
     assert "is incomplete: its optimizer state (optimizer_zero/) was still being written" in ours["unfinished"]
+
+
+def test_an_asynchronous_save_host_memory_cannot_stage_falls_back_to_a_synchronous_one_and_rotates(
+    runs: tuple,
+) -> None:
+    """asynchronous_checkpoints_fallback=True, one process short of host memory: every save is written before it
+    returns (warned on the main process), the older checkpoint rotated out at once, no marker left."""
+    _, results = runs
+    reference, ours = results["ddp"], results["zero_async_fallback"]
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours["warned"] == 2
+    assert ours["after each save"] == [["checkpoint-3"], ["checkpoint-6"]]
+    assert ours["after training"] == ["checkpoint-6"]
+    assert "optimizer_zero" in ours["checkpoint_files"] and "optimizer_zero.unfinished" not in ours["checkpoint_files"]
 
 
 @pytest.mark.parametrize("stage", STAGES)
