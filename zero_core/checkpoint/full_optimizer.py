@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..unit import MasterPiece
+from ..unit import MasterPiece, parameter_name
 from ..whole_tensor_plan import StateKind, count_problem, is_whole_state, kept_state_entry, whole_state_problem
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError, mismatch_error
@@ -46,7 +46,7 @@ def _names_by_saved_key(saved_groups: list[Any], group_names: list[list[str]], w
                 f"{len(ours)} in this optimizer; build the optimizer over the same parameters, in the same order."
             )
         if all(isinstance(key, str) for key in keys):  # FSDP's layout: names (checked against ours later)
-            names.update((key, key) for key in keys)
+            names.update((key, parameter_name(key)) for key in keys)
         elif all(isinstance(key, int) and not isinstance(key, bool) for key in keys):  # torch's: indices
             names.update(zip(keys, ours))
         else:

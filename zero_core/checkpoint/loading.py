@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 
 from ..offload.nvme_load import NvmeLoad
+from ..unit import parameter_name
 from ..whole_tensor_plan import is_whole_state, whole_state_problem
 from .agreed_steps import RankAgreement
 from .checkpoint_error import CheckpointError, mismatch_error
@@ -38,7 +39,12 @@ from .directory import EXTRA_FILENAME, METADATA_FILENAME, locate_checkpoint, rea
 from .manifest import Manifest, check_present, read_manifest, read_verified
 from .metadata_checks import check_metadata
 from .nvme_load_reads import check_staging_room, is_staged, read_staged_units
-from .state_dicts import optimizer_load_targets, sharded_model_state_dict, with_loaded_numbers
+from .state_dicts import (
+    optimizer_load_targets,
+    saved_optimizer_state,
+    sharded_model_state_dict,
+    with_loaded_numbers,
+)
 from .unpickling import load_weights_only, unpickle_metadata
 
 
@@ -110,21 +116,20 @@ def check_optimizer_entries(path: Path, metadata: Metadata, view: ShardedModel) 
     (the parameter's full shape), a scalar (``step``) or a factor a whole-tensor optimizer keeps (Adafactor's
     row and column means, of the shape its rule says): anything else would be installed as is."""
     slots = {slot.fqns[0]: slot for unit in view.units for slot in unit.layout.slots}
-    prefix = OPTIMIZER_KEY + ".state."
     unknown, misshaped = set(), []
-    for key, entry in metadata.state_dict_metadata.items():
-        if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
-            continue
-        fqn, state_key = key[len(prefix) :].rsplit(".", 1)
+    for fqn, entries in saved_optimizer_state(metadata, OPTIMIZER_KEY).items():
         slot = slots.get(fqn)
         if slot is None:
             unknown.add(fqn)
-        elif problem := whole_state_problem(view.optimizer, tuple(slot.shape), state_key, tuple(entry.size)):
-            misshaped.append(f"{fqn} {problem}")
-        elif tuple(entry.size) not in (tuple(slot.whole_shape), ()) and not is_whole_state(
-            view.optimizer, tuple(slot.shape), state_key, tuple(entry.size)
-        ):
-            misshaped.append(f"{fqn} {state_key} (checkpoint {tuple(entry.size)}, parameter {tuple(slot.whole_shape)})")
+            continue
+        for state_key, entry in entries:
+            if problem := whole_state_problem(view.optimizer, tuple(slot.shape), state_key, tuple(entry.size)):
+                misshaped.append(f"{fqn} {problem}")
+            elif tuple(entry.size) not in (tuple(slot.whole_shape), ()) and not is_whole_state(
+                view.optimizer, tuple(slot.shape), state_key, tuple(entry.size)
+            ):
+                whole = tuple(slot.whole_shape)
+                misshaped.append(f"{fqn} {state_key} (checkpoint {tuple(entry.size)}, parameter {whole})")
     if unknown or misshaped:
         raise mismatch_error(f"{path}'s optimizer state does not fit this model", [], sorted(unknown), misshaped)
 
@@ -211,7 +216,8 @@ def group_settings(view: ShardedModel, saved_groups: Any, path: Path | str) -> l
     )
     if not valid:
         raise CheckpointError(f"{path}: the optimizer's param groups are malformed.")
-    saved_names = [list(group["params"]) for group in saved_groups]
+    # Our names: a name saved by an older engine (its checkpoint_wrapper prefix kept) is the same parameter.
+    saved_names = [[parameter_name(n) if isinstance(n, str) else n for n in group["params"]] for group in saved_groups]
     if saved_names != view.param_group_names:
         raise CheckpointError(
             f"{path}: the optimizer's param groups differ from the checkpoint's "

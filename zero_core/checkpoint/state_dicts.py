@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from ..offload.nvme_save import NvmeSaveReads
-from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece
+from ..unit import FlatUnit, MasterPiece, ParamSlot, ShardPiece, parameter_name
 from ..whole_tensor_plan import StateKind, count_problem, is_whole_state, kept_state_entry
 from .checkpoint_error import CheckpointError
 from .chunks import LazyValues, Rectangle, ShardedChunks, piece_rectangles
@@ -145,36 +145,44 @@ def sharded_optimizer_state_dict(
     return {"state": state, "param_groups": groups}
 
 
-def saved_optimizer_state(metadata: Metadata, prefix: str) -> dict[str, list[tuple[str, TensorStorageMetadata]]]:
-    """The checkpoint's optimizer state tensors by parameter name: (state key, its metadata)."""
+class SavedStateEntry(NamedTuple):
+    """One optimizer state entry a checkpoint holds: under which parameter name it is stored (its spelling in
+    the file, which DCP's destination must use), its state key (exp_avg, step, ...) and its storage."""
+
+    stored_name: str
+    key: str
+    storage: TensorStorageMetadata | BytesStorageMetadata
+
+
+def saved_state_entries(metadata: Metadata, prefix: str) -> dict[str, list[SavedStateEntry]]:
+    """The checkpoint's optimizer state entries by our name of their parameter (``parameter_name``: an older
+    engine's checkpoint_wrapper prefix dropped), tensors and pickled objects alike."""
     # Saved keys are "<prefix>.state.<fqn>.<key>"; state keys (exp_avg, step, ...) hold no dots.
     state_prefix = f"{prefix}.state."
-    saved_state: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}
+    saved: dict[str, list[SavedStateEntry]] = {}
     for flat_key, entry in metadata.state_dict_metadata.items():
-        if flat_key.startswith(state_prefix) and isinstance(entry, TensorStorageMetadata):
+        if flat_key.startswith(state_prefix) and isinstance(entry, (TensorStorageMetadata, BytesStorageMetadata)):
             fqn, key = flat_key[len(state_prefix) :].rsplit(".", 1)
-            saved_state.setdefault(fqn, []).append((key, entry))
-    return saved_state
+            saved.setdefault(parameter_name(fqn), []).append(SavedStateEntry(fqn, key, entry))
+    return saved
+
+
+def saved_optimizer_state(metadata: Metadata, prefix: str) -> dict[str, list[tuple[str, TensorStorageMetadata]]]:
+    """The checkpoint's optimizer state tensors by our parameter name: (state key, its metadata)."""
+    return {
+        name: tensors
+        for name, entries in saved_state_entries(metadata, prefix).items()
+        if (tensors := [(e.key, e.storage) for e in entries if isinstance(e.storage, TensorStorageMetadata)])
+    }
 
 
 class LoadedNumber(NamedTuple):
     """Where a Python number of the optimizer's state (transformers' Adafactor's step count) arrives: DCP
-    reads its pickled bytes into the destination's ``[fqn][key]`` (``with_loaded_numbers`` takes it from
+    reads its pickled bytes into the destination's ``[stored_name][key]`` (``with_loaded_numbers`` takes it from
     there)."""
 
-    fqn: str
+    stored_name: str
     key: str
-
-
-def saved_optimizer_numbers(metadata: Metadata, prefix: str) -> dict[str, list[str]]:
-    """The checkpoint's optimizer state saved as pickled objects (not tensors) by parameter name: their keys."""
-    state_prefix = f"{prefix}.state."
-    saved: dict[str, list[str]] = {}
-    for flat_key, entry in metadata.state_dict_metadata.items():
-        if flat_key.startswith(state_prefix) and isinstance(entry, BytesStorageMetadata):
-            fqn, key = flat_key[len(state_prefix) :].rsplit(".", 1)
-            saved.setdefault(fqn, []).append(key)
-    return saved
 
 
 def with_loaded_numbers(optimizer: torch.optim.Optimizer, destination: dict[str, Any], installs: list) -> list:
@@ -187,7 +195,7 @@ def with_loaded_numbers(optimizer: torch.optim.Optimizer, destination: dict[str,
             entry = kept_state_entry(optimizer, tuple(master.piece.slot.shape), key)
             if entry is None or entry.kind is not StateKind.COUNT:
                 continue
-            value = destination["state"][value.fqn][value.key]
+            value = destination["state"][value.stored_name][value.key]
             if problem := count_problem(value):
                 raise CheckpointError(f"the optimizer state {master.piece.slot.fqns[0]}.{key} is {problem}.")
         resolved.append((master, key, value))
@@ -215,20 +223,20 @@ def optimizer_load_targets(
     ``per_element`` gives where a piece's is loaded (None: a new tensor of
     its own).
     """
-    saved_state = saved_optimizer_state(metadata, prefix)
-    saved_numbers = saved_optimizer_numbers(metadata, prefix)
-    targets: dict[str, dict[str, Any]] = {}
+    saved = saved_state_entries(metadata, prefix)
+    targets: dict[str, dict[str, Any]] = {}  # by the names as stored: DCP reads the file's keys into it
     installs: list[tuple[MasterPiece, str, Any]] = []
     for unit in units:
         for master in unit.master_pieces:
             slot = master.piece.slot
-            for key in saved_numbers.get(slot.fqns[0], []):  # filled by DCP, checked by with_loaded_numbers
-                counted = kept_state_entry(optimizer, tuple(slot.shape), key)
-                if counted is None or counted.kind is not StateKind.COUNT:
-                    continue  # other pickled state is not read at all, as before numbers were
-                targets.setdefault(slot.fqns[0], {})[key] = None
-                installs.append((master, key, LoadedNumber(slot.fqns[0], key)))
-            for key, entry in saved_state.get(slot.fqns[0], []):
+            for stored_name, key, entry in saved.get(slot.fqns[0], []):
+                if isinstance(entry, BytesStorageMetadata):  # filled by DCP, checked by with_loaded_numbers
+                    counted = kept_state_entry(optimizer, tuple(slot.shape), key)
+                    if counted is None or counted.kind is not StateKind.COUNT:
+                        continue  # other pickled state is not read at all, as before numbers were
+                    targets.setdefault(stored_name, {})[key] = None
+                    installs.append((master, key, LoadedNumber(stored_name, key)))
+                    continue
                 dtype = entry.properties.dtype
                 # A factor kept whole (Adafactor's row means of an m x 1 matrix) may have the parameter's shape.
                 kept_whole = is_whole_state(optimizer, tuple(slot.shape), key, tuple(entry.size))
@@ -243,7 +251,7 @@ def optimizer_load_targets(
                     factor = kept is not None and kept.kind is StateKind.FACTOR
                     device = unit.storage.resting_master.device if factor else torch.device("cpu")
                     local = target = torch.zeros(entry.size, dtype=dtype, device=device)
-                targets.setdefault(slot.fqns[0], {})[key] = target
+                targets.setdefault(stored_name, {})[key] = target
                 installs.append((master, key, local))
     groups = [dict(group, params=[]) for group in optimizer.param_groups]
     return {"state": targets, "param_groups": groups}, installs

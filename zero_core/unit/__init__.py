@@ -7,7 +7,7 @@ from .grads import PendingReduce
 from .guard import ParameterAtRestError
 from .layout import FlatLayout, ParamSlot, ShardPiece
 from .storage import StorageState
-from .unit_selection import UnitPlan, check_wrap_classes_present, plan_units
+from .unit_selection import UnitPlan, check_wrap_classes_present, parameter_name, plan_units
 
 __all__ = [
     "FlatLayout",
@@ -21,5 +21,6 @@ __all__ = [
     "StorageState",
     "UnitPlan",
     "check_wrap_classes_present",
+    "parameter_name",
     "plan_units",
 ]

@@ -81,6 +81,14 @@ def _lowest_common_unit(units: list[int], plans: list[UnitPlan]) -> int:
     return next(i for i in chain(units[0]) if i in common)
 
 
+def parameter_name(fqn: str) -> str:
+    """A parameter's name as the engine gives it: a checkpoint_wrapper block's as model.state_dict() does (torch's
+    wrapper drops its prefix there). The optimizer state, the checkpoints and the messages use these names, so a
+    run with activation checkpointing resumes one without it, and back; the checkpoint loaders read a name saved
+    by an engine that kept the prefix (before 2026-12-05) through this too."""
+    return fqn.replace(_CHECKPOINT_PREFIX, "")
+
+
 def plan_units(model: nn.Module, policy: WrapPolicy, bucket_numel: int) -> list[UnitPlan]:
     """Units in pre-order (root first), each with its parameters in registration order."""
     roots = _unit_roots(model, policy, bucket_numel)
@@ -107,10 +115,7 @@ def plan_units(model: nn.Module, policy: WrapPolicy, bucket_numel: int) -> list[
     names: dict[int, list[str]] = {}
     params: dict[int, nn.Parameter] = {}
     for fqn, param in model.named_parameters(remove_duplicate=False):
-        # A checkpoint_wrapper block's parameters under the names model.state_dict() gives them (torch's
-        # wrapper drops its prefix there): the optimizer state, the checkpoints and the messages use these,
-        # so a run with activation checkpointing resumes one without it, and back.
-        names.setdefault(id(param), []).append(fqn.replace(_CHECKPOINT_PREFIX, ""))
+        names.setdefault(id(param), []).append(parameter_name(fqn))
         params[id(param)] = param
     for pid, param in params.items():
         owner = _lowest_common_unit(sorted(set(users[pid])), plans)
