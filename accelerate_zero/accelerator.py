@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import MethodType
@@ -32,6 +33,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, IterableDataset
 
 from zero_core import CheckpointError, ZeroEngine, meeting, setup_summary
+from zero_core.checkpoint import is_sharded_checkpoint
 from zero_core.sharding import shard_module, single_optimizer
 
 from .deepspeed_batch import ConfigBatch
@@ -406,9 +408,14 @@ class ZeroAccelerator(Accelerator):
         The folder is the one Accelerate resolves (``input_dir``, or the latest
         automatic checkpoint), handed to its load-state pre-hook. Our model and
         optimizer load there, all or nothing (a pair from two different saves is
-        refused), before Accelerate restores its own files.
+        refused), before Accelerate restores its own files. Under automatic
+        naming a newer folder whose save never finished (its processes killed
+        while writing in the background: no model directory) is skipped, with a
+        warning, for the latest one that did.
         """
         engine = self._require_engine()
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            input_dir = self._latest_finished_checkpoint()
 
         def load_shards(models: list, location: str) -> None:
             optimizer_dir = Path(location) / OPTIMIZER_DIR.format(0) if engine.optimizer is not None else None
@@ -421,6 +428,39 @@ class ZeroAccelerator(Accelerator):
                 super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
         finally:
             handle.remove()
+
+    def _latest_finished_checkpoint(self) -> str | None:
+        """The newest ``checkpoint_<n>``, past those a save of ours began and never finished (its processes
+        stopped while writing in the background), which are removed with a warning: chosen by the main process
+        for every process. None where no folder is left (Accelerate's own resolution then says so)."""
+        chosen: str | None = None
+        if self.is_main_process:
+            root = Path(self.project_dir) / "checkpoints"
+            unfinished = []
+            for _, folder in reversed(_automatic_checkpoints(root) if root.is_dir() else []):
+                if not _unfinished_save(folder):
+                    chosen = str(folder)
+                    break
+                unfinished.append(folder)
+            if chosen is not None and unfinished:
+                for folder in unfinished:
+                    shutil.rmtree(folder, ignore_errors=True)
+                warnings.warn(
+                    f"load_state(): removed {', '.join(f.name for f in unfinished)} under {root}, whose save never "
+                    f"finished (its processes stopped while writing it); loading {Path(chosen).name}.",
+                    stacklevel=3,
+                )
+        return broadcast_object_list([chosen])[0]
+
+
+def _unfinished_save(folder: Path) -> bool:
+    """A save_state of ours began in ``folder`` (a directory of its writes, or one's partial copy) and its model
+    directory, written last, never got its final name. A folder of anything else is not one."""
+    model = folder / MODEL_DIR.format(0)
+    if is_sharded_checkpoint(model):
+        return False
+    ours = [model, folder / OPTIMIZER_DIR.format(0)]
+    return any(path.exists() or path.with_name(f".{path.name}.partial").exists() for path in ours)
 
 
 def _all_tensors(data: Any) -> bool:
@@ -443,13 +483,18 @@ def _autocast_forward(model: nn.Module, autocast: contextlib.AbstractContextMana
     model.forward = MethodType(convert_outputs_to_fp32(forward.__func__), model)  # type: ignore[method-assign]
 
 
-def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
-    """Keep the ``keep`` newest ``checkpoint_<n>`` folders (Accelerate's automatic names) under ``root``."""
-    numbered = sorted(
+def _automatic_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """The ``checkpoint_<n>`` folders (Accelerate's automatic names) under ``root``, oldest first."""
+    return sorted(
         (int(match.group(1)), folder)
         for folder in root.iterdir()
         if (match := re.fullmatch(r"checkpoint_(\d+)", folder.name)) and folder.is_dir()
     )
+
+
+def _prune_automatic_checkpoints(root: Path, keep: int) -> None:
+    """Keep the ``keep`` newest ``checkpoint_<n>`` folders under ``root``."""
+    numbered = _automatic_checkpoints(root)
     for _, folder in numbered[: max(0, len(numbered) - keep)]:
         shutil.rmtree(folder, ignore_errors=True)
 

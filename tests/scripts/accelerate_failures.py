@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -87,6 +89,21 @@ def background(work: Path) -> dict:
     report["folders after a failed write"] = folders()
     accelerator.load_state()
     report["latest loads the second save"] = all(
+        torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items()
+    )
+    # What a save killed mid-write leaves (the process gone: nothing removed it): Accelerate's own files and the
+    # model's partial copy, in a newer folder. load_state() removes it, says so, and loads the one before.
+    killed = work / "checkpoints" / "checkpoint_3"
+    shutil.copytree(work / "checkpoints" / "checkpoint_1", killed)
+    shutil.rmtree(killed / "pytorch_model_zero_0")
+    (killed / ".pytorch_model_zero_0.partial").mkdir()
+    train_step(40)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        accelerator.load_state()
+    report["after a killed save: warned"] = [str(w.message) for w in caught if "load_state()" in str(w.message)]
+    report["after a killed save: folders"] = folders()
+    report["after a killed save: loads the second save"] = all(
         torch.equal(saved[k], v) for k, v in accelerator.get_state_dict(model).items()
     )
     return report

@@ -387,7 +387,8 @@ def test_an_asynchronous_save_state_returns_at_once_prunes_once_written_and_a_fa
     """One process, asynchronous_checkpoints=True, total_limit=1: save_state returns while the model and the
     optimizer are written; the older checkpoint is pruned only once the newer is written; what was saved loads
     though the weights changed meanwhile; a write that fails (disk full) is raised at the next step, naming the
-    checkpoint, its folder is removed, and load_state() finds the previous one."""
+    checkpoint, its folder is removed, and load_state() finds the previous one, as it does past a folder whose
+    save was killed mid-write."""
     report = _one_process_report("accelerate_failures.py", tmp_path, "--asynchronous")
     assert report["returned while written"]
     assert report["folders while the second is written"] == ["checkpoint_0", "checkpoint_1"]
@@ -398,6 +399,12 @@ def test_an_asynchronous_save_state_returns_at_once_prunes_once_written_and_a_fa
     assert "No space left on device" in report["failed write"]
     assert report["folders after a failed write"] == ["checkpoint_1"]
     assert report["latest loads the second save"]
+    # A newer folder whose save was killed mid-write: removed by load_state(), which says so and loads the one
+    # before.
+    (warned,) = report["after a killed save: warned"]
+    assert "removed checkpoint_3 under " in warned and "loading checkpoint_1" in warned, warned
+    assert report["after a killed save: folders"] == ["checkpoint_1"]
+    assert report["after a killed save: loads the second save"]
 
 
 def test_what_zero_accelerator_assumes_of_accelerates_save_and_load_state_holds(tmp_path: Path) -> None:
