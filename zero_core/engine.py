@@ -437,8 +437,7 @@ class ZeroEngine:
             extra,
             **targets,
             optimizer_path=optimizer_path,
-            asynchronous=asynchronous,
-            synchronous_when_short=self.config.asynchronous_checkpoints_fallback,
+            timing=save_and_load.SaveTiming.of(asynchronous, self.config.asynchronous_checkpoints_fallback),
             when_done=when_done,
         )
 

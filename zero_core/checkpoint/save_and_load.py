@@ -9,6 +9,7 @@ load changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import os
 import socket
@@ -110,6 +111,31 @@ class _Directory(NamedTuple):
     with_optimizer: bool
 
 
+class SaveTiming(enum.Enum):
+    """When a save's files are written, read by ``_save``: before it returns, or in the background (staged in
+    host memory first), and what happens where host memory cannot hold the staged copy."""
+
+    SYNCHRONOUS = "synchronous"
+    ASYNCHRONOUS = "asynchronous"  # refused where host memory cannot stage it
+    ASYNCHRONOUS_OR_SYNCHRONOUS = "asynchronous, else synchronous"  # asynchronous_checkpoints_fallback
+
+    @classmethod
+    def of(cls, asynchronous: bool, fallback: bool) -> SaveTiming:
+        if not asynchronous:
+            return cls.SYNCHRONOUS
+        return cls.ASYNCHRONOUS_OR_SYNCHRONOUS if fallback else cls.ASYNCHRONOUS
+
+
+class _SaveRequest(NamedTuple):
+    """What one ``save`` call asked for."""
+
+    path: str | os.PathLike
+    extra: dict[str, Any]
+    directories: list[_Directory]
+    timing: SaveTiming
+    when_done: Callable[[Path, BaseException | None], None] | None
+
+
 def save(
     target: CheckpointTarget,
     path: str | os.PathLike,
@@ -118,18 +144,16 @@ def save(
     include_optimizer: bool,
     include_model: bool,
     optimizer_path: str | os.PathLike | None = None,
-    asynchronous: bool = False,
-    synchronous_when_short: bool = False,
+    timing: SaveTiming = SaveTiming.SYNCHRONOUS,
     when_done: Callable[[Path, BaseException | None], None] | None = None,
 ) -> Path:
     """``optimizer_path``: the optimizer into this other directory, written first (the larger write: if it fails,
     the model's directory is as it was), the model into ``path``; both hold ``extra`` and the step count, as
-    ``load``'s ``optimizer_path`` checks. ``asynchronous``: return once the state is staged in host memory; the
-    files are written in the background (``background_save.py``), each directory appearing once every rank's
-    write of it succeeded; ``synchronous_when_short``: written before returning, not refused, where host memory
-    cannot hold the staged copy. ``when_done(path, error)``: on every rank once the save ended, ``error`` None once
-    every directory is on disk, else the error about to be raised (before a synchronous save returns or raises;
-    where an asynchronous one's write is collected)."""
+    ``load``'s ``optimizer_path`` checks. ``timing`` asynchronous: return once the state is staged in host
+    memory; the files are written in the background (``background_save.py``), each directory appearing once
+    every rank's write of it succeeded. ``when_done(path, error)``: on every rank once the save ended, ``error``
+    None once every directory is on disk, else the error about to be raised (before a synchronous save returns
+    or raises; where an asynchronous one's write is collected)."""
     if not (include_model or include_optimizer):
         raise ValueError("Nothing to save: include the model, the optimizer or both.")
     if optimizer_path is not None and not (include_model and include_optimizer and target.optimizer is not None):
@@ -145,7 +169,7 @@ def save(
         target.background.wait()  # the previous asynchronous save first: its error is raised here
         try:
             written, in_background = _save(
-                target, path, extra, directories, asynchronous, synchronous_when_short, when_done
+                target, _SaveRequest(path, dict(extra or {}), directories, timing, when_done)
             )
         except CheckpointError as error:
             if when_done is not None:
@@ -161,39 +185,27 @@ def wait_for_background_save(target: CheckpointTarget) -> Path | None:
         return target.background.wait()
 
 
-def _save(
-    target: CheckpointTarget,
-    path: str | os.PathLike,
-    extra: dict[str, Any] | None,
-    directories: list[_Directory],
-    asynchronous: bool,
-    synchronous_when_short: bool,
-    when_done: Callable[[Path, BaseException | None], None] | None,
-) -> tuple[Path, bool]:
+def _save(target: CheckpointTarget, request: _SaveRequest) -> tuple[Path, bool]:
     """The path written, and whether it is being written in the background."""
     target.quiesce()
     target.sync_buffers()
     target.attachment.refuse_while_stepped("state_dict() (or saving it)")
     scaler = dataclasses.replace(target.loss_scaler.state) if target.loss_scaler is not None else None
     record = EngineRecord(target.stage, target.comm.world_size, target.steps_taken(), scaler)
-    operation = f"saving checkpoint {path}"
-    view = sharded_view(target, operation, streaming=True)
-    extra = dict(extra or {})
+    view = sharded_view(target, f"saving checkpoint {request.path}", streaming=True)
     try:
-        if asynchronous:
-            started = _start_background_save(
-                target, path, extra, record, view, directories, synchronous_when_short, when_done
-            )
+        if request.timing is not SaveTiming.SYNCHRONOUS:
+            started = _start_background_save(target, request, record, view)
             if started is not None:
                 return started, True
             # Host memory cannot stage it (agreed: every rank falls back alike): written now.
-        for directory in directories:
+        for directory in request.directories:
 
             def collect(directory: _Directory = directory) -> dict[str, Any]:
                 return sharded_state(view, directory.with_model, directory.with_optimizer)
 
             written = save_checkpoint(
-                target.comm, directory.path, extra, record, collect, in_order=view.resting is not None
+                target.comm, directory.path, request.extra, record, collect, in_order=view.resting is not None
             )
         return written, False  # the last directory: the model's, at ``path``
     finally:
@@ -201,28 +213,19 @@ def _save(
 
 
 def _start_background_save(
-    target: CheckpointTarget,
-    path: str | os.PathLike,
-    extra: dict[str, Any],
-    record: EngineRecord,
-    view: ShardedModel,
-    directories: list[_Directory],
-    synchronous_when_short: bool,
-    when_done: Callable[[Path, BaseException | None], None] | None,
+    target: CheckpointTarget, request: _SaveRequest, record: EngineRecord, view: ShardedModel
 ) -> Path | None:
     """Stage the state of every directory and the extra state (a copy: nothing aliases what training changes
     next), agreed on every rank, then start the write. The extra state is checked now, as a synchronous save
-    would refuse it. Where host memory cannot hold the copy: refused, or with ``synchronous_when_short`` None
-    (nothing staged; the caller writes it synchronously)."""
-    agreement = RankAgreement(target.comm, f"saving checkpoint {path} asynchronously")
+    would refuse it. Where host memory cannot hold the copy: refused, or under ``ASYNCHRONOUS_OR_SYNCHRONOUS``
+    None (nothing staged; the caller writes it synchronously)."""
+    agreement = RankAgreement(target.comm, f"saving checkpoint {request.path} asynchronously")
     # The NVMe tier's resting files linked, not read: the writer reads the links (none where they cannot be).
     frozen = view.resting.frozen() if view.resting is not None else None
     if frozen is not None:
         view = dataclasses.replace(view, resting=frozen)
     try:
-        started = _stage_and_start(
-            target, path, extra, record, view, directories, synchronous_when_short, when_done, agreement, frozen
-        )
+        started = _stage_and_start(target, request, record, view, agreement, frozen)
     except BaseException:
         if frozen is not None:
             frozen.close()
@@ -234,45 +237,41 @@ def _start_background_save(
 
 def _stage_and_start(
     target: CheckpointTarget,
-    path: str | os.PathLike,
-    extra: dict[str, Any],
+    request: _SaveRequest,
     record: EngineRecord,
     view: ShardedModel,
-    directories: list[_Directory],
-    synchronous_when_short: bool,
-    when_done: Callable[[Path, BaseException | None], None] | None,
     agreement: RankAgreement,
     frozen: FrozenNvmeReads | None,
 ) -> Path | None:
     states: list[dict[str, Any]] = []
 
     def measure() -> tuple[str, int, int]:
-        states.extend(sharded_state(view, d.with_model, d.with_optimizer) for d in directories)  # views
+        states.extend(sharded_state(view, d.with_model, d.with_optimizer) for d in request.directories)  # views
         _, fresh = target.background.bytes_to_stage(states)
         return socket.gethostname(), fresh, available_host_memory_bytes()
 
     _, needs = agreement.run("measuring host memory for the staged copy", measure, share=True)
     if problem := staging_memory_problem(needs):  # every rank's figures alike: the same verdict everywhere
-        if synchronous_when_short:
+        if request.timing is SaveTiming.ASYNCHRONOUS_OR_SYNCHRONOUS:
             if target.comm.rank == 0:
                 warnings.warn(
-                    f"Saving checkpoint {path} synchronously: {problem} (asynchronous_checkpoints_fallback).",
+                    f"Saving checkpoint {request.path} synchronously: {problem} (asynchronous_checkpoints_fallback).",
                     stacklevel=2,
                 )
             return None
         raise CheckpointError(
-            f"Saving checkpoint {path} asynchronously was refused before staging: {problem} Save synchronously "
+            f"Saving checkpoint {request.path} asynchronously was refused before staging: {problem} Save synchronously "
             "(asynchronous=False, or asynchronous_checkpoints off; asynchronous_checkpoints_fallback does so by "
             "itself), or free host memory. Nothing was written; training can go on."
         )
 
     def stage() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         if target.comm.rank == 0:
-            serialize_meta(extra)
-        return target.background.stage(states), staged(extra)[0]
+            serialize_meta(request.extra)
+        return target.background.stage(states), staged(request.extra)[0]
 
     (staged_states, staged_extra), _ = agreement.run("staging the state in host memory", stage)
-    finals = [CheckpointDirs.of(d.path).path for d in directories]
+    finals = [CheckpointDirs.of(d.path).path for d in request.directories]
 
     def write(comm: CommContext) -> Path:
         try:
@@ -285,7 +284,7 @@ def _stage_and_start(
                 frozen.close()
         return finals[-1]
 
-    target.background.start(finals[-1], write, when_done)
+    target.background.start(finals[-1], write, request.when_done)
     return finals[-1]
 
 

@@ -58,6 +58,15 @@ def _train(model: TinyTransformer, engine: ZeroEngine, steps: range) -> None:
         engine.zero_grad()
 
 
+def _saved_once(stage: int, path: Path) -> tuple[TinyTransformer, ZeroEngine, dict[str, torch.Tensor]]:
+    """An engine trained a step and saved synchronously to ``path`` (the previous checkpoint there), and its
+    full weights then (gathered on every rank)."""
+    model, engine = _engine(stage)
+    _train(model, engine, range(1))
+    engine.save_checkpoint(path)
+    return model, engine, engine.full_state_dict()
+
+
 def _same_as_synchronous(rank: int, world_size: int, directory: str, stage: int, nvme: bool = False) -> dict[str, Any]:
     """A synchronous and an asynchronous save of the same state; the weights change while the second is
     written; then a load of it while the next asynchronous save is still being written. ``nvme``: the optimizer
@@ -127,10 +136,7 @@ def _disk_full_on(rank: int, failing: int) -> Iterator[None]:
 
 def _failing_write(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     root = Path(directory) / "failing"
-    model, engine = _engine(3)
-    _train(model, engine, range(1))
-    engine.save_checkpoint(root / "ckpt")
-    kept = engine.full_state_dict()
+    model, engine, kept = _saved_once(3, root / "ckpt")
     _train(model, engine, range(1, 2))
     raised_at, message, done = None, None, []
     with _disk_full_on(rank, failing=1):
@@ -183,10 +189,7 @@ def _host_memory_short(rank: int, short: int) -> Iterator[None]:
 def _short_of_host_memory(rank: int, world_size: int, directory: str) -> dict[str, Any]:
     """An asynchronous save that host memory cannot stage is refused before anything is copied or written."""
     root = Path(directory) / "short"
-    model, engine = _engine(2)
-    _train(model, engine, range(1))
-    engine.save_checkpoint(root / "ckpt")
-    kept = engine.full_state_dict()
+    model, engine, kept = _saved_once(2, root / "ckpt")
     with _host_memory_short(rank, short=1):
         message = refusal(lambda: engine.save_checkpoint(root / "ckpt", asynchronous=True), CheckpointError)
     staging = engine.memory_report().checkpoint_staging_bytes
@@ -325,10 +328,8 @@ def _killed_during_write(rank: int, world_size: int, directory: str, killed: int
     partial directory; the other waits for the write, then tries a step. The survivor's findings go to a file:
     the body's result dies with the killed rank."""
     root = Path(directory)
-    model, engine = _engine(3)
-    _train(model, engine, range(1))
-    engine.save_checkpoint(root / "ckpt")  # the previous checkpoint, which the asynchronous save below replaces
-    previous = engine.full_state_dict()  # every rank gathers
+    # The previous checkpoint, which the asynchronous save below replaces.
+    model, engine, previous = _saved_once(3, root / "ckpt")
     if rank == 0:
         torch.save(previous, root / "previous.pt")
     _train(model, engine, range(1, 2))
