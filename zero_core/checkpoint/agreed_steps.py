@@ -18,11 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
-import torch.distributed
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..collectives import CollectiveFailed, CommContext, all_gather_objects
-from ..collectives.context import world_timeout
+from ..collectives.context import connections_closed, world_timeout
 from .checkpoint_error import CheckpointError
 from .disk_space import SaveSpace, SpaceReport, disk_full_message
 from .unpickling import refusal_reason
@@ -60,22 +59,12 @@ def _is_peer_timeout(error: BaseException) -> bool:
     return False
 
 
-# gloo's and NCCL's words for connections that are gone: a peer exited, or a collective that failed
-# (timed out, mismatched) made the backend close them or abort the communicator.
-_CLOSED_WORDS = ("connection closed by peer", "pair closure", "connection reset by peer", "broken pipe", "aborted")
-
-
 def _is_broken_group(error: BaseException, waited: float, timeout: float | None) -> bool:
     """A collective that failed because the process group is broken, not because a peer never answered:
     the backend says its connections are closed, or it failed long before the group's timeout."""
-    seen: BaseException | None = error
-    while seen is not None:
-        text = str(seen).lower()
-        if isinstance(seen, torch.distributed.DistNetworkError) or any(w in text for w in _CLOSED_WORDS):
-            return True
-        if "timed out" in text:  # gloo's and NCCL's wording for a peer that did not answer in time
-            return False
-        seen = seen.__cause__ or seen.__context__
+    closed = connections_closed(error)
+    if closed is not None:
+        return closed
     return timeout is not None and waited < timeout / 2
 
 

@@ -46,6 +46,31 @@ DIVERGENCE_ADVICE = (
     "Lightning's DDP-style strategies' timeout=..., Accelerate's InitProcessGroupKwargs(timeout=...)."
 )
 
+BROKEN_GROUP_ADVICE = (
+    "The process group is broken: its connections between the ranks are closed (a process exited, crashed or "
+    "was killed, or a collective timed out on some rank), so no collective can complete in these processes "
+    "again: restart every process, then resume from the last checkpoint that saved. If a rank left early or ran "
+    "other work: "
+)
+
+# gloo's and NCCL's words for connections that are gone: a peer exited, or a collective that failed
+# (timed out, mismatched) made the backend close them or abort the communicator.
+_CLOSED_WORDS = ("connection closed by peer", "pair closure", "connection reset by peer", "broken pipe", "aborted")
+
+
+def connections_closed(error: BaseException) -> bool | None:
+    """What the backend's error (or one it was raised from) says: True where its connections are closed (the
+    process group is broken), False where a peer did not answer in time, None where it says neither."""
+    seen: BaseException | None = error
+    while seen is not None:
+        text = str(seen).lower()
+        if isinstance(seen, dist.DistNetworkError) or any(word in text for word in _CLOSED_WORDS):
+            return True
+        if "timed out" in text:  # gloo's and NCCL's wording for a peer that did not answer in time
+            return False
+        seen = seen.__cause__ or seen.__context__
+    return None
+
 
 class Position(NamedTuple):
     """Where the training loop was when a collective was issued (for error messages)."""

@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 
-from .context import DIVERGENCE_ADVICE, CollectiveFailed, CollectiveLabel, CommContext
+from .context import (
+    BROKEN_GROUP_ADVICE,
+    DIVERGENCE_ADVICE,
+    CollectiveFailed,
+    CollectiveLabel,
+    CommContext,
+    connections_closed,
+)
 from .stats import CollectiveKind
 
 
@@ -65,7 +72,9 @@ class Handle:
             if failure is not None:
                 self._after_wait = None  # the output is incomplete: leave it untouched
                 what = self._label.describe(self._rank) if self._label else "a collective"
-                raise CollectiveFailed(f"ZeRO: {what} did not complete: {failure}\n{DIVERGENCE_ADVICE}") from failure
+                # A peer gone (killed, crashed, or out of the loop early): these processes cannot go on.
+                advice = (BROKEN_GROUP_ADVICE if connections_closed(failure) else "") + DIVERGENCE_ADVICE
+                raise CollectiveFailed(f"ZeRO: {what} did not complete: {failure}\n{advice}") from failure
         if self._done is not None:
             # Later kernels on the caller's stream see the collective's output.
             torch.cuda.current_stream(self._issuer.device).wait_event(self._done)

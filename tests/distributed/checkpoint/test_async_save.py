@@ -379,7 +379,9 @@ def test_a_rank_killed_in_its_background_write_ends_the_save_with_an_error_and_k
     assert waited.startswith(f"CheckpointError: The asynchronous save to {tmp_path / 'ckpt'} failed: "), waited
     assert "the process group is broken" in waited and "The previous checkpoint there, if any, is as it was." in waited
     assert survivor["waited_s"] < KILLED_PG_TIMEOUT * 4, survivor
-    assert survivor["then a step"] is not None and "did not complete" in survivor["then a step"], survivor
+    step = survivor["then a step"]
+    assert step is not None and "did not complete" in step and "The process group is broken" in step, survivor
+    assert "restart every process, then resume from the last checkpoint that saved" in step, step
     # Nothing of the killed save is at the checkpoint's name; where the coordinator died, its partial
     # directory is left, with the shard the killed rank wrote.
     left = [name for name in survivor["entries"] if name not in ("previous.pt",)]
