@@ -34,9 +34,9 @@ class NvmeSaveReads:
 
     def frozen(self) -> FrozenNvmeReads | None:
         """These reads over hard links to the resting units' files as they are now, which the next steps leave
-        alone (the tier writes each file anew, ``file_io.write_tensors``): an asynchronous save stages them
-        without reading them. None where a link cannot be made, or where the disk has no room to keep the linked
-        files beside the ones the next steps write: the caller reads them now instead."""
+        alone (the tier writes a file another name links as a new file, ``file_io.write_tensors``): an
+        asynchronous save stages them without reading them. None where a link cannot be made, or where the disk
+        has no room to keep the linked files beside the ones the next steps write: the caller reads them now."""
         self.tier.settle_behind()  # the files hold what the last walk wrote
         resting = [index for index in range(len(self.tier.states)) if self.tier.needs_read(index)]
         if not resting:
