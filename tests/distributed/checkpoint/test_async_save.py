@@ -262,6 +262,19 @@ def test_an_asynchronous_save_writes_what_a_synchronous_one_does(grid: list, sta
     assert abs(estimated - mean) <= 0.05 * mean, (estimated, staged)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_an_asynchronous_checkpoint_resumes_at_one_rank_another_stage_and_on_nvme_as_a_synchronous_one(
+    grid: list, stage: int, tmp_path: Path
+) -> None:
+    """Saved asynchronously by 2 ranks at ``stage``, loaded by one process at another stage with the optimizer
+    state in the NVMe tier, and saved again: bit for bit the synchronous save of the same state."""
+    saved = Path(by_rank(grid, f"stage {stage}")[0]["path"])
+    _, engine = _engine(1 if stage == 3 else 3, offload_optimizer="nvme", offload_dir=str(tmp_path))
+    assert engine.load_checkpoint(saved) == {"epoch": [1, 2]}
+    engine.save_checkpoint(tmp_path / "again")
+    assert_same_checkpoint(saved.parent / "sync", tmp_path / "again")
+
+
 def test_the_nvme_tiers_resting_state_is_linked_not_copied_and_written_as_a_synchronous_save(grid: list) -> None:
     """offload_optimizer="nvme": the state resting in the tier's files is staged as hard links to them (the tier
     writes each file anew, so the steps after the save leave the linked files alone): the host copy holds the
