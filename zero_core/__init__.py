@@ -23,7 +23,7 @@ from .model.changes import ModelChangedError
 from .muon_with_adamw import MuonWithAuxAdamW
 from .offload import OffloadError
 from .optim.grad_ops import total_norm
-from .passes.gradient_errors import LateGradientError, UnscaledBackwardError
+from .passes.runtime import LateGradientError, UnscaledBackwardError
 from .passes.state import TrainingState
 from .settings import Setting
 from .setup_summary import setup_summary

@@ -22,7 +22,7 @@ _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Beside fp16's overflows (always skipped): DeepSpeed's ZeRO skips these steps in fp32 and bf16 too (bf16: unless
 # bf16.check_grad_overflow is false, at stages 1 and 2 only); torch and DDP take them. The decision rides on the
-# step's one agreement (agreement/step.py), which runs every step anyway: no collective of its own.
+# step's one agreement (agreement/step_agreement.py), which runs every step anyway: no collective of its own.
 SKIPS_DOC = (
     "skip an optimizer step whose gradients hold inf or NaN on any rank, on every rank alike, as DeepSpeed's ZeRO "
     "does (fp16 skips them always)"

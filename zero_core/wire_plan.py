@@ -11,8 +11,8 @@ Three pieces:
   under hybrid sharding the across-groups all-reduce travels quantized too. Like qwZ it changes numbers:
   the gradients the optimizer steps with, never the masters it steps.
 - ``secondary_shard_group_size`` (hpZ): a unit's parameters stay in pieces over k ranks between its forward
-  and its backward, whose all-gather then stays inside those ranks (``unit/secondary_shard.py``). The
-  numbers do not change.
+  and its backward, whose all-gather then stays inside those ranks (``SecondaryShard`` in
+  ``unit/storage.py``). The numbers do not change.
 
 ``ZeroConfig`` calls :func:`check_wire` when it is built (the checks live here, beside the plan).
 """

@@ -128,9 +128,9 @@ registered = []
 register = atexit.register
 atexit.register = lambda fn, *args, **kwargs: registered.append(fn) or register(fn, *args, **kwargs)
 import zero_core, lightning_zero, accelerate_zero
-from zero_core.collectives import shutdown
+from zero_core.collectives import context
 ours = [fn for fn in registered if fn.__module__.split(".")[0] in ("zero_core", "lightning_zero", "accelerate_zero")]
-assert not ours and shutdown._armed is None, ours
+assert not ours and context._armed is None, ours
 print("nothing registered;", len(registered), "handlers from torch's own imports")
 """
 

@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.lightning_module import TokenDataset  # noqa: E402
 from tests.models import TinyTransformer, lm_loss  # noqa: E402
-from zero_core.deepspeed.one_cycle import OneCycle  # noqa: E402
-from zero_core.deepspeed.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: E402
+from zero_core.deepspeed.schedulers import OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR  # noqa: E402
 
 MICRO_BATCH, STEPS = 2, 6
 

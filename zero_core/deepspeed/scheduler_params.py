@@ -9,8 +9,7 @@ from typing import Any, NamedTuple
 
 from torch.optim.lr_scheduler import LRScheduler
 
-from .one_cycle import OneCycle
-from .schedulers import LINEAR, LOG, LRRangeTest, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from .schedulers import LINEAR, LOG, LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 
 def _number(value: Any) -> bool:

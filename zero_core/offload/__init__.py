@@ -7,7 +7,7 @@ a protocol (``state_files.UnitInFiles``). Highest first: ``opening`` (this rank'
 them, all or nothing); ``state_files`` (offload_optimizer="nvme": the optimizer state's files and the step's
 walk over them); ``shard_files`` (offload_params="nvme": the parameter shards' files); ``tier`` (what the file
 tiers share: the engine's one I/O pool, the directory, the failure agreement); ``scratch`` and ``unit_file``
-(the run's scratch directory; the one layout of a unit's file); ``errors`` and ``file_io`` (``OffloadError``
+(the run's scratch directory; the one layout of a unit's file); ``failure_agreement`` and ``file_io`` (``OffloadError``
 and the one agreement of failures across ranks; tensors to and from files, without the page cache).
 """
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from .. import collectives
 from ..collectives import CommContext
 from ..unit import FlatUnit
-from .packing import differing_values, with_negations
+from .flags import differing_values, with_negations
 
 
 class StepAgreement(NamedTuple):
