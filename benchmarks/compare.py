@@ -385,10 +385,12 @@ def compare_sides(sides: tuple[Side, Side], settings: StepSettings) -> dict:
 
 def pooled_record(records: list[dict]) -> dict:
     """Records of one question (the same heading: the same two trees, or the same reference in one tree; the
-    same model, world size, pairs and warm-up) as one record: every round of each contestant, the estimate
-    drawn again from all of them. Rounds are the noise's unit, so more of them narrow the interval however
-    many runs they came from; each round's pairs stay side by side in time, so pooling adds no drift."""
-    keys = ("heading", "size", "world_size", "device", "pairs", "warmup", "pinned")
+    same model, world size, pairs and warm-up, on the same kind of machine) as one record: every round of each
+    contestant, the estimate drawn again from all of them. Rounds are the noise's unit, so more of them narrow
+    the interval however many runs they came from; each round's pairs stay side by side in time, so pooling
+    adds no drift. Runs on another processor are another question: a change can cost more on one than on the
+    other, so they are refused rather than averaged in."""
+    keys = ("heading", "size", "world_size", "device", "pairs", "warmup", "pinned", "machine")
     question = {key: records[0][key] for key in keys}
     for record in records[1:]:
         differ = [key for key in keys if record[key] != question[key]]

@@ -53,7 +53,7 @@ def test_a_round_whose_processes_were_slow_throughout_widens_the_interval() -> N
     assert apart.high - apart.low > pooled.high - pooled.low
 
 
-def _record(heading: str, rounds: list[list[float]], pairs: int = 3) -> dict:
+def _record(heading: str, rounds: list[list[float]], pairs: int = 3, machine: str = "2 cores (AMD EPYC)") -> dict:
     row = {
         "name": "zero3",
         "wall_rounds": rounds,
@@ -69,7 +69,7 @@ def _record(heading: str, rounds: list[list[float]], pairs: int = 3) -> dict:
         "heading": heading,
         **question,
         "date": "2026-12-03T08:00:00",
-        "machine": "2 cores",
+        "machine": machine,
         "rounds": len(rounds),
         "busy_before": 0.01,
         "comparisons": [row],
@@ -78,7 +78,8 @@ def _record(heading: str, rounds: list[list[float]], pairs: int = 3) -> dict:
 
 def test_records_of_one_question_pool_their_rounds_into_one_narrower_estimate() -> None:
     """Two runs of the same two trees: the pooled estimate is the one drawn from all their rounds at once,
-    narrower than either run's; runs of another question are refused, not averaged in."""
+    narrower than either run's; runs of another question (other trees, pairs or processor) are refused, not
+    averaged in."""
     noise = random.Random(2)
     rounds = [[1.02 * math.exp(noise.gauss(0, 0.06))] * 3 for _ in range(40)]
     first, second = _record("this tree (abc) over def", rounds[:20]), _record("this tree (abc) over def", rounds[20:])
@@ -92,6 +93,8 @@ def test_records_of_one_question_pool_their_rounds_into_one_narrower_estimate() 
         pooled_record([first, _record("this tree (abc) over ghi", rounds[:5])])
     with pytest.raises(ValueError, match="pairs"):
         pooled_record([first, _record("this tree (abc) over def", rounds[:5], pairs=4)])
+    with pytest.raises(ValueError, match="machine"):
+        pooled_record([first, _record("this tree (abc) over def", rounds[:5], machine="2 cores (Intel(R) Xeon(R))")])
 
 
 @pytest.mark.parametrize("bad", [[], [[]], [[1.0], []], [[1.0, 0.0]], [[1.0, float("nan")]], [[-1.0]]])
