@@ -24,7 +24,7 @@ from ..stage_plan import StagePlan
 from ..wire_plan import WirePlan
 from .dtensor_params import local_shape, place_in_whole
 from .grads import LocalGrads, PendingReduce, ShardedGrads, UnitGrads
-from .guard import Comparisons, ParameterGuard
+from .guard import ParameterDigests, ParameterGuard
 from .layout import FlatLayout, ShardPiece, shard_view, slot_view
 from .storage import ParamStorage
 from .unit_selection import UnitPlan
@@ -45,7 +45,7 @@ class FlatUnit:
         precision: MixedPrecision,
         comm: CommContext,
         offload: UnitOffload,
-        comparisons: Comparisons | None = None,
+        comparisons: ParameterDigests | None = None,
         param_files: ShardFiles | None = None,
         state_files: StateFiles | None = None,
         wire: WirePlan = WirePlan(),

@@ -182,20 +182,12 @@ class GuardedUnit(Protocol):
     def name_of(self, param: nn.Parameter) -> str: ...
 
 
-class Comparisons(Protocol):
-    """Exact ``torch.equal`` between resting parameters, where every rank compares alike (``ParameterDigests``)."""
-
-    active: bool
-
-    def knows(self, tensor: object) -> bool: ...
-
-    def equal(self, a: nn.Parameter, b: nn.Parameter) -> bool: ...
-
-
 class ParameterGuard:
     """One unit's guard: its parameters' guard classes, switching them, and their ``__torch_function__``."""
 
-    def __init__(self, unit: GuardedUnit, params: list[nn.Parameter], guarding: bool, comparisons: Comparisons | None):
+    def __init__(
+        self, unit: GuardedUnit, params: list[nn.Parameter], guarding: bool, comparisons: ParameterDigests | None
+    ):
         self.unit = unit
         self.params = params
         self.exported: dict[int, torch.Tensor] | None = None  # slot index -> full value, during state_dict()
