@@ -9,7 +9,9 @@ hides little: stage 3, which moves 3Ψ per step where DDP moves 2Ψ (an all-gath
 the backward, a reduce-scatter; against DDP's all-reduce, a reduce-scatter and an all-gather), pays for its
 extra all-gather in full. This prints the median seconds of an all-reduce, a reduce-scatter and an
 all-gather of ``--numel`` fp32 elements (in units of the size the benchmarks' wrapped blocks have), so that
-cost can be set beside the step times the guard measures (benchmarks/NOTES.md).
+cost can be set beside the step times the guard measures (benchmarks/NOTES.md): torch's list forms, and the
+engine's own ``zero_core.collectives`` calls, which on gloo run as one broadcast or one reduce per rank on
+the flat buffer in place (``CommContext.uses_rooted_collectives``). The engine's are what a step pays.
 """
 
 from __future__ import annotations
@@ -21,6 +23,10 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from zero_core.collectives import CommContext
+from zero_core.collectives import all_gather as engine_all_gather
+from zero_core.collectives import reduce_scatter as engine_reduce_scatter
 
 
 def main() -> None:
@@ -48,7 +54,24 @@ def main() -> None:
         for tensor, shard in zip(full, shards):
             dist.all_gather(list(tensor.chunk(size)), shard)
 
-    for name, run in (("all_reduce", all_reduce), ("reduce_scatter", reduce_scatter), ("all_gather", all_gather)):
+    comm = CommContext.create(None, torch.device("cpu"))
+
+    def engine_reduce_scatter_all() -> None:  # as a unit's gradients are reduced: into a shard of its own
+        for tensor, shard in zip(full, shards):
+            engine_reduce_scatter(comm, shard, tensor).wait()
+
+    def engine_all_gather_all() -> None:
+        for tensor, shard in zip(full, shards):
+            engine_all_gather(comm, tensor, shard).wait()
+
+    runs = (
+        ("all_reduce", all_reduce),
+        ("reduce_scatter", reduce_scatter),
+        ("all_gather", all_gather),
+        ("engine reduce_scatter", engine_reduce_scatter_all),
+        ("engine all_gather", engine_all_gather_all),
+    )
+    for name, run in runs:
         times = []
         for _ in range(args.repeats + 1):
             dist.barrier()
