@@ -10,8 +10,9 @@ the backward, a reduce-scatter; against DDP's all-reduce, a reduce-scatter and a
 extra all-gather in full. This prints the median seconds of an all-reduce, a reduce-scatter and an
 all-gather of ``--numel`` fp32 elements (in units of the size the benchmarks' wrapped blocks have), so that
 cost can be set beside the step times the guard measures (benchmarks/NOTES.md): torch's list forms, and the
-engine's own ``zero_core.collectives`` calls, which on gloo run as one broadcast or one reduce per rank on
-the flat buffer in place (``CommContext.uses_rooted_collectives``). The engine's are what a step pays.
+engine's own ``zero_core.collectives`` calls, which on gloo run as one broadcast per rank on the flat buffer
+in place (``CommContext.uses_rooted_collectives``) and, over two ranks, reduce-scatter as one exchange of
+slices (one reduce per rank otherwise, and when the handle is polled). The engine's are what a step pays.
 """
 
 from __future__ import annotations
@@ -56,9 +57,9 @@ def main() -> None:
 
     comm = CommContext.create(None, torch.device("cpu"))
 
-    def engine_reduce_scatter_all() -> None:  # as a unit's gradients are reduced: into a shard of its own
+    def engine_reduce_scatter_all(polled: bool = False) -> None:  # as a unit's gradients: into a shard of its own
         for tensor, shard in zip(full, shards):
-            engine_reduce_scatter(comm, shard, tensor).wait()
+            engine_reduce_scatter(comm, shard, tensor, polled=polled).wait()
 
     def engine_all_gather_all() -> None:
         for tensor, shard in zip(full, shards):
@@ -69,6 +70,8 @@ def main() -> None:
         ("reduce_scatter", reduce_scatter),
         ("all_gather", all_gather),
         ("engine reduce_scatter", engine_reduce_scatter_all),
+        # The form offload_step_in_backward keeps (its handles are polled): one rooted reduce per rank.
+        ("engine reduce_scatter, polled", lambda: engine_reduce_scatter_all(polled=True)),
         ("engine all_gather", engine_all_gather_all),
     )
     for name, run in runs:

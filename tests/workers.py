@@ -289,11 +289,11 @@ class SentCollectives:
     def span(self, group: Any) -> str:
         raise NotImplementedError
 
-    def _wrap(self, name: str, payload: Any) -> None:
+    def _wrap(self, name: str, payload: Any, group_of: Any = lambda args, kwargs: kwargs.get("group")) -> None:
         original = self._originals[name] = getattr(torch.distributed, name)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            span = self.span(kwargs.get("group"))
+            span = self.span(group_of(args, kwargs))
             self.bytes[span] = self.bytes.get(span, 0) + payload(*args)
             return original(*args, **kwargs)
 
@@ -306,6 +306,13 @@ class SentCollectives:
         self._wrap("all_reduce", lambda tensor, *_: nbytes([tensor]))
         self._wrap("broadcast", lambda tensor, *_: nbytes([tensor]))
         self._wrap("reduce", lambda tensor, *_: nbytes([tensor]))  # gloo's reduce-scatter: one reduce per slice
+        # Gloo's reduce-scatter over two ranks: one exchange, the peer's slice sent and this rank's received.
+        # Both count, as the formulas count a reduce-scatter by its whole input.
+        self._wrap(
+            "batch_isend_irecv",
+            lambda ops, *_: nbytes([op.tensor for op in ops]),
+            group_of=lambda args, kwargs: args[0][0].group,
+        )
         return self
 
     def __exit__(self, *exc: object) -> None:

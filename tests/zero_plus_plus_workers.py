@@ -75,6 +75,15 @@ def convergence(rank: int, world_size: int, variants: dict[str, dict[str, Any]])
     return {name: Run(mixed_precision=BF16, **settings).train(range(STEPS)) for name, settings in variants.items()}
 
 
+def payload(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], Any]:
+    """The tensors a call to ``torch.distributed.<name>`` sends, and its group (None: the world). A batch of
+    point-to-point ops sends its isends' tensors."""
+    first = args[0]
+    if name == "batch_isend_irecv":
+        return [op.tensor for op in first if op.op is dist.isend], first[0].group
+    return (first if isinstance(first, list) else [first]), kwargs.get("group")
+
+
 class SentPayloads:
     """Every collective handed to ``torch.distributed`` with its payload bytes, in order (really sent)."""
 
@@ -86,6 +95,7 @@ class SentPayloads:
         "reduce_scatter",
         "reduce",
         "all_to_all_single",
+        "batch_isend_irecv",  # gloo's reduce-scatter over two ranks: an exchange of slices
     )
 
     def __enter__(self) -> "SentPayloads":
@@ -97,8 +107,7 @@ class SentPayloads:
 
     def _counted(self, name: str, original: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            first = args[0]
-            tensors = first if isinstance(first, list) else [first]
+            tensors, _ = payload(name, args, kwargs)
             self.calls.append((name, sum(t.numel() * t.element_size() for t in tensors)))
             return original(*args, **kwargs)
 
@@ -271,10 +280,8 @@ class SentByNode(SentPayloads):
 
     def _counted(self, name: str, original: Any) -> Any:
         def counted(*args: Any, **kwargs: Any) -> Any:
-            group = kwargs.get("group")
+            tensors, group = payload(name, args, kwargs)
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-            first = args[0]
-            tensors = first if isinstance(first, list) else [first]
             link = "across" if len({r // self.node_size for r in ranks}) > 1 else "inside"
             self.calls.append((f"{name} {link}", sum(t.numel() * t.element_size() for t in tensors)))
             return original(*args, **kwargs)

@@ -134,6 +134,8 @@ def build_units(
                 param_files=files.params,
                 state_files=files.optimizer,
                 wire=plans.wire,
+                # offload_step_in_backward: the reduce schedule asks each reduce whether it landed.
+                polled_reduces=plans.offload.step_in_backward,
             )
             if files.optimizer is not None:
                 files.optimizer.add_unit(units[plan.index])  # its master to its file now

@@ -49,9 +49,11 @@ class FlatUnit:
         param_files: ShardFiles | None = None,
         state_files: StateFiles | None = None,
         wire: WirePlan = WirePlan(),
+        polled_reduces: bool = False,
     ):
         """``offload``: where its tensors rest (the offload plan's); ``param_files``, ``state_files``: the file
-        tiers it names (offload_params and offload_optimizer "nvme"); ``wire``: how its gathers travel."""
+        tiers it names (offload_params and offload_optimizer "nvme"); ``wire``: how its gathers travel;
+        ``polled_reduces``: its gradient reduces are asked whether they landed (``UnitGrads``)."""
         self.index, self.name, self.module = plan.index, plan.name, plan.module
         self.stage_plan, self.precision, self.comm = stage_plan, precision, comm
         self.label = f"unit '{plan.name}'" if plan.name else "the root unit"
@@ -91,7 +93,9 @@ class FlatUnit:
             for piece in self.layout.pieces(comm.shard_rank)
         ]
         grads_class = ShardedGrads if stage_plan.grads_sharded else LocalGrads
-        self.grads: UnitGrads = grads_class(self.layout, self.params, precision, comm, self.label, wire)
+        self.grads: UnitGrads = grads_class(
+            self.layout, self.params, precision, comm, self.label, wire, polled_reduces=polled_reduces
+        )
         if stage_plan.params_sharded_at_rest:
             self.storage.reshard()
 

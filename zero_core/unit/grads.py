@@ -139,12 +139,15 @@ class UnitGrads:
         comm: CommContext,
         label: str,
         wire: WirePlan = WirePlan(),
+        polled_reduces: bool = False,
     ):
+        """``polled_reduces``: the reduce schedule asks each reduce whether it has landed before waiting for
+        it (offload_step_in_backward), so the exact reduce-scatter takes a form that can answer."""
         self.layout, self.params, self.precision, self.comm, self.label = layout, params, precision, comm, label
         # qgZ: both reductions carry quantized blocks; otherwise both are exact.
         block, bits = wire.gradient_block_size, wire.gradient_bits
         if block is None:
-            self._reduce_scatter, across = reduce_scatter, all_reduce
+            self._reduce_scatter, across = partial(reduce_scatter, polled=polled_reduces), all_reduce
         else:
             self._reduce_scatter = partial(reduce_scatter_quantized, block_size=block, bits=bits)
             across = partial(all_reduce_quantized, block_size=block, bits=bits)

@@ -57,12 +57,13 @@ def _extra_forward_on_rank0(rank: int, world_size: int, settings: dict | None = 
     return _outcome(diverge)
 
 
-def _rank0_fails_mid_backward_with_quantized_gradients(rank: int, world_size: int) -> dict:
-    """Stage 3 with quantized gradients: rank 0's backward raises halfway (its own error, say a check on a
-    gradient), while rank 1 goes on to the next unit's quantized all-to-all."""
+def _rank0_fails_mid_backward(rank: int, world_size: int, quantized: bool) -> dict:
+    """Stage 3: rank 0's backward raises halfway (its own error, say a check on a gradient), while rank 1
+    goes on to the next unit's gradient reduce: quantized, an all-to-all; exact, on gloo over two ranks, an
+    exchange of slices whose receive never completes."""
     torch.manual_seed(0)
     model = TinyTransformer()
-    config = dataclasses.replace(config_for(3), quantize_gradients=True)
+    config = dataclasses.replace(config_for(3), quantize_gradients=quantized)
     engine = ZeroEngine(model, make_optimizer("adamw", model), config)
     _train_step(model, engine, 0)
 
@@ -137,12 +138,12 @@ def test_quantized_collectives_of_diverged_ranks_fail_on_every_rank_within_the_t
         assert outcome["seconds"] <= PG_TIMEOUT + SLACK, outcome
 
 
-def test_a_rank_leaving_mid_backward_fails_the_others_quantized_all_to_all() -> None:
-    """qgZ: when one rank's backward stops halfway, the other's next quantized reduce (an all-to-all) ends in
-    the clear error naming it, within the timeout, instead of waiting forever or summing without it."""
-    outcomes = run_distributed(
-        _rank0_fails_mid_backward_with_quantized_gradients, 2, pg_timeout=PG_TIMEOUT, timeout=120
-    )
+@pytest.mark.parametrize("quantized", [False, True], ids=["exchange", "quantized"])
+def test_a_rank_leaving_mid_backward_fails_the_others_next_gradient_reduce(quantized: bool) -> None:
+    """When one rank's backward stops halfway, the other's next gradient reduce (exact: the two-rank
+    exchange; qgZ: an all-to-all) ends in the clear error naming it, within the timeout, instead of waiting
+    forever or summing without it."""
+    outcomes = run_distributed(_rank0_fails_mid_backward, 2, quantized, pg_timeout=PG_TIMEOUT, timeout=120)
     assert outcomes[0]["error"] == "rank 0's own check failed"
     error = outcomes[1]["error"]
     assert error is not None and error.startswith("ZeRO: reduce_scatter of unit 'blocks."), error

@@ -3,6 +3,8 @@ the formulas of docs/memory.md (padding aside), for every stage, in fp32 and bf1
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ ADAM_STATE_BYTES = 8  # exp_avg and exp_avg_sq in fp32
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"world{n}")
 def grid(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     """One spawn per world size for every test of the file."""
-    workers = {"accounting": accounting_grid, "buffers": _buffer_broadcasts}
+    workers = {"accounting": accounting_grid, "buffers": _buffer_broadcasts, "reduce_scatter": _reduce_scatter_forms}
     return request.param, run_distributed(run_each, request.param, workers)
 
 
@@ -106,3 +108,75 @@ def test_buffers_are_broadcast_in_one_call_per_dtype(grid: tuple[int, list[dict]
         assert result["numel"] == 5 * (4 + 4 + 1)
     for other in results[1:]:  # rank 0's, everywhere
         assert all(torch.equal(a, b) for a, b in zip(results[0]["seen"], other["seen"]))
+
+
+def _reduce_scatter_forms(rank: int, world_size: int) -> dict[str, object]:
+    """The engine's exact reduce-scatter into a shard of its own, as stages 2 and 3 call it, and the form it
+    keeps when its handle is polled (offload_step_in_backward): what each hands to torch.distributed, and
+    what each leaves in the shard."""
+    import torch.distributed as dist
+
+    from zero_core.collectives import CommContext, reduce_scatter
+
+    comm = CommContext.create(None, torch.device("cpu"))
+    results: dict[str, object] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        generator = torch.Generator().manual_seed(rank)
+        # Magnitudes far apart, so that a sum of three terms depends on its order and rounding shows.
+        full = (torch.randn(world_size * 1000, generator=generator) * 10.0 ** (3 * rank)).to(dtype)
+        every = [torch.empty_like(full) for _ in range(world_size)]
+        dist.all_gather(every, full)
+        for polled in (False, True):
+            calls: list[tuple[str, int]] = []
+            real = {name: getattr(dist, name) for name in ("reduce", "batch_isend_irecv")}
+
+            def counted(name: str):  # type: ignore[no-untyped-def]
+                def call(first, *args, **kwargs):  # type: ignore[no-untyped-def]
+                    tensors = [op.tensor for op in first if op.op is dist.isend] if isinstance(first, list) else [first]
+                    calls.append((name, sum(t.numel() * t.element_size() for t in tensors)))
+                    return real[name](first, *args, **kwargs)
+
+                return call
+
+            shard = torch.empty(1000, dtype=dtype)
+            for name in real:
+                setattr(dist, name, counted(name))
+            try:
+                handle = reduce_scatter(comm, shard, full.clone(), polled=polled)
+            finally:
+                for name, original in real.items():
+                    setattr(dist, name, original)
+            deadline = time.monotonic() + 30
+            answered = handle.is_completed()
+            while polled and not answered and time.monotonic() < deadline:
+                time.sleep(0.01)
+                answered = handle.is_completed()
+            handle.wait()
+            results[f"{dtype} polled={polled}"] = {"calls": calls, "answered": answered, "shard": shard}
+        own = [piece.chunk(world_size)[rank] for piece in every]
+        results[f"{dtype} terms"] = own
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_two_ranks_reduce_scatter_by_one_exchange_with_the_reduces_numbers(
+    grid: tuple[int, list[dict]], dtype: torch.dtype
+) -> None:
+    """Over two ranks a reduce-scatter into its own shard is one exchange: each rank sends its peer the
+    peer's slice (S / 2 bytes, what a reduce-scatter must send) and calls no reduce, and the shard holds
+    the reduces' sum bit for bit. Over three ranks, and whenever the handle is polled (which gloo's
+    point-to-point works cannot answer before their wait), it is one reduce per slice, and a polled handle
+    says it has landed without being waited for."""
+    world_size, per_rank = grid
+    element = _element_size(dtype)
+    for rank, result in enumerate(by_rank(per_rank, "reduce_scatter")):
+        exchanged, reduced = result[f"{dtype} polled=False"], result[f"{dtype} polled=True"]
+        assert reduced["calls"] == [("reduce", 1000 * element)] * world_size
+        assert reduced["answered"]
+        assert torch.equal(exchanged["shard"], reduced["shard"]), rank
+        terms = result[f"{dtype} terms"]
+        if world_size == 2:
+            assert exchanged["calls"] == [("batch_isend_irecv", 1000 * element)]
+            assert torch.equal(exchanged["shard"], terms[0] + terms[1])
+        else:
+            assert exchanged["calls"] == reduced["calls"]
