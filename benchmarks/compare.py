@@ -439,8 +439,8 @@ def table_lines(record: dict) -> list[str]:
         "",
         f"{record['date']}, {record['machine']}; model `{record['size']}`, world size {record['world_size']}, "
         f"{record.get('rounds', 1)} round(s) of {record['pairs']} pairs, each after {record['warmup']} warm-up "
-        f"steps; the machine before: "
-        f"{record['busy_before']:.2f} cores busy.",
+        f"steps, {'each rank on its own cores' if record.get('pinned', True) else 'the ranks placed by the scheduler'}"
+        f"; the machine before: {record['busy_before']:.2f} cores busy.",
         *(
             [
                 "",
