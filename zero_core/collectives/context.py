@@ -303,7 +303,9 @@ class CommContext:
     @property
     def uses_rooted_collectives(self) -> bool:
         """On gloo, all-gather as one broadcast per rank and reduce-scatter as one
-        reduce per rank, each on its slice of the flat buffer in place.
+        reduce per rank, each on its slice of the flat buffer in place (over two
+        CPU ranks, a reduce-scatter into a shard of its own is one exchange instead:
+        ``collectives/ops.py``).
 
         Gloo's list-form all-gather and reduce-scatter flatten their inputs into
         a freshly allocated buffer and copy the result out (and its single-tensor
