@@ -96,11 +96,10 @@ def reduce_scatter(
         if size == 1:
             shard_out.copy_(full_in)
             return Handle()
-        # Gloo's point-to-point calls take host memory only (its reduces stage CUDA tensors through the host).
-        exchangeable = comm.device.type == "cpu" and size == 2 and not in_place and not polled
-        if comm.uses_rooted_collectives and exchangeable:
-            return _reduce_scatter_by_exchange(comm, shard_out, full_in, label)
         if comm.uses_rooted_collectives:
+            # Gloo's point-to-point calls take host memory only (its reduces stage CUDA tensors through the host).
+            if comm.device.type == "cpu" and size == 2 and not in_place and not polled:
+                return _reduce_scatter_by_exchange(comm, shard_out, full_in, own, label)
             # Each slice is summed onto the rank that owns it, in place. The slices
             # this rank does not own are left holding partial sums: ``full_in`` is
             # scratch once handed over.
@@ -115,7 +114,7 @@ def reduce_scatter(
 
 
 def _reduce_scatter_by_exchange(
-    comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor, label: str
+    comm: CommContext, shard_out: torch.Tensor, full_in: torch.Tensor, own: torch.Tensor, label: str
 ) -> Handle:
     """Gloo on the CPU, a shard group of two ranks, ``shard_out`` a tensor of its own: each rank sends its
     peer the peer's slice and receives its own slice's other term into ``shard_out``, both at once, then
@@ -123,14 +122,13 @@ def _reduce_scatter_by_exchange(
     calls read and write host memory only.)
 
     Gloo runs the two rooted reduces one after the other, so each direction of the link is idle half the
-    time; the exchange uses both at once (168M fp32 elements: 0.38-0.49 s against 0.64-0.76 s,
-    benchmarks/NOTES.md, "Reduce-scatter by exchange"). It sends the same bytes, and the sum is the same
+    time; the exchange uses both at once, in about half the wall and CPU time (benchmarks/NOTES.md,
+    "Reduce-scatter by exchange"). It sends the same bytes, and the sum is the same
     bit for bit: a sum of two terms does not depend on their order. With more ranks each peer's term would
     need a slice of scratch memory, and with ``shard_out`` inside ``full_in`` (stage 1) one more, so those
     keep the rooted reduces."""
     peer = 1 - comm.shard_rank
-    own, sent = full_in.chunk(2)[comm.shard_rank], full_in.chunk(2)[peer]
-    group = comm.shard_group
+    sent, group = full_in.chunk(2)[peer], comm.shard_group
     works = dist.batch_isend_irecv(
         [
             dist.P2POp(dist.isend, sent, group=group, group_peer=peer),

@@ -116,6 +116,7 @@ def _reduce_scatter_forms(rank: int, world_size: int) -> dict[str, object]:
     what each leaves in the shard."""
     import torch.distributed as dist
 
+    from tests.zero_plus_plus_workers import SentPayloads
     from zero_core.collectives import CommContext, reduce_scatter
 
     comm = CommContext.create(None, torch.device("cpu"))
@@ -127,32 +128,16 @@ def _reduce_scatter_forms(rank: int, world_size: int) -> dict[str, object]:
         every = [torch.empty_like(full) for _ in range(world_size)]
         dist.all_gather(every, full)
         for polled in (False, True):
-            calls: list[tuple[str, int]] = []
-            real = {name: getattr(dist, name) for name in ("reduce", "batch_isend_irecv")}
-
-            def counted(name: str):  # type: ignore[no-untyped-def]
-                def call(first, *args, **kwargs):  # type: ignore[no-untyped-def]
-                    tensors = [op.tensor for op in first if op.op is dist.isend] if isinstance(first, list) else [first]
-                    calls.append((name, sum(t.numel() * t.element_size() for t in tensors)))
-                    return real[name](first, *args, **kwargs)
-
-                return call
-
             shard = torch.empty(1000, dtype=dtype)
-            for name in real:
-                setattr(dist, name, counted(name))
-            try:
+            with SentPayloads() as sent:  # every call handed to torch.distributed, with the bytes it sends
                 handle = reduce_scatter(comm, shard, full.clone(), polled=polled)
-            finally:
-                for name, original in real.items():
-                    setattr(dist, name, original)
             deadline = time.monotonic() + 30
             answered = handle.is_completed()
             while polled and not answered and time.monotonic() < deadline:
                 time.sleep(0.01)
                 answered = handle.is_completed()
             handle.wait()
-            results[f"{dtype} polled={polled}"] = {"calls": calls, "answered": answered, "shard": shard}
+            results[f"{dtype} polled={polled}"] = {"calls": sent.calls, "answered": answered, "shard": shard}
         own = [piece.chunk(world_size)[rank] for piece in every]
         results[f"{dtype} terms"] = own
     return results
