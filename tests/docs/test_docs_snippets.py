@@ -12,6 +12,7 @@ launchers take a fixed default port) one after another, beside the plain scripts
 from __future__ import annotations
 
 import ast
+import queue
 import re
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
@@ -78,15 +79,26 @@ def _run(snippet: Snippet, directory: Path) -> Outcome:
         return error
 
 
-def _run_in_sequence(snippets: list[Snippet], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    return {snippet.id: _run(snippet, tmp_path_factory.mktemp("snippet")) for snippet in snippets}
+def _run_lane(
+    own: list[Snippet], shared: queue.SimpleQueue, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Outcome]:
+    """``own`` one after another, then blocks taken from ``shared`` until none is left (so the lane that ends its
+    own first takes more of the rest, and neither waits idle while the other has a queue)."""
+    outcomes = {snippet.id: _run(snippet, tmp_path_factory.mktemp("snippet")) for snippet in own}
+    while True:
+        try:
+            snippet = shared.get_nowait()
+        except queue.Empty:
+            return outcomes
+        outcomes[snippet.id] = _run(snippet, tmp_path_factory.mktemp("snippet"))
 
 
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
-    """The selected blocks' runs (each in a fresh directory), in two lanes side by side: the launched blocks
-    (torchrun's and Accelerate's default port is fixed: never two at once) and those on kept ranks, and the
-    plain scripts."""
+    """The selected blocks' runs (each in a fresh directory), in two lanes side by side: one runs the launched
+    blocks (torchrun's and Accelerate's default port is fixed: never two at once) and those on kept ranks; the
+    plain scripts are shared, each taken by whichever lane is free (those that start Lightning take about
+    three times as long as the rest: a lane of all of them would run on alone)."""
     selected = {
         item.callspec.params["snippet"].id
         for item in request.session.items
@@ -95,8 +107,11 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     chosen = [snippet for snippet in RUNNABLE if snippet.id in selected]
     launched = [snippet for snippet in chosen if snippet.first_line.startswith(RUN)]
     plain = [snippet for snippet in chosen if not snippet.first_line.startswith(RUN)]
+    shared: queue.SimpleQueue = queue.SimpleQueue()
+    for snippet in plain:
+        shared.put(snippet)
     with ThreadPoolExecutor(max_workers=2) as lanes:
-        done = [lanes.submit(_run_in_sequence, lane, tmp_path_factory) for lane in (launched, plain)]
+        done = [lanes.submit(_run_lane, own, shared, tmp_path_factory) for own in (launched, [])]
         return {name: result for lane in done for name, result in lane.result().items()}
 
 
