@@ -179,8 +179,10 @@ class _ProcessBaseline:
         # What a body left in cycles is freed before the next one; what is still alive then (imports, module
         # caches) is frozen: a full collection walks every tracked object, and a rank that has imported torch,
         # Lightning, Accelerate and transformers holds about half a million (0.2-0.6 s a collection on 2
-        # cores, every body's, and every gc.collect() a body makes to count what is alive). Frozen objects are
-        # never collected, so a body's own objects, made after the freeze, are collected as before.
+        # cores, every body's, and every gc.collect() a body makes to count what is alive). A body's own
+        # objects, made after the freeze, are collected as before; frozen ones are still freed when their last
+        # reference goes, but a cycle among them is not (what a body leaked into a cache that a later body
+        # drops: bounded by the world's remake past 3 GiB resident).
         gc.collect()
         gc.freeze()
 
