@@ -5,8 +5,11 @@ The blocks run each in a fresh directory, as the command its first line names (s
 block that shows a result asserts it. A ``torchrun`` block runs on the kept ranks of
 ``tests/rank_pool.py`` with torchrun's variables set (the script is the subject, not the
 launcher), except ``LAUNCHED_BY_TORCHRUN`` and blocks that make a process group of their own
-beside the default one. The rest start their command: the launched ones (``# run:``, whose
-launchers take a fixed default port) one after another, beside the plain scripts.
+beside the default one. So does a plain script that trains with Lightning on ``devices=N``: under
+torchrun's variables Lightning starts no processes of its own and runs in the process group it finds,
+as under torchrun (Lightning's own launcher is the subject of ``tests/adapters/lightning``). The rest
+start their command: the launched ones (``# run:``, whose launchers take a fixed default port) one
+after another, beside the plain scripts.
 """
 
 from __future__ import annotations
@@ -28,14 +31,22 @@ RUNNABLE = [snippet for snippet in SNIPPETS if snippet.not_run_reason is None]
 # The torchrun guide's first block shows what torchrun itself gives a script: it is launched for real.
 LAUNCHED_BY_TORCHRUN = {"docs/guides/torchrun.md:8"}
 _TORCHRUN = re.compile(r"# run: torchrun --nproc_per_node (\d+) \S+\.py\s*$")
+_IMPORTS_LIGHTNING = re.compile(r"^(import lightning|from lightning)\b", re.MULTILINE)
+_DEVICES = re.compile(r"\bdevices=(\d+)")
 
 
 def _ranks_in_pool(snippet: Snippet) -> int | None:
     """The world size of a block that runs on kept ranks, or None for one whose command is started."""
-    match = _TORCHRUN.fullmatch(snippet.first_line)
-    if match is None or snippet.id in LAUNCHED_BY_TORCHRUN or snippet.code.count("init_process_group(") > 1:
+    if snippet.id in LAUNCHED_BY_TORCHRUN or snippet.code.count("init_process_group(") > 1:
         return None
-    return int(match[1])
+    match = _TORCHRUN.fullmatch(snippet.first_line)
+    if match is not None:
+        return int(match[1])
+    # A plain script training with Lightning on one device count: it would start that many processes itself.
+    devices = set(_DEVICES.findall(snippet.code))
+    if not snippet.first_line.startswith(RUN) and _IMPORTS_LIGHTNING.search(snippet.code) and len(devices) == 1:
+        return int(devices.pop())
+    return None
 
 
 def test_the_docs_have_python_blocks() -> None:
@@ -96,22 +107,21 @@ def _run_lane(
 @pytest.fixture(scope="module")
 def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
     """The selected blocks' runs (each in a fresh directory), in two lanes side by side: one runs the launched
-    blocks (torchrun's and Accelerate's default port is fixed: never two at once) and those on kept ranks; the
-    plain scripts are shared, each taken by whichever lane is free (those that start Lightning take about
-    three times as long as the rest: a lane of all of them would run on alone)."""
+    blocks (torchrun's and Accelerate's default port is fixed: never two at once) and those on kept ranks (one
+    world at a time); the plain scripts are shared, each taken by whichever lane is free."""
     selected = {
         item.callspec.params["snippet"].id
         for item in request.session.items
         if getattr(item, "originalname", None) == "test_block_runs" and item.module is request.module
     }
     chosen = [snippet for snippet in RUNNABLE if snippet.id in selected]
-    launched = [snippet for snippet in chosen if snippet.first_line.startswith(RUN)]
-    plain = [snippet for snippet in chosen if not snippet.first_line.startswith(RUN)]
+    one_at_a_time = [s for s in chosen if s.first_line.startswith(RUN) or _ranks_in_pool(s) is not None]
     shared: queue.SimpleQueue = queue.SimpleQueue()
-    for snippet in plain:
-        shared.put(snippet)
+    for snippet in chosen:
+        if snippet not in one_at_a_time:
+            shared.put(snippet)
     with ThreadPoolExecutor(max_workers=2) as lanes:
-        done = [lanes.submit(_run_lane, own, shared, tmp_path_factory) for own in (launched, [])]
+        done = [lanes.submit(_run_lane, own, shared, tmp_path_factory) for own in (one_at_a_time, [])]
         return {name: result for lane in done for name, result in lane.result().items()}
 
 
