@@ -13,6 +13,10 @@ cost can be set beside the step times the guard measures (benchmarks/NOTES.md): 
 engine's own ``zero_core.collectives`` calls, which on gloo run as one broadcast per rank on the flat buffer
 in place (``CommContext.uses_rooted_collectives``) and, over two ranks, reduce-scatter as one exchange of
 slices (one reduce per rank otherwise, and when the handle is polled). The engine's are what a step pays.
+
+Beside each wall time it prints the CPU time the busiest rank's process spent (every thread of it, gloo's
+included), with each rank on its own cores as the guard places them (``--pin 0``: where the scheduler puts
+them): with one core per rank that CPU is taken from the step's compute, whatever overlaps what.
 """
 
 from __future__ import annotations
@@ -35,10 +39,16 @@ def main() -> None:
     parser.add_argument("--numel", type=float, default=168e6, help="fp32 elements in all (the 168M model)")
     parser.add_argument("--units", type=int, default=14, help="collectives per pass, as the model's units")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pin", type=int, default=1, help="1: each rank on its own cores, as the guard runs")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cores) // size)
+    if args.pin:  # as benchmarks/stepping_rank.py places a guard's ranks
+        first = (rank * per_rank) % len(cores)
+        os.sched_setaffinity(0, cores[first : first + per_rank])
+    torch.set_num_threads(per_rank)
     per_unit = int(args.numel) // args.units // size * size
     full = [torch.ones(per_unit) for _ in range(args.units)]
     shards = [torch.ones(per_unit // size) for _ in range(args.units)]
@@ -75,15 +85,23 @@ def main() -> None:
         ("engine all_gather", engine_all_gather_all),
     )
     for name, run in runs:
-        times = []
+        times, cpu_times = [], []
         for _ in range(args.repeats + 1):
             dist.barrier()
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             run()
             times.append(time.perf_counter() - started)
+            cpu_times.append(time.process_time() - started_cpu)
+        # The first pass faults the buffers in. The busiest rank's CPU: the one whose compute loses the most.
+        busiest = torch.tensor(statistics.median(cpu_times[1:]), dtype=torch.float64)
+        dist.all_reduce(busiest, op=dist.ReduceOp.MAX)
         if rank == 0:
-            median = statistics.median(times[1:])  # the first pass faults the buffers in
-            print(f"{name}: {median:.3f} s for {per_unit * args.units:,} fp32 elements over {size} ranks", flush=True)
+            median = statistics.median(times[1:])
+            print(
+                f"{name}: {median:.3f} s, CPU {busiest.item():.3f} s a rank, for {per_unit * args.units:,} fp32 "
+                f"elements over {size} ranks",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 

@@ -137,10 +137,16 @@ def git(*args: str, cwd: Path = ROOT) -> str:
     return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def describe_checkout() -> str:
-    """This checkout's commit, marked where its files differ from it."""
-    changed = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short", "HEAD") + ("+changes" if changed else "")
+# What the guard itself writes: a published record changes the table, and must not make the next run of the
+# same question a question about another tree (its records could then not be pooled).
+GUARD_OUTPUTS = ("benchmarks/COMPARE.md", "benchmarks/results")
+
+
+def describe_checkout(tree: Path = ROOT) -> str:
+    """The checkout's commit, marked where its tracked files differ from it (the guard's own outputs aside)."""
+    outputs = [f":(exclude){path}" for path in GUARD_OUTPUTS]
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", *outputs, cwd=tree)
+    return git("rev-parse", "--short", "HEAD", cwd=tree) + ("+changes" if changed else "")
 
 
 @contextlib.contextmanager

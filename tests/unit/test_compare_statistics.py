@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import subprocess
 import sys
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from tests.paths import ROOT
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from compare import abba_order, pooled_record, ratio_estimate  # noqa: E402
+from compare import GUARD_OUTPUTS, abba_order, describe_checkout, pooled_record, ratio_estimate  # noqa: E402
 
 
 def test_the_sides_alternate_which_goes_first_pair_by_pair() -> None:
@@ -95,6 +96,31 @@ def test_records_of_one_question_pool_their_rounds_into_one_narrower_estimate() 
         pooled_record([first, _record("this tree (abc) over def", rounds[:5], pairs=4)])
     with pytest.raises(ValueError, match="machine"):
         pooled_record([first, _record("this tree (abc) over def", rounds[:5], machine="2 cores (Intel(R) Xeon(R))")])
+
+
+@pytest.mark.distributed  # it starts git
+def test_a_published_record_leaves_the_tree_the_same_question_and_a_code_change_does_not(tmp_path) -> None:
+    """The guard's own outputs (the table, the records) do not mark the tree as changed, so a second run after
+    a published one asks the same question and pools with it; a changed source file does mark it."""
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True)
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    files = [tmp_path / "engine.py", tmp_path / GUARD_OUTPUTS[0], tmp_path / GUARD_OUTPUTS[1] / "one.json"]
+    for path in files:
+        path.write_text("before\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "start")
+    clean = describe_checkout(tmp_path)
+    assert "+changes" not in clean
+    for path in files[1:]:
+        path.write_text("a published record\n")
+    (tmp_path / GUARD_OUTPUTS[1] / "two.json").write_text("{}\n")
+    assert describe_checkout(tmp_path) == clean
+    files[0].write_text("after\n")
+    assert describe_checkout(tmp_path) == clean + "+changes"
 
 
 @pytest.mark.parametrize("bad", [[], [[]], [[1.0], []], [[1.0, 0.0]], [[1.0, float("nan")]], [[-1.0]]])
