@@ -22,9 +22,10 @@ them): with one core per rank that CPU is taken from the step's compute, whateve
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,9 @@ import torch.distributed as dist
 from zero_core.collectives import CommContext
 from zero_core.collectives import all_gather as engine_all_gather
 from zero_core.collectives import reduce_scatter as engine_reduce_scatter
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rank_cores import take_own_cores  # noqa: E402
 
 
 def main() -> None:
@@ -43,12 +47,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
-    cores = sorted(os.sched_getaffinity(0))
-    per_rank = max(1, len(cores) // size)
-    if args.pin:  # as benchmarks/stepping_rank.py places a guard's ranks
-        first = (rank * per_rank) % len(cores)
-        os.sched_setaffinity(0, cores[first : first + per_rank])
-    torch.set_num_threads(per_rank)
+    torch.set_num_threads(take_own_cores(rank, size, bool(args.pin)))  # as the guard's ranks are placed
     per_unit = int(args.numel) // args.units // size * size
     full = [torch.ones(per_unit) for _ in range(args.units)]
     shards = [torch.ones(per_unit // size) for _ in range(args.units)]

@@ -34,6 +34,7 @@ sys.path.insert(0, str(HERE))
 from contestants import build  # noqa: E402
 from gpt import GPT, GPTBlock, next_token_loss, synthetic_batch  # noqa: E402
 from harness import SIZES  # noqa: E402
+from rank_cores import take_own_cores  # noqa: E402
 
 
 def huge_page_bytes() -> int:
@@ -55,13 +56,7 @@ def main() -> None:
     parser.add_argument("--pin", type=int, default=1, help="1: this rank's own cores, the same in every world")
     args = parser.parse_args()
     world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    cores = sorted(os.sched_getaffinity(0))
-    per_rank = max(1, len(cores) // world_size)
-    if args.pin:
-        # Rank r of either side on the same cores: where the scheduler put a process (and moved it) is then
-        # no difference between the sides' worlds.
-        first = (rank * per_rank) % len(cores)
-        os.sched_setaffinity(0, cores[first : first + per_rank])
+    per_rank = take_own_cores(rank, world_size, bool(args.pin))  # rank r of either side on the same cores
     # The answers get a descriptor of their own; everything else written to standard output (a library's
     # print, a warning routed there) lands on standard error instead of in the protocol.
     answers = os.fdopen(os.dup(1), "w", buffering=1)
